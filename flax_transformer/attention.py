@@ -1,0 +1,108 @@
+"""Scaled dot-product attention (a pure function) and the multi-head module.
+
+Axis legend for the einsums in this module:
+  B batch, T query length, S key length, N heads, H head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def scaled_dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """softmax(Q K^T / sqrt(d_k)) V, per head.
+
+  Args:
+    q: `[B, T, N, H]` queries.
+    k: `[B, S, N, H]` keys.
+    v: `[B, S, N, H]` values.
+    mask: bool, broadcastable to `[B, N, T, S]`; True where query t may attend
+      to key s. None attends everywhere.
+
+  Returns:
+    out `[B, T, N, H]` (in q's dtype) and weights `[B, N, T, S]` (float32).
+    Masked keys get weight exactly 0. A fully masked query row gets all-zero
+    weights and a zero output, never NaN, whatever the dtype.
+  """
+  head_dim = q.shape[-1]
+  # Scale q (T*H values) rather than the logits (T*S values).
+  q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
+  logits = jnp.einsum('BTNH,BSNH->BNTS', q, k, preferred_element_type=jnp.float32)
+  if mask is not None:
+    # finite, not -inf: a fully masked row must give zeros, not NaN
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(logits, axis=-1)
+  if mask is not None:
+    # A fully masked row softmaxes to uniform weights; zero it explicitly.
+    weights = jnp.where(mask, weights, 0.0)
+  out = jnp.einsum('BNTS,BSNH->BTNH', weights.astype(v.dtype), v)
+  return out, weights
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of one attention layer, each `[B, S, N, H]`.
+
+  For self-attention while decoding, S is the maximum output length and slots
+  past the current position are zeros (hidden by the causal mask). For
+  cross-attention, S is the source length and the values never change.
+  """
+  k: jax.Array
+  v: jax.Array
+
+
+class MultiHeadAttention(nn.Module):
+  """h heads of d_k = d_v = d_model / h, then the output projection W_O.
+
+  Keys and values come in as a `KVCache`, so that the same module serves
+  self-attention (`project_kv` of its own input), cross-attention (`project_kv`
+  of the encoder memory, computed once) and cached decoding (`extend_cache`).
+  """
+  num_heads: int
+  d_model: int
+  attention_dropout_rate: float = 0.0
+  dtype: jnp.dtype = jnp.float32
+
+  def setup(self):
+    dense = lambda name: nn.Dense(self.d_model, dtype=self.dtype, name=name,
+                                  kernel_init=nn.initializers.xavier_uniform())
+    self.query, self.key, self.value, self.out = (dense(n) for n in ('query', 'key', 'value', 'out'))
+    self.weights_dropout = nn.Dropout(self.attention_dropout_rate)
+
+  def _split_heads(self, x: jax.Array) -> jax.Array:
+    """[B, L, D] -> [B, L, N, H]."""
+    return x.reshape(*x.shape[:-1], self.num_heads, self.d_model // self.num_heads)
+
+  def project_kv(self, inputs_kv: jax.Array) -> KVCache:
+    """Keys and values `[B, S, N, H]` of `inputs_kv` `[B, S, D]`."""
+    return KVCache(k=self._split_heads(self.key(inputs_kv)),
+                   v=self._split_heads(self.value(inputs_kv)))
+
+  def extend_cache(self, inputs: jax.Array, cache: KVCache, index: jax.Array | int) -> KVCache:
+    """Writes the keys and values of `inputs` `[B, T, D]` into cache slots index..index+T-1."""
+    new = self.project_kv(inputs)
+    write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), index, axis=1)
+    return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
+
+  def __call__(self, inputs_q: jax.Array, kv: KVCache, mask: jax.Array | None,
+               deterministic: bool = True) -> jax.Array:
+    """Attends from `inputs_q` `[B, T, D]` to `kv`; returns `[B, T, D]`.
+
+    The attention weights `[B, N, T, S]` are sown into the 'intermediates'
+    collection (free unless the caller asks for it as mutable); see
+    `flax_transformer.model.attention_weights`.
+    """
+    q = self._split_heads(self.query(inputs_q))                      # [B, T, N, H]
+    out, weights = scaled_dot_product_attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
+    self.sow('intermediates', 'attention_weights', weights)
+    if self.attention_dropout_rate > 0.0 and not deterministic:
+      # Dropout on the weights needs them explicitly: recompute the output.
+      weights = self.weights_dropout(weights, deterministic=False)
+      out = jnp.einsum('BNTS,BSNH->BTNH', weights.astype(q.dtype), kv.v.astype(q.dtype))
+    out = out.reshape(*out.shape[:-2], self.d_model)                 # [B, T, D]
+    return self.out(out)

@@ -1,0 +1,182 @@
+"""Positional encoding, feed-forward, residual sub-layers and the encoder/decoder stacks.
+
+Axis legend: B batch, T target length, S source length, D model dim.
+The stacks take already-embedded inputs `[B, L, D]` and masks built by the
+caller (see `masks.py`), so the same stacks serve the autoregressive model and
+decoders with other masks.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flax_transformer.attention import KVCache, MultiHeadAttention
+from flax_transformer.config import ModelConfig
+
+LAYER_NORM_EPSILON = 1e-6
+
+
+def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
+  """The paper's positional encoding (§3.5), float32 `[length, d_model]`.
+
+  PE(pos, 2i) = sin(pos / 10000^(2i / d_model)) and
+  PE(pos, 2i + 1) = cos(pos / 10000^(2i / d_model)): sine and cosine interleave
+  along the feature axis, each pair sharing one wavelength.
+  """
+  position = jnp.arange(length, dtype=jnp.float32)[:, None]                 # [L, 1]
+  two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)[None, :]             # [1, ceil(D/2)]
+  angle = position / jnp.power(10_000.0, two_i / d_model)                   # [L, ceil(D/2)]
+  table = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1)              # [L, ceil(D/2), 2]
+  return table.reshape(length, -1)[:, :d_model]
+
+
+class FeedForward(nn.Module):
+  """FFN(x) = W_2 act(W_1 x + b_1) + b_2, applied at each position."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    dense = lambda features, name: nn.Dense(features, dtype=c.compute_dtype, name=name,
+                                            kernel_init=nn.initializers.xavier_uniform())
+    activation = nn.relu if c.activation == 'relu' else nn.gelu
+    return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))
+
+
+class Sublayer(nn.Module):
+  """The residual connection and LayerNorm around one sub-layer.
+
+  post-LN (the paper): LayerNorm(x + Dropout(Sublayer(x)))
+  pre-LN:              x + Dropout(Sublayer(LayerNorm(x)))
+
+  Usage: `h = s.normalize_input(x)`, run the sub-layer on h to get y, then
+  `x = s(x, y, train)`.
+  """
+  config: ModelConfig
+
+  def setup(self):
+    self.norm = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=self.config.compute_dtype)
+    self.dropout = nn.Dropout(self.config.dropout_rate)
+
+  def normalize_input(self, x: jax.Array) -> jax.Array:
+    return self.norm(x) if self.config.norm_placement == 'pre' else x
+
+  def __call__(self, x: jax.Array, sublayer_out: jax.Array, train: bool) -> jax.Array:
+    residual = x + self.dropout(sublayer_out, deterministic=not train)
+    return residual if self.config.norm_placement == 'pre' else self.norm(residual)
+
+
+def _attention(config: ModelConfig, name: str) -> MultiHeadAttention:
+  return MultiHeadAttention(num_heads=config.num_heads, d_model=config.d_model,
+                            attention_dropout_rate=config.attention_dropout_rate,
+                            dtype=config.compute_dtype, name=name)
+
+
+class EncoderBlock(nn.Module):
+  """Self-attention, then feed-forward, each wrapped in a `Sublayer`."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool) -> jax.Array:
+    """x `[B, S, D]`, mask broadcastable to `[B, N, S, S]` -> `[B, S, D]`."""
+    attention = _attention(self.config, 'self_attention')
+    attention_sublayer = Sublayer(self.config, name='self_attention_sublayer')
+    h = attention_sublayer.normalize_input(x)
+    x = attention_sublayer(x, attention(h, attention.project_kv(h), mask, not train), train)
+
+    ffn_sublayer = Sublayer(self.config, name='ffn_sublayer')
+    return ffn_sublayer(x, FeedForward(self.config, name='ffn')(ffn_sublayer.normalize_input(x)), train)
+
+
+class DecoderBlock(nn.Module):
+  """Masked self-attention, cross-attention over the memory, then feed-forward."""
+  config: ModelConfig
+
+  def setup(self):
+    self.self_attention = _attention(self.config, 'self_attention')
+    self.self_attention_sublayer = Sublayer(self.config)
+    self.cross_attention = _attention(self.config, 'cross_attention')
+    self.cross_attention_sublayer = Sublayer(self.config)
+    self.ffn = FeedForward(self.config)
+    self.ffn_sublayer = Sublayer(self.config)
+
+  def cross_kv(self, memory: jax.Array) -> KVCache:
+    """Cross-attention keys and values `[B, S, N, H]` of the memory `[B, S, D]`."""
+    return self.cross_attention.project_kv(memory)
+
+  def __call__(self, y: jax.Array, cross_kv: KVCache, self_mask: jax.Array | None,
+               cross_mask: jax.Array | None, train: bool, cache: KVCache | None = None,
+               cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+    """One decoder layer.
+
+    Args:
+      y: `[B, T, D]` target-side inputs.
+      cross_kv: this layer's keys and values of the encoder memory.
+      self_mask: broadcastable to `[B, N, T, T]`, or `[B, N, T, max_len]` with a cache.
+      cross_mask: broadcastable to `[B, N, T, S]`.
+      train: dropout on.
+      cache: self-attention keys and values of the earlier positions, `[B, max_len, N, H]`;
+        None for a full (teacher-forced) pass.
+      cache_index: the position of y's first token, where its keys are written.
+
+    Returns:
+      `[B, T, D]` and the updated cache (None when no cache came in).
+    """
+    deterministic = not train
+    h = self.self_attention_sublayer.normalize_input(y)
+    if cache is None:
+      kv = self.self_attention.project_kv(h)
+    else:
+      kv = cache = self.self_attention.extend_cache(h, cache, cache_index)
+    y = self.self_attention_sublayer(y, self.self_attention(h, kv, self_mask, deterministic), train)
+
+    h = self.cross_attention_sublayer.normalize_input(y)
+    y = self.cross_attention_sublayer(y, self.cross_attention(h, cross_kv, cross_mask, deterministic),
+                                      train)
+    return self.ffn_sublayer(y, self.ffn(self.ffn_sublayer.normalize_input(y)), train), cache
+
+
+class Encoder(nn.Module):
+  """N encoder blocks (plus a final LayerNorm when pre-LN)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool) -> jax.Array:
+    """x `[B, S, D]` (embedded source) -> memory `[B, S, D]`."""
+    for i in range(self.config.num_encoder_layers):
+      x = EncoderBlock(self.config, name=f'layer_{i}')(x, mask, train)
+    if self.config.norm_placement == 'pre':
+      x = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=self.config.compute_dtype,
+                       name='final_norm')(x)
+    return x
+
+
+class Decoder(nn.Module):
+  """N decoder blocks (plus a final LayerNorm when pre-LN)."""
+  config: ModelConfig
+
+  def setup(self):
+    self.layers = [DecoderBlock(self.config, name=f'layer_{i}')
+                   for i in range(self.config.num_decoder_layers)]
+    if self.config.norm_placement == 'pre':
+      self.final_norm = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=self.config.compute_dtype)
+
+  def cross_kv(self, memory: jax.Array) -> tuple[KVCache, ...]:
+    """Every layer's cross-attention keys and values of the memory `[B, S, D]`."""
+    return tuple(layer.cross_kv(memory) for layer in self.layers)
+
+  def __call__(self, y: jax.Array, cross_kv: tuple[KVCache, ...], self_mask: jax.Array | None,
+               cross_mask: jax.Array | None, train: bool,
+               caches: tuple[KVCache, ...] | None = None, cache_index: jax.Array | int = 0,
+               ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+    """y `[B, T, D]` (embedded target) -> `[B, T, D]`, and the updated per-layer caches."""
+    new_caches = []
+    for i, layer in enumerate(self.layers):
+      y, cache = layer(y, cross_kv[i], self_mask, cross_mask, train,
+                       None if caches is None else caches[i], cache_index)
+      new_caches.append(cache)
+    if self.config.norm_placement == 'pre':
+      y = self.final_norm(y)
+    return y, None if caches is None else tuple(new_caches)

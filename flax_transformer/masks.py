@@ -1,0 +1,99 @@
+"""Pure attention-mask builders.
+
+A mask is a bool array broadcastable to `[B, N, T, S]` (batch, heads, query
+length, key length): True where query t may attend to key s. Builders return
+the smallest broadcastable shape, and `combine` ANDs them together. The model
+builds its masks once per forward pass and hands the same objects to every
+layer: a mask applied in the first layer only would let PAD leak into the rest.
+
+All builders are plain `jax.numpy` and work under `jit`, `vmap` and `grad`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def padding_mask(tokens: jax.Array, pad_id: int = 0) -> jax.Array:
+  """Keys that are not PAD may be attended.
+
+  Args:
+    tokens: int `[B, S]` token ids.
+    pad_id: the id of the PAD token.
+
+  Returns:
+    bool `[B, 1, 1, S]`. For the 4-token sentence "a b c PAD" (1 = may attend),
+    broadcast over the 4 query rows:
+      1 1 1 0
+      1 1 1 0
+      1 1 1 0
+      1 1 1 0
+    Only the PAD *column* is masked: the PAD query row still attends to a, b, c,
+    so it stays finite and informative and never needs special treatment. Its
+    output is ignored downstream (the loss skips PAD targets, and no real token
+    attends to it).
+  """
+  return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int, kv_length: int | None = None, offset: int | jax.Array = 0
+                ) -> jax.Array:
+  """Look-ahead mask: position i may attend to positions <= i.
+
+  Args:
+    length: number of queries T.
+    kv_length: number of keys S; defaults to `length`.
+    offset: absolute position of the first query. Decoding one token at
+      position p against a cache of S slots is `causal_mask(1, S, offset=p)`:
+      only the filled slots 0..p are visible. May be a traced scalar.
+
+  Returns:
+    bool `[1, 1, T, S]`. For length 4 (1 = may attend):
+      1 0 0 0
+      1 1 0 0
+      1 1 1 0
+      1 1 1 1
+  """
+  query_pos, key_pos = _positions(length, kv_length, offset)
+  return (key_pos <= query_pos)[None, None]
+
+
+def local_mask(length: int, radius: int, kv_length: int | None = None,
+               offset: int | jax.Array = 0) -> jax.Array:
+  """Restricted self-attention (paper §4): position i sees |i - j| <= radius.
+
+  Compose with `causal_mask` for a decoder (then i sees i - radius .. i).
+  `kv_length` and `offset` mean what they mean in `causal_mask`.
+
+  Returns:
+    bool `[1, 1, T, S]`. For length 4, radius 1:
+      1 1 0 0
+      1 1 1 0
+      0 1 1 1
+      0 0 1 1
+  """
+  query_pos, key_pos = _positions(length, kv_length, offset)
+  return (jnp.abs(query_pos - key_pos) <= radius)[None, None]
+
+
+def combine(*masks: jax.Array | None) -> jax.Array | None:
+  """Logical AND of masks with broadcasting; `None` entries are ignored.
+
+  Returns None when every entry is None (no masking at all).
+  """
+  present = [m for m in masks if m is not None]
+  if not present:
+    return None
+  return functools.reduce(jnp.logical_and, present)
+
+
+def _positions(length: int, kv_length: int | None, offset: int | jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+  """Query positions `[T, 1]` and key positions `[1, S]`, for broadcasting."""
+  kv_length = length if kv_length is None else kv_length
+  query_pos = jnp.arange(length)[:, None] + offset
+  key_pos = jnp.arange(kv_length)[None, :]
+  return query_pos, key_pos

@@ -1,0 +1,192 @@
+"""The encoder–decoder Transformer: encode(), decode(), __call__() and the cached decode step.
+
+Axis legend: B batch, S source length, T target length, D model dim, V vocab,
+N heads, H head dim, L maximum decoding length (cache slots).
+
+    model = Transformer(ModelConfig.tiny())
+    variables = model.init(jax.random.key(0), src, tgt_in)
+    logits = model.apply(variables, src, tgt_in)                      # [B, T, V] float32
+
+Decoding runs the encoder once and then one step at a time on an explicit cache:
+
+    cache = model.apply(variables, src, max_len, method=Transformer.start_decoding)
+    logits, cache = model.apply(variables, tokens, cache, position,
+                                method=Transformer.decode_step)      # tokens [B, 1]
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flax_transformer import masks
+from flax_transformer.attention import KVCache
+from flax_transformer.config import ModelConfig
+from flax_transformer.layers import Decoder, Encoder, sinusoidal_positions
+
+
+@flax.struct.dataclass
+class DecodeCache:
+  """Everything a decode step needs besides the new tokens and their position.
+
+  self_kv: per decoder layer, keys and values of the tokens decoded so far,
+    `[B, L, N, H]`; slots past the current position are zeros.
+  cross_kv: per decoder layer, keys and values of the encoder memory,
+    `[B, S, N, H]`, computed once before the loop.
+  src_mask: bool `[B, 1, 1, S]`, the source padding mask for cross-attention.
+  """
+  self_kv: tuple[KVCache, ...]
+  cross_kv: tuple[KVCache, ...]
+  src_mask: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.self_kv[0].k.shape[1]
+
+
+def empty_self_cache(config: ModelConfig, batch_size: int, max_len: int,
+                     dtype: jnp.dtype | None = None) -> tuple[KVCache, ...]:
+  """Zero self-attention caches, one `[B, L, N, H]` pair per decoder layer.
+
+  Built from the config alone: no forward pass is traced to discover shapes.
+  """
+  if max_len > config.max_len:
+    raise ValueError(f'decoding length {max_len} exceeds model.max_len={config.max_len}, '
+                     'the length of the positional-encoding table')
+  shape = (batch_size, max_len, config.num_heads, config.head_dim)
+  dtype = config.compute_dtype if dtype is None else dtype
+  return tuple(KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+               for _ in range(config.num_decoder_layers))
+
+
+class Transformer(nn.Module):
+  """Vaswani et al. (2017), with the paper's choices as `ModelConfig` defaults."""
+  config: ModelConfig
+
+  def setup(self):
+    c = self.config
+    embed = lambda name: nn.Embed(
+        c.vocab_size, c.d_model, dtype=c.compute_dtype, name=name,
+        # Unit variance after the sqrt(d_model) scaling of §3.4.
+        embedding_init=nn.initializers.normal(stddev=c.d_model ** -0.5))
+    if c.share_embeddings:
+      self.embedding = embed('embedding')
+    else:
+      self.source_embedding = embed('source_embedding')
+      self.target_embedding = embed('target_embedding')
+      self.output_projection = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
+                                        kernel_init=nn.initializers.xavier_uniform())
+    self.embedding_dropout = nn.Dropout(c.dropout_rate)
+    self.encoder = Encoder(c)
+    self.decoder = Decoder(c)
+
+  # --- pieces -------------------------------------------------------------
+
+  def _embed(self, tokens: jax.Array, side: str, offset: jax.Array | int, train: bool
+             ) -> jax.Array:
+    """Token ids `[B, L]` -> embeddings * sqrt(D) + positions offset..offset+L-1, `[B, L, D]`."""
+    c = self.config
+    table = self.embedding if c.share_embeddings else getattr(self, f'{side}_embedding')
+    x = table(tokens) * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
+    positions = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(c.max_len, c.d_model),
+                                             offset, tokens.shape[1])
+    return self.embedding_dropout(x + positions.astype(x.dtype), deterministic=not train)
+
+  def _logits(self, y: jax.Array) -> jax.Array:
+    """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]`."""
+    if self.config.share_embeddings:
+      logits = self.embedding.attend(y)
+    else:
+      logits = self.output_projection(y)
+    return logits.astype(jnp.float32)
+
+  def _check_length(self, tokens: jax.Array, what: str):
+    if tokens.ndim != 2:
+      raise ValueError(f'{what} token ids must be [batch, length], got shape {tokens.shape}')
+    if tokens.shape[1] > self.config.max_len:
+      raise ValueError(f'{what} length {tokens.shape[1]} exceeds model.max_len='
+                       f'{self.config.max_len}; truncate the input or raise max_len')
+
+  def _self_attention_mask(self, length: int, kv_length: int | None = None,
+                           offset: jax.Array | int = 0) -> jax.Array | None:
+    """The optional restricted-attention window (§4), or None."""
+    radius = self.config.attention_radius
+    return None if radius is None else masks.local_mask(length, radius, kv_length, offset)
+
+  # --- the public methods -------------------------------------------------
+
+  def encode(self, src: jax.Array, train: bool = False) -> jax.Array:
+    """Source ids `[B, S]` -> memory `[B, S, D]`."""
+    self._check_length(src, 'source')
+    src_mask = masks.padding_mask(src, self.config.pad_id)                     # [B, 1, 1, S]
+    mask = masks.combine(src_mask, self._self_attention_mask(src.shape[1]))
+    return self.encoder(self._embed(src, 'source', 0, train), mask, train)
+
+  def decode(self, tgt_in: jax.Array, memory: jax.Array, src_mask: jax.Array,
+             train: bool = False) -> jax.Array:
+    """Teacher-forced decoder: `<bos> y1 .. yn` `[B, T]` -> float32 logits `[B, T, V]`.
+
+    Args:
+      tgt_in: target ids shifted right, `[B, T]`.
+      memory: the encoder output `[B, S, D]`.
+      src_mask: bool `[B, 1, 1, S]`, `masks.padding_mask(src)`.
+      train: dropout on.
+    """
+    self._check_length(tgt_in, 'target')
+    length = tgt_in.shape[1]
+    self_mask = masks.combine(masks.padding_mask(tgt_in, self.config.pad_id),
+                              masks.causal_mask(length), self._self_attention_mask(length))
+    y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train), self.decoder.cross_kv(memory),
+                        self_mask, src_mask, train)
+    return self._logits(y)
+
+  def __call__(self, src: jax.Array, tgt_in: jax.Array, train: bool = False) -> jax.Array:
+    """Source `[B, S]` and shifted target `[B, T]` ids -> float32 logits `[B, T, V]`."""
+    memory = self.encode(src, train)
+    return self.decode(tgt_in, memory, masks.padding_mask(src, self.config.pad_id), train)
+
+  def start_decoding(self, src: jax.Array, max_len: int) -> DecodeCache:
+    """Runs the encoder once and returns the cache for up to `max_len` decode steps."""
+    memory = self.encode(src)
+    return DecodeCache(
+        self_kv=empty_self_cache(self.config, src.shape[0], max_len),
+        cross_kv=self.decoder.cross_kv(memory),
+        src_mask=masks.padding_mask(src, self.config.pad_id))
+
+  def decode_step(self, tokens: jax.Array, cache: DecodeCache, position: jax.Array | int
+                  ) -> tuple[jax.Array, DecodeCache]:
+    """Decodes `tokens` `[B, T]` at positions position..position+T-1 (usually T = 1).
+
+    Returns float32 logits `[B, T, V]` and the cache with these tokens' keys and
+    values written in. Only cache slots <= each query's position are attended,
+    so the logits equal those of `decode` on the same prefix. `position` may be
+    traced (a `lax.scan` counter); the caller keeps position + T <= cache.max_len.
+    """
+    length, max_len = tokens.shape[1], cache.max_len
+    self_mask = masks.combine(masks.causal_mask(length, max_len, position),
+                              self._self_attention_mask(length, max_len, position))
+    y, self_kv = self.decoder(self._embed(tokens, 'target', position, False), cache.cross_kv,
+                              self_mask, cache.src_mask, False, cache.self_kv, position)
+    return self._logits(y), cache.replace(self_kv=self_kv)
+
+
+def attention_weights(model: Transformer, variables, src: jax.Array, tgt_in: jax.Array
+                      ) -> dict[str, jax.Array]:
+  """Every attention layer's weights for one forward pass, for plotting.
+
+  Returns a dict from names like 'encoder/layer_0/self_attention' or
+  'decoder/layer_1/cross_attention' to float32 weights `[B, N, T, S]`.
+  """
+  _, state = model.apply(variables, src, tgt_in, mutable=['intermediates'])
+  flat = flax.traverse_util.flatten_dict(state['intermediates'], sep='/')
+  suffix = '/attention_weights'
+  return {name[:-len(suffix)]: value[0] for name, value in flat.items() if name.endswith(suffix)}
+
+
+def count_params(params) -> int:
+  """Number of scalars in a parameter pytree."""
+  return sum(x.size for x in jax.tree_util.tree_leaves(params))
