@@ -1,0 +1,110 @@
+"""Scaled dot-product attention against a NumPy float64 reference, and positional encodings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_transformer import MultiHeadAttention, scaled_dot_product_attention, sinusoidal_positions
+
+
+def reference_attention(q, k, v, mask):
+  """softmax(QK^T / sqrt(d)) V in float64, with masked keys removed from each row's softmax."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  logits = np.einsum('btnh,bsnh->bnts', q, k) / np.sqrt(q.shape[-1])
+  mask = np.broadcast_to(np.asarray(mask), logits.shape)
+  logits = np.where(mask, logits, -np.inf)
+  row_max = np.max(logits, axis=-1, keepdims=True)
+  row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+  exp = np.where(mask, np.exp(logits - row_max), 0.0)
+  total = exp.sum(-1, keepdims=True)
+  weights = np.divide(exp, total, out=np.zeros_like(exp), where=total > 0)
+  return np.einsum('bnts,bsnh->btnh', weights, v), weights
+
+
+@pytest.fixture
+def qkv_and_mask():
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(3, 5, 2, 8)).astype(np.float32)
+  k = rng.normal(size=(3, 7, 2, 8)).astype(np.float32)
+  v = rng.normal(size=(3, 7, 2, 8)).astype(np.float32)
+  mask = rng.random((3, 2, 5, 7)) < 0.6
+  mask[0, 1, 2, :] = False  # one fully masked row
+  return q, k, v, mask
+
+
+def test_matches_float64_reference(qkv_and_mask):
+  q, k, v, mask = qkv_and_mask
+  out, weights = scaled_dot_product_attention(q, k, v, mask)
+  want_out, want_weights = reference_attention(q, k, v, mask)
+  assert out.shape == (3, 5, 2, 8) and weights.shape == (3, 2, 5, 7)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(weights, want_weights, rtol=1e-5, atol=1e-7)
+
+
+def test_without_mask_matches_reference(qkv_and_mask):
+  q, k, v, _ = qkv_and_mask
+  out, _ = scaled_dot_product_attention(q, k, v)
+  np.testing.assert_allclose(out, reference_attention(q, k, v, True)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_weights_sum_to_one_and_masked_keys_get_exactly_zero(qkv_and_mask):
+  q, k, v, mask = qkv_and_mask
+  _, weights = scaled_dot_product_attention(q, k, v, mask)
+  weights = np.asarray(weights)
+  assert np.all(weights[~mask] == 0.0)
+  has_key = mask.any(-1)
+  np.testing.assert_allclose(weights.sum(-1)[has_key], 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_fully_masked_row_gives_zeros_not_nan(qkv_and_mask, dtype):
+  q, k, v, mask = qkv_and_mask
+  out, weights = scaled_dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask)
+  assert out.dtype == dtype
+  assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+  np.testing.assert_array_equal(np.asarray(out[0, 2, 1], np.float32), 0.0)
+  np.testing.assert_array_equal(weights[0, 1, 2], 0.0)
+
+
+def test_jit_vmap_grad(qkv_and_mask):
+  q, k, v, mask = qkv_and_mask
+  eager, _ = scaled_dot_product_attention(q, k, v, mask)
+  np.testing.assert_allclose(jax.jit(scaled_dot_product_attention)(q, k, v, mask)[0], eager, rtol=1e-6)
+  per_example = jax.vmap(lambda *a: scaled_dot_product_attention(*(x[None] for x in a))[0][0])
+  np.testing.assert_allclose(per_example(q, k, v, mask), eager, rtol=1e-5, atol=1e-7)
+  grads = jax.grad(lambda q, k, v: scaled_dot_product_attention(q, k, v, mask)[0].sum(),
+                   argnums=(0, 1, 2))(q, k, v)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  # A masked key influences nothing: its gradient is exactly zero where no query may see it.
+  unseen = ~mask.any(axis=(1, 2))  # [B, S]
+  np.testing.assert_array_equal(np.asarray(grads[1])[unseen], 0.0)
+
+
+def test_sinusoidal_positions_match_the_formula():
+  length, d_model = 50, 16
+  table = np.asarray(sinusoidal_positions(length, d_model), np.float64)
+  pos = np.arange(length)[:, None]
+  i = np.arange(d_model // 2)[None, :]
+  angle = pos / np.power(10000.0, 2 * i / d_model)
+  np.testing.assert_allclose(table[:, 0::2], np.sin(angle), atol=2e-5)
+  np.testing.assert_allclose(table[:, 1::2], np.cos(angle), atol=2e-5)
+
+
+def test_self_attention_is_permutation_equivariant_without_positions_only():
+  d_model, length = 16, 6
+  x = jax.random.normal(jax.random.key(1), (1, length, d_model))
+  perm = np.array([3, 0, 5, 1, 4, 2])
+  layer = MultiHeadAttention(num_heads=4, d_model=d_model)
+
+  def self_attend(params, inputs):
+    return layer.apply(params, inputs, method=lambda m, h: m(h, m.project_kv(h), None))
+
+  params = layer.init(jax.random.key(0), x, method=lambda m, h: m(h, m.project_kv(h), None))
+  out = self_attend(params, x)
+  np.testing.assert_allclose(self_attend(params, x[:, perm]), out[:, perm], rtol=1e-5, atol=1e-6)
+
+  positions = sinusoidal_positions(length, d_model)[None]
+  with_positions = self_attend(params, x + positions)
+  permuted_with_positions = self_attend(params, x[:, perm] + positions)
+  assert np.abs(np.asarray(permuted_with_positions - with_positions[:, perm])).max() > 1e-2
