@@ -1,0 +1,154 @@
+"""One subword vocabulary shared by source and target (paper §5.1), on Hugging Face `tokenizers`.
+
+SentencePiece-style: text is NFKC-normalised, every space becomes '▁' and starts
+a new word, and the decoder turns '▁' back into spaces, so for ordinary text
+(NFKC-stable, single spaces, no leading or trailing space)
+
+    decode(encode([s])) == [s]
+
+which matters because BLEU is computed on the decoded strings. The special
+tokens have fixed ids, the same as `ModelConfig`'s defaults:
+
+    <pad> 0    <s> (BOS) 1    </s> (EOS) 2    <unk> 3
+
+    tokenizer = Tokenizer.train(ds['train']['source'] + ds['train']['target'], 8000)
+    ids = tokenizer.encode(['Ein Hund läuft.'])        # [[...]], no specials added
+    tokenizer.decode([ids[0] + [Tokenizer.eos_id, 0]])  # ['Ein Hund läuft.']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from flax_transformer.config import ConfigError, ModelConfig
+
+FILE_NAME = 'tokenizer.json'
+SPECIAL_TOKENS = ('<pad>', '<s>', '</s>', '<unk>')  # index = id
+
+
+class TokenizerError(ValueError):
+  """A tokenizer cannot be trained, loaded or used; the message says which and why."""
+
+
+class Tokenizer:
+  """Subword tokenizer with fixed special ids; wraps a `tokenizers.Tokenizer`."""
+
+  pad_id = 0
+  bos_id = 1
+  eos_id = 2
+  unk_id = 3
+
+  def __init__(self, backend: tokenizers.Tokenizer):
+    """Wraps a trained backend; use `Tokenizer.train` or `Tokenizer.load` to get one."""
+    for token_id, token in enumerate(SPECIAL_TOKENS):
+      if backend.token_to_id(token) != token_id:
+        raise TokenizerError(f'special token {token} must have id {token_id}, the tokenizer '
+                             f'gives it {backend.token_to_id(token)}')
+    self._backend = backend
+
+  @classmethod
+  def train(cls, texts: Iterable[str], vocab_size: int,
+            model: Literal['bpe', 'unigram'] = 'bpe') -> Tokenizer:
+    """Learns a vocabulary of at most `vocab_size` pieces, specials included.
+
+    Pass source and target training text together for one shared vocabulary.
+    A small corpus may yield fewer pieces than asked; `vocab_size` reports the
+    real size.
+
+    'bpe' is deterministic: the same texts give the same `tokenizer.json` (the
+    known BPE non-determinism, huggingface/tokenizers#1794, needs a
+    continuing-subword prefix, which we do not use). 'unigram' is not bit-exact
+    across runs in tokenizers 0.23: its EM iterates hash maps, so pieces of equal
+    frequency can trade scores and ids. Either way, a run saves its tokenizer and
+    a resumed run loads that file rather than training again.
+    """
+    if vocab_size <= len(SPECIAL_TOKENS):
+      raise TokenizerError(f'vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, '
+                           f'got {vocab_size}')
+    if model == 'bpe':
+      backend = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
+      trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                    show_progress=False)
+    elif model == 'unigram':
+      backend = tokenizers.Tokenizer(models.Unigram())
+      trainer = trainers.UnigramTrainer(vocab_size=vocab_size,
+                                        special_tokens=list(SPECIAL_TOKENS),
+                                        unk_token='<unk>', show_progress=False)
+    else:
+      raise TokenizerError(f"tokenizer model must be 'bpe' or 'unigram', got {model!r}")
+    backend.normalizer = normalizers.NFKC()
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.train_from_iterator(texts, trainer)
+    return cls(backend)
+
+  @classmethod
+  def load(cls, directory: str | Path) -> Tokenizer:
+    """Reads `<directory>/tokenizer.json` as written by `save`."""
+    path = Path(directory) / FILE_NAME
+    if not path.is_file():
+      raise TokenizerError(f'{path}: no such file; train a tokenizer first (train.py saves '
+                           f'one beside its checkpoints) or point to the directory holding it')
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust side raises a bare Exception
+      raise TokenizerError(f'{path}: not a valid tokenizer file ({error}); delete it and '
+                           'train again') from error
+    return cls(backend)
+
+  def save(self, directory: str | Path) -> Path:
+    """Writes `<directory>/tokenizer.json` (creating the directory); returns its path."""
+    path = Path(directory) / FILE_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    self._backend.save(str(path))
+    return path
+
+  @property
+  def vocab_size(self) -> int:
+    return self._backend.get_vocab_size()
+
+  def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids per text, without BOS/EOS; unknown characters become <unk>."""
+    if isinstance(texts, str):
+      raise TypeError('encode takes a sequence of texts; wrap a single one as [text]')
+    encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
+    return [encoding.ids for encoding in encodings]
+
+  def decode(self, ids: Sequence[Sequence[int]] | np.ndarray) -> list[str]:
+    """Texts from rows of ids, e.g. model output `[B, T]`.
+
+    Each row ends at its first EOS (later tokens are ignored); PAD and BOS are
+    dropped anywhere; <unk> decodes to the text '<unk>'.
+    """
+    rows = []
+    for row in ids:
+      row = [int(token) for token in row]
+      if self.eos_id in row:
+        row = row[:row.index(self.eos_id)]
+      bad = [token for token in row if not 0 <= token < self.vocab_size]
+      if bad:
+        raise TokenizerError(f'cannot decode ids {bad[:5]}: outside the vocabulary '
+                             f'[0, {self.vocab_size})')
+      rows.append([token for token in row if token not in (self.pad_id, self.bos_id)])
+    # skip_special_tokens=False keeps <unk> visible; PAD/BOS/EOS are already gone.
+    return self._backend.decode_batch(rows, skip_special_tokens=False)
+
+  def id_to_token(self, token_id: int) -> str:
+    return self._backend.id_to_token(token_id)
+
+  def check_compatible(self, config: ModelConfig) -> None:
+    """Raises ConfigError unless the model's vocabulary and special ids match this tokenizer."""
+    if config.vocab_size != self.vocab_size:
+      raise ConfigError(f'model.vocab_size={config.vocab_size} but the tokenizer has '
+                        f'{self.vocab_size} tokens; set model.vocab_size={self.vocab_size}')
+    for name in ('pad_id', 'bos_id', 'eos_id', 'unk_id'):
+      if getattr(config, name) != getattr(self, name):
+        raise ConfigError(f'model.{name}={getattr(config, name)} but the tokenizer uses '
+                          f'{getattr(self, name)}; set model.{name}={getattr(self, name)}')
+
