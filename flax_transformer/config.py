@@ -1,12 +1,14 @@
-"""Model configuration: one frozen dataclass, with the paper's sizes as presets.
+"""Configuration as frozen dataclasses: the model, the training run and its data.
 
-Every default of the architecture is decided here and nowhere else. Presets are
-classmethods that take overrides, e.g. `ModelConfig.base(vocab_size=8000)`.
+Every default is decided here and nowhere else. Presets are classmethods that
+take overrides, e.g. `ModelConfig.base(vocab_size=8000)`, `TrainConfig.toy(steps=500)`;
+`parse_overrides` turns command-line strings like `--model.d_model=256` into values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 import jax.numpy as jnp
@@ -109,3 +111,164 @@ class ModelConfig:
     """The paper's big model (Table 3): N=6, d=1024, d_ff=4096, h=16, dropout 0.3."""
     defaults = dict(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
     return cls(**{**defaults, **overrides})
+
+
+def _check_fields(config, section: str, positive_ints=(), nonnegative_ints=(), positive_floats=(),
+                  unit_floats=()):
+  """Raises ConfigError naming `section.field` for the first value outside its range."""
+  for name in positive_ints + nonnegative_ints:
+    value, low = getattr(config, name), 1 if name in positive_ints else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      kind = 'a positive integer' if low else 'a non-negative integer'
+      raise ConfigError(f'{section}.{name} must be {kind}, got {value!r}')
+  for name in positive_floats:
+    value = getattr(config, name)
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+      raise ConfigError(f'{section}.{name} must be a positive number, got {value!r}')
+  for name in unit_floats:
+    value = getattr(config, name)
+    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+      raise ConfigError(f'{section}.{name} must be in [0, 1), got {value!r}')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Optimisation, batching and bookkeeping of a training run.
+
+  A step is one batch of about `max_tokens` tokens: with `grad_accum_steps` K,
+  the optimizer updates once every K steps and the learning-rate schedule
+  counts those updates.
+  """
+
+  seed: int = 0
+  steps: int = 100_000
+  # Padded tokens per batch and side (a batch of length-L rows holds max_tokens // L
+  # rows); the paper's batches held about 25k source and 25k target tokens.
+  max_tokens: int = 25_000
+  # lrate = lr_scale * d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5), n = update + 1.
+  warmup_steps: int = 4000
+  lr_scale: float = 1.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.98
+  adam_eps: float = 1e-9
+  label_smoothing: float = 0.1
+  # Clip the global gradient norm to this value; None: no clipping (the paper).
+  max_grad_norm: float | None = None
+  # Decoupled (AdamW) decay of weight matrices and embeddings; 0: plain Adam (the paper).
+  weight_decay: float = 0.0
+  grad_accum_steps: int = 1
+  log_every: int = 100
+  eval_every: int = 1000
+  checkpoint_every: int = 1000
+  # The paper averages the last 5 checkpoints, so keep at least that many.
+  keep_checkpoints: int = 5
+  # BLEU on the validation split every this many steps; 0: only at the end of training.
+  bleu_every: int = 0
+
+  # Fields a resumed run may change: they say how long and how chattily to train, not how.
+  RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
+                                 'keep_checkpoints', 'bleu_every'})
+
+  def __post_init__(self):
+    _check_fields(
+        self, 'train',
+        positive_ints=('steps', 'max_tokens', 'warmup_steps', 'grad_accum_steps', 'log_every',
+                       'eval_every', 'checkpoint_every', 'keep_checkpoints'),
+        nonnegative_ints=('seed', 'bleu_every'),
+        positive_floats=('lr_scale', 'adam_eps', 'max_grad_norm'),
+        unit_floats=('adam_b1', 'adam_b2', 'label_smoothing'))
+    if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+      raise ConfigError(f'train.weight_decay must be >= 0, got {self.weight_decay!r}')
+
+  def replace(self, **overrides) -> TrainConfig:
+    return dataclasses.replace(self, **overrides)
+
+  @classmethod
+  def paper(cls, **overrides) -> TrainConfig:
+    """The base model's schedule (§5.2-5.4): 100k steps of 25k tokens, warmup 4000."""
+    return cls(**overrides)
+
+  @classmethod
+  def multi30k(cls, **overrides) -> TrainConfig:
+    """Multi30k on a CPU or one GPU: small batches, so a shorter warmup and a larger rate."""
+    defaults = dict(steps=20_000, max_tokens=4096, warmup_steps=1000, lr_scale=2.0,
+                    log_every=100, eval_every=1000, checkpoint_every=1000)
+    return cls(**{**defaults, **overrides})
+
+  @classmethod
+  def toy(cls, **overrides) -> TrainConfig:
+    """The offline default (`python train.py`): minutes on a laptop CPU."""
+    defaults = dict(steps=1500, max_tokens=2048, warmup_steps=300, lr_scale=2.0,
+                    log_every=50, eval_every=500, checkpoint_every=500)
+    return cls(**{**defaults, **overrides})
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where the parallel text comes from and how its shared vocabulary is built."""
+
+  # 'toy': numbers in English words -> German words, generated in code (offline);
+  # otherwise a local directory or file, or a Hub dataset name (see data.load_parallel).
+  source: str = 'toy'
+  src_lang: str = 'en'
+  tgt_lang: str = 'de'
+  # Requested size of the shared subword vocabulary; model.vocab_size is set to the
+  # trained tokenizer's actual size, which small corpora may leave below this.
+  vocab_size: int = 8000
+  tokenizer: Literal['bpe', 'unigram'] = 'bpe'
+
+  def __post_init__(self):
+    _check_fields(self, 'data', positive_ints=('vocab_size',))
+    for name in ('source', 'src_lang', 'tgt_lang'):
+      value = getattr(self, name)
+      if not isinstance(value, str) or not value:
+        raise ConfigError(f'data.{name} must be a non-empty string, got {value!r}')
+    if self.src_lang == self.tgt_lang:
+      raise ConfigError(f'data.src_lang and data.tgt_lang are both {self.src_lang!r}')
+    if self.tokenizer not in ('bpe', 'unigram'):
+      raise ConfigError(f"data.tokenizer must be 'bpe' or 'unigram', got {self.tokenizer!r}")
+
+  def replace(self, **overrides) -> DataConfig:
+    return dataclasses.replace(self, **overrides)
+
+
+def parse_overrides(config, section: str, assignments: dict[str, str]):
+  """Returns `config` with string values parsed by each field's annotation.
+
+  `parse_overrides(ModelConfig(), 'model', {'d_model': '256', 'attention_radius': 'none'})`.
+  Booleans accept true/false/1/0/yes/no, optional fields accept 'none', and
+  Literal fields accept one of their choices. Errors name `section.field`.
+  """
+  hints = typing.get_type_hints(type(config))
+  fields = {f.name for f in dataclasses.fields(config)}
+  values = {}
+  for name, text in assignments.items():
+    if name not in fields:
+      raise ConfigError(f'unknown option {section}.{name}; known: '
+                        + ', '.join(sorted(f'{section}.{f}' for f in fields)))
+    values[name] = _parse_value(hints[name], text, f'{section}.{name}')
+  return dataclasses.replace(config, **values)
+
+
+def _parse_value(annotation, text: str, option: str):
+  """One command-line string -> a value of `annotation` (int, float, bool, str, Literal, X | None)."""
+  args = typing.get_args(annotation)
+  if type(None) in args:
+    if text.strip().lower() == 'none':
+      return None
+    (annotation,) = [a for a in args if a is not type(None)]
+    args = typing.get_args(annotation)
+  if typing.get_origin(annotation) is Literal:
+    if text not in args:
+      raise ConfigError(f'{option} must be one of {", ".join(map(str, args))}, got {text!r}')
+    return text
+  if annotation is bool:
+    lowered = text.strip().lower()
+    if lowered not in ('true', 'false', '1', '0', 'yes', 'no'):
+      raise ConfigError(f'{option} must be true or false, got {text!r}')
+    return lowered in ('true', '1', 'yes')
+  try:
+    return annotation(text)
+  except ValueError:
+    kind = {int: 'an integer', float: 'a number'}.get(annotation, annotation.__name__)
+    raise ConfigError(f'{option} must be {kind}, got {text!r}') from None

@@ -1,0 +1,286 @@
+"""The run directory: configs, tokenizer, orbax checkpoints, restore, averaging.
+
+Layout of a run directory WORKDIR:
+
+    WORKDIR/config.json             {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+    WORKDIR/tokenizer.json          the shared subword vocabulary (Tokenizer.save)
+    WORKDIR/checkpoints/<step>/     orbax: item 'params', item 'train' (step + optimizer state)
+    WORKDIR/metrics.jsonl           one JSON object per logged step (training.py)
+
+`load_for_inference(workdir)` gives (ModelConfig, params, Tokenizer) for decoding;
+`average_checkpoints(workdir, 5)` writes WORKDIR/average-last5/, itself a run
+directory whose one checkpoint holds the mean of the last 5 parameter sets, so
+decoding reads it like any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from flax_transformer.model import Transformer
+from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.train_step import TrainState
+
+CONFIG_FILE = 'config.json'
+CHECKPOINT_DIR = 'checkpoints'
+METRICS_FILE = 'metrics.jsonl'
+
+
+class CheckpointError(ValueError):
+  """A run directory or checkpoint is missing, incomplete or does not fit the request."""
+
+
+# --- configs ------------------------------------------------------------------
+
+def write_config(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
+                 data_config: DataConfig) -> Path:
+  """Writes WORKDIR/config.json (creating WORKDIR) and returns its path."""
+  path = Path(workdir) / CONFIG_FILE
+  path.parent.mkdir(parents=True, exist_ok=True)
+  content = {'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
+             'data': dataclasses.asdict(data_config)}
+  path.write_text(json.dumps(content, indent=2) + '\n')
+  return path
+
+
+def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
+  """Reads WORKDIR/config.json back into the three configs."""
+  path = Path(workdir) / CONFIG_FILE
+  if not path.is_file():
+    raise CheckpointError(f'{path}: no such file; {workdir} is not a run directory written by '
+                          'train.py (it needs config.json, tokenizer.json and checkpoints/)')
+  try:
+    content = json.loads(path.read_text())
+    return (ModelConfig(**content['model']), TrainConfig(**content['train']),
+            DataConfig(**content['data']))
+  except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as error:
+    raise CheckpointError(f'{path}: not a valid run configuration ({error})') from error
+
+
+def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
+                    data_config: DataConfig) -> None:
+  """Raises CheckpointError unless WORKDIR's run can continue with these configs.
+
+  The model and data settings must be identical; of the training settings only
+  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log) may differ.
+  """
+  saved_model, saved_train, saved_data = read_config(workdir)
+  differences = _differences('model', saved_model, model_config, ())
+  differences += _differences('data', saved_data, data_config, ())
+  differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
+  if differences:
+    raise CheckpointError(
+        f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '
+        + '; '.join(differences) + '. Resume with the saved settings, or start a new run in '
+        'another --workdir (or pass --no-resume to overwrite this one).')
+
+
+def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> list[str]:
+  return [f'{section}.{f.name}: saved {getattr(saved, f.name)!r}, '
+          f'requested {getattr(requested, f.name)!r}'
+          for f in dataclasses.fields(saved)
+          if f.name not in allowed and getattr(saved, f.name) != getattr(requested, f.name)]
+
+
+# --- checkpoints ----------------------------------------------------------------
+
+class Checkpoints:
+  """orbax `CheckpointManager` over WORKDIR/checkpoints.
+
+  Each step is saved as two items, 'params' and 'train' ({'step', 'opt_state'}),
+  so inference restores the parameters without reading the optimizer state.
+  Saving is asynchronous: `save` returns once the arrays are copied, and the
+  files are written in the background; `close` waits for them.
+  """
+
+  def __init__(self, workdir: str | Path, keep: int | None = None, save_every: int = 1):
+    self.directory = (Path(workdir) / CHECKPOINT_DIR).resolve()
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def should_save(self, step: int) -> bool:
+    return self._manager.should_save(step)
+
+  def save(self, state: TrainState, force: bool = False) -> bool:
+    """Saves a host (numpy) or fully replicated TrainState at its own `step`."""
+    step = int(state.step)
+    return self._manager.save(step, force=force, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state.params),
+        train=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state})))
+
+  def restore(self, step: int, abstract_state: TrainState) -> TrainState:
+    """The TrainState saved at `step`, as numpy arrays shaped like `abstract_state`.
+
+    `abstract_state` has `jax.ShapeDtypeStruct` leaves, e.g. from
+    `jax.eval_shape(create_train_state, ...)`.
+    """
+    self._check_step(step)
+    target = _host_target(abstract_state)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(target.params),
+          train=ocp.args.StandardRestore({'step': target.step, 'opt_state': target.opt_state})))
+    except (ValueError, KeyError, FileNotFoundError) as error:
+      raise CheckpointError(f'{self.directory / str(step)} does not hold a training state of '
+                            f'this model and optimizer ({error})') from error
+    return TrainState(step=restored['train']['step'], params=restored['params'],
+                      opt_state=restored['train']['opt_state'])
+
+  def restore_params(self, step: int, abstract_params) -> Any:
+    """The parameters saved at `step`, as numpy arrays shaped like `abstract_params`."""
+    self._check_step(step)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(_host_target(abstract_params))))
+    except (ValueError, KeyError, FileNotFoundError) as error:
+      raise CheckpointError(f'{self.directory / str(step)} does not hold parameters of the '
+                            f'model in config.json ({error})') from error
+    return restored['params']
+
+  def save_params(self, step: int, params) -> None:
+    self._manager.save(step, force=True,
+                       args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+
+  def close(self) -> None:
+    """Waits for pending saves to finish and releases the manager."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def _check_step(self, step: int) -> None:
+    steps = self.steps()
+    if step not in steps:
+      have = ', '.join(map(str, steps)) if steps else 'none'
+      raise CheckpointError(f'{self.directory}: no checkpoint at step {step} (have: {have})')
+
+
+def abstract_params(model_config: ModelConfig):
+  """Parameter shapes and dtypes of the model, `jax.ShapeDtypeStruct` leaves, without computing any."""
+  tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  return jax.eval_shape(lambda src, tgt: Transformer(model_config).init(
+      jax.random.key(0), src, tgt)['params'], tokens, tokens)
+
+
+def _host_target(tree):
+  """ShapeDtypeStruct leaves -> zero numpy arrays: orbax then restores to host memory,
+  which suits every device layout (the caller replicates) and any number of processes."""
+  return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree)
+
+
+def _open_run(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]:
+  workdir = Path(workdir)
+  if not workdir.is_dir():
+    raise CheckpointError(f'{workdir}: no such directory')
+  model_config, _, _ = read_config(workdir)
+  if not (workdir / CHECKPOINT_DIR).is_dir():
+    raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: no such directory; the run saved no '
+                          'checkpoint yet')
+  checkpoints = Checkpoints(workdir)
+  steps = checkpoints.steps()
+  if not steps:
+    raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: holds no finished checkpoint')
+  return model_config, checkpoints, steps
+
+
+def _select_steps(steps: Sequence[int], step: int | None, last: int, where: Path) -> list[int]:
+  """The `last` saved steps up to `step` (or the latest), oldest first."""
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise CheckpointError(f'{where}: no checkpoint at step {step} (have: '
+                          f'{", ".join(map(str, steps))})')
+  eligible = [s for s in steps if s <= step]
+  if len(eligible) < last:
+    raise CheckpointError(f'{where}: cannot average the last {last} checkpoints up to step {step}, '
+                          f'only {len(eligible)} exist ({", ".join(map(str, eligible))}); keep '
+                          'more with --train.keep_checkpoints or average fewer')
+  return eligible[-last:]
+
+
+def _mean_params(checkpoints: Checkpoints, steps: Sequence[int], target):
+  """Element-wise mean of the parameters saved at `steps`, accumulated in float64."""
+  total = None
+  for step in steps:
+    params = checkpoints.restore_params(step, target)
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    total = params if total is None else jax.tree.map(np.add, total, params)
+  return jax.tree.map(lambda t, x: (t / len(steps)).astype(x.dtype), total, target)
+
+
+def load_for_inference(workdir: str | Path, step: int | None = None, average_last: int = 0
+                       ) -> tuple[ModelConfig, Any, Tokenizer]:
+  """(ModelConfig, params, Tokenizer) of a run directory, ready for decoding.
+
+  Args:
+    workdir: a run directory written by training (or by `average_checkpoints`).
+    step: the checkpoint to load; None loads the latest.
+    average_last: if > 0, the element-wise mean of the parameters of the last
+      `average_last` checkpoints up to `step` (paper §6.1 averages 5).
+
+  Returns:
+    The model config, the parameters (the 'params' collection, device arrays)
+    and the tokenizer saved with them, checked to agree with the config.
+  """
+  if average_last < 0:
+    raise CheckpointError(f'average_last must be >= 0, got {average_last}')
+  model_config, checkpoints, steps = _open_run(workdir)
+  try:
+    tokenizer = Tokenizer.load(workdir)
+    tokenizer.check_compatible(model_config)
+    target = abstract_params(model_config)
+    selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)
+    if average_last:
+      params = _mean_params(checkpoints, selected, target)
+    else:
+      params = checkpoints.restore_params(selected[-1], target)
+  finally:
+    checkpoints.close()
+  return model_config, jax.device_put(params), tokenizer
+
+
+def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | None = None
+                        ) -> Path:
+  """Writes the mean parameters of WORKDIR's last `last_k` checkpoints as a run directory.
+
+  The output (default WORKDIR/average-last{K}) gets WORKDIR's config.json and
+  tokenizer.json and one checkpoint, numbered as the latest averaged step,
+  holding only 'params': `load_for_inference(output)` and decode.py read it; it
+  cannot be resumed for training. An existing output directory is replaced.
+  Returns the output directory.
+  """
+  if last_k < 1:
+    raise CheckpointError(f'average_last must be >= 1, got {last_k}')
+  workdir = Path(workdir)
+  output = Path(output) if output is not None else workdir / f'average-last{last_k}'
+  model_config, checkpoints, steps = _open_run(workdir)
+  try:
+    selected = _select_steps(steps, None, last_k, checkpoints.directory)
+    params = _mean_params(checkpoints, selected, abstract_params(model_config))
+  finally:
+    checkpoints.close()
+  if output.exists():
+    shutil.rmtree(output)
+  output.mkdir(parents=True)
+  for name in (CONFIG_FILE, TOKENIZER_FILE):
+    shutil.copy2(workdir / name, output / name)
+  averaged = Checkpoints(output)
+  averaged.save_params(selected[-1], params)
+  averaged.close()
+  return output

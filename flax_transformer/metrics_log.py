@@ -1,0 +1,63 @@
+"""Training metrics as JSON lines (WORKDIR/metrics.jsonl), and to TensorBoard when installed.
+
+Each line is one JSON object with a "step" and scalar values, e.g.
+
+    {"step": 100, "loss": 4.12, "ppl": 48.3, "accuracy": 0.31, "learning_rate": 0.0007, ...}
+    {"step": 500, "val_loss": 3.05, "val_ppl": 15.2, "val_accuracy": 0.52}
+
+TensorBoard logging needs `tensorboardX` (`pip install tensorboardX`); without it
+only the JSON lines are written. The project does not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+
+class MetricsLog:
+  """Appends metrics to a JSON-lines file; on resume, forgets lines past the resumed step.
+
+  A run stopped after its last checkpoint logged steps it will now repeat; those
+  lines are dropped so the file reads as one run.
+  """
+
+  def __init__(self, path: str | Path, resume_step: int = 0, tensorboard_dir: str | Path | None = None):
+    self.path = Path(path)
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    kept = [line for line in self.read(self.path) if line['step'] <= resume_step]
+    with self.path.open('w') as f:
+      f.writelines(json.dumps(line) + '\n' for line in kept)
+    self._file = self.path.open('a')
+    self._tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
+
+  @staticmethod
+  def read(path: str | Path) -> list[dict]:
+    """All lines of a metrics file ([] when it does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+      return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+  def write(self, step: int, values: Mapping[str, float]) -> None:
+    self._file.write(json.dumps({'step': int(step), **{k: float(v) for k, v in values.items()}})
+                     + '\n')
+    self._file.flush()
+    if self._tensorboard is not None:
+      for name, value in values.items():
+        self._tensorboard.add_scalar(name, float(value), int(step))
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+
+
+def _tensorboard_writer(directory: str | Path):
+  """A tensorboardX SummaryWriter, or None when tensorboardX is not installed."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    return None
+  return SummaryWriter(str(directory))

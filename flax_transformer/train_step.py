@@ -1,0 +1,340 @@
+"""Loss, learning-rate schedule, optimizer and the data-parallel training step.
+
+Axis legend: B batch rows (per device inside a mapped step), S source length,
+T target length, V vocabulary, D devices.
+
+One per-device function, `train_step`, holds the whole update; `DataParallel`
+maps it over devices with `jax.shard_map` (a `('data',)` mesh, parameters
+replicated, batch rows split) or with `jax.pmap`, with identical numerics:
+
+    parallel = DataParallel(mode='shard_map')
+    step = make_parallel_step(model, optimizer, train_config, parallel)
+    state = parallel.replicate(create_train_state(model, optimizer, seed=0))
+    state, metrics = step(state, parallel.shard_batch(batch))     # batch: the global Batch
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax_transformer.batching import Batch, shard
+from flax_transformer.config import ModelConfig, TrainConfig
+from flax_transformer.model import Transformer
+
+AXIS = 'data'  # the mapped device axis, in both shard_map and pmap
+
+# Independent random streams derived from TrainConfig.seed.
+_INIT_STREAM, _DROPOUT_STREAM = 0, 1
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that changes during training, as one pytree.
+
+  step: int32 [], the number of batches consumed. It indexes the next batch
+    (`Batcher.batch_at(step)`) and, folded into the seed, its dropout key, so a
+    resumed run needs no iterator or RNG state beyond this counter.
+  params: the model parameters, float32.
+  opt_state: the optimizer state (Adam moments, update count, and the
+    gradient accumulator when `grad_accum_steps` > 1).
+  """
+  step: jax.Array
+  params: Any
+  opt_state: optax.OptState
+
+
+# --- the objective ------------------------------------------------------------
+
+def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Per-token label-smoothed cross-entropy and plain negative log-likelihood.
+
+  The smoothed target puts 1 - eps on the reference token and eps spread
+  uniformly over all V tokens, so
+    smoothed = (1 - eps) * nll + eps * mean_v(-log p_v)
+  with -log p_v = logsumexp(logits) - logits_v. Written with one logsumexp and
+  two reductions of the logits: no one-hot or log-softmax tensor `[B, T, V]`.
+
+  Args:
+    logits: `[B, T, V]`, float32.
+    targets: int `[B, T]`.
+    smoothing: eps in [0, 1).
+
+  Returns:
+    (smoothed, nll), both float32 `[B, T]`, not masked.
+  """
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)                                    # [B, T]
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = log_z - target_logit
+  uniform = log_z - jnp.mean(logits, axis=-1)                                  # mean_v(-log p_v)
+  return (1.0 - smoothing) * nll + smoothing * uniform, nll
+
+
+def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float,
+                                 pad_id: int) -> tuple[jax.Array, jax.Array]:
+  """Sum of label-smoothed cross-entropy over non-PAD targets, and their count.
+
+  Returns float32 scalars (loss_sum, weight_sum); loss per token is their ratio.
+  Positions where `targets == pad_id` contribute to neither.
+  """
+  smoothed, _ = token_losses(logits, targets, smoothing)
+  weights = (targets != pad_id).astype(jnp.float32)
+  return jnp.sum(smoothed * weights), jnp.sum(weights)
+
+
+def _loss_sums(logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: int
+               ) -> dict[str, jax.Array]:
+  """The additive statistics behind every reported metric, over non-PAD targets."""
+  smoothed, nll = token_losses(logits, targets, smoothing)
+  weights = (targets != pad_id).astype(jnp.float32)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return {'loss_sum': jnp.sum(smoothed * weights), 'nll_sum': jnp.sum(nll * weights),
+          'correct': jnp.sum(correct * weights), 'tokens': jnp.sum(weights)}
+
+
+def token_metrics(sums: Mapping[str, float]) -> dict[str, float]:
+  """Sums from any number of steps -> loss (label-smoothed, per token), ppl, accuracy.
+
+  Perplexity is exp of the plain negative log-likelihood per token: smoothing is
+  a training device, not part of the model's probability of the reference.
+  """
+  tokens = max(float(sums['tokens']), 1.0)
+  return {'loss': float(sums['loss_sum']) / tokens,
+          'ppl': float(np.exp(min(float(sums['nll_sum']) / tokens, 100.0))),
+          'accuracy': float(sums['correct']) / tokens}
+
+
+# --- schedule and optimizer ------------------------------------------------------
+
+def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
+  """The paper's learning rate (§5.3) as an optax schedule of the update count.
+
+  lrate(n) = scale * d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5), where
+  n = count + 1 is the paper's 1-based step number: optax counts updates from 0,
+  and n = 0 would waste the first update on a zero rate. The rate rises
+  linearly for `warmup_steps` updates, peaks at
+  scale * (d_model * warmup_steps)^-0.5, then decays as n^-0.5.
+  """
+  if warmup_steps <= 0:
+    raise ValueError(f'warmup_steps must be positive, got {warmup_steps}')
+
+  def schedule(count):
+    n = jnp.asarray(count, jnp.float32) + 1.0
+    return scale * d_model ** -0.5 * jnp.minimum(lax.rsqrt(n), n * warmup_steps ** -1.5)
+
+  return schedule
+
+
+def make_schedule(train_config: TrainConfig, model_config: ModelConfig) -> optax.Schedule:
+  return transformer_schedule(model_config.d_model, train_config.warmup_steps,
+                              train_config.lr_scale)
+
+
+def make_optimizer(train_config: TrainConfig, model_config: ModelConfig
+                   ) -> optax.GradientTransformation:
+  """Adam(b1, b2, eps) on the paper's schedule, with the optional extras of TrainConfig.
+
+  - max_grad_norm: clip the global gradient norm first.
+  - weight_decay: decoupled (AdamW) decay of matrices and embeddings only;
+    biases and LayerNorm scales are not decayed.
+  - grad_accum_steps K > 1: optax.MultiSteps averages the gradients of K
+    consecutive steps (each normalised by its own token count) and updates
+    once; the schedule then counts updates, not steps.
+  """
+  c = train_config
+  schedule = make_schedule(train_config, model_config)
+  transforms = []
+  if c.max_grad_norm is not None:
+    transforms.append(optax.clip_by_global_norm(c.max_grad_norm))
+  if c.weight_decay > 0:
+    transforms.append(optax.adamw(schedule, c.adam_b1, c.adam_b2, c.adam_eps,
+                                  weight_decay=c.weight_decay,
+                                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+  else:
+    transforms.append(optax.adam(schedule, c.adam_b1, c.adam_b2, c.adam_eps))
+  optimizer = optax.chain(*transforms)
+  if c.grad_accum_steps > 1:
+    optimizer = optax.MultiSteps(optimizer, every_k_schedule=c.grad_accum_steps)
+  return optimizer
+
+
+def create_train_state(model: Transformer, optimizer: optax.GradientTransformation, seed: int
+                       ) -> TrainState:
+  """Fresh parameters from `seed` (Flax initialisers) and the optimizer's initial state."""
+  key = jax.random.fold_in(jax.random.key(seed), _INIT_STREAM)
+
+  @jax.jit
+  def init():
+    tokens = jnp.ones((1, 1), jnp.int32)
+    params = model.init(key, tokens, tokens)['params']
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))
+
+  return init()
+
+
+# --- the per-device step --------------------------------------------------------
+
+def train_step(state: TrainState, batch: Batch, *, model: Transformer,
+               optimizer: optax.GradientTransformation, train_config: TrainConfig
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One update on this device's rows of the global batch; call it mapped over AXIS.
+
+  The loss is normalised by the number of target tokens in the *global* batch,
+  so summing the devices' gradients (psum) gives exactly the gradient of the
+  per-token mean over the whole batch, whatever the number of devices and
+  however the tokens fall between them. (A pmean of per-device means would
+  weight a device's tokens by 1 / its own count instead.)
+
+  Dropout keys: seed -> fold in the step -> fold in the device index, so every
+  step and device draws fresh masks and a resumed run draws the same ones.
+
+  Args:
+    state: replicated TrainState.
+    batch: this device's rows, `src [B, S]`, `tgt_in [B, T]`, `tgt_out [B, T]`.
+
+  Returns:
+    (the new state, replicated metrics): summed loss_sum, nll_sum, correct and
+    tokens over the global batch, plus grad_norm (global, before clipping) and
+    learning_rate (the rate this step's update used).
+  """
+  config = model.config
+  dropout_key = jax.random.fold_in(jax.random.key(train_config.seed), _DROPOUT_STREAM)
+  dropout_key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step),
+                                   lax.axis_index(AXIS))
+  global_tokens = lax.psum(jnp.sum(batch.tgt_out != config.pad_id), AXIS)
+
+  def loss_fn(params):
+    logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
+                         rngs={'dropout': dropout_key})                        # [B, T, V]
+    sums = _loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+    return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
+
+  # Per-device parameters, so that grad gives this device's gradient and the psum
+  # below is the one reduction, under shard_map's replication checks and pmap alike.
+  local_params = lax.pcast(state.params, AXIS, to='varying')
+  grads, sums = jax.grad(loss_fn, has_aux=True)(local_params)
+  grads = lax.psum(grads, AXIS)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  update_count = state.step // train_config.grad_accum_steps
+  metrics = {**lax.psum(sums, AXIS), 'grad_norm': optax.global_norm(grads),
+             'learning_rate': make_schedule(train_config, config)(update_count)}
+  new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state)
+  return new_state, metrics
+
+
+def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: float
+              ) -> dict[str, jax.Array]:
+  """Teacher-forced loss sums of this device's rows, summed over AXIS (no dropout)."""
+  logits = model.apply({'params': params}, batch.src, batch.tgt_in)
+  return lax.psum(_loss_sums(logits, batch.tgt_out, label_smoothing, model.config.pad_id), AXIS)
+
+
+# --- mapping over devices -------------------------------------------------------
+
+class DataParallel:
+  """Places state and batches on devices and maps per-device functions over them.
+
+  'shard_map': state leaves are global arrays replicated over a `('data',)`
+    mesh (`P()`); batch rows are split over it (`P('data')`).
+  'pmap': state leaves carry a leading local-device axis `[D, ...]`; batches
+    are reshaped to `[D, B / D, ...]`.
+
+  Multi-host: every process builds the same global batch (step-indexed, from
+  the same seed), keeps its contiguous block of rows (`batching.shard`), and
+  `jax.make_array_from_process_local_data` assembles the global array; the
+  collectives in the step span all processes' devices.
+  """
+
+  def __init__(self, devices: Sequence[jax.Device] | None = None,
+               mode: Literal['shard_map', 'pmap'] = 'shard_map'):
+    if mode not in ('shard_map', 'pmap'):
+      raise ValueError(f"parallel mode must be 'shard_map' or 'pmap', got {mode!r}")
+    if devices is None:
+      devices = jax.devices()
+    elif jax.process_count() > 1 and len(devices) != jax.device_count():
+      raise ValueError('with several processes, training uses every device of every process; '
+                       f'got {len(devices)} of {jax.device_count()}')
+    self.mode = mode
+    self.devices = tuple(devices)
+    self.local_devices = tuple(d for d in self.devices if d.process_index == jax.process_index())
+    self.mesh = Mesh(np.array(self.devices), (AXIS,))
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.devices)
+
+  def map(self, fn: Callable, donate_first: bool = False) -> Callable:
+    """`fn(replicated, batch) -> replicated outputs` -> the jitted function over all devices."""
+    if self.mode == 'pmap':
+      return jax.pmap(fn, axis_name=AXIS, devices=self.local_devices,
+                      donate_argnums=(0,) if donate_first else ())
+    replicated, split = PartitionSpec(), PartitionSpec(AXIS)
+    return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=(replicated, split),
+                                 out_specs=replicated),
+                   donate_argnums=(0,) if donate_first else ())
+
+  def replicate(self, tree):
+    """A host or single-device pytree -> the layout `map`ped functions take."""
+    if self.mode == 'pmap':
+      count = len(self.local_devices)
+      stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (count, *np.shape(x))), tree)
+      # Through an identity pmap, so the state has exactly the layout pmap outputs:
+      # the step then compiles once, not once for host input and again for its own output.
+      return jax.pmap(lambda x: x, axis_name=AXIS, devices=self.local_devices)(stacked)
+    sharding = NamedSharding(self.mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+                        tree)
+
+  def unreplicate(self, tree):
+    """Replicated outputs of a `map`ped function -> one host copy (numpy)."""
+    def first(x):
+      local = np.asarray(x.addressable_data(0))
+      return local.reshape(local.shape[1:]) if self.mode == 'pmap' else local
+    return jax.tree.map(first, tree)
+
+  def shard_batch(self, batch: Batch) -> Batch:
+    """The global batch (identical on every process) -> its rows split over all devices."""
+    rows = batch.src.shape[0]
+    if rows % self.num_devices:
+      raise ValueError(f'a batch of {rows} rows does not split over {self.num_devices} devices; '
+                       'build the Batcher with row_multiple = the number of devices')
+    local = shard(batch, jax.process_index(), jax.process_count())
+    if self.mode == 'pmap':
+      count = len(self.local_devices)
+      return jax.tree.map(lambda x: np.asarray(x).reshape(count, -1, *x.shape[1:]), local)
+    sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
+    return jax.tree.map(
+        lambda g, x: jax.make_array_from_process_local_data(sharding, np.asarray(x), g.shape),
+        batch, local)
+
+
+def make_parallel_step(model: Transformer, optimizer: optax.GradientTransformation,
+                       train_config: TrainConfig, parallel: DataParallel
+                       ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+  """`train_step` jitted over `parallel`'s devices, donating the state's buffers.
+
+  Takes the state from `parallel.replicate` (or a previous step) and a batch
+  from `parallel.shard_batch`; returns the new state and replicated metrics.
+  """
+  step = functools.partial(train_step, model=model, optimizer=optimizer, train_config=train_config)
+  return parallel.map(step, donate_first=True)
+
+
+def make_parallel_eval(model: Transformer, train_config: TrainConfig, parallel: DataParallel
+                       ) -> Callable[[Any, Batch], dict[str, jax.Array]]:
+  """`eval_step(params, batch)` over `parallel`'s devices; params as in the replicated state."""
+  step = functools.partial(eval_step, model=model, label_smoothing=train_config.label_smoothing)
+  return parallel.map(step)
