@@ -217,7 +217,7 @@ def _load_hub(source: str, src_lang: str, tgt_lang: str,
     raise DataError(
         f'{source!r} is not a local file or directory ({Path(source).resolve()}), and '
         f'loading it as a Hugging Face Hub dataset (name {name!r}, config '
-        f'{config or None!r}) failed: {_root_cause(error)}. Offline? Point the source at a '
+        f'{config or None!r}) failed: {type(error).__name__}: {error}. Offline? Point the source at a '
         'local directory of <split>.<lang> files, or set HF_DATASETS_OFFLINE=1 to use a '
         'copy already in the Hugging Face cache') from error
   chosen = _select(hub, splits, source, 'splits')
