@@ -31,6 +31,8 @@ import datasets
 TABLE_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet'}
 # Stems recognised as the validation split, in order of preference.
 VALIDATION_STEMS = ('val', 'valid', 'validation', 'dev')
+_TEXT_PAIR = datasets.Features({'source': datasets.Value('string'),
+                                'target': datasets.Value('string')})
 _HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$')
 
 
@@ -82,7 +84,7 @@ def load_parallel(source: str, src_lang: str, tgt_lang: str,
     discovered = _discover({path.stem: path}, path.parent)
     name = next((ours for ours, stem in discovered.items() if stem == path.stem), 'train')
     return _load_tables({name: path}, src_lang, tgt_lang)
-  if not _HUB_ID.match(source) or source.startswith(('.', '/', '~')):
+  if not _HUB_ID.match(source):
     raise DataError(f'{source}: no such file or directory ({path.resolve()})')
   return _load_hub(source, src_lang, tgt_lang, splits)
 
@@ -96,7 +98,7 @@ def describe(ds: datasets.DatasetDict) -> str:
   parts = []
   for name, split in ds.items():
     note = f' ({split.info.description})' if split.info.description else ''
-    parts.append(f'{name}: {len(split):,} pairs{note}')
+    parts.append(f'{name}: {len(split):,} pair{"" if len(split) == 1 else "s"}{note}')
   return ' | '.join(parts)
 
 
@@ -254,9 +256,9 @@ def _clean(pairs: datasets.Dataset, origin: str, directory: Path | None) -> data
   """Strips both sides and drops pairs with an empty side; a split may not end up empty."""
   total = len(pairs)
   stripped = pairs.map(
-      lambda batch: {key: [(text or '').strip() for text in batch[key]]
+      lambda batch: {key: ['' if text is None else str(text).strip() for text in batch[key]]
                      for key in ('source', 'target')},
-      batched=True, desc=f'strip {origin}')
+      batched=True, features=_TEXT_PAIR, desc=f'strip {origin}')
   kept = stripped.filter(
       lambda batch: [bool(s) and bool(t) for s, t in zip(batch['source'], batch['target'])],
       batched=True, desc=f'drop empty {origin}')

@@ -40,7 +40,7 @@ def test_text_dir_discovers_splits_strips_and_drops_empty_sides(text_dir):
   assert 'train.en/train.de, 2 dropped with an empty side' in ds['train'].info.description
   line = describe(ds)
   assert line.startswith('train: 3 pairs (train.en/train.de, 2 dropped with an empty side)')
-  assert 'validation: 1 pairs (val.en/val.de, 0 dropped' in line
+  assert 'validation: 1 pair (val.en/val.de, 0 dropped' in line
   assert 'test: 2 pairs (test_2016_flickr.en/test_2016_flickr.de' in line
 
 
@@ -135,6 +135,14 @@ def test_table_dir_with_language_columns_and_translation_column(tmp_path):
   assert ds['validation'][0] == {'source': 'Hi.', 'target': 'Hallo.'}
   assert ds['test'].column_names == ['source', 'target']
   assert ds['test']['source'][:] == ['Yes.', 'No.']
+
+
+def test_non_string_cells_become_text(tmp_path):
+  # CSV readers type a column of numbers as int64; a translation pair is still text.
+  pd.DataFrame({'en': [7, 42], 'de': ['sieben', 'zweiundvierzig']}).to_csv(
+      tmp_path / 'numbers.csv', index=False)
+  ds = load_parallel(str(tmp_path / 'numbers.csv'), 'en', 'de')
+  assert ds['train'][:] == {'source': ['7', '42'], 'target': ['sieben', 'zweiundvierzig']}
 
 
 def test_single_parquet_file_is_one_split(tmp_path):
