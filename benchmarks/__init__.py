@@ -1,0 +1,1 @@
+"""Speed measurements; run each as `python -m benchmarks.<name>` (see its docstring)."""
