@@ -295,8 +295,12 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
                             cand_logprobs / length_penalty(position + 1, beam.alpha), -jnp.inf)
     finished_scores, best = jax.lax.top_k(
         jnp.concatenate([state.finished_scores, cand_scores], axis=1), n)
+    # A slot that no hypothesis filled (score -inf) holds only PAD.
+    cand_tokens_or_pad = jnp.where(jnp.isneginf(cand_scores)[:, :, None], config.pad_id,
+                                   cand_tokens)
     finished_tokens = jnp.take_along_axis(
-        jnp.concatenate([state.finished_tokens, cand_tokens], axis=1), best[:, :, None], axis=1)
+        jnp.concatenate([state.finished_tokens, cand_tokens_or_pad], axis=1), best[:, :, None],
+        axis=1)
 
     live_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logprobs), k)
     live_tokens = jnp.take_along_axis(cand_tokens, keep[:, :, None], axis=1)

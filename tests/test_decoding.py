@@ -316,6 +316,16 @@ def test_wide_beam_search_equals_exhaustive_search(alpha, min_len):
   assert np.all(np.isneginf(state.finished_scores[2])) and (state.finished_tokens[2] == PAD).all()
 
 
+def test_slots_without_a_hypothesis_score_minus_inf_and_hold_pad():
+  # One token, EOS banned: only 'a', 'b' and 'c' exist, so the 4th slot stays empty.
+  state = run_beam(hand_table(), [1], LoopConfig(max_len=1, min_len=1),
+                   BeamConfig(beam_size=4, alpha=0.6, n_best=4))
+  np.testing.assert_array_equal(state.finished_tokens[0, :, 0], [A, B, C, PAD])
+  np.testing.assert_allclose(state.finished_scores[0, :3], np.log([0.5, 0.4, 0.05]) - np.log(0.95),
+                             rtol=1e-6)
+  assert np.isneginf(state.finished_scores[0, 3])
+
+
 def test_length_penalty_is_the_gnmt_formula():
   lengths = np.arange(1, 300)
   for alpha in (0.0, 0.6, 1.0):
