@@ -143,11 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           progress.write(f'decode.py: warning: line {start + index + 1} has {count} subword '
                          f'tokens; the model reads at most {max_len - 1} + EOS: truncated',
                          file=sys.stderr)
-        done = [''] * len(block)
-        for indices, texts in translator.translate_batches(sources, search, args.batch_size):
-          for index, text in zip(indices, texts):
-            done[index] = text
-          progress.update(len(indices))
+        done = translator.translate_sources(sources, search, args.batch_size,
+                                            on_batch=progress.update)
         progress.update(sum(ids is None for ids in sources.ids))
         output.write(''.join(text + '\n' for text in done))
         output.flush()

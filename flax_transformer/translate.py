@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -161,24 +161,30 @@ class Translator:
       warnings.warn(f'sentence {index}: {count} subwords + EOS exceed model.max_len='
                     f'{self.config.max_len}; truncated to {self.config.max_len - 1} subwords',
                     stacklevel=2)
-    translations = [''] * len(sentences)
-    for indices, texts in self.translate_batches(sources, search, batch_size):
-      for index, text in zip(indices, texts):
-        translations[index] = text
-    return translations
+    return self.translate_sources(sources, search, batch_size)
 
-  def translate_batches(self, sources: Sources, search: Search, batch_size: int = 64
-                        ) -> Iterator[tuple[np.ndarray, list[str]]]:
-    """Decodes the non-empty sources longest first, yielding (indices, translations) per batch."""
+  def translate_sources(self, sources: Sources, search: Search, batch_size: int = 64,
+                        on_batch: Callable[[int], object] | None = None) -> list[str]:
+    """Translations of encoded sources, in their order ('' for empty ones).
+
+    Decodes the non-empty sources longest first, `batch_size` at a time, and
+    calls `on_batch(number of sentences)` after each batch (e.g. a progress bar's
+    update).
+    """
     if not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
     present = [i for i, ids in enumerate(sources.ids) if ids is not None]
     order = sorted(present, key=lambda i: -len(sources.ids[i]))
+    translations = [''] * len(sources.ids)
     for batch_index, start in enumerate(range(0, len(order), batch_size)):
-      indices = np.array(order[start:start + batch_size])
+      indices = order[start:start + batch_size]
       src = self._pad([sources.ids[i] for i in indices], batch_size)
       tokens = search.run(self.model, self.variables, src, batch_index)
-      yield indices, self.tokenizer.decode(tokens[:len(indices)])
+      for index, text in zip(indices, self.tokenizer.decode(tokens[:len(indices)])):
+        translations[index] = text
+      if on_batch is not None:
+        on_batch(len(indices))
+    return translations
 
   def alignment(self, sentence: str, translation: str | None = None,
                 search: Search = Search()) -> Alignment:
