@@ -228,7 +228,7 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   grads = lax.psum(grads, AXIS)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   update_count = state.step // train_config.grad_accum_steps
-  metrics = {**lax.psum(sums, AXIS), 'grad_norm': optax.global_norm(grads),
+  metrics = {**lax.psum(sums, AXIS), 'grad_norm': optax.tree.norm(grads),
              'learning_rate': make_schedule(train_config, config)(update_count)}
   new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                          opt_state=opt_state)

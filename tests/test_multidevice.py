@@ -1,0 +1,126 @@
+"""Data parallelism: 4 simulated CPU devices train exactly like 1 device on the same global batch.
+
+JAX fixes the device count when it starts, so the runs happen in a subprocess
+started with XLA_FLAGS=--xla_force_host_platform_device_count=4; it saves each
+run's losses and parameters to an .npz file that the test compares.
+
+Dropout is 0: with dropout the runs could not agree, because each device draws
+its own masks (seed, step, device index) for its own rows, and a row's mask
+then depends on which device holds it. The batches have rows of very different
+lengths, so the devices hold different numbers of target tokens, which is what
+the step's global token normalisation must get right.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+RUNS = ('shard_map-1', 'shard_map-2', 'shard_map-4', 'pmap-4')
+
+WORKER = r'''
+import sys
+import jax
+import numpy as np
+from flax import traverse_util
+from flax_transformer.batching import Batch
+from flax_transformer.config import ModelConfig, TrainConfig
+from flax_transformer.model import Transformer
+from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
+                                         make_parallel_step)
+
+steps, out, runs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+assert jax.device_count() == 4, jax.devices()
+config = ModelConfig.tiny(dropout_rate=0.0)
+# adam_eps=1: see test_parameters_match_one_device.
+train_config = TrainConfig(steps=steps, warmup_steps=4, lr_scale=4.0, adam_eps=1.0)
+model = Transformer(config)
+optimizer = make_optimizer(train_config, config)
+initial = jax.device_get(create_train_state(model, optimizer, seed=0))
+results = {f'initial/params/{name}': value
+           for name, value in traverse_util.flatten_dict(initial.params, sep='/').items()}
+
+def batch(step, rows=8, length=12):
+  rng = np.random.default_rng(step)
+  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
+  for row in range(rows):
+    # Long rows first, short rows last: device 0 gets many more tokens than device 3.
+    words = rng.integers(4, config.vocab_size, length - 1 - row)
+    src[row, :len(words) + 1] = [*words, 2]
+    tgt_in[row, :len(words) + 1] = [1, *words[::-1]]
+    tgt_out[row, :len(words) + 1] = [*words[::-1], 2]
+  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
+
+for run in runs:
+  mode, count = run.split('-')
+  parallel = DataParallel(jax.devices()[:int(count)], mode=mode)
+  step = make_parallel_step(model, optimizer, train_config, parallel)
+  state = parallel.replicate(initial)
+  for index in range(steps):
+    state, metrics = step(state, parallel.shard_batch(batch(index)))
+    metrics = parallel.unreplicate(metrics)
+    results[f'{run}/loss/{index}'] = metrics['loss_sum'] / metrics['tokens']
+    results[f'{run}/grad_norm/{index}'] = metrics['grad_norm']
+  params = traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/')
+  results.update({f'{run}/params/{name}': value for name, value in params.items()})
+np.savez(out, **results)
+'''
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+  out = tmp_path_factory.mktemp('multidevice') / 'runs.npz'
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+         'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT)}
+  done = subprocess.run([sys.executable, '-c', WORKER, str(STEPS), str(out), *RUNS], env=env,
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  with np.load(out) as data:
+    return dict(data)
+
+
+def run_values(results, run, kind):
+  prefix = f'{run}/{kind}/'
+  return {name[len(prefix):]: value for name, value in results.items() if name.startswith(prefix)}
+
+
+@pytest.mark.parametrize('run', [r for r in RUNS if r != 'shard_map-1'])
+def test_losses_match_one_device(results, run):
+  """Tolerance: 1e-6 relative, float32 sums taken in another order."""
+  reference = run_values(results, 'shard_map-1', 'loss')
+  losses = run_values(results, run, 'loss')
+  assert len(losses) == STEPS
+  for index, loss in reference.items():
+    np.testing.assert_allclose(losses[index], loss, rtol=1e-6, err_msg=f'step {index}')
+  first = float(reference['0'])
+  assert float(reference[str(STEPS - 1)]) < first  # it trains, so the comparison is not vacuous
+
+
+@pytest.mark.parametrize('run', [r for r in RUNS if r != 'shard_map-1'])
+def test_parameters_match_one_device(results, run):
+  """Tolerance: 1e-6 absolute + 1e-5 relative, while the updates moved parameters by > 0.05.
+
+  The runs use adam_eps=1 rather than the paper's 1e-9. With eps ~ 0, Adam
+  divides each gradient by its own magnitude, which turns float32 rounding noise
+  in near-zero gradients into steps of +-lr: the key projections' biases, whose
+  exact gradient is zero (softmax ignores a constant added to a row), would then
+  differ by the learning rate between any two summation orders, on one device
+  as on four. With eps = 1 the update is smooth in the gradient, so the
+  comparison sees what data parallelism changes: nothing but rounding.
+  """
+  reference = run_values(results, 'shard_map-1', 'params')
+  initial = run_values(results, 'initial', 'params')
+  params = run_values(results, run, 'params')
+  assert params.keys() == reference.keys() == initial.keys()
+  for name, value in reference.items():
+    np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+  movement = max(np.max(np.abs(reference[name] - initial[name])) for name in reference)
+  assert movement > 0.05
+  grad_norms = run_values(results, run, 'grad_norm')
+  for index, norm in run_values(results, 'shard_map-1', 'grad_norm').items():
+    np.testing.assert_allclose(grad_norms[index], norm, rtol=1e-5, err_msg=f'step {index}')

@@ -1,0 +1,288 @@
+"""The objective, the schedule, the optimizer options and the single-device training step.
+
+References are independent: the schedule's closed form and label-smoothed
+cross-entropy written out in NumPy float64 from the target distribution.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+from flax_transformer.batching import Batch
+from flax_transformer.config import ConfigError, ModelConfig, TrainConfig, parse_overrides
+from flax_transformer.model import Transformer
+from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
+                                         label_smoothed_cross_entropy, make_optimizer,
+                                         make_parallel_step, token_metrics, transformer_schedule)
+
+PAD, BOS, EOS = 0, 1, 2
+CONFIG = ModelConfig.tiny(dropout_rate=0.0)
+
+
+def reference_smoothed_ce(logits, targets, eps, pad_id):
+  """sum over non-PAD positions of -sum_v q_v log p_v, q = (1 - eps) onehot + eps / V, float64."""
+  logits = np.asarray(logits, np.float64)
+  log_p = logits - logits.max(-1, keepdims=True)
+  log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+  vocab = logits.shape[-1]
+  q = np.full(logits.shape, eps / vocab)
+  np.put_along_axis(q, targets[..., None], 1 - eps + eps / vocab, axis=-1)
+  per_token = -(q * log_p).sum(-1)
+  weights = targets != pad_id
+  return (per_token * weights).sum(), weights.sum()
+
+
+def copy_batch(rng, rows, length, vocab=CONFIG.vocab_size):
+  """Copy task rows `x1..xm </s>` -> `<s> x1..xm` / `x1..xm </s>`, random m, PAD after."""
+  src = np.zeros((rows, length), np.int32)
+  tgt_in = np.zeros((rows, length), np.int32)
+  tgt_out = np.zeros((rows, length), np.int32)
+  for row in range(rows):
+    words = rng.integers(4, vocab, rng.integers(1, length))
+    src[row, :len(words) + 1] = [*words, EOS]
+    tgt_out[row, :len(words) + 1] = [*words, EOS]
+    tgt_in[row, :len(words) + 1] = [BOS, *words]
+  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
+
+
+def concat(a: Batch, b: Batch) -> Batch:
+  return jax.tree.map(lambda x, y: np.concatenate([x, y]), a, b)
+
+
+def flat(params):
+  return traverse_util.flatten_dict(jax.device_get(params), sep='/')
+
+
+# The key projection's bias has an exactly zero gradient (softmax is invariant to
+# adding q . b_k to a whole row of logits), so its gradient is rounding noise that
+# Adam's normalisation turns into +-lr steps. Parameter comparisons leave it out.
+def comparable(name):
+  return not name.endswith('key/bias')
+
+
+# --- schedule ------------------------------------------------------------------
+
+@pytest.mark.parametrize('d_model,warmup,scale', [(512, 4000, 1.0), (128, 300, 2.0)])
+def test_schedule_matches_closed_form(d_model, warmup, scale):
+  schedule = transformer_schedule(d_model, warmup, scale)
+  counts = np.array([0, 1, 10, warmup // 2, warmup - 2, warmup - 1, warmup, 3 * warmup, 100_000])
+  n = counts.astype(np.float64) + 1
+  want = scale * d_model ** -0.5 * np.minimum(n ** -0.5, n * warmup ** -1.5)
+  got = np.array([float(schedule(c)) for c in counts])
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  # Peak at update warmup - 1 (n = warmup): scale / sqrt(d_model * warmup).
+  assert np.argmax(got) == list(counts).index(warmup - 1)
+  np.testing.assert_allclose(got.max(), scale / np.sqrt(d_model * warmup), rtol=1e-6)
+
+
+def test_schedule_is_jittable_and_rejects_zero_warmup():
+  schedule = transformer_schedule(64, 10)
+  np.testing.assert_allclose(jax.jit(schedule)(jnp.int32(4)), float(schedule(4)), rtol=1e-7)
+  with pytest.raises(ValueError, match='warmup_steps must be positive'):
+    transformer_schedule(64, 0)
+
+
+# --- loss ----------------------------------------------------------------------
+
+@pytest.mark.parametrize('eps', [0.0, 0.1, 0.3])
+def test_label_smoothed_cross_entropy_matches_float64_reference(eps):
+  rng = np.random.default_rng(0)
+  logits = (3 * rng.normal(size=(3, 6, 17))).astype(np.float32)
+  targets = rng.integers(1, 17, (3, 6)).astype(np.int32)
+  targets[0, 4:] = PAD
+  targets[2, 1:] = PAD
+  loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, eps, PAD)
+  want_loss, want_weight = reference_smoothed_ce(logits, targets, eps, PAD)
+  assert float(weight_sum) == want_weight == 3 * 6 - 2 - 5
+  np.testing.assert_allclose(float(loss_sum), want_loss, rtol=2e-6)
+
+
+def test_pad_positions_carry_no_loss():
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(2, 5, 11)).astype(np.float32)
+  targets = np.array([[4, 5, 2, PAD, PAD], [6, 2, PAD, PAD, PAD]], np.int32)
+  changed = logits.copy()
+  changed[targets == PAD] = 100 * rng.normal(size=((targets == PAD).sum(), 11))
+  np.testing.assert_array_equal(label_smoothed_cross_entropy(logits, targets, 0.1, PAD),
+                                label_smoothed_cross_entropy(changed, targets, 0.1, PAD))
+
+
+def test_token_metrics():
+  metrics = token_metrics({'loss_sum': 30.0, 'nll_sum': 20.0, 'correct': 6.0, 'tokens': 10.0})
+  assert metrics['loss'] == 3.0 and metrics['accuracy'] == 0.6
+  np.testing.assert_allclose(metrics['ppl'], np.exp(2.0), rtol=1e-12)
+
+
+# --- configuration -------------------------------------------------------------
+
+@pytest.mark.parametrize('field,value,message', [
+    ('steps', 0, 'train.steps must be a positive integer'),
+    ('warmup_steps', -5, 'train.warmup_steps must be a positive integer'),
+    ('label_smoothing', 1.0, r'train.label_smoothing must be in \[0, 1\)'),
+    ('max_grad_norm', 0.0, 'train.max_grad_norm must be a positive number'),
+    ('weight_decay', -0.1, 'train.weight_decay must be >= 0'),
+    ('grad_accum_steps', 1.5, 'train.grad_accum_steps must be a positive integer'),
+])
+def test_train_config_rejects_invalid_values(field, value, message):
+  with pytest.raises(ConfigError, match=message):
+    TrainConfig(**{field: value})
+
+
+def test_parse_overrides_by_annotation():
+  config = parse_overrides(TrainConfig(), 'train', {'steps': '7', 'max_grad_norm': 'none',
+                                                    'lr_scale': '0.5'})
+  assert (config.steps, config.max_grad_norm, config.lr_scale) == (7, None, 0.5)
+  model = parse_overrides(CONFIG, 'model', {'share_embeddings': 'false', 'activation': 'gelu',
+                                            'attention_radius': '3'})
+  assert (model.share_embeddings, model.activation, model.attention_radius) == (False, 'gelu', 3)
+  with pytest.raises(ConfigError, match="train.steps must be an integer, got 'ten'"):
+    parse_overrides(TrainConfig(), 'train', {'steps': 'ten'})
+  with pytest.raises(ConfigError, match='model.activation must be one of relu, gelu'):
+    parse_overrides(CONFIG, 'model', {'activation': 'tanh'})
+  with pytest.raises(ConfigError, match='unknown option train.stpes'):
+    parse_overrides(TrainConfig(), 'train', {'stpes': '1'})
+
+
+# --- the step, on one device -----------------------------------------------------
+
+# Copy task over 16 word ids: learnable by the tiny model in a few hundred steps.
+WORDS, LENGTH, ROWS = 20, 8, 32
+TRAIN_CONFIG = TrainConfig(steps=300, warmup_steps=100, lr_scale=0.5)
+
+
+@pytest.fixture(scope='module')
+def single():
+  return DataParallel(jax.devices()[:1])
+
+
+@pytest.fixture(scope='module')
+def setup(single):
+  """(model, optimizer, the mapped step, the initial state on the host), compiled once."""
+  model = Transformer(CONFIG)
+  optimizer = make_optimizer(TRAIN_CONFIG, CONFIG)
+  initial = jax.device_get(create_train_state(model, optimizer, seed=0))
+  return model, optimizer, make_parallel_step(model, optimizer, TRAIN_CONFIG, single), initial
+
+
+def fresh_state(optimizer, params):
+  """A step-0 state for another optimizer over the same parameters (no model compile)."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+@pytest.fixture(scope='module')
+def copy_run(single, setup):
+  """The tiny model trained TRAIN_CONFIG.steps on the copy task: (per-step metrics, final state)."""
+  _, _, step, initial = setup
+  state = single.replicate(initial)
+  rng = np.random.default_rng(0)
+  history = []
+  for _ in range(TRAIN_CONFIG.steps):
+    state, metrics = step(state, single.shard_batch(copy_batch(rng, ROWS, LENGTH, WORDS)))
+    history.append(metrics)
+  return single.unreplicate(history), single.unreplicate(state)
+
+
+def test_loss_falls_well_below_its_start_on_a_copy_task(copy_run):
+  history, _ = copy_run
+  losses = [float(m['loss_sum'] / m['tokens']) for m in history]
+  start, end = np.mean(losses[:10]), np.mean(losses[-10:])
+  assert start > 0.9 * np.log(CONFIG.vocab_size)  # about uniform over the vocabulary
+  assert end < 0.3 * start, (start, end)
+  accuracy = np.mean([float(m['correct'] / m['tokens']) for m in history[-10:]])
+  assert accuracy > 0.9
+
+
+def test_step_metrics_and_counter(copy_run):
+  history, state = copy_run
+  first = history[0]
+  batch = copy_batch(np.random.default_rng(0), ROWS, LENGTH, WORDS)  # the first batch again
+  assert float(first['tokens']) == float(batch.num_tokens)
+  assert 0 <= float(first['correct']) <= float(first['tokens'])
+  schedule = transformer_schedule(CONFIG.d_model, TRAIN_CONFIG.warmup_steps, TRAIN_CONFIG.lr_scale)
+  for index in (0, 99, 299):
+    np.testing.assert_allclose(float(history[index]['learning_rate']), float(schedule(index)),
+                               rtol=1e-6)
+  assert float(first['grad_norm']) > 0
+  assert int(state.step) == TRAIN_CONFIG.steps
+
+
+def test_step_loss_equals_float64_reference(single, setup):
+  """With dropout 0 the step's summed loss is the reference loss of the model it starts from."""
+  model, _, step, initial = setup
+  batch = copy_batch(np.random.default_rng(5), ROWS, LENGTH, WORDS)
+  logits = model.apply({'params': initial.params}, batch.src, batch.tgt_in)
+  want_loss, want_tokens = reference_smoothed_ce(logits, batch.tgt_out, 0.1, PAD)
+  _, metrics = step(single.replicate(initial), single.shard_batch(batch))
+  metrics = single.unreplicate(metrics)
+  assert float(metrics['tokens']) == want_tokens
+  np.testing.assert_allclose(float(metrics['loss_sum']), want_loss, rtol=1e-5)
+
+
+def test_gradient_accumulation_equals_one_large_batch(single, setup):
+  """K=2 micro-batches with equal token counts update like one step on both at once.
+
+  MultiSteps averages per-micro-batch mean gradients; with equal token counts
+  that is the per-token mean over both, so the updates agree to float32 rounding.
+  """
+  model, optimizer, step, initial = setup
+  rng = np.random.default_rng(7)
+  first, second = (copy_batch(rng, ROWS // 2, LENGTH, WORDS) for _ in range(2))
+  second = second.replace(tgt_in=first.tgt_in, tgt_out=first.tgt_out)  # same token count
+  state, _ = step(single.replicate(initial), single.shard_batch(concat(first, second)))
+  one_batch = flat(single.unreplicate(state).params)
+
+  config = TRAIN_CONFIG.replace(grad_accum_steps=2)
+  accumulating = make_optimizer(config, CONFIG)
+  accumulate_step = make_parallel_step(model, accumulating, config, single)
+  state = single.replicate(fresh_state(accumulating, initial.params))
+  state, _ = accumulate_step(state, single.shard_batch(first))
+  middle = flat(single.unreplicate(state).params)
+  before = flat(initial.params)
+  assert all(np.array_equal(middle[name], before[name]) for name in before)  # only accumulated
+  state, _ = accumulate_step(state, single.shard_batch(second))
+  two_batches = flat(single.unreplicate(state).params)
+  for name in filter(comparable, one_batch):
+    np.testing.assert_allclose(two_batches[name], one_batch[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def test_clipping_and_weight_decay_options():
+  """Clipping caps the update's input; decoupled decay shrinks matrices but not biases."""
+  params = {'dense': {'kernel': jnp.ones((3, 3)), 'bias': jnp.ones((3,))}}
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  config = TrainConfig(warmup_steps=1, weight_decay=0.5)
+  optimizer = make_optimizer(config, CONFIG)
+  updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+  lr = float(transformer_schedule(CONFIG.d_model, 1)(0))
+  np.testing.assert_allclose(updates['dense']['kernel'], -lr * 0.5, rtol=1e-6)
+  np.testing.assert_array_equal(updates['dense']['bias'], 0.0)
+
+  clipped = make_optimizer(TrainConfig(warmup_steps=1, max_grad_norm=1e-3, adam_eps=1.0), CONFIG)
+  plain = make_optimizer(TrainConfig(warmup_steps=1, adam_eps=1.0), CONFIG)
+  big = jax.tree.map(lambda p: 10 * jnp.ones_like(p), params)
+  norm = float(optax.tree.norm(big))
+  step_clipped, _ = clipped.update(big, clipped.init(params), params)
+  step_plain, _ = plain.update(big, plain.init(params), params)
+  # With eps = 1 Adam's first update is -lr * g / (|g| + 1): tiny for a clipped g.
+  scale = 1e-3 / norm
+  np.testing.assert_allclose(step_clipped['dense']['kernel'],
+                             -lr * 10 * scale / (10 * scale + 1), rtol=1e-5)
+  np.testing.assert_allclose(step_plain['dense']['kernel'], -lr * 10 / 11, rtol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_loss(single, setup):
+  _, optimizer, _, initial = setup
+  config = CONFIG.replace(dtype='bfloat16')
+  step = make_parallel_step(Transformer(config), optimizer, TRAIN_CONFIG, single)
+  batch = copy_batch(np.random.default_rng(2), ROWS, LENGTH, WORDS)
+  state, metrics = step(single.replicate(initial), single.shard_batch(batch))
+  state, metrics = single.unreplicate(state), single.unreplicate(metrics)
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
+  assert metrics['loss_sum'].dtype == np.float32
+  # The same parameters in float32 compute: the bf16 loss agrees to bf16 precision.
+  f32_logits = Transformer(CONFIG).apply({'params': initial.params}, batch.src, batch.tgt_in)
+  want, _ = reference_smoothed_ce(f32_logits, batch.tgt_out, 0.1, PAD)
+  np.testing.assert_allclose(float(metrics['loss_sum']), want, rtol=2e-2)
