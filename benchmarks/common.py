@@ -1,0 +1,154 @@
+"""What every benchmark here needs: pinned threads, medians, the matmul peak, machine facts, JSON.
+
+Nothing in here knows about a model. Numbers are medians of timed calls after
+warm-up calls; when several contenders are compared they are timed in
+interleaved rounds (`interleaved_medians`), so that a burst of load from
+elsewhere on the machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / 'results'
+
+
+def pin_threads(threads: int | None) -> list[int]:
+  """Pins this process to its first `threads` cores (all when None); returns them.
+
+  Call before JAX or PyTorch start: XLA sizes its CPU thread pool from the
+  affinity mask, and PyTorch then gets `torch.set_num_threads(len(cores))`
+  from `torch_threads`, so both frameworks compute on the same cores.
+  """
+  cores = sorted(os.sched_getaffinity(0))
+  if threads is not None:
+    if not 1 <= threads <= len(cores):
+      raise ValueError(f'--threads must be between 1 and {len(cores)} (the cores this process '
+                       f'may use), got {threads}')
+    cores = cores[:threads]
+    os.sched_setaffinity(0, cores)
+  return cores
+
+
+def torch_threads(count: int):
+  """Gives PyTorch `count` intra-op threads (the same number XLA got from `pin_threads`)."""
+  import torch
+  torch.set_num_threads(count)
+  torch.set_num_interop_threads(1)
+
+
+def time_calls(fn: Callable[[], object], repeats: int) -> list[float]:
+  """Wall seconds of `repeats` calls of `fn`, which must return only once its work is done."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def interleaved_medians(contenders: Mapping[str, Callable[[], object]], rounds: int,
+                        calls_per_round: int = 1, warmup: int = 1,
+                        progress: Callable[[], None] | None = None) -> dict[str, dict]:
+  """Times several contenders side by side: round r times every contender in turn.
+
+  Returns {name: {'median_s', 'min_s', 'times_s'}} over rounds * calls_per_round
+  calls each, after `warmup` untimed calls each. `progress()` is called after
+  every timed call (a tqdm update).
+  """
+  for fn in contenders.values():
+    for _ in range(warmup):
+      fn()
+  times = {name: [] for name in contenders}
+  for _ in range(rounds):
+    for name, fn in contenders.items():
+      for seconds in time_calls(fn, calls_per_round):
+        times[name].append(seconds)
+        if progress:
+          progress()
+  return {name: summarize_times(ts) for name, ts in times.items()}
+
+
+def summarize_times(times: list[float]) -> dict:
+  return {'median_s': statistics.median(times), 'min_s': min(times),
+          'times_s': [round(t, 6) for t in times]}
+
+
+def jax_matmul_peak(dtype: str, size: int = 2048, repeats: int = 7) -> dict:
+  """Achieved FLOP/s of one jitted `[size, size] @ [size, size]` in `dtype` on JAX's default device.
+
+  bfloat16 accumulates in float32 (`preferred_element_type`), as the model's
+  bfloat16 matmuls do.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(dtype)
+  matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  run = lambda: matmul(a, b).block_until_ready()
+  run()
+  return _peak(time_calls(run, repeats), size, dtype, 'jax')
+
+
+def torch_matmul_peak(dtype: str, size: int = 2048, repeats: int = 7) -> dict:
+  """The same matmul in PyTorch (its bfloat16 matmul also accumulates in float32)."""
+  import torch
+
+  generator = torch.Generator().manual_seed(0)
+  a, b = (torch.randn(size, size, generator=generator).to(getattr(torch, dtype)) for _ in range(2))
+  run = lambda: a @ b
+  run()
+  return _peak(time_calls(run, repeats), size, dtype, 'torch')
+
+
+def _peak(times: list[float], size: int, dtype: str, framework: str) -> dict:
+  flops = 2 * size ** 3
+  return {'framework': framework, 'dtype': dtype, 'size': size,
+          'gflops': flops / statistics.median(times) / 1e9,
+          'best_gflops': flops / min(times) / 1e9}
+
+
+def machine_info(threads: int) -> dict:
+  """Where and with what a result was measured: CPU, cores, load, versions, flags, date."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open('/proc/cpuinfo') as f:
+      cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+  except (OSError, StopIteration):
+    pass
+  versions = {}
+  for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers'):
+    try:
+      versions[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  info = {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'cpu': cpu, 'cores_available': os.cpu_count(), 'threads': threads,
+          'python': platform.python_version(), 'versions': versions,
+          'xla_flags': os.environ.get('XLA_FLAGS', '')}
+  if hasattr(os, 'getloadavg'):
+    info['load_average'] = [round(x, 2) for x in os.getloadavg()]
+  return info
+
+
+def accelerator_info() -> dict:
+  """JAX's default backend and its first device, e.g. {'platform': 'gpu', 'device': 'NVIDIA H100'}."""
+  import jax
+  device = jax.devices()[0]
+  return {'platform': device.platform, 'device': getattr(device, 'device_kind', str(device)),
+          'device_count': jax.device_count()}
+
+
+def write_json(path: Path, payload: dict) -> Path:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(payload, indent=2, sort_keys=False) + '\n')
+  return path

@@ -1,0 +1,102 @@
+"""The benchmark's arithmetic: the analytic FLOP count and the peers' sizes.
+
+`train_flops` must equal the matmul FLOPs of the step XLA is given (counted from
+its HLO, operand shapes and all), and stay within the elementwise margin of
+XLA's own cost analysis of the compiled step. The PyTorch peers must train as
+many parameters as our model, or the side-by-side ratios compare different work.
+"""
+
+import importlib.util
+import math
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks.train_step import Shape, synthetic_batch, train_flops
+from flax_transformer import train_step
+from flax_transformer.config import ModelConfig, TrainConfig
+from flax_transformer.model import Transformer, count_params
+
+# Different source and target lengths, so S and T cannot be swapped unnoticed.
+TINY_SHAPE = Shape(batch=4, src_len=8, tgt_len=6)
+# Large enough for matmuls to dominate: softmax, LayerNorm and Adam add ~5%.
+MID_CONFIG = ModelConfig.tiny(d_model=128, d_ff=512, vocab_size=512, num_heads=4)
+MID_SHAPE = Shape(batch=8, src_len=16, tgt_len=12)
+
+
+def _lowered_step(config: ModelConfig, shape: Shape):
+  model = Transformer(config)
+  train_config = TrainConfig()
+  optimizer = train_step.make_optimizer(train_config, config)
+  parallel = train_step.DataParallel(devices=jax.devices()[:1])
+  state = parallel.replicate(train_step.create_train_state(model, optimizer, seed=0))
+  batch = parallel.shard_batch(synthetic_batch(config, shape))
+  return train_step.make_parallel_step(model, optimizer, train_config, parallel).lower(state, batch)
+
+
+def hlo_dot_flops(hlo_text: str) -> int:
+  """2 * (output elements) * (contracted size), summed over every `dot` in an HLO module."""
+  shapes = {}
+  for name, dims in re.findall(r'^\s*(?:ROOT )?([\w.\-]+) = \w+\[([\d,]*)\]', hlo_text, re.M):
+    shapes[name] = [int(d) for d in dims.split(',') if d]
+  total = 0
+  for out, lhs, contracting in re.findall(
+      r'^\s*(?:ROOT )?[\w.\-]+ = \w+\[([\d,]*)\]\S* dot\(([\w.\-]+), [\w.\-]+\).*?'
+      r'lhs_contracting_dims=\{([\d,]*)\}', hlo_text, re.M):
+    out_elements = math.prod(int(d) for d in out.split(',') if d)
+    contracted = math.prod(shapes[lhs][int(i)] for i in contracting.split(','))
+    total += 2 * out_elements * contracted
+  return total
+
+
+@pytest.fixture(scope='module')
+def tiny_lowered():
+  return _lowered_step(ModelConfig.tiny(), TINY_SHAPE)
+
+
+def test_flop_formula_equals_the_matmuls_in_the_step(tiny_lowered):
+  hlo = tiny_lowered.as_text(dialect='hlo')
+  assert hlo.count(' dot(') > 50  # every projection, attention product and gradient
+  assert train_flops(ModelConfig.tiny(), TINY_SHAPE) == hlo_dot_flops(hlo)
+
+
+def test_flop_formula_by_hand_for_one_layer():
+  # B=1, S=T=1, D=2, F=3, V=5: enc 2(16+12)+8 = 64, dec 64 + 16 + 16 + 8 = 104, out 20.
+  config = ModelConfig(vocab_size=5, d_model=2, num_heads=1, num_encoder_layers=1,
+                       num_decoder_layers=1, d_ff=3, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+  assert train_flops(config, Shape(1, 1, 1)) == 3 * (64 + 104 + 20)
+
+
+def test_flop_formula_within_xla_cost_analysis():
+  """XLA counts every FLOP of the compiled step; the formula counts matmuls only."""
+  formula = train_flops(MID_CONFIG, MID_SHAPE)
+  xla = _lowered_step(MID_CONFIG, MID_SHAPE).compile().cost_analysis()['flops']
+  assert formula <= xla <= 1.08 * formula, (formula, xla)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')
+@pytest.mark.parametrize('peer', ['torch', 'marian'])
+def test_peer_has_our_parameter_count(peer):
+  from benchmarks import peers
+  if peers.available(peer):
+    pytest.skip(peers.available(peer))
+  config = ModelConfig.tiny()
+  tokens = np.ones((1, 1), np.int32)
+  ours = count_params(jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens,
+                                     tokens)['params'])
+  assert peers.trainable_params(peers.build_model(peer, config)) == ours == 44_800
+
+
+@pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')
+def test_peer_step_starts_at_the_uniform_loss_and_learns():
+  """Label-smoothed loss of a fresh model is near log V; a few steps on one batch lower it."""
+  from benchmarks import peers
+  config = ModelConfig.tiny(dropout_rate=0.0)
+  batch = synthetic_batch(config, TINY_SHAPE)
+  step = peers.PeerStep('torch', config, TrainConfig(warmup_steps=10, lr_scale=5.0),
+                        batch.src, batch.tgt_in, batch.tgt_out)
+  losses = [step.step() for _ in range(20)]
+  assert abs(losses[0] - math.log(config.vocab_size)) < 1.0
+  assert losses[-1] < losses[0] - 0.5
