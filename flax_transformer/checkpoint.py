@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
@@ -141,6 +142,9 @@ class Checkpoints:
     except (ValueError, KeyError, FileNotFoundError) as error:
       raise CheckpointError(f'{self.directory / str(step)} does not hold a training state of '
                             f'this model and optimizer ({error})') from error
+    _check_shapes(restored['params'], abstract_state.params, self.directory / str(step))
+    _check_shapes(restored['train']['opt_state'], abstract_state.opt_state,
+                  self.directory / str(step))
     return TrainState(step=restored['train']['step'], params=restored['params'],
                       opt_state=restored['train']['opt_state'])
 
@@ -153,6 +157,7 @@ class Checkpoints:
     except (ValueError, KeyError, FileNotFoundError) as error:
       raise CheckpointError(f'{self.directory / str(step)} does not hold parameters of the '
                             f'model in config.json ({error})') from error
+    _check_shapes(restored['params'], abstract_params, self.directory / str(step))
     return restored['params']
 
   def save_params(self, step: int, params) -> None:
@@ -176,6 +181,17 @@ def abstract_params(model_config: ModelConfig):
   tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
   return jax.eval_shape(lambda src, tgt: Transformer(model_config).init(
       jax.random.key(0), src, tgt)['params'], tokens, tokens)
+
+
+def _check_shapes(restored, abstract, where: Path) -> None:
+  """orbax restores numpy leaves with their saved shapes whatever the target's: check them."""
+  expected = dict(jax.tree_util.tree_flatten_with_path(abstract)[0])
+  for path, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
+    want = expected[path].shape
+    if np.shape(value) != want:
+      raise CheckpointError(f'{where}: {jax.tree_util.keystr(path)} has shape {np.shape(value)}, '
+                            f'the model of config.json needs {want}; the checkpoint belongs to '
+                            'another model')
 
 
 def _host_target(tree):
@@ -263,7 +279,8 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
   tokenizer.json and one checkpoint, numbered as the latest averaged step,
   holding only 'params': `load_for_inference(output)` and decode.py read it; it
   cannot be resumed for training. An existing output directory is replaced.
-  Returns the output directory.
+  With several processes, every process calls this (as it calls the training
+  step). Returns the output directory.
   """
   if last_k < 1:
     raise CheckpointError(f'average_last must be >= 1, got {last_k}')
@@ -275,11 +292,14 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
     params = _mean_params(checkpoints, selected, abstract_params(model_config))
   finally:
     checkpoints.close()
-  if output.exists():
-    shutil.rmtree(output)
-  output.mkdir(parents=True)
-  for name in (CONFIG_FILE, TOKENIZER_FILE):
-    shutil.copy2(workdir / name, output / name)
+  if jax.process_index() == 0:
+    if output.exists():
+      shutil.rmtree(output)
+    output.mkdir(parents=True)
+    for name in (CONFIG_FILE, TOKENIZER_FILE):
+      shutil.copy2(workdir / name, output / name)
+  # Every process takes part in the orbax save, after process 0 has prepared the directory.
+  multihost_utils.sync_global_devices('average_checkpoints: output directory ready')
   averaged = Checkpoints(output)
   averaged.save_params(selected[-1], params)
   averaged.close()
