@@ -1,0 +1,321 @@
+"""The training loop as a library function; train.py is a command line over it.
+
+    model_config, train_config, data_config = run_preset('toy')
+    result = train(model_config, train_config, data_config, 'runs/toy')
+    result.scores          # {'bleu': ..., 'exact_match': ..., 'val_loss': ...}
+
+What a run does, in order:
+  1. loads the parallel text (`data_config.source`, or the `dataset` given);
+  2. loads WORKDIR/tokenizer.json, or trains the shared vocabulary on the
+     training split and saves it there; model.vocab_size becomes its size;
+  3. resumes from the latest checkpoint in WORKDIR/checkpoints when there is
+     one (after checking that the settings match WORKDIR/config.json), else
+     starts from fresh parameters;
+  4. trains to `train_config.steps` with `Batcher.batch_at(step)`, so the
+     batches and dropout keys depend on the step alone and a resumed run
+     continues exactly where an uninterrupted one would;
+  5. logs to a progress bar and WORKDIR/metrics.jsonl, evaluates the validation
+     loss, saves checkpoints, and ends with greedy-decoding BLEU (sacreBLEU,
+     signature printed), exact-match accuracy and sample translations.
+
+Multi-host: run the same command on every host after `jax.distributed.initialize()`;
+all processes compute, and only process 0 prints and writes files other than
+checkpoints (orbax coordinates those). WORKDIR must be on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import datasets
+import jax
+import numpy as np
+import sacrebleu
+from jax.experimental import multihost_utils
+from tqdm.auto import tqdm
+
+from flax_transformer import checkpoint
+from flax_transformer.batching import Batcher, encode_corpus
+from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from flax_transformer.data import DataError, describe, load_parallel
+from flax_transformer.metrics_log import MetricsLog
+from flax_transformer.model import Transformer, count_params
+from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.toy_task import number_translation
+from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
+                                         make_optimizer, make_parallel_eval, make_parallel_step,
+                                         token_metrics)
+from flax_transformer.translate import Translator
+
+# Sentences per greedy-decoding batch when computing BLEU.
+DECODE_BATCH = 128
+# Translations printed at the end of a run.
+NUM_SAMPLES = 5
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What `train` leaves behind besides the files in `workdir`.
+
+  state: the final TrainState on the host (numpy).
+  scores: the last training metrics, val_* metrics, and bleu / exact_match
+    (with avg_* for averaged checkpoints when requested).
+  """
+  workdir: Path
+  model_config: ModelConfig
+  tokenizer: Tokenizer
+  state: TrainState
+  scores: dict[str, float]
+
+
+def load_data(data_config: DataConfig) -> datasets.DatasetDict:
+  """The parallel text of `data_config`: the toy task, or `data.load_parallel`."""
+  if data_config.source == 'toy':
+    return number_translation()
+  return load_parallel(data_config.source, data_config.src_lang, data_config.tgt_lang)
+
+
+def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
+          workdir: str | Path, *, dataset: datasets.DatasetDict | None = None,
+          devices: int | None = None, parallel: str = 'shard_map', resume: bool = True,
+          average_last: int = 0, print_fn: Callable[[str], None] = print) -> TrainResult:
+  """Trains (or resumes) a run in `workdir`; see the module docstring.
+
+  Args:
+    model_config: the architecture; its vocab_size is replaced by the tokenizer's.
+    train_config, data_config: the run's settings, saved in WORKDIR/config.json.
+    workdir: the run directory (created if needed).
+    dataset: splits 'train' (required), 'validation' and 'test' (optional) with
+      'source'/'target' columns; None loads `data_config.source`.
+    devices: use the first this many local devices; None: all devices of all
+      processes.
+    parallel: 'shard_map' or 'pmap' (identical results).
+    resume: continue from WORKDIR's latest checkpoint if there is one; False
+      deletes WORKDIR's config, tokenizer, checkpoints and metrics first.
+    average_last: if > 0, also write WORKDIR/average-last{K} (the mean of the
+      last K checkpoints) at the end and report its scores as avg_*.
+    print_fn: where process 0's messages go.
+  """
+  is_main = jax.process_index() == 0
+  say = print_fn if is_main else (lambda message: None)
+  workdir = Path(workdir)
+  if devices is not None and jax.process_count() > 1:
+    raise ConfigError('--devices selects local devices of a single process; with several '
+                      'processes every device takes part')
+  device_list = None if devices is None else _local_devices(devices)
+  data_parallel = DataParallel(device_list, mode=parallel)
+
+  dataset = load_data(data_config) if dataset is None else dataset
+  if 'train' not in dataset:
+    raise DataError(f'the data has no train split (splits: {", ".join(dataset)})')
+  say(f'data: {describe(dataset)}')
+
+  if not resume and is_main:
+    _clear_run(workdir)
+  multihost_utils.sync_global_devices('run directory ready')
+  checkpoints = checkpoint.Checkpoints(workdir, keep=train_config.keep_checkpoints,
+                                       save_every=train_config.checkpoint_every)
+  start = checkpoints.latest_step()
+  if start is not None and not (workdir / TOKENIZER_FILE).is_file():
+    raise checkpoint.CheckpointError(f'{workdir} has checkpoints but no {TOKENIZER_FILE}; the '
+                                     'token ids in them mean nothing without it')
+  tokenizer = _tokenizer(workdir, dataset['train'], data_config, say, is_main)
+  model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
+  tokenizer.check_compatible(model_config)
+  if (workdir / checkpoint.CONFIG_FILE).is_file():
+    # Also before the first checkpoint: the saved tokenizer belongs to the saved settings.
+    checkpoint.check_resumable(workdir, model_config, train_config, data_config)
+  if is_main:
+    checkpoint.write_config(workdir, model_config, train_config, data_config)
+
+  corpus = encode_corpus(dataset['train'], tokenizer, model_config.max_len)
+  batcher = Batcher(corpus, train_config.max_tokens, train_config.seed,
+                    row_multiple=data_parallel.num_devices)
+  say(f'train: {batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side longer than '
+      f'model.max_len={model_config.max_len} tokens with EOS)')
+  val_batches = _eval_batches(dataset, 'validation', tokenizer, model_config, train_config,
+                              data_parallel.num_devices, say)
+
+  model = Transformer(model_config)
+  optimizer = make_optimizer(train_config, model_config)
+  step_fn = make_parallel_step(model, optimizer, train_config, data_parallel)
+  eval_fn = make_parallel_eval(model, train_config, data_parallel)
+  abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, train_config.seed))
+  if start is None:
+    state = create_train_state(model, optimizer, train_config.seed)
+    start = 0
+  else:
+    state = checkpoints.restore(start, abstract_state)
+    say(f'resumed from {checkpoints.directory / str(start)}')
+  state = data_parallel.replicate(state)
+  say(f'model: {count_params(abstract_state.params):,} parameters, {model_config.dtype} compute; '
+      f'{data_parallel.num_devices} device(s) via {parallel}; steps {start} -> '
+      f'{train_config.steps}')
+
+  log = MetricsLog(workdir / checkpoint.METRICS_FILE, resume_step=start,
+                   tensorboard_dir=workdir / 'tensorboard') if is_main else None
+  scores: dict[str, float] = {}
+
+  def record(step: int, values: dict[str, float]):
+    scores.update(values)
+    if log is not None:
+      log.write(step, values)
+
+  def validate(step: int):
+    if val_batches:
+      values = _evaluate(eval_fn, state.params, val_batches, data_parallel)
+      record(step, {f'val_{name}': value for name, value in values.items()})
+      say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
+          f'token accuracy {values["accuracy"]:.1%}')
+
+  pending, interval_start, run_start = [], time.perf_counter(), time.perf_counter()
+  bar = tqdm(range(start, train_config.steps), initial=start, total=train_config.steps,
+             desc='train', unit='step', disable=not is_main, dynamic_ncols=True)
+  for step in bar:
+    state, metrics = step_fn(state, data_parallel.shard_batch(batcher.batch_at(step)))
+    pending.append(metrics)
+    done = step + 1
+    if done % train_config.log_every == 0 or done == train_config.steps:
+      values = _summarize(data_parallel.unreplicate(pending), time.perf_counter() - interval_start)
+      values['elapsed_s'] = time.perf_counter() - run_start
+      record(done, values)
+      bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
+      pending, interval_start = [], time.perf_counter()
+    if done % train_config.eval_every == 0 or done == train_config.steps:
+      validate(done)
+    if checkpoints.should_save(done) or done == train_config.steps:
+      checkpoints.save(data_parallel.unreplicate(state), force=True)
+    if train_config.bleu_every and done % train_config.bleu_every == 0 and 'validation' in dataset:
+      params = data_parallel.unreplicate(state.params)
+      values = _translation_scores(model_config, params, tokenizer,
+                                    dataset['validation'])[0]
+      record(done, {f'val_{name}': value for name, value in values.items()})
+      say(f'step {done}: validation BLEU {values["bleu"]:.2f}')
+  bar.close()
+  checkpoints.close()
+  if start >= train_config.steps:
+    say(f'{workdir} is already trained to step {start} (train.steps={train_config.steps}); '
+        'evaluating it')
+    validate(start)
+
+  final_state = data_parallel.unreplicate(state)
+  split = 'test' if 'test' in dataset else 'validation' if 'validation' in dataset else None
+  if split is not None:
+    values, lines = _translation_scores(model_config, final_state.params, tokenizer,
+                                          dataset[split])
+    record(int(final_state.step), values)
+    say(f'{split}, greedy decoding of {len(dataset[split]):,} sentences: BLEU '
+        f'{values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, exact match '
+        f'{values["exact_match"]:.1%}\n  ({lines["signature"]})')
+    say(lines['samples'])
+    if average_last:
+      averaged = checkpoint.average_checkpoints(workdir, average_last)
+      _, avg_params, _ = checkpoint.load_for_inference(averaged)
+      values, _ = _translation_scores(model_config, avg_params, tokenizer, dataset[split])
+      record(int(final_state.step), {f'avg_{name}': value for name, value in values.items()})
+      say(f'{averaged}: mean of the last {average_last} checkpoints, {split} BLEU '
+          f'{values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, exact match '
+          f'{values["exact_match"]:.1%}')
+  elif average_last:
+    say(f'wrote {checkpoint.average_checkpoints(workdir, average_last)}')
+  if log is not None:
+    log.close()
+  return TrainResult(workdir=workdir, model_config=model_config, tokenizer=tokenizer,
+                     state=final_state, scores=scores)
+
+
+# --- pieces of the run ------------------------------------------------------------
+
+def _local_devices(count: int) -> list[jax.Device]:
+  available = jax.local_devices()
+  if not 1 <= count <= len(available):
+    raise ConfigError(f'--devices={count}: this process has {len(available)} device(s) '
+                      f'({available[0].platform}); on CPU, simulate more with '
+                      f'XLA_FLAGS=--xla_force_host_platform_device_count={count}')
+  return available[:count]
+
+
+def _clear_run(workdir: Path) -> None:
+  """Deletes what a previous run wrote to `workdir`, and nothing else."""
+  for name in (checkpoint.CONFIG_FILE, TOKENIZER_FILE, checkpoint.METRICS_FILE):
+    (workdir / name).unlink(missing_ok=True)
+  for directory in [workdir / checkpoint.CHECKPOINT_DIR, workdir / 'tensorboard',
+                    *workdir.glob('average-last*')]:
+    if directory.is_dir():
+      shutil.rmtree(directory)
+
+
+def _tokenizer(workdir: Path, train_split: datasets.Dataset, data_config: DataConfig,
+               say: Callable[[str], None], is_main: bool) -> Tokenizer:
+  """WORKDIR/tokenizer.json, trained on the training split (source + target) if absent."""
+  if (workdir / TOKENIZER_FILE).is_file():
+    tokenizer = Tokenizer.load(workdir)
+    say(f'tokenizer: {workdir / TOKENIZER_FILE} ({tokenizer.vocab_size:,} tokens)')
+    return tokenizer
+  if is_main:
+    texts = list(train_split['source']) + list(train_split['target'])
+    tokenizer = Tokenizer.train(texts, data_config.vocab_size, data_config.tokenizer)
+    tokenizer.save(workdir)
+    say(f'tokenizer: trained {data_config.tokenizer} on {len(texts):,} sentences, '
+        f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
+        f'{workdir / TOKENIZER_FILE}')
+  # Every process uses process 0's file: unigram training is not bit-exact across runs.
+  multihost_utils.sync_global_devices('tokenizer saved')
+  return Tokenizer.load(workdir)
+
+
+def _eval_batches(dataset, split: str, tokenizer: Tokenizer, model_config: ModelConfig,
+                  train_config: TrainConfig, num_devices: int, say) -> list:
+  """The split's batches in a fixed order (no shuffling), or [] when it is absent."""
+  if split not in dataset:
+    say(f'no {split} split: validation loss is not computed')
+    return []
+  corpus = encode_corpus(dataset[split], tokenizer, model_config.max_len)
+  if corpus.num_dropped:
+    say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the loss')
+  batcher = Batcher(corpus, train_config.max_tokens, train_config.seed, row_multiple=num_devices,
+                    shuffle=False)
+  return list(batcher.epoch(0))
+
+
+def _evaluate(eval_fn, params, batches: Sequence, data_parallel: DataParallel) -> dict[str, float]:
+  outputs = [eval_fn(params, data_parallel.shard_batch(batch)) for batch in batches]
+  sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *data_parallel.unreplicate(outputs))
+  return token_metrics(sums)
+
+
+def _summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
+  """Per-step metrics of one logging interval -> per-token loss, ppl, accuracy, rates."""
+  sums = {name: float(np.sum([m[name] for m in metrics])) for name in metrics[0]}
+  return {**token_metrics(sums),
+          'learning_rate': float(metrics[-1]['learning_rate']),
+          'grad_norm': float(np.mean([m['grad_norm'] for m in metrics])),
+          'tokens_per_s': sums['tokens'] / seconds}
+
+
+def _translation_scores(model_config: ModelConfig, params, tokenizer: Tokenizer,
+                        split: datasets.Dataset) -> tuple[dict[str, float], dict[str, str]]:
+  """Greedy-decodes a split: ({'bleu', 'chrf', 'exact_match'}, {'signature', 'samples'}).
+
+  chrF is reported beside BLEU because BLEU's 4-grams say little about
+  one-word outputs such as the toy task's German numbers.
+  """
+  sources, references = list(split['source']), list(split['target'])
+  translator = Translator(model_config, params, tokenizer)
+  hypotheses = translator.translate(sources, method='greedy', batch_size=DECODE_BATCH)
+  bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+  bleu_score = bleu.corpus_score(hypotheses, [references])
+  chrf_score = chrf.corpus_score(hypotheses, [references])
+  exact = float(np.mean([h == r for h, r in zip(hypotheses, references)]))
+  samples = '\n'.join(f'  source:    {s}\n  reference: {r}\n  output:    {h}'
+                      for s, r, h in list(zip(sources, references, hypotheses))[:NUM_SAMPLES])
+  signature = f'BLEU {bleu.get_signature()}, chrF {chrf.get_signature()}'
+  return ({'bleu': bleu_score.score, 'chrf': chrf_score.score, 'exact_match': exact},
+          {'signature': signature, 'samples': samples})
+
+
