@@ -11,6 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from flax_transformer.matmul import Dense
+
 
 def scaled_dot_product_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
@@ -69,8 +71,8 @@ class MultiHeadAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   def setup(self):
-    dense = lambda name: nn.Dense(self.d_model, dtype=self.dtype, name=name,
-                                  kernel_init=nn.initializers.xavier_uniform())
+    dense = lambda name: Dense(self.d_model, dtype=self.dtype, name=name,
+                               kernel_init=nn.initializers.xavier_uniform())
     self.query, self.key, self.value, self.out = (dense(n) for n in ('query', 'key', 'value', 'out'))
     self.weights_dropout = nn.Dropout(self.attention_dropout_rate)
 

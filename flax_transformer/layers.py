@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from flax_transformer.attention import KVCache, MultiHeadAttention
 from flax_transformer.config import ModelConfig
+from flax_transformer.matmul import Dense
 
 LAYER_NORM_EPSILON = 1e-6
 
@@ -39,8 +40,8 @@ class FeedForward(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    dense = lambda features, name: nn.Dense(features, dtype=c.compute_dtype, name=name,
-                                            kernel_init=nn.initializers.xavier_uniform())
+    dense = lambda features, name: Dense(features, dtype=c.compute_dtype, name=name,
+                                         kernel_init=nn.initializers.xavier_uniform())
     activation = nn.relu if c.activation == 'relu' else nn.gelu
     return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))
 

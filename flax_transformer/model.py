@@ -27,6 +27,7 @@ from flax_transformer import masks
 from flax_transformer.attention import KVCache
 from flax_transformer.config import ModelConfig
 from flax_transformer.layers import Decoder, Encoder, sinusoidal_positions
+from flax_transformer.matmul import Dense, dense_dot
 
 
 @flax.struct.dataclass
@@ -78,8 +79,8 @@ class Transformer(nn.Module):
     else:
       self.source_embedding = embed('source_embedding')
       self.target_embedding = embed('target_embedding')
-      self.output_projection = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
-                                        kernel_init=nn.initializers.xavier_uniform())
+      self.output_projection = Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
+                                     kernel_init=nn.initializers.xavier_uniform())
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
     self.encoder = Encoder(c)
     self.decoder = Decoder(c)
@@ -99,10 +100,9 @@ class Transformer(nn.Module):
   def _logits(self, y: jax.Array) -> jax.Array:
     """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]`."""
     if self.config.share_embeddings:
-      logits = self.embedding.attend(y)
-    else:
-      logits = self.output_projection(y)
-    return logits.astype(jnp.float32)
+      # Against the table `[V, D]` itself (kernel_axis=1); products accumulate in float32.
+      return dense_dot(y.astype(self.config.compute_dtype), self.embedding.embedding, 1)
+    return self.output_projection(y).astype(jnp.float32)
 
   def _check_length(self, tokens: jax.Array, what: str):
     if tokens.ndim != 2:
