@@ -427,6 +427,7 @@ def main(argv=None) -> int:
         peers_ok.append(peer)
   if peers_ok:
     common.torch_threads(len(cores))
+  load_at_start = [round(x, 2) for x in os.getloadavg()]
   peaks = measure_peaks(DTYPES, bool(peers_ok), args.peak_size)
   print(format_peaks(peaks))
 
@@ -454,6 +455,7 @@ def main(argv=None) -> int:
                                             else 'train_step.json')
   path = common.write_json(output if isinstance(output, os.PathLike) else common.Path(output), {
       'benchmark': 'train_step', 'machine': common.machine_info(len(cores)),
+      'accelerator': common.accelerator_info(), 'load_average_at_start': load_at_start,
       'settings': {'shape': dataclasses.asdict(args.shape), 'rounds': args.rounds,
                    'warmup': args.warmup, 'label_smoothing': 0.1, 'dropout_rate': 0.1,
                    'configs': {name: dataclasses.asdict(configs[name]) for name in configs}},

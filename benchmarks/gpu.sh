@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The training-step table on an NVIDIA GPU: base and big models, float32 and bfloat16, with
+# model FLOPs utilisation against the card's measured matmul peak (8192^3, same dtype).
+#
+#   bash benchmarks/gpu.sh            # from a checkout, on a machine with jax[cuda] installed
+#
+# Two shapes: the CPU table's 32 x 32+32 tokens, and 768 rows of the same lengths
+# (24,576 target tokens, about the paper's 25k-token batches), where a GPU is busy enough for
+# the utilisation to mean something. "float32" is JAX's default matmul precision, which uses
+# TF32 tensor cores on Ampere and newer, in the step and in the peak alike. Runs in about
+# 5 minutes on an H100 (most of it compilation; compile times are in the table).
+# Results: benchmarks/results/train_step_gpu.json and train_step_gpu_32rows.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 - <<'EOF'
+import sys
+import jax
+if jax.default_backend() != 'gpu':
+  sys.exit(f'benchmarks/gpu.sh: JAX sees no GPU (backend {jax.default_backend()!r}, devices '
+           f'{jax.devices()}); install jax[cuda12] or jax[cuda13] first')
+print(f'jax {jax.__version__} on {jax.devices()[0].device_kind}')
+EOF
+
+# The library's own dependencies, never replacing the jax (and its CUDA plugin) installed here.
+if ! python3 -c 'import flax, optax, datasets, tokenizers, tqdm' 2>/dev/null; then
+  constraints=$(mktemp)
+  python3 -m pip freeze | grep -iE '^(jax|jaxlib|jax[-_]cuda[0-9]+[-_](plugin|pjrt))==' > "$constraints" || true
+  python3 -m pip install --quiet --no-deps -e .
+  python3 -m pip install --quiet -c "$constraints" flax optax datasets tokenizers tqdm
+  rm -f "$constraints"
+fi
+
+run() {
+  python3 -m benchmarks.train_step --sections table --configs base,big \
+    --dtypes float32,bfloat16 --peers '' --rounds 10 --warmup 3 --peak-size 8192 "$@"
+}
+run --shape 768x32x32 --output benchmarks/results/train_step_gpu.json
+run --shape 32x32x32 --output benchmarks/results/train_step_gpu_32rows.json
