@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help='call jax.distributed.initialize() before anything else')
   distributed.add_argument('--coordinator', metavar='HOST:PORT',
                            help='address of process 0 (implies --distributed)')
-  distributed.add_argument('--num-processes', type=_positive_int, metavar='N')
-  distributed.add_argument('--process-id', type=int, metavar='I')
+  distributed.add_argument('--num-processes', type=_positive_int, metavar='N',
+                           help='how many processes take part (with --coordinator)')
+  distributed.add_argument('--process-id', type=int, metavar='I',
+                           help="this process's index, 0 .. N-1 (with --coordinator)")
 
   aliases = parser.add_argument_group('shortcuts')
   aliases.add_argument('--data', dest='data.source', metavar='SOURCE',
