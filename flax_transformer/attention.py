@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from flax_transformer.dropout import Dropout
 from flax_transformer.matmul import Dense
 
 
@@ -74,7 +75,7 @@ class MultiHeadAttention(nn.Module):
     dense = lambda name: Dense(self.d_model, dtype=self.dtype, name=name,
                                kernel_init=nn.initializers.xavier_uniform())
     self.query, self.key, self.value, self.out = (dense(n) for n in ('query', 'key', 'value', 'out'))
-    self.weights_dropout = nn.Dropout(self.attention_dropout_rate)
+    self.weights_dropout = Dropout(self.attention_dropout_rate)
 
   def _split_heads(self, x: jax.Array) -> jax.Array:
     """[B, L, D] -> [B, L, N, H]."""

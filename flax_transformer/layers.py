@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from flax_transformer.attention import KVCache, MultiHeadAttention
 from flax_transformer.config import ModelConfig
+from flax_transformer.dropout import Dropout
 from flax_transformer.matmul import Dense
 
 LAYER_NORM_EPSILON = 1e-6
@@ -59,7 +60,7 @@ class Sublayer(nn.Module):
 
   def setup(self):
     self.norm = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=self.config.compute_dtype)
-    self.dropout = nn.Dropout(self.config.dropout_rate)
+    self.dropout = Dropout(self.config.dropout_rate)
 
   def normalize_input(self, x: jax.Array) -> jax.Array:
     return self.norm(x) if self.config.norm_placement == 'pre' else x

@@ -27,6 +27,7 @@ from flax_transformer import masks
 from flax_transformer.attention import KVCache
 from flax_transformer.config import ModelConfig
 from flax_transformer.layers import Decoder, Encoder, sinusoidal_positions
+from flax_transformer.dropout import Dropout
 from flax_transformer.matmul import Dense, dense_dot
 
 
@@ -81,7 +82,7 @@ class Transformer(nn.Module):
       self.target_embedding = embed('target_embedding')
       self.output_projection = Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
                                      kernel_init=nn.initializers.xavier_uniform())
-    self.embedding_dropout = nn.Dropout(c.dropout_rate)
+    self.embedding_dropout = Dropout(c.dropout_rate)
     self.encoder = Encoder(c)
     self.decoder = Decoder(c)
 

@@ -1,0 +1,52 @@
+"""dropout: the rate (to 2^-16), exact rescaling, one mask shared by forward and backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_transformer.dropout import Dropout, dropout, keep_threshold
+
+RATE = 0.1
+X = jnp.asarray(np.random.default_rng(0).uniform(1.0, 2.0, size=(64, 32, 64)), jnp.float32)
+
+
+def test_keep_threshold_rounds_to_sixteen_bits():
+  assert keep_threshold(0.1) == 58982           # 0.9 * 65536 = 58982.4
+  assert keep_threshold(0.0) == 65536
+  for bad in (1.0, -0.1, 1.0 - 2 ** -18):
+    with pytest.raises(ValueError, match='dropout rate'):
+      keep_threshold(bad)
+
+
+def test_drop_rate_and_exact_scale():
+  y = np.asarray(dropout(X, RATE, jax.random.key(0)))
+  dropped = y == 0
+  n = dropped.size
+  # Binomial(n, 0.1): 5 standard deviations.
+  assert abs(dropped.mean() - RATE) < 5 * np.sqrt(RATE * (1 - RATE) / n)
+  np.testing.assert_array_equal(y[~dropped], np.asarray(X)[~dropped] * np.float32(65536 / 58982))
+
+
+def test_backward_uses_the_forward_mask():
+  key = jax.random.key(1)
+  y, pullback = jax.vjp(lambda x: dropout(x, RATE, key), X)
+  (grad,) = pullback(jnp.ones_like(X))
+  np.testing.assert_array_equal(np.asarray(grad) == 0, np.asarray(y) == 0)
+  np.testing.assert_allclose(np.asarray(grad)[np.asarray(y) != 0], 65536 / 58982, rtol=1e-6)
+
+
+def test_keys_give_different_masks_and_bfloat16_stays_bfloat16():
+  a, b = (np.asarray(dropout(X, RATE, jax.random.key(k))) == 0 for k in (2, 3))
+  assert (a != b).mean() > 0.1
+  assert dropout(X.astype(jnp.bfloat16), RATE, jax.random.key(2)).dtype == jnp.bfloat16
+
+
+def test_module_is_identity_when_deterministic_and_draws_from_dropout_rngs():
+  module = Dropout(RATE)
+  assert module.apply({}, X, deterministic=True) is X
+  run = lambda seed: np.asarray(module.apply({}, X, deterministic=False,
+                                             rngs={'dropout': jax.random.key(seed)}))
+  np.testing.assert_array_equal(run(4), run(4))
+  assert ((run(4) == 0) != (run(5) == 0)).any()
+  assert abs((run(4) == 0).mean() - RATE) < 0.01
