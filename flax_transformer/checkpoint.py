@@ -106,9 +106,11 @@ class Checkpoints:
   files are written in the background; `close` waits for them.
   """
 
-  def __init__(self, workdir: str | Path, keep: int | None = None, save_every: int = 1):
+  def __init__(self, workdir: str | Path, keep: int | None = None):
     self.directory = (Path(workdir) / CHECKPOINT_DIR).resolve()
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every)
+    # The caller decides when to save: orbax's own interval policy also saves the
+    # first step of every run, which would then count among the last K averaged.
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def steps(self) -> list[int]:
@@ -117,13 +119,9 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def should_save(self, step: int) -> bool:
-    return self._manager.should_save(step)
-
-  def save(self, state: TrainState, force: bool = False) -> bool:
+  def save(self, state: TrainState) -> None:
     """Saves a host (numpy) or fully replicated TrainState at its own `step`."""
-    step = int(state.step)
-    return self._manager.save(step, force=force, args=ocp.args.Composite(
+    self._manager.save(int(state.step), force=True, args=ocp.args.Composite(
         params=ocp.args.StandardSave(state.params),
         train=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state})))
 

@@ -118,8 +118,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   if not resume and is_main:
     _clear_run(workdir)
   multihost_utils.sync_global_devices('run directory ready')
-  checkpoints = checkpoint.Checkpoints(workdir, keep=train_config.keep_checkpoints,
-                                       save_every=train_config.checkpoint_every)
+  checkpoints = checkpoint.Checkpoints(workdir, keep=train_config.keep_checkpoints)
   start = checkpoints.latest_step()
   if start is not None and not (workdir / TOKENIZER_FILE).is_file():
     raise checkpoint.CheckpointError(f'{workdir} has checkpoints but no {TOKENIZER_FILE}; the '
@@ -188,8 +187,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
       pending, interval_start = [], time.perf_counter()
     if done % train_config.eval_every == 0 or done == train_config.steps:
       validate(done)
-    if checkpoints.should_save(done) or done == train_config.steps:
-      checkpoints.save(data_parallel.unreplicate(state), force=True)
+    if done % train_config.checkpoint_every == 0 or done == train_config.steps:
+      checkpoints.save(data_parallel.unreplicate(state))
     if train_config.bleu_every and done % train_config.bleu_every == 0 and 'validation' in dataset:
       params = data_parallel.unreplicate(state.params)
       values = _translation_scores(model_config, params, tokenizer,
