@@ -98,7 +98,11 @@ def _loss_sums(logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: 
   """The additive statistics behind every reported metric, over non-PAD targets."""
   smoothed, nll = token_losses(logits, targets, smoothing)
   weights = (targets != pad_id).astype(jnp.float32)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  # Correct when the target's logit is the largest (an exact tie counts as correct): the same
+  # max and gather as the loss's, which XLA shares, where jnp.argmax's (value, index)
+  # reduction over [B, T, V] cost more on CPU than the whole loss.
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
   return {'loss_sum': jnp.sum(smoothed * weights), 'nll_sum': jnp.sum(nll * weights),
           'correct': jnp.sum(correct * weights), 'tokens': jnp.sum(weights)}
 
