@@ -131,32 +131,30 @@ class Checkpoints:
     `abstract_state` has `jax.ShapeDtypeStruct` leaves, e.g. from
     `jax.eval_shape(create_train_state, ...)`.
     """
-    self._check_step(step)
-    target = _host_target(abstract_state)
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(target.params),
-          train=ocp.args.StandardRestore({'step': target.step, 'opt_state': target.opt_state})))
-    except (ValueError, KeyError, FileNotFoundError) as error:
-      raise CheckpointError(f'{self.directory / str(step)} does not hold a training state of '
-                            f'this model and optimizer ({error})') from error
-    _check_shapes(restored['params'], abstract_state.params, self.directory / str(step))
-    _check_shapes(restored['train']['opt_state'], abstract_state.opt_state,
-                  self.directory / str(step))
+    items = {'params': abstract_state.params,
+             'train': {'step': abstract_state.step, 'opt_state': abstract_state.opt_state}}
+    restored = self._restore(step, items, 'a training state of this model and optimizer')
     return TrainState(step=restored['train']['step'], params=restored['params'],
                       opt_state=restored['train']['opt_state'])
 
   def restore_params(self, step: int, abstract_params) -> Any:
     """The parameters saved at `step`, as numpy arrays shaped like `abstract_params`."""
+    items = {'params': abstract_params}
+    return self._restore(step, items, 'parameters of the model in config.json')['params']
+
+  def _restore(self, step: int, abstract_items: dict[str, Any], what: str) -> dict[str, Any]:
+    """The named items saved at `step`, checked against their abstract shapes."""
     self._check_step(step)
+    where = self.directory / str(step)
+    args = {name: ocp.args.StandardRestore(_host_target(tree))
+            for name, tree in abstract_items.items()}
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(_host_target(abstract_params))))
+      restored = self._manager.restore(step, args=ocp.args.Composite(**args))
     except (ValueError, KeyError, FileNotFoundError) as error:
-      raise CheckpointError(f'{self.directory / str(step)} does not hold parameters of the '
-                            f'model in config.json ({error})') from error
-    _check_shapes(restored['params'], abstract_params, self.directory / str(step))
-    return restored['params']
+      raise CheckpointError(f'{where} does not hold {what} ({error})') from error
+    restored = {name: restored[name] for name in abstract_items}
+    _check_shapes(restored, abstract_items, where)
+    return restored
 
   def save_params(self, step: int, params) -> None:
     self._manager.save(step, force=True,
@@ -175,7 +173,7 @@ class Checkpoints:
 
 
 def abstract_params(model_config: ModelConfig):
-  """Parameter shapes and dtypes of the model, `jax.ShapeDtypeStruct` leaves, without computing any."""
+  """The model's parameter shapes and dtypes (`jax.ShapeDtypeStruct` leaves), computing nothing."""
   tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
   return jax.eval_shape(lambda src, tgt: Transformer(model_config).init(
       jax.random.key(0), src, tgt)['params'], tokens, tokens)
