@@ -253,8 +253,9 @@ class DataParallel:
 
   'shard_map': state leaves are global arrays replicated over a `('data',)`
     mesh (`P()`); batch rows are split over it (`P('data')`).
-  'pmap': state leaves carry a leading local-device axis `[D, ...]`; batches
-    are reshaped to `[D, B / D, ...]`.
+  'pmap': state leaves carry a leading axis over this process's devices
+    `[D_local, ...]`; this process's rows of a batch are reshaped to
+    `[D_local, B / D, ...]`. The pmap spans the devices of every process.
 
   Multi-host: every process builds the same global batch (step-indexed, from
   the same seed), keeps its contiguous block of rows (`batching.shard`), and
@@ -283,7 +284,10 @@ class DataParallel:
   def map(self, fn: Callable, donate_first: bool = False) -> Callable:
     """`fn(replicated, batch) -> replicated outputs` -> the jitted function over all devices."""
     if self.mode == 'pmap':
-      return jax.pmap(fn, axis_name=AXIS, devices=self.local_devices,
+      # Every device of every process, the same list on each: pmap given only this
+      # process's devices would run its collectives over those alone, and each
+      # process would then train its own model on its share of the batch.
+      return jax.pmap(fn, axis_name=AXIS, devices=self.devices,
                       donate_argnums=(0,) if donate_first else ())
     replicated, split = PartitionSpec(), PartitionSpec(AXIS)
     return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=(replicated, split),
@@ -297,7 +301,7 @@ class DataParallel:
       stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (count, *np.shape(x))), tree)
       # Through an identity pmap, so the state has exactly the layout pmap outputs:
       # the step then compiles once, not once for host input and again for its own output.
-      return jax.pmap(lambda x: x, axis_name=AXIS, devices=self.local_devices)(stacked)
+      return jax.pmap(lambda x: x, axis_name=AXIS, devices=self.devices)(stacked)
     sharding = NamedSharding(self.mesh, PartitionSpec())
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
                         tree)
