@@ -4,7 +4,8 @@
     python train.py --preset multi30k --data ../shared/data/multi30k --src en --tgt de \\
         --model.d_model=256 --steps 20000 --workdir runs/multi30k
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python train.py --devices 4 --parallel pmap
-    python train.py --distributed ...                 # on every host of a multi-host job
+    python train.py --distributed ...                 # every host of a TPU pod, SLURM or MPI job
+    python train.py --coordinator HOST:PORT --num-processes N --process-id I ...    # any cluster
 
 Every setting of ModelConfig, TrainConfig and DataConfig is an option
 `--model.NAME=VALUE`, `--train.NAME=VALUE`, `--data.NAME=VALUE` over the preset's
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +29,44 @@ from flax_transformer.config import (RUN_PRESETS, ConfigError, DataConfig, Model
 # ModelConfig fields the tokenizer decides: the trained vocabulary's size and its special ids.
 TOKENIZER_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
 SECTIONS = (('model', ModelConfig), ('train', TrainConfig), ('data', DataConfig))
+# One line per setting for --help; config.py's comments say more.
+SETTING_HELP = {
+    'model.d_model': 'model width D',
+    'model.num_heads': 'attention heads (must divide d_model)',
+    'model.num_encoder_layers': 'encoder layers N',
+    'model.num_decoder_layers': 'decoder layers N',
+    'model.d_ff': 'inner width of the feed-forward layers',
+    'model.dropout_rate': 'dropout on embeddings and every sub-layer output',
+    'model.attention_dropout_rate': 'dropout on the attention weights',
+    'model.max_len': 'longest source or target in tokens (longer training pairs are dropped)',
+    'model.activation': 'relu or gelu',
+    'model.norm_placement': 'post (the paper) or pre LayerNorm',
+    'model.share_embeddings': 'one embedding matrix for source, target and output (true/false)',
+    'model.attention_radius': 'restricted self-attention window, or none',
+    'model.dtype': 'compute dtype: float32 or bfloat16 (parameters and loss stay float32)',
+    'train.seed': 'seed of the parameters, batch order and dropout',
+    'train.steps': 'batches to train on (with accumulation K: steps / K updates)',
+    'train.max_tokens': 'padded tokens per batch and side',
+    'train.warmup_steps': 'updates of linear learning-rate warmup',
+    'train.lr_scale': 'factor on the paper\'s d_model^-0.5 * min(n^-0.5, n * warmup^-1.5)',
+    'train.adam_b1': 'Adam beta1',
+    'train.adam_b2': 'Adam beta2',
+    'train.adam_eps': 'Adam epsilon',
+    'train.label_smoothing': 'label smoothing epsilon',
+    'train.max_grad_norm': 'clip the global gradient norm to this, or none',
+    'train.weight_decay': 'decoupled weight decay of matrices and embeddings (0: Adam)',
+    'train.grad_accum_steps': 'batches accumulated per optimizer update',
+    'train.log_every': 'steps between lines of training metrics (bar and metrics.jsonl)',
+    'train.eval_every': 'steps between validation losses',
+    'train.checkpoint_every': 'steps between checkpoints (and one at the end)',
+    'train.keep_checkpoints': 'checkpoints kept on disk (the newest)',
+    'train.bleu_every': 'steps between validation BLEU scores (0: only at the end)',
+    'data.source': 'toy, a directory or table file of parallel text, or a Hub dataset',
+    'data.src_lang': 'source language code (file suffix or column)',
+    'data.tgt_lang': 'target language code (file suffix or column)',
+    'data.vocab_size': 'size of the shared subword vocabulary to train',
+    'data.tokenizer': 'bpe or unigram',
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(cls):
       if section == 'model' and field.name in TOKENIZER_FIELDS:
         continue
+      option = f'{section}.{field.name}'
       values = ' | '.join(str(getattr(presets[name][index], field.name)) for name in RUN_PRESETS)
-      group.add_argument(f'--{section}.{field.name}', dest=f'{section}.{field.name}',
-                         metavar='VALUE', help=values)
+      group.add_argument(f'--{option}', dest=option, metavar='VALUE',
+                         help=f'{SETTING_HELP[option]} [{values}]')
   return parser
 
 
@@ -112,6 +154,55 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
   return model_config, train_config, data_config
 
 
+def _check_distributed_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Flag mistakes answered at once, rather than by a coordinator that never hears from them."""
+  if args.coordinator is not None:
+    host, _, port = args.coordinator.rpartition(':')
+    if not host or not port.isdigit():
+      parser.error(f'--coordinator must be HOST:PORT (the address of process 0), got '
+                   f'{args.coordinator!r}')
+  if (args.process_id is not None and args.num_processes is not None
+      and not 0 <= args.process_id < args.num_processes):
+    parser.error(f'--process-id={args.process_id} is outside 0 .. {args.num_processes - 1} '
+                 f'(--num-processes={args.num_processes})')
+
+
+def _start_distributed(coordinator: str | None, num_processes: int | None,
+                       process_id: int | None) -> None:
+  """`jax.distributed.initialize`; what is None, JAX detects (TPU pods, SLURM, Open MPI)."""
+  import jax
+  # Collectives between CPU processes need an implementation: gloo (TCP, built into
+  # jaxlib) unless one is chosen in the environment (e.g. mpi). Only the CPU backend
+  # reads this; GPU and TPU collectives are unaffected.
+  if 'JAX_CPU_COLLECTIVES_IMPLEMENTATION' not in os.environ:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator, num_processes, process_id,
+                             coordinator_bind_address=_loopback_bind_address(coordinator))
+  if jax.process_index() != 0:
+    # Process 0 reports for all. Set before anything imports tqdm, which reads it once:
+    # this also silences the data loading bars of `datasets` and of encode_corpus.
+    os.environ['TQDM_DISABLE'] = '1'
+
+
+def _loopback_bind_address(coordinator: str | None) -> str | None:
+  """The coordinator address itself when it is a loopback one, else None.
+
+  JAX's coordinator listens on every interface by default; one reached at
+  127.0.0.1 or localhost serves this machine only, so it listens there alone and
+  a rehearsal on one machine opens no port to the network. Any other address is
+  left to the default, as process 0 may be reached by a name or NAT address that
+  is not one of its own interfaces.
+  """
+  if coordinator is None:
+    return None
+  host = coordinator.rpartition(':')[0].strip('[]')
+  try:
+    loopback = ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    loopback = host == 'localhost'
+  return coordinator if loopback else None
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
@@ -120,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
   except ConfigError as error:
     parser.error(str(error))
   if args.coordinator or args.distributed:
-    import jax
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    _check_distributed_flags(parser, args)
+    _start_distributed(args.coordinator, args.num_processes, args.process_id)
   elif args.num_processes is not None or args.process_id is not None:
     parser.error('--num-processes and --process-id need --coordinator (or --distributed)')
 

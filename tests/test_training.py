@@ -1,5 +1,6 @@
 """The training loop and train.py: exact resume, the run directory it writes, Multi30k, CLI errors."""
 
+import dataclasses
 import json
 import sys
 import types
@@ -201,6 +202,13 @@ def test_cli_help_documents_every_setting(capsys):
                  '--data.vocab_size', '--bf16', '--average-last', '--parallel', '--no-resume',
                  '--coordinator'):
     assert option in help_text, option
+
+
+def test_cli_describes_every_setting_and_nothing_else():
+  settings = {f'{section}.{field.name}' for section, cls in train_cli.SECTIONS
+              for field in dataclasses.fields(cls)
+              if not (section == 'model' and field.name in train_cli.TOKENIZER_FIELDS)}
+  assert set(train_cli.SETTING_HELP) == settings
 
 
 def test_cli_presets_and_overrides():
