@@ -18,9 +18,15 @@ What a run does, in order:
      loss, saves checkpoints, and ends with greedy-decoding BLEU (sacreBLEU,
      signature printed), exact-match accuracy and sample translations.
 
-Multi-host: run the same command on every host after `jax.distributed.initialize()`;
-all processes compute, and only process 0 prints and writes files other than
-checkpoints (orbax coordinates those). WORKDIR must be on a shared filesystem.
+Multi-host: run the same command on every host after `jax.distributed.initialize()`
+(train.py --distributed). Every process builds each step's global batch from the
+same seed and puts only its own rows on its own devices; the step's collectives
+span all devices. Process 0 alone prints, shows the progress bar, writes
+config.json and metrics.jsonl, and trains the tokenizer (the others wait, then
+load its file). Every process takes part in orbax's checkpoint saves, which
+write one copy, and restores from them. The validation loss evaluates each
+sentence once, on one device; BLEU's greedy decoding is split between the
+processes. WORKDIR must be on a filesystem that every host sees.
 """
 
 from __future__ import annotations
@@ -129,6 +135,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   if (workdir / checkpoint.CONFIG_FILE).is_file():
     # Also before the first checkpoint: the saved tokenizer belongs to the saved settings.
     checkpoint.check_resumable(workdir, model_config, train_config, data_config)
+  # No process may still be reading config.json while process 0 rewrites it.
+  multihost_utils.sync_global_devices('settings checked')
   if is_main:
     checkpoint.write_config(workdir, model_config, train_config, data_config)
 
@@ -251,21 +259,26 @@ def _clear_run(workdir: Path) -> None:
 
 def _tokenizer(workdir: Path, train_split: datasets.Dataset, data_config: DataConfig,
                say: Callable[[str], None], is_main: bool) -> Tokenizer:
-  """WORKDIR/tokenizer.json, trained on the training split (source + target) if absent."""
-  if (workdir / TOKENIZER_FILE).is_file():
-    tokenizer = Tokenizer.load(workdir)
-    say(f'tokenizer: {workdir / TOKENIZER_FILE} ({tokenizer.vocab_size:,} tokens)')
-    return tokenizer
-  if is_main:
+  """WORKDIR/tokenizer.json, trained on the training split (source + target) if absent.
+
+  Process 0 alone looks for the file and trains when it is missing; every process
+  then loads process 0's file. One vocabulary for all ('unigram' training is not
+  bit-exact across runs), and no process can see the file half-written and skip
+  the barrier that the others wait at.
+  """
+  trained = is_main and not (workdir / TOKENIZER_FILE).is_file()
+  if trained:
     texts = list(train_split['source']) + list(train_split['target'])
     tokenizer = Tokenizer.train(texts, data_config.vocab_size, data_config.tokenizer)
     tokenizer.save(workdir)
     say(f'tokenizer: trained {data_config.tokenizer} on {len(texts):,} sentences, '
         f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
         f'{workdir / TOKENIZER_FILE}')
-  # Every process uses process 0's file: unigram training is not bit-exact across runs.
-  multihost_utils.sync_global_devices('tokenizer saved')
-  return Tokenizer.load(workdir)
+  multihost_utils.sync_global_devices('tokenizer ready')
+  tokenizer = Tokenizer.load(workdir)
+  if not trained:
+    say(f'tokenizer: {workdir / TOKENIZER_FILE} ({tokenizer.vocab_size:,} tokens)')
+  return tokenizer
 
 
 def _eval_batches(dataset, split: str, tokenizer: Tokenizer, model_config: ModelConfig,
@@ -301,12 +314,12 @@ def _translation_scores(model_config: ModelConfig, params, tokenizer: Tokenizer,
                         split: datasets.Dataset) -> tuple[dict[str, float], dict[str, str]]:
   """Greedy-decodes a split: ({'bleu', 'chrf', 'exact_match'}, {'signature', 'samples'}).
 
-  chrF is reported beside BLEU because BLEU's 4-grams say little about
-  one-word outputs such as the toy task's German numbers.
+  The processes share the decoding (`translate_across_processes`) and every one
+  scores the whole split. chrF is reported beside BLEU because BLEU's 4-grams
+  say little about one-word outputs such as the toy task's German numbers.
   """
   sources, references = list(split['source']), list(split['target'])
-  translator = Translator(model_config, params, tokenizer)
-  hypotheses = translator.translate(sources, method='greedy', batch_size=DECODE_BATCH)
+  hypotheses = translate_across_processes(Translator(model_config, params, tokenizer), sources)
   bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(hypotheses, [references])
   chrf_score = chrf.corpus_score(hypotheses, [references])
@@ -318,3 +331,42 @@ def _translation_scores(model_config: ModelConfig, params, tokenizer: Tokenizer,
           {'signature': signature, 'samples': samples})
 
 
+def translate_across_processes(translator: Translator, sentences: Sequence[str],
+                               batch_size: int = DECODE_BATCH) -> list[str]:
+  """Greedy translations of `sentences` in their order, on every process.
+
+  Process p of P decodes sentences p, p + P, p + 2P, ...: each sentence once,
+  and shares of alike length mix even when the corpus is sorted by length. Call
+  it on every process (it gathers across them); with one process it is
+  `translator.translate(sentences, method='greedy')`.
+  """
+  index, count = jax.process_index(), jax.process_count()
+  share = translator.translate(list(sentences[index::count]), method='greedy',
+                               batch_size=batch_size)
+  translations = [''] * len(sentences)
+  for process, texts in enumerate(_allgather_texts(share)):
+    translations[process::count] = texts
+  return translations
+
+
+def _allgather_texts(texts: list[str]) -> list[list[str]]:
+  """Each process's list of strings -> every process's list, on every process, in process order.
+
+  Collectives move arrays of one shape everywhere, so the strings travel as
+  UTF-8 bytes in a zero-padded uint8 `[P, R, W]` array with their byte lengths
+  `[P, R]`, after a first exchange agrees on R (the longest list) and W (the
+  longest string, in bytes).
+  """
+  if jax.process_count() == 1:
+    return [list(texts)]
+  encoded = [text.encode() for text in texts]
+  sizes = multihost_utils.process_allgather(
+      np.array([len(encoded), max(map(len, encoded), default=0)], np.int32))     # [P, 2]
+  rows, width = max(int(sizes[:, 0].max()), 1), max(int(sizes[:, 1].max()), 1)
+  data, lengths = np.zeros((rows, width), np.uint8), np.zeros(rows, np.int32)
+  for row, raw in enumerate(encoded):
+    data[row, :len(raw)] = np.frombuffer(raw, np.uint8)
+    lengths[row] = len(raw)
+  data, lengths = multihost_utils.process_allgather((data, lengths))        # [P, R, W], [P, R]
+  return [[data[p, r, :lengths[p, r]].tobytes().decode() for r in range(sizes[p, 0])]
+          for p in range(len(sizes))]
