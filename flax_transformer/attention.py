@@ -72,9 +72,14 @@ class MultiHeadAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   def setup(self):
-    dense = lambda name: Dense(self.d_model, dtype=self.dtype, name=name,
-                               kernel_init=nn.initializers.xavier_uniform())
-    self.query, self.key, self.value, self.out = (dense(n) for n in ('query', 'key', 'value', 'out'))
+    dense = lambda name, use_bias=True: Dense(self.d_model, dtype=self.dtype, name=name,
+                                              use_bias=use_bias,
+                                              kernel_init=nn.initializers.xavier_uniform())
+    self.query, self.value, self.out = dense('query'), dense('value'), dense('out')
+    # No key bias: q . (k + b) adds q . b to a whole row of logits, which the
+    # softmax cancels, so b would get an exactly-zero gradient (rounding noise
+    # that Adam's tiny epsilon turns into full-size steps).
+    self.key = dense('key', use_bias=False)
     self.weights_dropout = Dropout(self.attention_dropout_rate)
 
   def _split_heads(self, x: jax.Array) -> jax.Array:

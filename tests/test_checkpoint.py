@@ -143,8 +143,9 @@ def test_errors_name_the_problem(run_dir, tmp_path, setup, tokenizer):
   wrong = jax.eval_shape(lambda: create_train_state(
       bigger, make_optimizer(TRAIN_CONFIG, bigger.config), seed=0))
   checkpoints = Checkpoints(run_dir)
-  with pytest.raises(CheckpointError, match=r'has shape \(32,\), the model of config.json needs '
-                                             r'\(64,\); the checkpoint belongs to another model'):
+  with pytest.raises(CheckpointError, match=r"\['kernel'\] has shape \(32, 32\), the model of "
+                                             r'config.json needs \(64, 64\); the checkpoint belongs '
+                                             r'to another model'):
     checkpoints.restore(10, wrong)
   checkpoints.close()
 
