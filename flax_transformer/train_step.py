@@ -208,10 +208,17 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
     state: replicated TrainState.
     batch: this device's rows, `src [B, S]`, `tgt_in [B, T]`, `tgt_out [B, T]`.
 
+  A step whose loss or gradient is not finite (an overflow, a corrupt batch)
+  applies no update: the parameters and optimizer state stay as they were, so
+  one bad batch cannot leave NaN in the weights or the Adam moments. Its
+  `nonfinite` metric is 1, and the training loop decides whether to stop or to
+  go on; `step` advances either way, so the next step reads the next batch.
+
   Returns:
     (the new state, replicated metrics): summed loss_sum, nll_sum, correct and
-    tokens over the global batch, plus grad_norm (global, before clipping) and
-    learning_rate (the rate this step's update used).
+    tokens over the global batch, plus grad_norm (global, before clipping),
+    learning_rate (the rate this step's update used) and nonfinite (1.0 when
+    the update was withheld, else 0.0).
   """
   config = model.config
   dropout_key = jax.random.fold_in(jax.random.key(train_config.seed), _DROPOUT_STREAM)
@@ -230,12 +237,19 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   local_params = lax.pcast(state.params, AXIS, to='varying')
   grads, sums = jax.grad(loss_fn, has_aux=True)(local_params)
   grads = lax.psum(grads, AXIS)
+  sums = lax.psum(sums, AXIS)
+  grad_norm = optax.tree.norm(grads)
+  # Global values (after the psums), so every device takes the same decision.
+  finite = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(grad_norm)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                   (params, opt_state), (state.params, state.opt_state))
   update_count = state.step // train_config.grad_accum_steps
-  metrics = {**lax.psum(sums, AXIS), 'grad_norm': optax.tree.norm(grads),
-             'learning_rate': make_schedule(train_config, config)(update_count)}
-  new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state)
+  metrics = {**sums, 'grad_norm': grad_norm,
+             'learning_rate': make_schedule(train_config, config)(update_count),
+             'nonfinite': 1.0 - finite.astype(jnp.float32)}
+  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics
 
 
