@@ -2,7 +2,8 @@
 
 Layout of a run directory WORKDIR:
 
-    WORKDIR/config.json             {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+    WORKDIR/config.json             {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+                                     "tokenizer_sha256": digest of tokenizer.json}
     WORKDIR/tokenizer.json          the shared subword vocabulary (Tokenizer.save)
     WORKDIR/checkpoints/<step>/     orbax: item 'params', item 'train' (step + optimizer state)
     WORKDIR/metrics.jsonl           one JSON object per logged step (training.py)
@@ -11,12 +12,20 @@ Layout of a run directory WORKDIR:
 `average_checkpoints(workdir, 5)` writes WORKDIR/average-last5/, itself a run
 directory whose one checkpoint holds the mean of the last 5 parameter sets, so
 decoding reads it like any other.
+
+Crash safety: config.json and tokenizer.json are written to a temporary file
+and renamed over the old one, and orbax writes each checkpoint to
+`<step>.orbax-checkpoint-tmp` and renames it when complete, so a process killed
+at any moment leaves every file either as it was or complete. A training run's
+`Checkpoints` deletes such leftover temporary directories when it starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +44,8 @@ from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train_step import TrainState
 
 CONFIG_FILE = 'config.json'
+# config.json's key for the SHA-256 of tokenizer.json.
+TOKENIZER_DIGEST = 'tokenizer_sha256'
 CHECKPOINT_DIR = 'checkpoints'
 METRICS_FILE = 'metrics.jsonl'
 
@@ -43,17 +54,84 @@ class CheckpointError(ValueError):
   """A run directory or checkpoint is missing, incomplete or does not fit the request."""
 
 
+class WriteError(OSError):
+  """A file of the run directory could not be written (no permission, disk full, ...).
+
+  The message names the path; the files written before are intact.
+  """
+
+
+def ensure_writable(workdir: str | Path) -> None:
+  """Creates WORKDIR if needed and checks that a file can be written in it.
+
+  Called before training, so that an unwritable directory is reported before
+  hours of work whose first save would fail.
+  """
+  workdir = Path(workdir)
+  probe = workdir / f'.write-test-{jax.process_index()}-{os.getpid()}'
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b'')
+    probe.unlink()
+  except OSError as error:
+    raise WriteError(f'{workdir}: cannot write the run directory ({error.strerror or error}); '
+                     'choose another --workdir or make this one writable') from error
+
+
+def _write_atomically(path: Path, text: str) -> None:
+  """Writes `path` through a temporary file and a rename: a crash leaves the old or the new file."""
+  temporary = path.with_name(f'.{path.name}.tmp')
+  temporary.write_text(text)
+  os.replace(temporary, path)
+
+
+def file_digest(path: str | Path) -> str:
+  """SHA-256 of a file's bytes, in hex."""
+  return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 # --- configs ------------------------------------------------------------------
 
 def write_config(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
                  data_config: DataConfig) -> Path:
-  """Writes WORKDIR/config.json (creating WORKDIR) and returns its path."""
-  path = Path(workdir) / CONFIG_FILE
+  """Writes WORKDIR/config.json (creating WORKDIR) and returns its path.
+
+  When WORKDIR/tokenizer.json exists, its digest is recorded too, so that
+  `check_tokenizer` can tell the run's tokenizer from another one of the same size.
+  """
+  workdir = Path(workdir)
+  path = workdir / CONFIG_FILE
   path.parent.mkdir(parents=True, exist_ok=True)
   content = {'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
              'data': dataclasses.asdict(data_config)}
-  path.write_text(json.dumps(content, indent=2) + '\n')
+  if (workdir / TOKENIZER_FILE).is_file():
+    content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
+  _write_atomically(path, json.dumps(content, indent=2) + '\n')
   return path
+
+
+def check_tokenizer(workdir: str | Path) -> None:
+  """Raises CheckpointError if WORKDIR/tokenizer.json is not the file config.json recorded.
+
+  Token ids mean nothing with another vocabulary, and two vocabularies of the
+  same size fit the same model, so the sizes alone cannot tell. A config.json
+  without a recorded digest (older runs) is not checked.
+  """
+  workdir = Path(workdir)
+  config_path, tokenizer_path = workdir / CONFIG_FILE, workdir / TOKENIZER_FILE
+  try:
+    recorded = json.loads(config_path.read_text()).get(TOKENIZER_DIGEST)
+  except (OSError, json.JSONDecodeError, AttributeError):
+    return  # read_config reports a missing or malformed config.json
+  if recorded is None or not tokenizer_path.is_file():
+    return
+  actual = file_digest(tokenizer_path)
+  if actual != recorded:
+    raise CheckpointError(
+        f'{tokenizer_path} is not the tokenizer this run was trained with: its SHA-256 is '
+        f'{actual[:12]}..., {config_path} records {recorded[:12]}...; the token ids in the '
+        'checkpoints belong to that one. Put the run\'s own tokenizer.json back, or start a new '
+        'run in another --workdir (or with --no-resume)')
 
 
 def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
@@ -103,15 +181,28 @@ class Checkpoints:
   Each step is saved as two items, 'params' and 'train' ({'step', 'opt_state'}),
   so inference restores the parameters without reading the optimizer state.
   Saving is asynchronous: `save` returns once the arrays are copied, and the
-  files are written in the background; `close` waits for them.
+  files are written in the background; `check_saved` reports a failed write as
+  soon as the background write ends, and `close` waits for it. Write failures
+  raise `WriteError`.
+
+  A writer (read_only=False) deletes the temporary directories that a process
+  killed while saving left behind. Readers (decoding, averaging) pass
+  read_only=True: they must not delete the save in progress of a live run.
   """
 
-  def __init__(self, workdir: str | Path, keep: int | None = None):
+  def __init__(self, workdir: str | Path, keep: int | None = None, read_only: bool = False):
     self.directory = (Path(workdir) / CHECKPOINT_DIR).resolve()
     # The caller decides when to save: orbax's own interval policy also saves the
     # first step of every run, which would then count among the last K averaged.
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, read_only=read_only,
+                                           cleanup_tmp_directories=not read_only)
+    try:
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
+    except OSError as error:
+      raise WriteError(f'{self.directory}: cannot create the checkpoint directory '
+                       f'({error.strerror or error})') from error
+    self._unconfirmed_step: int | None = None  # a save not yet known to have succeeded
+    self._closed = False
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -120,10 +211,48 @@ class Checkpoints:
     return self._manager.latest_step()
 
   def save(self, state: TrainState) -> None:
-    """Saves a host (numpy) or fully replicated TrainState at its own `step`."""
-    self._manager.save(int(state.step), force=True, args=ocp.args.Composite(
+    """Saves a host (numpy) or fully replicated TrainState at its own `step`.
+
+    Raises WriteError if this save cannot start or an earlier one failed.
+    """
+    self._save(int(state.step), ocp.args.Composite(
         params=ocp.args.StandardSave(state.params),
         train=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state})))
+
+  def _save(self, step: int, args: ocp.args.Composite) -> None:
+    self._wait()  # an earlier save's failure surfaces here rather than inside orbax's save
+    try:
+      self._manager.save(step, force=True, args=args)
+    except _WRITE_ERRORS as error:
+      raise self._write_error(step, error) from error
+    self._unconfirmed_step = step
+
+  def check_saved(self) -> None:
+    """Raises WriteError if the last save failed; returns at once while it is still writing.
+
+    Cheap enough to call after every training step, so that a run whose save
+    failed (full disk) stops then, rather than training on as if it had saved.
+    """
+    if self._unconfirmed_step is not None and not self._manager.is_saving_in_progress():
+      self._wait()
+
+  def _wait(self) -> None:
+    """Waits for the pending save and raises WriteError if it failed."""
+    if self._unconfirmed_step is None:
+      return
+    step, self._unconfirmed_step = self._unconfirmed_step, None
+    try:
+      self._manager.wait_until_finished()
+    except _WRITE_ERRORS as error:
+      raise self._write_error(step, error) from error
+
+  def _write_error(self, step: int, error: Exception) -> WriteError:
+    kept = [s for s in self._manager.all_steps() if s != step]
+    previous = (f'the previous checkpoint, {self.directory / str(max(kept))}, is intact' if kept
+                else 'no earlier checkpoint exists')
+    return WriteError(f'{self.directory / str(step)}: the checkpoint could not be written '
+                      f'({type(error).__name__}: {error}); {previous}. Free disk space or fix '
+                      'the permissions, then run again to resume')
 
   def restore(self, step: int, abstract_state: TrainState) -> TrainState:
     """The TrainState saved at `step`, as numpy arrays shaped like `abstract_state`.
@@ -157,19 +286,31 @@ class Checkpoints:
     return restored
 
   def save_params(self, step: int, params) -> None:
-    self._manager.save(step, force=True,
-                       args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+    self._save(step, ocp.args.Composite(params=ocp.args.StandardSave(params)))
 
   def close(self) -> None:
-    """Waits for pending saves to finish and releases the manager."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending saves to finish and releases the manager; raises WriteError if one failed.
+
+    Closing again does nothing.
+    """
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self._wait()
+    finally:
+      self._manager.close()
 
   def _check_step(self, step: int) -> None:
     steps = self.steps()
     if step not in steps:
       have = ', '.join(map(str, steps)) if steps else 'none'
       raise CheckpointError(f'{self.directory}: no checkpoint at step {step} (have: {have})')
+
+
+# What orbax and tensorstore raise when a file cannot be written: OSError from Python's own
+# file operations, ValueError (tensorstore's status codes) or RuntimeError from the rest.
+_WRITE_ERRORS = (OSError, ValueError, RuntimeError)
 
 
 def abstract_params(model_config: ModelConfig):
@@ -204,7 +345,7 @@ def _open_run(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]
   if not (workdir / CHECKPOINT_DIR).is_dir():
     raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: no such directory; the run saved no '
                           'checkpoint yet')
-  checkpoints = Checkpoints(workdir)
+  checkpoints = Checkpoints(workdir, read_only=True)
   steps = checkpoints.steps()
   if not steps:
     raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: holds no finished checkpoint')
@@ -254,6 +395,7 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
     raise CheckpointError(f'average_last must be >= 0, got {average_last}')
   model_config, checkpoints, steps = _open_run(workdir)
   try:
+    check_tokenizer(workdir)
     tokenizer = Tokenizer.load(workdir)
     tokenizer.check_compatible(model_config)
     target = abstract_params(model_config)
