@@ -12,6 +12,18 @@ Every setting of ModelConfig, TrainConfig and DataConfig is an option
 values; `--help` lists them with each preset's value. A run directory that
 already holds checkpoints is resumed (same batches, same dropout), unless
 `--no-resume` is given.
+
+Exit status:
+  0    trained to --steps (and evaluated);
+  1    an error in the data, the run directory or a write (disk full, no
+       permission), with a one-line message; checkpoints already written stay;
+  2    a bad option or setting, refused before any work;
+  3    a step's loss or gradient was not finite (more than --skip-nonfinite
+       times); the message names the step, the checkpoints on disk are the
+       ones saved before it;
+  130  SIGINT (Ctrl-C), 143 SIGTERM: the step reached was saved first (after a
+       second Ctrl-C, or before training started, nothing new is saved); run
+       the same command to resume.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import argparse
 import dataclasses
 import ipaddress
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -93,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument('--average-last', type=_positive_int, default=0, metavar='K',
                    help='at the end, write WORKDIR/average-lastK, the mean of the last K '
                         'checkpoints (the paper averages 5), and report its scores')
+  run.add_argument('--skip-nonfinite', type=_nonnegative_int, default=0, metavar='N',
+                   help='skip up to N steps whose loss or gradient is not finite (their '
+                        'updates are not applied) before stopping; default 0: stop at the first')
   distributed = parser.add_argument_group(
       'multi-host', 'run the same command on every process; with --distributed alone, JAX '
       'detects the cluster (SLURM, TPU pods, Open MPI)')
@@ -130,12 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _positive_int(text: str) -> int:
+  return _int_at_least(text, 1, 'a positive integer')
+
+
+def _nonnegative_int(text: str) -> int:
+  return _int_at_least(text, 0, 'a non-negative integer')
+
+
+def _int_at_least(text: str, low: int, kind: str) -> int:
   try:
     value = int(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(f'expected a positive integer, got {text!r}') from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f'expected a positive integer, got {text!r}')
+    raise argparse.ArgumentTypeError(f'expected {kind}, got {text!r}') from None
+  if value < low:
+    raise argparse.ArgumentTypeError(f'expected {kind}, got {text!r}')
   return value
 
 
@@ -216,19 +240,39 @@ def main(argv: list[str] | None = None) -> int:
   elif args.num_processes is not None or args.process_id is not None:
     parser.error('--num-processes and --process-id need --coordinator (or --distributed)')
 
-  # Imported after argument checks, so --help and option errors answer at once.
+  # Imported after argument checks, so --help and option errors answer at once (and after
+  # jax.distributed.initialize, which must come before anything touches the devices).
   from flax_transformer.checkpoint import CheckpointError
   from flax_transformer.data import DataError
+  from flax_transformer.interruption import Interrupted
   from flax_transformer.tokenizer import TokenizerError
-  from flax_transformer.training import train
+  from flax_transformer.training import NonFiniteError, check_settings, train
 
+  try:
+    check_settings(model_config, train_config, data_config, args.average_last,
+                   args.skip_nonfinite)
+  except ConfigError as error:
+    parser.error(str(error))
   workdir = args.workdir or Path('runs') / args.preset
   try:
     train(model_config, train_config, data_config, workdir, devices=args.devices,
-          parallel=args.parallel, resume=args.resume, average_last=args.average_last)
-  except (CheckpointError, ConfigError, DataError, TokenizerError) as error:
+          parallel=args.parallel, resume=args.resume, average_last=args.average_last,
+          skip_nonfinite=args.skip_nonfinite)
+  except (CheckpointError, ConfigError, DataError, TokenizerError, OSError) as error:
+    # OSError: an unwritable --workdir or a full disk (checkpoint.WriteError names the path).
     print(f'train.py: error: {error}', file=sys.stderr)
     return 1
+  except NonFiniteError as error:
+    print(f'train.py: error: {error}', file=sys.stderr)
+    return 3
+  except Interrupted as stop:
+    print(f'train.py: {stop}', file=sys.stderr)
+    return stop.exit_code
+  except KeyboardInterrupt:
+    # A second Ctrl-C, or one outside the training loop (loading, final evaluation).
+    print(f'train.py: interrupted by SIGINT, nothing more saved; the checkpoints in {workdir} '
+          'are complete: run the same command to resume from the latest', file=sys.stderr)
+    return 128 + signal.SIGINT
   return 0
 
 

@@ -18,6 +18,20 @@ What a run does, in order:
      loss, saves checkpoints, and ends with greedy-decoding BLEU (sacreBLEU,
      signature printed), exact-match accuracy and sample translations.
 
+Failures, and what they leave on disk:
+  * SIGTERM or SIGINT during training: the step in progress finishes, its
+    checkpoint is saved, and `interruption.Interrupted` is raised (train.py
+    exits with 128 + the signal number). A second SIGINT stops at once.
+  * A step whose loss or gradient is not finite applies no update (see
+    `train_step.train_step`); the run raises `NonFiniteError` naming the step,
+    or skips up to `skip_nonfinite` such steps. Such a step's metrics are read
+    before any later checkpoint is saved, so every checkpoint on disk is finite.
+  * A checkpoint that cannot be written (full disk, no permission) raises
+    `checkpoint.WriteError` as soon as its background write ends; an
+    unwritable WORKDIR is refused before the data is loaded.
+  * Killed at any moment (kill -9): every checkpoint on disk is complete, and
+    running again resumes from the latest one.
+
 Multi-host: run the same command on every host after `jax.distributed.initialize()`
 (train.py --distributed). Every process builds each step's global batch from the
 same seed and puts only its own rows on its own devices; the step's collectives
@@ -31,6 +45,7 @@ processes. WORKDIR must be on a filesystem that every host sees.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import time
@@ -48,10 +63,11 @@ from flax_transformer import checkpoint
 from flax_transformer.batching import Batcher, encode_corpus
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import DataError, describe, load_parallel
+from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import Transformer, count_params
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
                                          make_optimizer, make_parallel_eval, make_parallel_step,
@@ -62,6 +78,17 @@ from flax_transformer.translate import Translator
 DECODE_BATCH = 128
 # Translations printed at the end of a run.
 NUM_SAMPLES = 5
+
+
+class NonFiniteError(RuntimeError):
+  """Training stopped at a step whose loss or gradient was not finite.
+
+  step: the step (numbered as in metrics.jsonl and the checkpoints: the s-th batch).
+  """
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
 
 
 @dataclasses.dataclass
@@ -86,10 +113,33 @@ def load_data(data_config: DataConfig) -> datasets.DatasetDict:
   return load_parallel(data_config.source, data_config.src_lang, data_config.tgt_lang)
 
 
+def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
+                   average_last: int = 0, skip_nonfinite: int = 0) -> None:
+  """Raises ConfigError for settings that are each valid but cannot make a run together.
+
+  Checked before any data is loaded, rather than found out later (the vocabulary
+  when the tokenizer is trained, the averaging after the last step).
+  """
+  if data_config.vocab_size <= len(SPECIAL_TOKENS):
+    raise ConfigError(f'data.vocab_size={data_config.vocab_size} leaves no room for text: the '
+                      f'{len(SPECIAL_TOKENS)} special tokens {", ".join(SPECIAL_TOKENS)} take '
+                      f'ids 0-{len(SPECIAL_TOKENS) - 1}; ask for more')
+  if model_config.max_len < 2:
+    raise ConfigError(f'model.max_len={model_config.max_len} cannot hold a token and EOS; '
+                      'it must be at least 2')
+  if average_last < 0 or average_last > train_config.keep_checkpoints:
+    raise ConfigError(f'--average-last={average_last} needs that many checkpoints on disk, but '
+                      f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
+                      'it or average fewer')
+  if not isinstance(skip_nonfinite, int) or skip_nonfinite < 0:
+    raise ConfigError(f'--skip-nonfinite must be a non-negative integer, got {skip_nonfinite!r}')
+
+
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
           workdir: str | Path, *, dataset: datasets.DatasetDict | None = None,
           devices: int | None = None, parallel: str = 'shard_map', resume: bool = True,
-          average_last: int = 0, print_fn: Callable[[str], None] = print) -> TrainResult:
+          average_last: int = 0, skip_nonfinite: int = 0,
+          print_fn: Callable[[str], None] = print) -> TrainResult:
   """Trains (or resumes) a run in `workdir`; see the module docstring.
 
   Args:
@@ -105,11 +155,25 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
       deletes WORKDIR's config, tokenizer, checkpoints and metrics first.
     average_last: if > 0, also write WORKDIR/average-last{K} (the mean of the
       last K checkpoints) at the end and report its scores as avg_*.
+    skip_nonfinite: how many steps with a non-finite loss or gradient to skip
+      (their updates are not applied) before stopping; 0 stops at the first.
+      Counted afresh by each call, so a resumed run may skip as many again.
     print_fn: where process 0's messages go.
+
+  Raises:
+    Interrupted: SIGTERM or SIGINT arrived during training; the step reached
+      is saved.
+    NonFiniteError: more than `skip_nonfinite` steps had a non-finite loss or
+      gradient; the checkpoints on disk are those saved before.
+    checkpoint.WriteError: WORKDIR or a checkpoint could not be written.
+    ConfigError, DataError, TokenizerError, CheckpointError: bad settings,
+      data, or run directory, before training starts.
   """
+  check_settings(model_config, train_config, data_config, average_last, skip_nonfinite)
   is_main = jax.process_index() == 0
   say = print_fn if is_main else (lambda message: None)
   workdir = Path(workdir)
+  checkpoint.ensure_writable(workdir)
   if devices is not None and jax.process_count() > 1:
     raise ConfigError('--devices selects local devices of a single process; with several '
                       'processes every device takes part')
@@ -129,6 +193,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   if start is not None and not (workdir / TOKENIZER_FILE).is_file():
     raise checkpoint.CheckpointError(f'{workdir} has checkpoints but no {TOKENIZER_FILE}; the '
                                      'token ids in them mean nothing without it')
+  if start is not None:
+    checkpoint.check_tokenizer(workdir)
   tokenizer = _tokenizer(workdir, dataset['train'], data_config, say, is_main)
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
@@ -180,31 +246,65 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
       say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
           f'token accuracy {values["accuracy"]:.1%}')
 
-  pending, interval_start, run_start = [], time.perf_counter(), time.perf_counter()
+  # Step metrics stay on the device until a log line or a save needs them (`pending`),
+  # then wait on the host for the interval's log line (`fetched`).
+  pending, fetched, skipped = [], [], []
+  interval_start = run_start = time.perf_counter()
+  interrupted_at = None
   bar = tqdm(range(start, train_config.steps), initial=start, total=train_config.steps,
              desc='train', unit='step', disable=not is_main, dynamic_ncols=True)
-  for step in bar:
-    state, metrics = step_fn(state, data_parallel.shard_batch(batcher.batch_at(step)))
-    pending.append(metrics)
-    done = step + 1
-    if done % train_config.log_every == 0 or done == train_config.steps:
-      values = _summarize(data_parallel.unreplicate(pending), time.perf_counter() - interval_start)
-      values['elapsed_s'] = time.perf_counter() - run_start
-      record(done, values)
-      bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
-      pending, interval_start = [], time.perf_counter()
-    if done % train_config.eval_every == 0 or done == train_config.steps:
-      validate(done)
-    if done % train_config.checkpoint_every == 0 or done == train_config.steps:
-      checkpoints.save(data_parallel.unreplicate(state))
-    if train_config.bleu_every and done % train_config.bleu_every == 0 and 'validation' in dataset:
-      params = data_parallel.unreplicate(state.params)
-      values = _translation_scores(model_config, params, tokenizer,
-                                    dataset['validation'])[0]
-      record(done, {f'val_{name}': value for name, value in values.items()})
-      say(f'step {done}: validation BLEU {values["bleu"]:.2f}')
-  bar.close()
-  checkpoints.close()
+  try:
+    with StopSignals() as stop:
+      for step in bar:
+        state, metrics = step_fn(state, data_parallel.shard_batch(batcher.batch_at(step)))
+        pending.append(metrics)
+        done = step + 1
+        checkpoints.check_saved()
+        stopping = stop.requested(done)
+        final = done == train_config.steps
+        save_now = stopping or final or done % train_config.checkpoint_every == 0
+        log_now = stopping or final or done % train_config.log_every == 0
+        new = []
+        if save_now or log_now:
+          new, pending = data_parallel.unreplicate(pending), []
+          fetched += new
+        if log_now:
+          values = _summarize(fetched, time.perf_counter() - interval_start)
+          values['elapsed_s'] = time.perf_counter() - run_start
+          record(done, values)
+          if 'loss' in values:
+            bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
+          fetched, interval_start = [], time.perf_counter()
+        # Before the save: a state after too many non-finite steps is not saved.
+        _check_finite(new, done - len(new) + 1, skipped, skip_nonfinite, checkpoints, say)
+        if not stopping and (done % train_config.eval_every == 0 or final):
+          validate(done)
+        if save_now:
+          checkpoints.save(data_parallel.unreplicate(state))
+        if stopping:
+          interrupted_at = done
+          break
+        if (train_config.bleu_every and done % train_config.bleu_every == 0
+            and 'validation' in dataset):
+          params = data_parallel.unreplicate(state.params)
+          values = _translation_scores(model_config, params, tokenizer,
+                                        dataset['validation'])[0]
+          record(done, {f'val_{name}': value for name, value in values.items()})
+          say(f'step {done}: validation BLEU {values["bleu"]:.2f}')
+      bar.close()
+      # Still under StopSignals: a signal now waits for the last save to be committed.
+      checkpoints.close()
+  except Exception:
+    bar.close()
+    # Let the saves already under way finish: the error raised is the one to report.
+    with contextlib.suppress(checkpoint.WriteError):
+      checkpoints.close()
+    raise
+  if interrupted_at is not None:
+    if log is not None:
+      log.close()
+    raise Interrupted(stop.signal_number, interrupted_at,
+                      checkpoints.directory / str(interrupted_at))
   if start >= train_config.steps:
     say(f'{workdir} is already trained to step {start} (train.steps={train_config.steps}); '
         'evaluating it')
@@ -302,12 +402,50 @@ def _evaluate(eval_fn, params, batches: Sequence, data_parallel: DataParallel) -
 
 
 def _summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
-  """Per-step metrics of one logging interval -> per-token loss, ppl, accuracy, rates."""
-  sums = {name: float(np.sum([m[name] for m in metrics])) for name in metrics[0]}
-  return {**token_metrics(sums),
-          'learning_rate': float(metrics[-1]['learning_rate']),
-          'grad_norm': float(np.mean([m['grad_norm'] for m in metrics])),
-          'tokens_per_s': sums['tokens'] / seconds}
+  """Per-step metrics of one logging interval -> per-token loss, ppl, accuracy, rates.
+
+  Skipped steps (non-finite loss or gradient) are left out of the averages and
+  counted as nonfinite_steps, a key present only when there were some.
+  """
+  good = [m for m in metrics if not m['nonfinite']]
+  values = {}
+  if good:
+    sums = {name: float(np.sum([m[name] for m in good])) for name in good[0]}
+    values = {**token_metrics(sums), 'learning_rate': float(good[-1]['learning_rate']),
+              'grad_norm': float(np.mean([m['grad_norm'] for m in good]))}
+  values['tokens_per_s'] = float(np.sum([m['tokens'] for m in metrics])) / seconds
+  if len(good) < len(metrics):
+    values['nonfinite_steps'] = len(metrics) - len(good)
+  return values
+
+
+def _check_finite(metrics: list[dict], first_step: int, skipped: list[int], limit: int,
+                  checkpoints: checkpoint.Checkpoints, say: Callable[[str], None]) -> None:
+  """Notes the steps among `metrics` (steps first_step, first_step + 1, ...) that were skipped.
+
+  Raises NonFiniteError once `skipped` holds more than `limit` steps, after the
+  saves under way have finished, naming the last checkpoint.
+  """
+  for step, values in enumerate(metrics, start=first_step):
+    if not values['nonfinite']:
+      continue
+    skipped.append(step)
+    what = (f'step {step}: the loss or the gradient is not finite (loss sum '
+            f'{float(values["loss_sum"])}, gradient norm {float(values["grad_norm"])}); its '
+            'update was not applied')
+    if len(skipped) <= limit:
+      say(f'{what}, skipped ({len(skipped)} of at most {limit}, --skip-nonfinite)')
+      continue
+    checkpoints.close()
+    latest = checkpoints.latest_step()
+    kept = (f'the last checkpoint, {checkpoints.directory / str(latest)}, holds the last good '
+            'parameters' if latest is not None else 'no checkpoint was saved before it')
+    count = (f'; {len(skipped)} such steps ({", ".join(map(str, skipped))}), more than '
+             f'--skip-nonfinite={limit} allows' if limit else '')
+    raise NonFiniteError(
+        f'{what}{count}. Training stopped; {kept}. Usual causes: a learning rate too high for '
+        'the model (--train.lr_scale, --train.warmup_steps), bfloat16 overflow, corrupt data. '
+        'To skip such steps and go on, pass --skip-nonfinite N.', step)
 
 
 def _translation_scores(model_config: ModelConfig, params, tokenizer: Tokenizer,
