@@ -93,7 +93,11 @@ class Transformer(nn.Module):
     """Token ids `[B, L]` -> embeddings * sqrt(D) + positions offset..offset+L-1, `[B, L, D]`."""
     c = self.config
     table = self.embedding if c.share_embeddings else getattr(self, f'{side}_embedding')
-    x = table(tokens) * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f'token ids must be integers, got dtype {tokens.dtype}')
+    # Gather float32 rows, then cast: nn.Embed would cast the whole [V, D] table first.
+    x = jnp.take(table.embedding, tokens, axis=0).astype(c.compute_dtype)
+    x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
     positions = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(c.max_len, c.d_model),
                                              offset, tokens.shape[1])
     return self.embedding_dropout(x + positions.astype(x.dtype), deterministic=not train)
