@@ -236,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(str(error))
   if args.coordinator or args.distributed:
     _check_distributed_flags(parser, args)
-    _start_distributed(args.coordinator, args.num_processes, args.process_id)
+    try:
+      _start_distributed(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as error:  # JAX names the first setting it could neither read nor detect
+      parser.error(f'jax.distributed.initialize: {error} JAX detects the cluster on TPU pods and '
+                   'under SLURM or Open MPI; elsewhere give --coordinator HOST:PORT, '
+                   '--num-processes N and --process-id I')
   elif args.num_processes is not None or args.process_id is not None:
     parser.error('--num-processes and --process-id need --coordinator (or --distributed)')
 
