@@ -15,13 +15,22 @@ With --reference, sacreBLEU's BLEU and chrF of the translations are printed with
 their signatures: on standard output when translations go to --output, on
 standard error otherwise.
 
+Input is UTF-8 (invalid bytes are refused, naming the line), split at '\\n'
+only, as training reads its data, so the output lines match the input lines one
+to one. Characters the vocabulary lacks become <unk> tokens and decode like any
+other. A failure part way (a full disk, Ctrl-C, an accelerator error) keeps the
+translations already written, which are all the lines before a given one, and
+says how many there are.
+
 Exit status: 0 on success, 2 for bad arguments, input or checkpoint (with a
-one-line message), 1 for anything unexpected.
+one-line message, before any translation), 1 when writing the output fails or
+anything unexpected happens part way, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -45,8 +54,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--checkpoint', required=True, type=Path,
                       help='run directory written by train.py (config.json, tokenizer.json, '
                            'checkpoints/)')
-  parser.add_argument('--step', type=int, help='checkpoint step to load (default: the latest)')
-  parser.add_argument('--average-last', type=int, default=0, metavar='K',
+  parser.add_argument('--step', type=_nonnegative_int,
+                      help='checkpoint step to load (default: the latest)')
+  parser.add_argument('--average-last', type=_nonnegative_int, default=0, metavar='K',
                       help='average the parameters of the last K checkpoints (paper: 5)')
   parser.add_argument('--input', type=Path, help='file with one sentence per line ("-": stdin)')
   parser.add_argument('--output', type=Path, help='write translations here (default: stdout)')
@@ -54,18 +64,48 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help='reference translations, one per line: print BLEU and chrF')
   search = parser.add_argument_group('search')
   search.add_argument('--method', choices=('beam', 'greedy', 'sample'), default='beam')
-  search.add_argument('--beam-size', type=int, default=4, help='beam search: beams (paper: 4)')
+  search.add_argument('--beam-size', type=_positive_int, default=4,
+                      help='beam search: beams (paper: 4)')
   search.add_argument('--alpha', type=float, default=0.6,
                       help='beam search: length penalty ((5 + |Y|) / 6)^alpha (paper: 0.6)')
   search.add_argument('--temperature', type=float, default=1.0, help='sampling: temperature')
-  search.add_argument('--top-k', type=int, default=0, help='sampling: keep the k best (0: all)')
+  search.add_argument('--top-k', type=_nonnegative_int, default=0,
+                      help='sampling: keep the k best (0: all)')
   search.add_argument('--top-p', type=float, default=1.0, help='sampling: nucleus mass (1: all)')
   search.add_argument('--seed', type=int, default=0, help='sampling: random seed')
-  search.add_argument('--max-len', type=int,
+  search.add_argument('--max-len', type=_positive_int,
                       help='output tokens per sentence (default: source length + 50, at most '
                            "the model's max_len)")
-  search.add_argument('--batch-size', type=int, default=64, help='sentences per batch')
+  search.add_argument('--batch-size', type=_positive_int, default=64,
+                      help='sentences per batch')
   return parser.parse_args(argv)
+
+
+def _positive_int(text: str) -> int:
+  return _int_at_least(text, 1, 'a positive integer')
+
+
+def _nonnegative_int(text: str) -> int:
+  return _int_at_least(text, 0, 'a non-negative integer')
+
+
+def _int_at_least(text: str, low: int, kind: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'expected {kind}, got {text!r}') from None
+  if value < low:
+    raise argparse.ArgumentTypeError(f'expected {kind}, got {text!r}')
+  return value
+
+
+def _lines(data: bytes, where: str) -> list[str]:
+  """UTF-8 lines split as training splits its files; a Windows line end's '\\r' is dropped."""
+  from flax_transformer.data import DataError, split_lines
+  try:
+    return [line.removesuffix('\r') for line in split_lines(data, where)]
+  except DataError as error:
+    raise InputError(str(error)) from None
 
 
 def read_input(args: argparse.Namespace) -> tuple[list[str], bool]:
@@ -77,12 +117,12 @@ def read_input(args: argparse.Namespace) -> tuple[list[str], bool]:
   if args.input is not None and str(args.input) != '-':
     if not args.input.is_file():
       raise InputError(f'--input {args.input}: no such file')
-    lines, source = args.input.read_text(encoding='utf-8').splitlines(), str(args.input)
+    lines, source = _lines(args.input.read_bytes(), str(args.input)), str(args.input)
   elif sys.stdin.isatty():
     raise InputError('nothing to translate: give sentences as arguments, --input FILE, or pipe '
                      'text into standard input')
   else:
-    lines, source = sys.stdin.read().splitlines(), 'standard input'
+    lines, source = _lines(sys.stdin.buffer.read(), 'standard input'), 'standard input'
   if not lines:
     raise InputError(f'{source} is empty: nothing to translate')
   return lines, True
@@ -91,10 +131,20 @@ def read_input(args: argparse.Namespace) -> tuple[list[str], bool]:
 def read_references(path: Path, count: int) -> list[str]:
   if not path.is_file():
     raise InputError(f'--reference {path}: no such file')
-  references = path.read_text(encoding='utf-8').splitlines()
+  references = _lines(path.read_bytes(), str(path))
   if len(references) != count:
     raise InputError(f'--reference {path} has {len(references)} lines, the input has {count}')
   return references
+
+
+def _open_output(path: Path | None):
+  """The --output file opened for writing (after the checkpoint loaded), or standard output."""
+  if path is None:
+    return sys.stdout
+  try:
+    return open(path, 'w', encoding='utf-8')
+  except OSError as error:
+    raise InputError(f'--output {path}: cannot write it ({error.strerror or error})') from None
 
 
 def blocks(items: Sequence[str], size: int) -> Iterator[tuple[int, Sequence[str]]]:
@@ -114,8 +164,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sentences, show_progress = read_input(args)
     references = (read_references(args.reference, len(sentences))
                   if args.reference is not None else None)
-    if args.batch_size < 1:
-      raise InputError(f'--batch-size must be >= 1, got {args.batch_size}')
     search = Search(method=args.method, beam_size=args.beam_size, alpha=args.alpha,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed, max_len=args.max_len)
@@ -125,11 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_len is not None and not 1 <= args.max_len <= max_len:
       raise InputError(f'--max-len must be in [1, {max_len}] (the model\'s max_len, the length '
                        f'of its positional table), got {args.max_len}')
+    output = _open_output(args.output)
   except (InputError, CheckpointError, ConfigError, TokenizerError) as error:
     print(f'decode.py: error: {error}', file=sys.stderr)
     return 2
 
-  output = open(args.output, 'w', encoding='utf-8') if args.output else sys.stdout
+  destination = args.output or 'standard output'
   translations = []
   try:
     with tqdm(total=len(sentences), unit='sent', desc='decode', disable=not show_progress,
@@ -149,6 +198,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         output.write(''.join(text + '\n' for text in done))
         output.flush()
         translations.extend(done)
+  except OSError as error:
+    print(f'decode.py: error: writing {destination} failed ({error.strerror or error}); it holds '
+          f'the translations of the first {len(translations)} lines at most', file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print(f'decode.py: interrupted; {destination} holds the translations of the first '
+          f'{len(translations)} lines', file=sys.stderr)
+    return 128 + signal.SIGINT
+  except BaseException:
+    print(f'decode.py: failed after {len(translations)} lines, whose translations are in '
+          f'{destination}:', file=sys.stderr)
+    raise
   finally:
     if output is not sys.stdout:
       output.close()

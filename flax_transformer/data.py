@@ -160,17 +160,22 @@ def _load_text_dir(directory: Path, src_lang: str, tgt_lang: str,
 
 
 def _read_lines(path: Path) -> list[str]:
-  """The lines of a UTF-8 file, without line terminators.
+  return split_lines(path.read_bytes(), str(path))
+
+
+def split_lines(data: bytes, where: str) -> list[str]:
+  """The lines of UTF-8 text (a file's bytes), without line terminators.
 
   Splits on '\\n' only (not on the Unicode separators `str.splitlines` also
   honours), so the count agrees with `wc -l` and with the other language's file.
+  A '\\r' before the '\\n' stays; text cleaning strips it. Invalid UTF-8 raises
+  DataError naming `where` (a file name) and the line.
   """
-  data = path.read_bytes()
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as error:
     line = data.count(b'\n', 0, error.start) + 1
-    raise DataError(f'{path}, line {line}: invalid UTF-8 ({error.reason} at byte '
+    raise DataError(f'{where}, line {line}: invalid UTF-8 ({error.reason} at byte '
                     f'{error.start}); re-encode the file as UTF-8') from None
   lines = text.split('\n')
   if lines[-1] == '':
