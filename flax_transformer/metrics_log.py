@@ -12,6 +12,7 @@ only the JSON lines are written. The project does not depend on it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,25 +21,44 @@ class MetricsLog:
   """Appends metrics to a JSON-lines file; on resume, forgets lines past the resumed step.
 
   A run stopped after its last checkpoint logged steps it will now repeat; those
-  lines are dropped so the file reads as one run.
+  lines are dropped so the file reads as one run. The file is rewritten through a
+  rename, so a crash then leaves the old or the new file, never a truncated one.
   """
 
   def __init__(self, path: str | Path, resume_step: int = 0, tensorboard_dir: str | Path | None = None):
     self.path = Path(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
     kept = [line for line in self.read(self.path) if line['step'] <= resume_step]
-    with self.path.open('w') as f:
+    temporary = self.path.with_name(f'.{self.path.name}.tmp')
+    with temporary.open('w') as f:
       f.writelines(json.dumps(line) + '\n' for line in kept)
+    os.replace(temporary, self.path)
     self._file = self.path.open('a')
     self._tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
 
   @staticmethod
   def read(path: str | Path) -> list[dict]:
-    """All lines of a metrics file ([] when it does not exist)."""
+    """All lines of a metrics file ([] when it does not exist).
+
+    A last line without its newline (a write cut short by a full disk or a
+    crash) is left out; a malformed line elsewhere raises ValueError naming it.
+    """
     path = Path(path)
     if not path.is_file():
       return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split('\n')
+    if not text.endswith('\n'):
+      lines.pop()
+    records = []
+    for number, line in enumerate(lines, start=1):
+      if line.strip():
+        try:
+          records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+          raise ValueError(f'{path}, line {number}: not a JSON object ({error}); '
+                           'delete the line') from None
+    return records
 
   def write(self, step: int, values: Mapping[str, float]) -> None:
     self._file.write(json.dumps({'step': int(step), **{k: float(v) for k, v in values.items()}})

@@ -19,6 +19,7 @@ tokens have fixed ids, the same as `ModelConfig`'s defaults:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -104,10 +105,15 @@ class Tokenizer:
     return cls(backend)
 
   def save(self, directory: str | Path) -> Path:
-    """Writes `<directory>/tokenizer.json` (creating the directory); returns its path."""
+    """Writes `<directory>/tokenizer.json` (creating the directory); returns its path.
+
+    Through a temporary file and a rename: a crash leaves no half-written file.
+    """
     path = Path(directory) / FILE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    self._backend.save(str(path))
+    temporary = path.with_name(f'.{FILE_NAME}.tmp')
+    self._backend.save(str(temporary))
+    os.replace(temporary, path)
     return path
 
   @property
