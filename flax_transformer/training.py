@@ -201,8 +201,6 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   if (workdir / checkpoint.CONFIG_FILE).is_file():
     # Also before the first checkpoint: the saved tokenizer belongs to the saved settings.
     checkpoint.check_resumable(workdir, model_config, train_config, data_config)
-  # No process may still be reading config.json while process 0 rewrites it.
-  multihost_utils.sync_global_devices('settings checked')
   if is_main:
     checkpoint.write_config(workdir, model_config, train_config, data_config)
 
