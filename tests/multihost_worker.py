@@ -33,10 +33,11 @@ from flax_transformer.training import translate_across_processes
 from flax_transformer.translate import Translator
 
 STEPS = 2
-# Seven sentences, so the processes get 4 and 3; one is empty, which translates to ''.
-NUM_SENTENCES = 7
-# Rows per decoding batch: both shares and the reference then decode [4, 8] batches,
-# so greedy decoding compiles once.
+# Eight sentences and an empty one last, which translates to '' without decoding:
+# process 0 gets 5 (4 to decode), process 1 gets 4.
+NUM_SENTENCES = 9
+# Rows per decoding batch: the shares and the reference all decode [4, 8] batches
+# (toy sources are at most 8 tokens), so greedy decoding compiles once.
 DECODE_BATCH = 4
 # A random model decodes every sentence to the same tokens at Flax's initial scale;
 # with its parameters scaled up, what it outputs depends on the input, so a sentence

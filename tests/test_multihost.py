@@ -49,6 +49,9 @@ from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import TrainState, create_train_state, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train as train_cli  # noqa: E402  (the script at the repository root)
+
 STEPS = 4
 SAVE_EVERY = 2
 # The three jobs take 50-100 s together on 2 cores, depending on what else runs there;
@@ -292,5 +295,25 @@ def test_translations_are_split_between_processes(worker):
   for results in worker:
     assert list(results['translations']) == list(results['reference'])
   reference = list(worker[0]['reference'])
-  assert len(reference) == 7 and reference[-1] == ''  # the empty sentence is not decoded
-  assert len(set(reference)) >= 4  # outputs depend on the input: misplaced ones would show
+  assert len(reference) == 9 and reference[-1] == ''  # the empty sentence is not decoded
+  assert len(set(reference)) >= 5  # outputs depend on the input: misplaced ones would show
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--coordinator=node0'], "--coordinator must be HOST:PORT (the address of process 0)"),
+    (['--coordinator=10.0.0.1:1234', '--num-processes=2', '--process-id=2'],
+     '--process-id=2 is outside 0 .. 1 (--num-processes=2)'),
+    (['--num-processes=2', '--process-id=0'], 'need --coordinator (or --distributed)'),
+])
+def test_distributed_flags_are_checked_before_joining(flags, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    train_cli.main(flags)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('coordinator, bound', [
+    ('127.0.0.1:1234', '127.0.0.1:1234'), ('localhost:1234', 'localhost:1234'),
+    ('[::1]:1234', '[::1]:1234'), ('10.0.0.1:1234', None), ('node0:1234', None), (None, None)])
+def test_a_loopback_coordinator_listens_on_loopback_only(coordinator, bound):
+  assert train_cli._loopback_bind_address(coordinator) == bound
