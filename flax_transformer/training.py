@@ -224,8 +224,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     state = checkpoints.restore(start, abstract_state)
     say(f'resumed from {checkpoints.directory / str(start)}')
   state = data_parallel.replicate(state)
+  processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
   say(f'model: {count_params(abstract_state.params):,} parameters, {model_config.dtype} compute; '
-      f'{data_parallel.num_devices} device(s) via {parallel}; steps {start} -> '
+      f'{data_parallel.num_devices} device(s){processes} via {parallel}; steps {start} -> '
       f'{train_config.steps}')
 
   log = MetricsLog(workdir / checkpoint.METRICS_FILE, resume_step=start,

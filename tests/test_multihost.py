@@ -213,6 +213,7 @@ def test_only_process_0_reports(runs):
   for report in REPORTS:
     assert report in out['process 0'], report
     assert report not in out['process 1'] + err['process 1'], report
+  assert '4 device(s) in 2 processes via shard_map' in out['process 0']  # one job formed
   assert 'train: 100%' in err['process 0']           # the progress bar
   assert '%|' not in err['process 1']                 # no bar at all, nor the loading ones
   lines = metrics(runs['dirs']['two'])
