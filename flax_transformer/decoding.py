@@ -510,7 +510,7 @@ def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
                   beam_size: int = 1) -> tuple[StepFn, Cache]:
   """Runs the encoder once; returns the step function and its initial cache.
 
-  The step function's cache is the self-attention cache only (`[B * K, L, N, H]`
+  The step function's cache is the self-attention cache only (`[B * K, N, L, H]`
   per layer), so beam search reorders nothing else. The cross-attention keys and
   values are computed here, once, and closed over: for beam search they are
   repeated K times along the batch, once, instead of re-gathered every step.

@@ -105,7 +105,7 @@ class DecoderBlock(nn.Module):
     self.ffn_sublayer = Sublayer(self.config)
 
   def cross_kv(self, memory: jax.Array) -> KVCache:
-    """Cross-attention keys and values `[B, S, N, H]` of the memory `[B, S, D]`."""
+    """Cross-attention keys and values `[B, N, S, H]` of the memory `[B, S, D]`."""
     return self.cross_attention.project_kv(memory)
 
   def __call__(self, y: jax.Array, cross_kv: KVCache, self_mask: jax.Array | None,
@@ -119,7 +119,7 @@ class DecoderBlock(nn.Module):
       self_mask: broadcastable to `[B, N, T, T]`, or `[B, N, T, max_len]` with a cache.
       cross_mask: broadcastable to `[B, N, T, S]`.
       train: dropout on.
-      cache: self-attention keys and values of the earlier positions, `[B, max_len, N, H]`;
+      cache: self-attention keys and values of the earlier positions, `[B, N, max_len, H]`;
         None for a full (teacher-forced) pass.
       cache_index: the position of y's first token, where its keys are written.
 

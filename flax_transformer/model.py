@@ -36,9 +36,9 @@ class DecodeCache:
   """Everything a decode step needs besides the new tokens and their position.
 
   self_kv: per decoder layer, keys and values of the tokens decoded so far,
-    `[B, L, N, H]`; slots past the current position are zeros.
+    `[B, N, L, H]`; slots past the current position are zeros.
   cross_kv: per decoder layer, keys and values of the encoder memory,
-    `[B, S, N, H]`, computed once before the loop.
+    `[B, N, S, H]`, computed once before the loop.
   src_mask: bool `[B, 1, 1, S]`, the source padding mask for cross-attention.
   """
   self_kv: tuple[KVCache, ...]
@@ -47,19 +47,19 @@ class DecodeCache:
 
   @property
   def max_len(self) -> int:
-    return self.self_kv[0].k.shape[1]
+    return self.self_kv[0].k.shape[2]
 
 
 def empty_self_cache(config: ModelConfig, batch_size: int, max_len: int,
                      dtype: jnp.dtype | None = None) -> tuple[KVCache, ...]:
-  """Zero self-attention caches, one `[B, L, N, H]` pair per decoder layer.
+  """Zero self-attention caches, one `[B, N, L, H]` pair per decoder layer.
 
   Built from the config alone: no forward pass is traced to discover shapes.
   """
   if max_len > config.max_len:
     raise ValueError(f'decoding length {max_len} exceeds model.max_len={config.max_len}, '
                      'the length of the positional-encoding table')
-  shape = (batch_size, max_len, config.num_heads, config.head_dim)
+  shape = (batch_size, config.num_heads, max_len, config.head_dim)
   dtype = config.compute_dtype if dtype is None else dtype
   return tuple(KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
                for _ in range(config.num_decoder_layers))
