@@ -30,6 +30,7 @@ anything unexpected happens part way, 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import warnings
@@ -48,7 +49,8 @@ class InputError(Exception):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+  parser = argparse.ArgumentParser(prog='decode.py', description=__doc__.split('\n\n')[0],
+                                   allow_abbrev=False,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('sentences', nargs='*', help='sentences to translate (else --input or stdin)')
   parser.add_argument('--checkpoint', required=True, type=Path,
@@ -198,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         output.write(''.join(text + '\n' for text in done))
         output.flush()
         translations.extend(done)
+    if output is not sys.stdout:
+      output.close()  # a failure to write the last bytes is reported like any other
   except OSError as error:
     print(f'decode.py: error: writing {destination} failed ({error.strerror or error}); it holds '
           f'the translations of the first {len(translations)} lines at most', file=sys.stderr)
@@ -211,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f'{destination}:', file=sys.stderr)
     raise
   finally:
-    if output is not sys.stdout:
-      output.close()
+    if output is not sys.stdout and not output.closed:
+      # After an error: what could not be written is reported already.
+      with contextlib.suppress(OSError):
+        output.close()
 
   if references is not None:
     from sacrebleu.metrics import BLEU, CHRF

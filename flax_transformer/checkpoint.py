@@ -185,16 +185,17 @@ class Checkpoints:
   soon as the background write ends, and `close` waits for it. Write failures
   raise `WriteError`.
 
-  A writer (read_only=False) deletes the temporary directories that a process
-  killed while saving left behind. Readers (decoding, averaging) pass
-  read_only=True: they must not delete the save in progress of a live run.
+  A writer deletes the temporary directories that a process killed while
+  saving left behind. Readers (decoding, averaging) pass read_only=True: they
+  must not delete the save in progress of a live run.
   """
 
   def __init__(self, workdir: str | Path, keep: int | None = None, read_only: bool = False):
     self.directory = (Path(workdir) / CHECKPOINT_DIR).resolve()
     # The caller decides when to save: orbax's own interval policy also saves the
     # first step of every run, which would then count among the last K averaged.
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, read_only=read_only,
+    # Not orbax's own read_only option, which logs three warnings on every use.
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                            cleanup_tmp_directories=not read_only)
     try:
       self._manager = ocp.CheckpointManager(self.directory, options=options)
