@@ -1,0 +1,294 @@
+"""Real train.py processes stopped by SIGTERM, SIGINT, kill -9 in the middle of a save, a full disk.
+
+One corpus and one set of settings for every process, so that they compile the
+same training step; JAX's persistent compilation cache (a directory of this
+module) shares that compilation between them. The runs, in three phases of
+concurrent processes:
+
+  1 term      SIGTERM once three steps are logged: exit 143, the step reached
+              is saved.
+  2 term      resumed, and stopped by SIGINT three steps later: exit 130, the
+              step reached (the run's total, T) is saved.
+    killed    tests/held_commit.py: checkpoint HELD is written but its commit
+              (the rename of HELD.orbax-checkpoint-tmp to HELD) waits; the test
+              polls for the temporary directory and sends SIGKILL at once. The
+              kill lands after the checkpoint's files began to appear and
+              before the rename, whatever the machine's speed: the held commit
+              keeps that window open until the kill.
+    disk      RLIMIT_FSIZE of 64 KiB, more than config.json and tokenizer.json
+              need and less than a checkpoint's array file (about 100 KiB):
+              every checkpoint write fails with EFBIG ("File too large"), as on
+              a full disk with ENOSPC, through the same orbax and tensorstore
+              paths.
+  3 straight  the same settings to step T, never interrupted.
+    killed    resumed to step T.
+
+Every step is logged (log_every=1), so metrics.jsonl holds each step's loss,
+and the comparisons are exact: the same seed and data must give bit-identical
+losses, and a resumed run must continue exactly as the uninterrupted one.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from flax_transformer.checkpoint import Checkpoints, file_digest, read_config
+from flax_transformer.model import Transformer
+from flax_transformer.toy_task import number_translation
+from flax_transformer.train_step import create_train_state, make_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVE_EVERY = 2
+HELD = 4  # the checkpoint the killed run never commits; term runs past it before SIGINT
+# One layer each side and a vocabulary that puts every pair in the 8-token bucket: one
+# training-step shape. Every checkpoint is kept, so that each can be compared.
+OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
+           '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
+           '--data.vocab_size=256', '--train.max_tokens=256', '--train.warmup_steps=4',
+           '--train.log_every=1', f'--train.checkpoint_every={SAVE_EVERY}',
+           '--train.keep_checkpoints=1000']
+# Bounds a hang of one process; each takes seconds.
+DEADLINE_S = 180
+VALUES = ('loss', 'ppl', 'accuracy', 'learning_rate', 'grad_norm')
+FILE_LIMIT = 64 * 1024
+# train.py with RLIMIT_FSIZE set first (python's own -c, where preexec_fn would fork a
+# multithreaded process).
+LIMITED = ('import resource, runpy, sys\n'
+           f'resource.setrlimit(resource.RLIMIT_FSIZE, ({FILE_LIMIT}, {FILE_LIMIT}))\n'
+           'sys.argv = sys.argv[1:]\n'
+           'runpy.run_path(sys.argv[0], run_name="__main__")\n')
+
+
+def environment(cache: Path) -> dict[str, str]:
+  return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT),
+          'JAX_COMPILATION_CACHE_DIR': str(cache),
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+          'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
+
+
+class Setup:
+  """The corpus, the compilation cache and the command line every process shares."""
+
+  def __init__(self, base: Path):
+    self.base = base
+    corpus = base / 'corpus'
+    corpus.mkdir()
+    pairs = number_translation(num_train=400, num_validation=1, num_test=1)['train']
+    for lang, column in (('en', 'source'), ('de', 'target')):
+      (corpus / f'train.{lang}').write_text(''.join(f'{s}\n' for s in pairs[column]))
+    self.corpus = corpus
+    self.env = environment(base / 'jax-cache')
+    self.processes: list[subprocess.Popen] = []
+
+  def launch(self, name: str, steps: int, script: tuple[str, ...] = ('train.py',),
+             **popen) -> subprocess.Popen:
+    workdir = self.base / name
+    workdir.mkdir(exist_ok=True)
+    outputs = {} if popen else {'stdout': open(workdir / 'stdout.txt', 'a'),
+                                'stderr': open(workdir / 'stderr.txt', 'a')}
+    process = subprocess.Popen(
+        [sys.executable, *script, *OPTIONS, '--data', str(self.corpus), f'--steps={steps}',
+         '--workdir', str(workdir)], cwd=ROOT, env=self.env, **outputs, **popen)
+    self.processes.append(process)
+    return process
+
+  def kill_all(self) -> None:
+    """Ends whatever a failed test left running."""
+    for process in self.processes:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def finish(process: subprocess.Popen) -> int:
+  try:
+    return process.wait(timeout=DEADLINE_S)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.wait()
+    pytest.fail(f'{process.args} still ran after {DEADLINE_S} s')
+
+
+def wait_for(condition, process: subprocess.Popen, what: str) -> None:
+  deadline = time.monotonic() + DEADLINE_S
+  while not condition():
+    if process.poll() is not None:
+      pytest.fail(f'the process ended (exit {process.returncode}) before {what}')
+    if time.monotonic() > deadline:
+      process.kill()
+      pytest.fail(f'no {what} after {DEADLINE_S} s')
+    time.sleep(0.01)
+
+
+def logged(workdir: Path) -> dict[int, dict]:
+  """metrics.jsonl's training lines by step (a line being written is not yet one)."""
+  path = workdir / 'metrics.jsonl'
+  text = path.read_text() if path.is_file() else ''
+  lines = [json.loads(line) for line in text.split('\n')[:-1]]
+  return {line['step']: line for line in lines if 'loss' in line}
+
+
+def last_line(path: Path) -> str:
+  return path.read_text().strip().split('\n')[-1]
+
+
+def train_state(workdir: Path, step: int):
+  model_config, train_config, _ = read_config(workdir)
+  model = Transformer(model_config)
+  abstract = jax.eval_shape(lambda: create_train_state(
+      model, make_optimizer(train_config, model_config), train_config.seed))
+  checkpoints = Checkpoints(workdir, read_only=True)
+  try:
+    return checkpoints.restore(step, abstract)
+  finally:
+    checkpoints.close()
+
+
+def assert_trees_equal(actual, expected):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, e)
+
+
+@pytest.fixture(scope='module')
+def setup(tmp_path_factory):
+  setup = Setup(tmp_path_factory.mktemp('interrupt'))
+  yield setup
+  setup.kill_all()
+
+
+@pytest.fixture(scope='module')
+def runs(setup):
+  """Every run of the module docstring, in three phases of concurrent processes; what each left."""
+  base, facts = setup.base, {}
+
+  # 1. term until SIGTERM; its process compiles the step for all the others.
+  term = base / 'term'
+  process = setup.launch('term', steps=100_000)
+  wait_for(lambda: len(logged(term)) >= 3, process, 'three logged steps')
+  process.send_signal(signal.SIGTERM)
+  facts['term_exit'] = finish(process)
+  facts['term_message'] = last_line(term / 'stderr.txt')
+  facts['term_step'] = max(logged(term))
+  facts['term_checkpoints'] = Checkpoints(term, read_only=True).steps()
+
+  # 2. term resumed until SIGINT; killed until the save of HELD begins; disk.
+  killed_dir = base / 'killed'
+  held = killed_dir / 'checkpoints' / f'{HELD}.orbax-checkpoint-tmp'
+  killed = setup.launch('killed', steps=HELD + SAVE_EVERY,
+                        script=('tests/held_commit.py', str(HELD)))
+  disk = setup.launch('disk', steps=4 * SAVE_EVERY, script=('-c', LIMITED, 'train.py'))
+  process = setup.launch('term', steps=100_000)
+  wait_for(lambda: max(logged(term)) >= facts['term_step'] + 3, process, 'three more steps')
+  process.send_signal(signal.SIGINT)
+  wait_for(held.is_dir, killed, f'the temporary directory of checkpoint {HELD}')
+  killed.send_signal(signal.SIGKILL)
+  facts['killed_exit'] = killed.wait()
+  facts['killed_listing'] = sorted(p.name for p in (killed_dir / 'checkpoints').iterdir())
+  facts['killed_checkpoints'] = Checkpoints(killed_dir, read_only=True).steps()
+  facts['int_exit'] = finish(process)
+  facts['int_message'] = last_line(term / 'stderr.txt')
+  facts['int_step'] = max(logged(term))
+  facts['int_checkpoints'] = Checkpoints(term, read_only=True).steps()
+  facts['disk_exit'] = finish(disk)
+
+  # 3. straight, and killed resumed, to the step where SIGINT stopped term (> HELD).
+  total = facts['total'] = facts['int_step']
+  last = [setup.launch('straight', steps=total), setup.launch('killed', steps=total)]
+  facts['straight_exit'], facts['resumed_exit'] = map(finish, last)
+  facts['killed_listing_after'] = sorted(p.name for p in (killed_dir / 'checkpoints').iterdir())
+  facts['killed_stdout'] = (killed_dir / 'stdout.txt').read_text()
+  return facts
+
+
+def test_sigterm_saves_the_step_reached_and_exits_143(runs, setup):
+  step = runs['term_step']
+  assert runs['term_exit'] == 128 + signal.SIGTERM == 143
+  assert runs['term_message'] == (
+      f'train.py: stopped by SIGTERM after step {step}; saved {setup.base}/term/checkpoints/'
+      f'{step}. Run the same command again to resume from there.')
+  # The regular checkpoints, and the one of the step reached.
+  assert runs['term_checkpoints'] == sorted({*range(SAVE_EVERY, step + 1, SAVE_EVERY), step})
+
+
+def test_sigint_saves_the_step_reached_and_exits_130(runs, setup):
+  step = runs['int_step']
+  assert runs['int_exit'] == 128 + signal.SIGINT == 130
+  assert runs['int_message'] == (
+      f'train.py: stopped by SIGINT after step {step}; saved {setup.base}/term/checkpoints/'
+      f'{step}. Run the same command again to resume from there.')
+  assert step >= runs['term_step'] + 3 and runs['int_checkpoints'][-1] == step
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_intact(runs, setup):
+  assert runs['killed_exit'] == -signal.SIGKILL
+  # At the kill: checkpoint HELD half done in its temporary directory, the previous one whole.
+  assert runs['killed_listing'] == [str(SAVE_EVERY), f'{HELD}.orbax-checkpoint-tmp']
+  assert runs['killed_checkpoints'] == [SAVE_EVERY]
+  # ... and holding exactly what the uninterrupted run saved at that step.
+  killed = train_state(setup.base / 'killed', SAVE_EVERY)
+  assert_trees_equal(killed, train_state(setup.base / 'straight', SAVE_EVERY))
+  assert int(killed.step) == SAVE_EVERY
+
+
+def test_resume_after_kill_9_removes_the_partial_save(runs, setup):
+  assert runs['resumed_exit'] == 0 and runs['straight_exit'] == 0
+  listing = runs['killed_listing_after']
+  assert not [name for name in listing if 'tmp' in name]
+  total = runs['total']
+  assert sorted(map(int, listing)) == sorted({*range(SAVE_EVERY, total + 1, SAVE_EVERY), total})
+  assert f'resumed from {setup.base}/killed/checkpoints/{SAVE_EVERY}\n' in runs['killed_stdout']
+
+
+def test_same_seed_and_data_give_bit_identical_losses(runs, setup):
+  # The first steps of three fresh processes: term (before SIGTERM), straight, killed.
+  first = runs['term_step']
+  histories = [logged(setup.base / name) for name in ('term', 'straight', 'killed')]
+  for step in range(1, first + 1):
+    rows = [{key: history[step][key] for key in VALUES} for history in histories]
+    assert rows[0] == rows[1] == rows[2], f'step {step}'
+  assert len({file_digest(setup.base / name / 'tokenizer.json')
+              for name in ('term', 'straight', 'killed')}) == 1
+
+
+def test_resumed_runs_continue_exactly_as_the_uninterrupted_run(runs, setup):
+  # term: resumed after SIGTERM, saved at SIGINT; killed: resumed after kill -9, to the same step.
+  total = runs['total']
+  straight = logged(setup.base / 'straight')
+  assert sorted(straight) == list(range(1, total + 1))
+  final = train_state(setup.base / 'straight', total)
+  for name in ('term', 'killed'):
+    history = logged(setup.base / name)
+    # One line per step: the lines past a resumed checkpoint were dropped, then rewritten.
+    assert sorted(history) == list(range(1, total + 1)), name
+    for step in range(1, total + 1):
+      assert {k: history[step][k] for k in VALUES} == {k: straight[step][k] for k in VALUES}, \
+          f'{name}, step {step}'
+    assert_trees_equal(train_state(setup.base / name, total), final)
+  # Training moved on after the first interruption, so the equality is not trivial.
+  assert straight[total]['loss'] != straight[runs['term_step']]['loss']
+
+
+def test_a_full_disk_stops_training_with_one_clear_line(runs, setup):
+  workdir = setup.base / 'disk'
+  assert runs['disk_exit'] == 1
+  # orbax and tensorstore print their own tracebacks from the writing threads; train.py's
+  # report is one line among them.
+  (message,) = [line for line in (workdir / 'stderr.txt').read_text().split('\n')
+                if line.startswith('train.py:')]
+  assert message.startswith(f'train.py: error: {workdir}/checkpoints/{SAVE_EVERY}: the '
+                            'checkpoint could not be written (')
+  assert 'File too large' in message and 'no earlier checkpoint exists' in message
+  assert 'Free disk space or fix the permissions, then run again to resume' in message
+  # Stopped at the latest when the next checkpoint was due, without starting it.
+  assert max(logged(workdir)) <= 2 * SAVE_EVERY
+  assert [p.name for p in (workdir / 'checkpoints').iterdir()] == [
+      f'{SAVE_EVERY}.orbax-checkpoint-tmp']

@@ -1,0 +1,439 @@
+"""Failure handling in-process: non-finite steps, messy data, bad options, decode robustness.
+
+train.py and decode.py are called through their `main` here (exit status and
+standard error as a user sees them); tests/test_interrupt.py runs real
+processes for signals, kill -9 and a full disk. Each case asserts the message
+a user gets and what is left on disk.
+
+Non-finite steps are injected two ways, neither through a test-only hook:
+  * a learning rate 1e30 times the schedule's: step 1's update overflows the
+    parameters, so step 2's loss is NaN (the divergence of a too-high rate);
+  * batches holding a token id outside the vocabulary, whose embedding lookup
+    (`jnp.take` fills out-of-range rows with NaN) makes that one step's loss
+    NaN, as a corrupt batch would.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import datasets
+import jax
+import numpy as np
+import pytest
+
+from flax_transformer.batching import Batcher
+from flax_transformer.checkpoint import Checkpoints, read_config, write_config
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
+from flax_transformer.interruption import Interrupted, StopSignals
+from flax_transformer.metrics_log import MetricsLog
+from flax_transformer.model import Transformer
+from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.toy_task import number_translation
+from flax_transformer.train_step import create_train_state, make_optimizer
+from flax_transformer.training import NonFiniteError, train
+from flax_transformer.translate import Translator
+
+# A random model's translations run to the output budget, which max_len caps.
+pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import decode as decode_cli  # noqa: E402  (the scripts at the repository root)
+import train as train_cli  # noqa: E402
+
+# The tiny model of tests/test_interrupt.py: one training-step shape per corpus.
+OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
+           '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
+           '--data.vocab_size=256', '--train.max_tokens=256', '--train.warmup_steps=4',
+           '--train.log_every=1']
+# Three usable pairs (fewer than one batch's 32 rows), one pair with an empty side, and
+# one longer than model.max_len=16 tokens.
+MESSY_EN = ['one', 'two hundred', 'three', 'four', ' '.join(['seven'] * 40)]
+MESSY_DE = ['eins', 'zweihundert', 'drei', '   ', ' '.join(['sieben'] * 40)]
+
+
+def write_corpus(directory: Path, en: list[str], de: list[str]) -> Path:
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / 'train.en').write_text(''.join(f'{line}\n' for line in en))
+  (directory / 'train.de').write_text(''.join(f'{line}\n' for line in de))
+  return directory
+
+
+def call(main, argv) -> tuple[int, str, str]:
+  """A script's `main(argv)`: (exit status, argparse's SystemExit included; stdout; stderr)."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      status = main([str(a) for a in argv])
+    except SystemExit as exit_info:
+      status = exit_info.code
+  return status, out.getvalue(), err.getvalue()
+
+
+def error_line(err: str, script: str) -> str:
+  """The script's one error line on standard error (the rest: progress bars, warnings)."""
+  (line,) = [line for line in re.split(r'[\r\n]', err) if line.startswith(f'{script}: error')]
+  return line
+
+
+def assert_trees_equal(actual, expected):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, e)
+
+
+def restore(workdir: Path, step: int):
+  """The training state saved at `step`."""
+  model_config, train_config, _ = read_config(workdir)
+  model = Transformer(model_config)
+  abstract = jax.eval_shape(lambda: create_train_state(
+      model, make_optimizer(train_config, model_config), train_config.seed))
+  checkpoints = Checkpoints(workdir, read_only=True)
+  try:
+    return checkpoints.restore(step, abstract)
+  finally:
+    checkpoints.close()
+
+
+def metrics_lines(workdir: Path) -> list[dict]:
+  return MetricsLog.read(workdir / 'metrics.jsonl')
+
+
+def finite(tree) -> bool:
+  return all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(tree))
+
+
+# --- a diverging run on a messy corpus, through train.py --------------------------------
+
+@pytest.fixture(scope='module')
+def diverged(tmp_path_factory):
+  base = tmp_path_factory.mktemp('diverged')
+  corpus = write_corpus(base / 'corpus', MESSY_EN, MESSY_DE)
+  workdir = base / 'run'
+  status, out, err = call(train_cli.main, [
+      *OPTIONS, '--data', corpus, '--steps=6', '--train.lr_scale=1e30',
+      '--train.checkpoint_every=1', '--workdir', workdir])
+  return {'status': status, 'out': out, 'err': err, 'workdir': workdir, 'corpus': corpus}
+
+
+def test_messy_corpus_is_filtered_and_counted(diverged):
+  out = diverged['out']
+  # The empty side and the over-long pair are dropped and counted; three pairs, fewer than
+  # one batch holds, make one batch topped up with padding rows.
+  assert 'train: 4 pairs (train.en/train.de, 1 dropped with an empty side)' in out
+  assert re.search(r'train: 3 pairs in 1 batches per epoch of <= 256 tokens, shapes '
+                   r'\[B x L\]: 32x8; .*; 1 pairs dropped \(a side longer than '
+                   r'model.max_len=16 tokens with EOS\)', out)
+  first = metrics_lines(diverged['workdir'])[0]
+  assert first['step'] == 1 and np.isfinite(first['loss'])
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(diverged):
+  workdir = diverged['workdir']
+  assert diverged['status'] == 3
+  message = error_line(diverged['err'], 'train.py')
+  assert re.fullmatch(
+      r'train.py: error: step 2: the loss or the gradient is not finite \(loss sum (nan|inf), '
+      r'gradient norm (nan|inf)\); its update was not applied\. Training stopped; the last '
+      + re.escape(f'checkpoint, {workdir}/checkpoints/1, holds the last good parameters. ')
+      + r'Usual causes: .*To skip such steps and go on, pass --skip-nonfinite N\.', message)
+  assert Checkpoints(workdir, read_only=True).steps() == [1]
+  state = restore(workdir, 1)
+  assert int(state.step) == 1 and finite(state)
+  # The failing step is logged, counted and kept out of the averages.
+  assert [line['step'] for line in metrics_lines(workdir)] == [1, 2]
+  second = metrics_lines(workdir)[1]
+  assert second['nonfinite_steps'] == 1 and 'loss' not in second
+
+
+def test_a_tokenizer_that_does_not_match_the_checkpoint_is_refused(diverged, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(diverged['workdir'], workdir)
+  size = Tokenizer.load(workdir).vocab_size
+  numbers = number_translation(num_train=200, num_validation=1, num_test=1)['train']
+  other = Tokenizer.train(numbers['source'][:] + numbers['target'][:], size)
+  assert other.vocab_size == size  # the same size: only the recorded digest tells them apart
+  other.save(workdir)
+  expected = f'{workdir}/tokenizer.json is not the tokenizer this run was trained with'
+  status, _, err = call(train_cli.main, [*OPTIONS, '--data', diverged['corpus'], '--steps=6',
+                                         '--train.lr_scale=1e30', '--train.checkpoint_every=1',
+                                         '--workdir', workdir])
+  assert status == 1 and error_line(err, 'train.py').startswith(f'train.py: error: {expected}')
+  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, 'one'])
+  assert status == 2 and error_line(err, 'decode.py').startswith(f'decode.py: error: {expected}')
+
+
+# --- skipping non-finite steps, with the library ----------------------------------------
+
+def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_path,
+                                                                         monkeypatch):
+  corrupt = {2, 4}  # batch indices: steps 3 and 5
+  original = Batcher.batch_at
+
+  def batch_at(self, step):
+    batch = original(self, step)
+    if step in corrupt:
+      src = batch.src.copy()
+      src[0, 0] = 10**6  # outside any vocabulary
+      batch = batch.replace(src=src)
+    return batch
+
+  monkeypatch.setattr(Batcher, 'batch_at', batch_at)
+  dataset = datasets.DatasetDict(
+      {'train': number_translation(num_train=200, num_validation=1, num_test=1)['train']})
+  model = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=16)
+  config = TrainConfig(steps=6, max_tokens=256, warmup_steps=4, log_every=1,
+                       checkpoint_every=1)
+  messages = []
+  with pytest.raises(NonFiniteError) as error:
+    train(model, config, DataConfig(vocab_size=256), tmp_path, dataset=dataset,
+          skip_nonfinite=1, print_fn=messages.append)
+  assert error.value.step == 5
+  assert re.fullmatch(
+      r'step 5: the loss or the gradient is not finite \(loss sum nan, gradient norm nan\); its '
+      r'update was not applied; 2 such steps \(3, 5\), more than --skip-nonfinite=1 allows\. '
+      + re.escape(f'Training stopped; the last checkpoint, {tmp_path}/checkpoints/4, holds the '
+                  'last good parameters.') + ' .*', str(error.value))
+  assert any(m.startswith('step 3: the loss or the gradient is not finite') and
+             m.endswith('skipped (1 of at most 1, --skip-nonfinite)') for m in messages)
+  # Step 3 applied no update: its checkpoint holds step 2's parameters and Adam moments.
+  assert Checkpoints(tmp_path, read_only=True).steps() == [1, 2, 3, 4]
+  two, three, four = (restore(tmp_path, step) for step in (2, 3, 4))
+  assert int(three.step) == 3
+  assert_trees_equal((three.params, three.opt_state), (two.params, two.opt_state))
+  # ... and step 4 trained on from there.
+  assert finite(four) and not np.array_equal(jax.tree.leaves(four.params)[0],
+                                             jax.tree.leaves(three.params)[0])
+  lines = {line['step']: line for line in metrics_lines(tmp_path)}
+  assert lines[3]['nonfinite_steps'] == 1 and 'loss' not in lines[3]
+  assert np.isfinite(lines[4]['loss']) and 'nonfinite_steps' not in lines[4]
+
+
+# --- bad data and bad options: refused before any compilation -------------------------
+
+@pytest.mark.parametrize('name, en, de, expected', [
+    ('missing', ['one'], None, r"train.de: no such file, but split 'train' needs one file "
+                               r'per language'),
+    ('counts', ['one', 'two', 'three'], ['eins', 'zwei'],
+     r'train.en has 3 lines but .*train.de has 2; line N of one must translate line N'),
+    ('utf8', ['one', 'two'], b'eins\nzw\xe4i\n',
+     r'train.de, line 2: invalid UTF-8 \(invalid continuation byte at byte 7\)'),
+    ('empty', ['one', ''], ['', 'zwei'], r'no sentence pairs \(2 read, all with an empty side\)'),
+    ('long', [' '.join(['one'] * 20)], [' '.join(['eins'] * 20)],
+     r'the corpus holds no pairs \(1 were longer than max_len=16\); raise max_len'),
+])
+def test_bad_data_gives_one_line_naming_file_and_line(tmp_path, name, en, de, expected):
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  (corpus / 'train.en').write_text(''.join(f'{line}\n' for line in en))
+  if isinstance(de, bytes):
+    (corpus / 'train.de').write_bytes(de)
+  elif de is not None:
+    (corpus / 'train.de').write_text(''.join(f'{line}\n' for line in de))
+  status, _, err = call(train_cli.main, [*OPTIONS, '--data', corpus, '--workdir',
+                                         tmp_path / 'run'])
+  assert status == 1 and 'Traceback' not in err
+  assert re.search(expected, error_line(err, 'train.py')), err
+
+
+@pytest.mark.parametrize('argv, expected', [
+    (['--data.vocab_size=4'], 'data.vocab_size=4 leaves no room for text: the 4 special tokens'),
+    (['--model.max_len=1'], 'model.max_len=1 cannot hold a token and EOS'),
+    (['--average-last', '9'], '--average-last=9 needs that many checkpoints on disk, but '
+                              'train.keep_checkpoints=5 keeps fewer'),
+    (['--skip-nonfinite', '-1'], "argument --skip-nonfinite: expected a non-negative integer, "
+                                 "got '-1'"),
+    (['--steps', '0'], 'train.steps must be a positive integer, got 0'),
+])
+def test_train_refuses_settings_that_cannot_make_a_run(argv, expected, tmp_path):
+  status, _, err = call(train_cli.main, [*argv, '--workdir', tmp_path / 'run'])
+  assert status == 2 and expected in err
+  assert not (tmp_path / 'run').exists()  # refused before anything was written
+
+
+def test_unwritable_workdir_is_refused_before_loading_data(tmp_path):
+  (tmp_path / 'file').write_text('')
+  status, out, err = call(train_cli.main, ['--workdir', tmp_path / 'file' / 'run'])
+  assert status == 1 and 'data:' not in out
+  assert error_line(err, 'train.py') == (
+      f'train.py: error: {tmp_path}/file/run: cannot write the run directory (Not a '
+      'directory); choose another --workdir or make this one writable')
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root writes into read-only directories')
+def test_read_only_workdir_is_refused_before_loading_data(tmp_path):
+  workdir = tmp_path / 'run'
+  workdir.mkdir(mode=0o555)
+  status, _, err = call(train_cli.main, ['--workdir', workdir])
+  assert status == 1 and 'cannot write the run directory (Permission denied)' in err
+
+
+@pytest.mark.parametrize('argv, expected', [
+    (['--beam-size', '0'], "argument --beam-size: expected a positive integer, got '0'"),
+    (['--batch-size', '0'], "argument --batch-size: expected a positive integer, got '0'"),
+    (['--step', '-3'], "argument --step: expected a non-negative integer, got '-3'"),
+    (['--beams', '4'], 'decode.py: error: unrecognized arguments: --beams'),
+])
+def test_decode_refuses_bad_options_naming_them(argv, expected, tmp_path):
+  status, _, err = call(decode_cli.main, ['--checkpoint', tmp_path, *argv, 'Hallo'])
+  assert status == 2 and expected in err
+
+
+# --- decoding messy input ------------------------------------------------------------
+
+CORPUS = ['Ein Mann fährt Fahrrad.', 'Zwei Hunde spielen im Schnee.', 'Eine Frau liest ein Buch.',
+          'A man rides a bike.', 'Two dogs play in the snow.', 'A woman reads a book.']
+DECODE_MAX_LEN = 32
+
+
+@pytest.fixture(scope='module')
+def decode_run(tmp_path_factory):
+  """A run directory with a random tiny model, and its Translator."""
+  workdir = tmp_path_factory.mktemp('decode')
+  tokenizer = Tokenizer.train(CORPUS, vocab_size=100)
+  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, max_len=DECODE_MAX_LEN,
+                            num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
+  tokens = np.ones((1, 4), np.int32)
+  params = Transformer(config).init(jax.random.key(0), tokens, tokens)['params']
+  tokenizer.save(workdir)
+  write_config(workdir, config, TrainConfig(), DataConfig())
+  checkpoints = Checkpoints(workdir)
+  checkpoints.save_params(1, jax.device_get(params))
+  checkpoints.close()
+  return workdir, Translator(config, params, tokenizer)
+
+
+def test_decode_handles_empty_long_and_unknown_input_line_by_line(decode_run, tmp_path):
+  workdir, translator = decode_run
+  long = ' '.join(['Hund'] * 2000)  # 9,999 characters
+  lines = ['Ein Hund läuft.', '', long + 'e', '☃ 日本語 🙂 Ωμέγα', 'Zwei Männer.', '  ']
+  source, output = tmp_path / 'in.de', tmp_path / 'out.en'
+  # CRLF line ends, as from a Windows editor.
+  source.write_bytes(''.join(f'{line}\r\n' for line in lines).encode())
+  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
+                                          '--input', source, '--output', output])
+  assert status == 0, err
+  assert len(long + 'e') == 10_000
+  count = len(translator.tokenizer.encode([long + 'e'])[0])
+  assert (f'decode.py: warning: line 3 has {count} subword tokens; the model reads at most '
+          f'{DECODE_MAX_LEN - 1} + EOS: truncated') in err
+  written = output.read_text().split('\n')
+  assert written[-1] == '' and len(written) - 1 == len(lines)  # one line out per line in
+  with pytest.warns(UserWarning, match='sentence 2: .* truncated'):
+    expected = translator.translate(lines, method='greedy')
+  assert written[:-1] == expected
+  assert written[1] == written[5] == '' and all(written[i] for i in (0, 2, 3, 4))
+  assert '<unk>' in translator.tokenizer.decode([translator.tokenizer.encode([lines[3]])[0]])[0]
+
+
+def test_decode_refuses_invalid_utf8_naming_the_line(decode_run, tmp_path):
+  workdir, _ = decode_run
+  source, output = tmp_path / 'in.de', tmp_path / 'out.en'
+  source.write_bytes(b'Ein Hund.\nZwei M\xe4nner.\n')
+  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--input', source,
+                                          '--output', output])
+  assert status == 2 and not output.exists()
+  assert error_line(err, 'decode.py') == (
+      f'decode.py: error: {source}, line 2: invalid UTF-8 (invalid continuation byte at byte '
+      '16); re-encode the file as UTF-8')
+
+
+def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp_path,
+                                                                 monkeypatch):
+  workdir, translator = decode_run
+  lines = [CORPUS[i % 3] for i in range(10)]
+  calls = []
+  original = Translator.translate_sources
+
+  def fail_second_block(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError('device lost')
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(Translator, 'translate_sources', fail_second_block)
+  source, output = tmp_path / 'in.de', tmp_path / 'out.en'
+  source.write_text('\n'.join(lines) + '\n')
+  # --batch-size 1: blocks of decode.BATCHES_PER_BLOCK = 8 lines.
+  with pytest.raises(RuntimeError, match='device lost'):
+    call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy', '--batch-size', '1',
+                           '--input', source, '--output', output])
+  monkeypatch.undo()
+  block = decode_cli.BATCHES_PER_BLOCK
+  assert output.read_text().split('\n')[:-1] == translator.translate(lines[:block],
+                                                                     method='greedy')
+
+
+def test_decode_reports_a_full_disk_with_the_lines_written(decode_run):
+  if not Path('/dev/full').exists():
+    pytest.skip('/dev/full (writes fail with ENOSPC) is Linux only')
+  workdir, _ = decode_run
+  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
+                                          '--output', '/dev/full', 'Ein Hund.'])
+  assert status == 1
+  assert error_line(err, 'decode.py') == (
+      'decode.py: error: writing /dev/full failed (No space left on device); it holds the '
+      'translations of the first 0 lines at most')
+
+
+def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_path):
+  workdir, _ = decode_run
+  other = tmp_path / 'other'
+  shutil.copytree(workdir, other)
+  config = json.loads((other / 'config.json').read_text())
+  config['model']['d_model'] = 64
+  (other / 'config.json').write_text(json.dumps(config))
+  status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
+  assert status == 2
+  assert re.fullmatch(r'decode.py: error: .*/checkpoints/1: .* has shape \(32, 32\), the model '
+                      r'of config.json needs \(64, 64\); the checkpoint belongs to another model',
+                      error_line(err, 'decode.py'))
+  (other / 'tokenizer.json').unlink()
+  status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
+  assert status == 2 and error_line(err, 'decode.py').startswith(
+      f'decode.py: error: {other}/tokenizer.json: no such file')
+  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--output',
+                                          tmp_path / 'missing' / 'out.txt', 'Ein Hund.'])
+  assert status == 2 and error_line(err, 'decode.py') == (
+      f'decode.py: error: --output {tmp_path}/missing/out.txt: cannot write it (No such file or '
+      'directory)')
+
+
+# --- the pieces -------------------------------------------------------------------------
+
+def test_stop_signals_note_the_first_signal_and_a_second_ctrl_c_stops_at_once():
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  with StopSignals() as stop:
+    assert not stop.requested(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested(2) and stop.signal_number == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGINT)  # after SIGTERM: still the save under way
+    assert stop.signal_number == signal.SIGTERM
+  with StopSignals() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.requested(1) and stop.signal_number == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt, match='second SIGINT'):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+  stopped = Interrupted(signal.SIGTERM, 7, Path('run/checkpoints/7'))
+  assert stopped.exit_code == 143 and str(stopped) == (
+      'stopped by SIGTERM after step 7; saved run/checkpoints/7. Run the same command again to '
+      'resume from there.')
+
+
+def test_metrics_log_drops_a_line_cut_short_and_names_a_malformed_one(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+  assert MetricsLog.read(path) == [{'step': 1, 'loss': 2.0}, {'step': 2, 'loss': 1.5}]
+  MetricsLog(path, resume_step=2).close()
+  assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+  path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+  with pytest.raises(ValueError, match=f'{path}, line 2: not a JSON object'):
+    MetricsLog.read(path)
