@@ -39,7 +39,14 @@ def pin_threads(threads: int | None) -> list[int]:
 
 
 def torch_threads(count: int):
-  """Gives PyTorch `count` intra-op threads (the same number XLA got from `pin_threads`)."""
+  """Gives PyTorch `count` intra-op threads (the same number XLA got from `pin_threads`).
+
+  Its OpenMP threads wait passively between parallel regions unless
+  OMP_WAIT_POLICY says otherwise: spinning threads on a machine shared with
+  other work made PyTorch several times slower, and XLA's threads block too.
+  Takes effect only before PyTorch's first import.
+  """
+  os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
   import torch
   torch.set_num_threads(count)
   torch.set_num_interop_threads(1)
