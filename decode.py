@@ -56,9 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--checkpoint', required=True, type=Path,
                       help='run directory written by train.py (config.json, tokenizer.json, '
                            'checkpoints/)')
-  parser.add_argument('--step', type=_nonnegative_int,
+  parser.add_argument('--step', type=int,
                       help='checkpoint step to load (default: the latest)')
-  parser.add_argument('--average-last', type=_nonnegative_int, default=0, metavar='K',
+  parser.add_argument('--average-last', type=int, default=0, metavar='K',
                       help='average the parameters of the last K checkpoints (paper: 5)')
   parser.add_argument('--input', type=Path, help='file with one sentence per line ("-": stdin)')
   parser.add_argument('--output', type=Path, help='write translations here (default: stdout)')
@@ -66,39 +66,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help='reference translations, one per line: print BLEU and chrF')
   search = parser.add_argument_group('search')
   search.add_argument('--method', choices=('beam', 'greedy', 'sample'), default='beam')
-  search.add_argument('--beam-size', type=_positive_int, default=4,
+  search.add_argument('--beam-size', type=int, default=4,
                       help='beam search: beams (paper: 4)')
   search.add_argument('--alpha', type=float, default=0.6,
                       help='beam search: length penalty ((5 + |Y|) / 6)^alpha (paper: 0.6)')
   search.add_argument('--temperature', type=float, default=1.0, help='sampling: temperature')
-  search.add_argument('--top-k', type=_nonnegative_int, default=0,
+  search.add_argument('--top-k', type=int, default=0,
                       help='sampling: keep the k best (0: all)')
   search.add_argument('--top-p', type=float, default=1.0, help='sampling: nucleus mass (1: all)')
   search.add_argument('--seed', type=int, default=0, help='sampling: random seed')
-  search.add_argument('--max-len', type=_positive_int,
+  search.add_argument('--max-len', type=int,
                       help='output tokens per sentence (default: source length + 50, at most '
                            "the model's max_len)")
-  search.add_argument('--batch-size', type=_positive_int, default=64,
+  search.add_argument('--batch-size', type=int, default=64,
                       help='sentences per batch')
-  return parser.parse_args(argv)
-
-
-def _positive_int(text: str) -> int:
-  return _int_at_least(text, 1, 'a positive integer')
-
-
-def _nonnegative_int(text: str) -> int:
-  return _int_at_least(text, 0, 'a non-negative integer')
-
-
-def _int_at_least(text: str, low: int, kind: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'expected {kind}, got {text!r}') from None
-  if value < low:
-    raise argparse.ArgumentTypeError(f'expected {kind}, got {text!r}')
-  return value
+  args = parser.parse_args(argv)
+  # Refused here, naming the option, rather than deep in loading or decoding.
+  for option, low in (('step', 0), ('average_last', 0), ('beam_size', 1), ('top_k', 0),
+                      ('max_len', 1), ('batch_size', 1)):
+    value = getattr(args, option)
+    if value is not None and value < low:
+      parser.error(f'argument --{option.replace("_", "-")}: must be >= {low}, got {value}')
+  return args
 
 
 def _lines(data: bytes, where: str) -> list[str]:

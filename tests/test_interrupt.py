@@ -15,6 +15,9 @@ concurrent processes:
               kill lands after the checkpoint's files began to appear and
               before the rename, whatever the machine's speed: the held commit
               keeps that window open until the kill.
+    preempted two train.py processes, one job over 127.0.0.1; SIGTERM to process
+              1 alone once three steps are logged: both exit 143 after saving
+              the step JAX's preemption service agreed on.
     disk      RLIMIT_FSIZE of 64 KiB, more than config.json and tokenizer.json
               need and less than a checkpoint's array file (about 100 KiB):
               every checkpoint write fails with EFBIG ("File too large"), as on
@@ -30,6 +33,7 @@ losses, and a resumed run must continue exactly as the uninterrupted one.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +48,8 @@ from flax_transformer.checkpoint import Checkpoints, file_digest, read_config
 from flax_transformer.model import Transformer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import create_train_state, make_optimizer
+# Loopback-only multi-process jobs, as tests/test_multihost.py starts them.
+from test_multihost import free_ports, host_name_is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_EVERY = 2
@@ -68,7 +74,13 @@ LIMITED = ('import resource, runpy, sys\n'
 
 
 def environment(cache: Path) -> dict[str, str]:
-  return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT),
+  """CPU only, one device per process, compilations cached in `cache`.
+
+  XLA's backend optimisation is off, as in tests/test_multihost.py: compiling
+  dominates these runs, and every run of a comparison uses the same flags.
+  """
+  flags = '--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0'
+  return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT), 'XLA_FLAGS': flags,
           'JAX_COMPILATION_CACHE_DIR': str(cache),
           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
           'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
@@ -85,18 +97,21 @@ class Setup:
     for lang, column in (('en', 'source'), ('de', 'target')):
       (corpus / f'train.{lang}').write_text(''.join(f'{s}\n' for s in pairs[column]))
     self.corpus = corpus
-    self.env = environment(base / 'jax-cache')
+    self.cache = base / 'jax-cache'
     self.processes: list[subprocess.Popen] = []
 
   def launch(self, name: str, steps: int, script: tuple[str, ...] = ('train.py',),
-             **popen) -> subprocess.Popen:
+             extra: tuple[str, ...] = (), log: str = '') -> subprocess.Popen:
+    """train.py (or `script`) on WORKDIR=base/name; output appended to {stdout,stderr}{log}.txt."""
     workdir = self.base / name
     workdir.mkdir(exist_ok=True)
-    outputs = {} if popen else {'stdout': open(workdir / 'stdout.txt', 'a'),
-                                'stderr': open(workdir / 'stderr.txt', 'a')}
-    process = subprocess.Popen(
-        [sys.executable, *script, *OPTIONS, '--data', str(self.corpus), f'--steps={steps}',
-         '--workdir', str(workdir)], cwd=ROOT, env=self.env, **outputs, **popen)
+    with open(workdir / f'stdout{log}.txt', 'a') as out, \
+         open(workdir / f'stderr{log}.txt', 'a') as err:
+      process = subprocess.Popen(
+          [sys.executable, *script, *OPTIONS, '--data', str(self.corpus), f'--steps={steps}',
+           '--workdir', str(workdir), *extra], cwd=ROOT, env=environment(self.cache),
+          stdout=out, stderr=err)
+    process.log = workdir / f'stderr{log}.txt'  # for the failure messages
     self.processes.append(process)
     return process
 
@@ -114,18 +129,23 @@ def finish(process: subprocess.Popen) -> int:
   except subprocess.TimeoutExpired:
     process.kill()
     process.wait()
-    pytest.fail(f'{process.args} still ran after {DEADLINE_S} s')
+    pytest.fail(f'{process.args} still ran after {DEADLINE_S} s:\n{log_tail(process)}')
 
 
 def wait_for(condition, process: subprocess.Popen, what: str) -> None:
   deadline = time.monotonic() + DEADLINE_S
   while not condition():
     if process.poll() is not None:
-      pytest.fail(f'the process ended (exit {process.returncode}) before {what}')
+      pytest.fail(f'the process ended (exit {process.returncode}) before {what}:\n'
+                  f'{log_tail(process)}')
     if time.monotonic() > deadline:
       process.kill()
-      pytest.fail(f'no {what} after {DEADLINE_S} s')
+      pytest.fail(f'no {what} after {DEADLINE_S} s:\n{log_tail(process)}')
     time.sleep(0.01)
+
+
+def log_tail(process: subprocess.Popen) -> str:
+  return process.log.read_text()[-3000:]
 
 
 def logged(workdir: Path) -> dict[int, dict]:
@@ -137,10 +157,20 @@ def logged(workdir: Path) -> dict[int, dict]:
 
 
 def last_line(path: Path) -> str:
-  return path.read_text().strip().split('\n')[-1]
+  """The last line of a log, progress bars' carriage returns counting as line ends."""
+  return re.split(r'[\r\n]', path.read_text().strip())[-1]
+
+
+def saved_steps(workdir: Path) -> list[int]:
+  checkpoints = Checkpoints(workdir, read_only=True)
+  try:
+    return checkpoints.steps()
+  finally:
+    checkpoints.close()
 
 
 def train_state(workdir: Path, step: int):
+  """The TrainState saved at `step`, for the model and optimizer of WORKDIR/config.json."""
   model_config, train_config, _ = read_config(workdir)
   model = Transformer(model_config)
   abstract = jax.eval_shape(lambda: create_train_state(
@@ -178,9 +208,15 @@ def runs(setup):
   facts['term_exit'] = finish(process)
   facts['term_message'] = last_line(term / 'stderr.txt')
   facts['term_step'] = max(logged(term))
-  facts['term_checkpoints'] = Checkpoints(term, read_only=True).steps()
+  facts['term_checkpoints'] = saved_steps(term)
 
-  # 2. term resumed until SIGINT; killed until the save of HELD begins; disk.
+  # 2. term resumed until SIGINT; killed until the save of HELD begins; disk; preempted.
+  preempted = []
+  if host_name_is_loopback():
+    coordinator = f'127.0.0.1:{free_ports(1)[0]}'
+    preempted = [setup.launch('preempted', steps=100_000, log=str(index), extra=(
+        '--coordinator', coordinator, '--num-processes', '2', '--process-id', str(index)))
+        for index in (0, 1)]
   killed_dir = base / 'killed'
   held = killed_dir / 'checkpoints' / f'{HELD}.orbax-checkpoint-tmp'
   killed = setup.launch('killed', steps=HELD + SAVE_EVERY,
@@ -193,12 +229,13 @@ def runs(setup):
   killed.send_signal(signal.SIGKILL)
   facts['killed_exit'] = killed.wait()
   facts['killed_listing'] = sorted(p.name for p in (killed_dir / 'checkpoints').iterdir())
-  facts['killed_checkpoints'] = Checkpoints(killed_dir, read_only=True).steps()
+  facts['killed_checkpoints'] = saved_steps(killed_dir)
   facts['int_exit'] = finish(process)
   facts['int_message'] = last_line(term / 'stderr.txt')
   facts['int_step'] = max(logged(term))
-  facts['int_checkpoints'] = Checkpoints(term, read_only=True).steps()
+  facts['int_checkpoints'] = saved_steps(term)
   facts['disk_exit'] = finish(disk)
+  facts['preempted'] = preempted  # the preempted fixture stops them
 
   # 3. straight, and killed resumed, to the step where SIGINT stopped term (> HELD).
   total = facts['total'] = facts['int_step']
@@ -209,23 +246,48 @@ def runs(setup):
   return facts
 
 
-def test_sigterm_saves_the_step_reached_and_exits_143(runs, setup):
-  step = runs['term_step']
-  assert runs['term_exit'] == 128 + signal.SIGTERM == 143
-  assert runs['term_message'] == (
-      f'train.py: stopped by SIGTERM after step {step}; saved {setup.base}/term/checkpoints/'
-      f'{step}. Run the same command again to resume from there.')
+def stop_message(name: str, step: int, workdir: Path) -> str:
+  return (f'train.py: stopped by {name} after step {step}; saved {workdir}/checkpoints/{step}. '
+          'Run the same command again to resume from there.')
+
+
+@pytest.mark.parametrize('run, number, code', [('term', signal.SIGTERM, 143),
+                                               ('int', signal.SIGINT, 130)])
+def test_a_signal_saves_the_step_reached_and_exits_128_plus_its_number(runs, setup, run, number,
+                                                                       code):
+  step = runs[f'{run}_step']
+  assert runs[f'{run}_exit'] == 128 + number == code
+  assert runs[f'{run}_message'] == stop_message(number.name, step, setup.base / 'term')
   # The regular checkpoints, and the one of the step reached.
-  assert runs['term_checkpoints'] == sorted({*range(SAVE_EVERY, step + 1, SAVE_EVERY), step})
+  checkpoints = runs[f'{run}_checkpoints']
+  assert checkpoints[-1] == step and set(range(SAVE_EVERY, step + 1, SAVE_EVERY)) <= {*checkpoints}
+  assert runs['int_step'] >= runs['term_step'] + 3
 
 
-def test_sigint_saves_the_step_reached_and_exits_130(runs, setup):
-  step = runs['int_step']
-  assert runs['int_exit'] == 128 + signal.SIGINT == 130
-  assert runs['int_message'] == (
-      f'train.py: stopped by SIGINT after step {step}; saved {setup.base}/term/checkpoints/'
-      f'{step}. Run the same command again to resume from there.')
-  assert step >= runs['term_step'] + 3 and runs['int_checkpoints'][-1] == step
+@pytest.fixture(scope='module')
+def preempted(runs, setup) -> list[int]:
+  """The exit statuses of the 2-process job, SIGTERM sent to process 1 once 3 steps are logged.
+
+  A fixture of its own, so that a failure of this job fails its test alone.
+  """
+  processes = runs['preempted']
+  if not processes:
+    pytest.skip("gloo would listen on this host name's address, which is not loopback")
+  wait_for(lambda: len(logged(setup.base / 'preempted')) >= 3, processes[0],
+           'three logged steps')
+  processes[1].send_signal(signal.SIGTERM)  # process 1 only
+  return [finish(process) for process in processes]
+
+
+def test_sigterm_to_one_process_of_a_job_stops_every_process_at_one_step(preempted, setup):
+  workdir = setup.base / 'preempted'
+  step = max(logged(workdir))
+  assert preempted == [143, 143]
+  # JAX's preemption service told process 0 too; both saved the same step, in one checkpoint.
+  for index in (0, 1):
+    assert last_line(workdir / f'stderr{index}.txt') == stop_message('SIGTERM', step, workdir)
+  assert saved_steps(workdir) == [
+      *range(SAVE_EVERY, step, SAVE_EVERY), step]
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_intact(runs, setup):
@@ -282,7 +344,7 @@ def test_a_full_disk_stops_training_with_one_clear_line(runs, setup):
   assert runs['disk_exit'] == 1
   # orbax and tensorstore print their own tracebacks from the writing threads; train.py's
   # report is one line among them.
-  (message,) = [line for line in (workdir / 'stderr.txt').read_text().split('\n')
+  (message,) = [line for line in re.split(r'[\r\n]', (workdir / 'stderr.txt').read_text())
                 if line.startswith('train.py:')]
   assert message.startswith(f'train.py: error: {workdir}/checkpoints/{SAVE_EVERY}: the '
                             'checkpoint could not be written (')

@@ -29,16 +29,17 @@ import numpy as np
 import pytest
 
 from flax_transformer.batching import Batcher
-from flax_transformer.checkpoint import Checkpoints, read_config, write_config
+from flax_transformer.checkpoint import Checkpoints, write_config
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import Transformer
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.toy_task import number_translation
-from flax_transformer.train_step import create_train_state, make_optimizer
 from flax_transformer.training import NonFiniteError, train
 from flax_transformer.translate import Translator
+# Restoring a run directory's training state, as tests/test_interrupt.py compares them.
+from test_interrupt import assert_trees_equal, saved_steps, train_state
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
@@ -83,25 +84,6 @@ def error_line(err: str, script: str) -> str:
   return line
 
 
-def assert_trees_equal(actual, expected):
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    np.testing.assert_array_equal(a, e)
-
-
-def restore(workdir: Path, step: int):
-  """The training state saved at `step`."""
-  model_config, train_config, _ = read_config(workdir)
-  model = Transformer(model_config)
-  abstract = jax.eval_shape(lambda: create_train_state(
-      model, make_optimizer(train_config, model_config), train_config.seed))
-  checkpoints = Checkpoints(workdir, read_only=True)
-  try:
-    return checkpoints.restore(step, abstract)
-  finally:
-    checkpoints.close()
-
-
 def metrics_lines(workdir: Path) -> list[dict]:
   return MetricsLog.read(workdir / 'metrics.jsonl')
 
@@ -144,8 +126,8 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint
       r'gradient norm (nan|inf)\); its update was not applied\. Training stopped; the last '
       + re.escape(f'checkpoint, {workdir}/checkpoints/1, holds the last good parameters. ')
       + r'Usual causes: .*To skip such steps and go on, pass --skip-nonfinite N\.', message)
-  assert Checkpoints(workdir, read_only=True).steps() == [1]
-  state = restore(workdir, 1)
+  assert saved_steps(workdir) == [1]
+  state = train_state(workdir, 1)
   assert int(state.step) == 1 and finite(state)
   # The failing step is logged, counted and kept out of the averages.
   assert [line['step'] for line in metrics_lines(workdir)] == [1, 2]
@@ -204,8 +186,8 @@ def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_p
   assert any(m.startswith('step 3: the loss or the gradient is not finite') and
              m.endswith('skipped (1 of at most 1, --skip-nonfinite)') for m in messages)
   # Step 3 applied no update: its checkpoint holds step 2's parameters and Adam moments.
-  assert Checkpoints(tmp_path, read_only=True).steps() == [1, 2, 3, 4]
-  two, three, four = (restore(tmp_path, step) for step in (2, 3, 4))
+  assert saved_steps(tmp_path) == [1, 2, 3, 4]
+  two, three, four = (train_state(tmp_path, step) for step in (2, 3, 4))
   assert int(three.step) == 3
   assert_trees_equal((three.params, three.opt_state), (two.params, two.opt_state))
   # ... and step 4 trained on from there.
@@ -276,9 +258,9 @@ def test_read_only_workdir_is_refused_before_loading_data(tmp_path):
 
 
 @pytest.mark.parametrize('argv, expected', [
-    (['--beam-size', '0'], "argument --beam-size: expected a positive integer, got '0'"),
-    (['--batch-size', '0'], "argument --batch-size: expected a positive integer, got '0'"),
-    (['--step', '-3'], "argument --step: expected a non-negative integer, got '-3'"),
+    (['--beam-size', '0'], 'decode.py: error: argument --beam-size: must be >= 1, got 0'),
+    (['--batch-size', '0'], 'decode.py: error: argument --batch-size: must be >= 1, got 0'),
+    (['--step', '-3'], 'decode.py: error: argument --step: must be >= 0, got -3'),
     (['--beams', '4'], 'decode.py: error: unrecognized arguments: --beams'),
 ])
 def test_decode_refuses_bad_options_naming_them(argv, expected, tmp_path):
