@@ -86,7 +86,12 @@ def test_peer_has_our_parameter_count(peer):
   tokens = np.ones((1, 1), np.int32)
   ours = count_params(jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens,
                                      tokens)['params'])
-  assert peers.trainable_params(peers.build_model(peer, config)) == ours == 44_800
+  # The peers keep a key-projection bias (torch's in_proj_bias covers q, k and v together);
+  # ours has none (the softmax cancels it): one d_model vector per attention layer.
+  num_attentions = config.num_encoder_layers + 2 * config.num_decoder_layers
+  key_biases = num_attentions * config.d_model
+  assert ours == 44_608
+  assert peers.trainable_params(peers.build_model(peer, config)) == ours + key_biases
 
 
 @pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')
