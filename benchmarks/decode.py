@@ -1,7 +1,7 @@
 """Decoding speed on CPU: the cached engine against a naive no-cache loop and Hugging Face Marian.
 
-    python -m benchmarks.decode            # the issue's setting; about 15 minutes on 2 cores
-    python -m benchmarks.decode --quick    # smaller model and shapes, a few minutes
+    python -m benchmarks.decode            # the issue's setting; ~20 minutes on 2 busy cores
+    python -m benchmarks.decode --quick    # smaller model and shapes, ~3 minutes
 
 Setting: the paper's base model (d=512, 6+6 layers, 8 heads, d_ff=2048, 37k vocabulary)
 with random weights, a batch of 32 sources of 32 tokens, 32 new tokens forced
