@@ -249,7 +249,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   # then wait on the host for the interval's log line (`fetched`).
   pending, fetched, skipped = [], [], []
   interval_start = run_start = time.perf_counter()
-  interrupted_at = None
+  done = start
   bar = tqdm(range(start, train_config.steps), initial=start, total=train_config.steps,
              desc='train', unit='step', disable=not is_main, dynamic_ncols=True)
   try:
@@ -281,7 +281,6 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
         if save_now:
           checkpoints.save(data_parallel.unreplicate(state))
         if stopping:
-          interrupted_at = done
           break
         if (train_config.bleu_every and done % train_config.bleu_every == 0
             and 'validation' in dataset):
@@ -298,12 +297,15 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     # Let the saves already under way finish: the error raised is the one to report.
     with contextlib.suppress(checkpoint.WriteError):
       checkpoints.close()
-    raise
-  if interrupted_at is not None:
     if log is not None:
       log.close()
-    raise Interrupted(stop.signal_number, interrupted_at,
-                      checkpoints.directory / str(interrupted_at))
+    raise
+  if stop.signal_number is not None:
+    # Stopped at step `done`, saved. A signal after the last step, while its checkpoint was
+    # written, also ends here: the evaluation is left to the next run ("already trained").
+    if log is not None:
+      log.close()
+    raise Interrupted(stop.signal_number, done, checkpoints.directory / str(done))
   if start >= train_config.steps:
     say(f'{workdir} is already trained to step {start} (train.steps={train_config.steps}); '
         'evaluating it')
