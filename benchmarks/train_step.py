@@ -1,6 +1,6 @@
 """Training-step throughput: our jit-compiled step against PyTorch peers and the matmul peak.
 
-    python -m benchmarks.train_step                 # the full suite, ~15 minutes on 2 CPU cores
+    python -m benchmarks.train_step                 # the full suite, ~25 minutes on 2 CPU cores
     python -m benchmarks.train_step --quick         # small config only, a few minutes
     python -m benchmarks.train_step --sections table --configs base --dtypes float32
 
