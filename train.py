@@ -57,6 +57,9 @@ SETTING_HELP = {
     'model.share_embeddings': 'one embedding matrix for source, target and output (true/false)',
     'model.attention_radius': 'restricted self-attention window, or none',
     'model.dtype': 'compute dtype: float32 or bfloat16 (parameters and loss stay float32)',
+    'model.kind': 'autoregressive (the paper) or cmlm (non-autoregressive, mask-predict)',
+    'model.max_length_offset': 'cmlm: the length classifier predicts target - source length '
+                               'within +- this',
     'train.seed': 'seed of the parameters, batch order and dropout',
     'train.steps': 'batches to train on (with accumulation K: steps / K updates)',
     'train.max_tokens': 'padded tokens per batch and side',
@@ -74,6 +77,10 @@ SETTING_HELP = {
     'train.checkpoint_every': 'steps between checkpoints (and one at the end)',
     'train.keep_checkpoints': 'checkpoints kept on disk (the newest)',
     'train.bleu_every': 'steps between validation BLEU scores (0: only at the end)',
+    'train.length_loss_weight': 'cmlm: weight of the length loss (per sentence) beside the '
+                                'masked-token loss',
+    'train.eos_fill_rate': 'cmlm: fraction of target rows padded with EOS instead of PAD, for '
+                           'fixed-length decoding',
     'data.source': 'toy, a directory or table file of parallel text, or a Hub dataset',
     'data.src_lang': 'source language code (file suffix or column)',
     'data.tgt_lang': 'target language code (file suffix or column)',
@@ -128,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
   aliases.add_argument('--src', dest='data.src_lang', metavar='LANG', help='= --data.src_lang')
   aliases.add_argument('--tgt', dest='data.tgt_lang', metavar='LANG', help='= --data.tgt_lang')
   aliases.add_argument('--steps', dest='train.steps', metavar='N', help='= --train.steps')
+  aliases.add_argument('--objective', dest='model.kind', choices=('autoregressive', 'cmlm'),
+                       help='= --model.kind: autoregressive (next token) or cmlm (conditional '
+                            'masked LM + length loss, a non-autoregressive model)')
   aliases.add_argument('--bf16', dest='model.dtype', action='store_const', const='bfloat16',
                        help='= --model.dtype=bfloat16')
 

@@ -47,6 +47,14 @@ class ModelConfig:
   attention_radius: int | None = None
   # Compute dtype ('float32' or 'bfloat16'); parameters, logits and loss stay float32.
   dtype: Literal['float32', 'bfloat16'] = 'float32'
+  # 'autoregressive': the paper's causal decoder, one token per step. 'cmlm': a
+  # non-autoregressive decoder (conditional masked LM, Ghazvininejad et al. 2019) whose
+  # self-attention sees the whole target row, fed MASK placeholders (id vocab_size, an
+  # extra embedding row), plus a length classifier over the mean-pooled encoder output.
+  kind: Literal['autoregressive', 'cmlm'] = 'autoregressive'
+  # cmlm: the classifier predicts target length - source length, clipped to
+  # [-max_length_offset, max_length_offset] (2 * max_length_offset + 1 classes).
+  max_length_offset: int = 32
   pad_id: int = 0
   bos_id: int = 1
   eos_id: int = 2
@@ -72,6 +80,12 @@ class ModelConfig:
       raise ConfigError(f"model.norm_placement must be 'post' or 'pre', got {self.norm_placement!r}")
     if self.dtype not in ('float32', 'bfloat16'):
       raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    if self.kind not in ('autoregressive', 'cmlm'):
+      raise ConfigError(f"model.kind must be 'autoregressive' or 'cmlm', got {self.kind!r}")
+    if isinstance(self.max_length_offset, bool) or not isinstance(self.max_length_offset, int) \
+        or self.max_length_offset < 0:
+      raise ConfigError(f'model.max_length_offset must be a non-negative integer, '
+                        f'got {self.max_length_offset!r}')
     if self.attention_radius is not None and self.attention_radius < 0:
       raise ConfigError(f'model.attention_radius must be >= 0 or None, got {self.attention_radius!r}')
     special = {'pad_id': self.pad_id, 'bos_id': self.bos_id, 'eos_id': self.eos_id,
@@ -164,6 +178,13 @@ class TrainConfig:
   keep_checkpoints: int = 5
   # BLEU on the validation split every this many steps; 0: only at the end of training.
   bleu_every: int = 0
+  # model.kind='cmlm' only. Weight of the length classifier's cross-entropy (per sentence)
+  # beside the masked-token loss (per masked token); fairseq's CMLM uses 0.1.
+  length_loss_weight: float = 0.1
+  # model.kind='cmlm' only. Fraction of target rows whose PAD positions (up to the batch
+  # width) are filled with EOS while training, so that decoding at a fixed maximum
+  # length and cutting at the first EOS has seen rows that go on past their end.
+  eos_fill_rate: float = 0.1
 
   # Fields a resumed run may change: they say how long and how chattily to train, not how.
   RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
@@ -176,7 +197,9 @@ class TrainConfig:
                        'eval_every', 'checkpoint_every', 'keep_checkpoints'),
         nonnegative_ints=('seed', 'bleu_every'),
         positive_floats=('lr_scale', 'adam_eps', 'max_grad_norm'),
-        unit_floats=('adam_b1', 'adam_b2', 'label_smoothing'))
+        unit_floats=('adam_b1', 'adam_b2', 'label_smoothing', 'eos_fill_rate'))
+    if not (isinstance(self.length_loss_weight, (int, float)) and self.length_loss_weight >= 0):
+      raise ConfigError(f'train.length_loss_weight must be >= 0, got {self.length_loss_weight!r}')
     if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
       raise ConfigError(f'train.weight_decay must be >= 0, got {self.weight_decay!r}')
 
