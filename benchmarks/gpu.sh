@@ -22,12 +22,12 @@ if jax.default_backend() != 'gpu':
 print(f'jax {jax.__version__} on {jax.devices()[0].device_kind}')
 EOF
 
-# The library's own dependencies, never replacing the jax (and its CUDA plugin) installed here.
-if ! python3 -c 'import flax, optax, datasets, tokenizers, tqdm' 2>/dev/null; then
+# The benchmark needs flax and optax beside jax (it runs from this checkout, so the package itself
+# needs no install); add them if missing, never replacing the jax (and its CUDA plugin) installed here.
+if ! python3 -c 'import flax, optax' 2>/dev/null; then
   constraints=$(mktemp)
   python3 -m pip freeze | grep -iE '^(jax|jaxlib|jax[-_]cuda[0-9]+[-_](plugin|pjrt))==' > "$constraints" || true
-  python3 -m pip install --quiet --no-deps -e .
-  python3 -m pip install --quiet -c "$constraints" flax optax datasets tokenizers tqdm
+  python3 -m pip install --quiet -c "$constraints" flax optax
   rm -f "$constraints"
 fi
 
