@@ -1,0 +1,254 @@
+"""A non-autoregressive Transformer: the conditional masked language model (CMLM).
+
+Ghazvininejad et al. (2019), "Mask-Predict": the encoder is the paper's; the
+decoder is the same stack with a self-attention that sees the whole target row
+(padding mask only, no look-ahead mask), fed a row in which some or all tokens
+are replaced by MASK; a length classifier over the mean-pooled encoder output
+predicts how long the target is. Decoding (`nat_decoding.py`) starts from a row
+of N MASKs and fills it in, in parallel, in a few refinement passes.
+
+Axis legend: B batch, S source length, T target length (the canvas), D model dim,
+V vocabulary, C = 2R + 1 length classes for R = `config.max_length_offset`.
+
+    model = CMLMTransformer(config)                         # config.kind == 'cmlm'
+    variables = model.init(jax.random.key(0), src, tokens)
+    token_logits, length_logits = model.apply(variables, src, tokens)   # [B, T, V], [B, C]
+
+Training (one step's inputs and additive loss statistics):
+
+    inputs = cmlm_inputs(rng, batch, config, eos_fill_rate=0.1)
+    token_logits, length_logits = model.apply(variables, inputs.src, inputs.tokens, train=True,
+                                              rngs={'dropout': key})
+    sums = cmlm_loss_sums(token_logits, length_logits, inputs, config, smoothing=0.1)
+    loss = sums['loss_sum'] / sums['tokens'] + 0.1 * sums['length_loss_sum'] / sums['sentences']
+
+MASK is id `config.vocab_size`: one learned embedding row beyond the V rows of
+the (shared) embedding table, so the tokenizer never produces it and the output
+projection, tied to that table, never predicts it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flax_transformer import masks
+from flax_transformer import train_step
+from flax_transformer.attention import KVCache
+from flax_transformer.batching import Batch
+from flax_transformer.config import ModelConfig
+from flax_transformer.matmul import Dense
+from flax_transformer.model import Transformer
+
+
+def mask_id(config: ModelConfig) -> int:
+  """The MASK placeholder's id: `config.vocab_size`, one past the real vocabulary."""
+  return config.vocab_size
+
+
+def num_length_classes(config: ModelConfig) -> int:
+  """C = 2R + 1: target length - source length in [-R, R]."""
+  return 2 * config.max_length_offset + 1
+
+
+class CMLMTransformer(Transformer):
+  """The encoder–decoder with a non-causal decoder over MASKed rows and a length classifier.
+
+  Parameters beyond `Transformer`'s: 'mask_embedding' `[D]` (the MASK row) and
+  'length_head' (Dense D -> C over the mean-pooled encoder output).
+  """
+
+  def setup(self):
+    super().setup()
+    c = self.config
+    # Same initialisation as the table's rows: unit variance after the sqrt(D) scaling.
+    self.mask_embedding = self.param('mask_embedding', nn.initializers.normal(c.d_model ** -0.5),
+                                     (c.d_model,))
+    self.length_head = Dense(num_length_classes(c), dtype=c.compute_dtype)
+
+  def _embed(self, tokens: jax.Array, side: str, offset: jax.Array | int, train: bool
+             ) -> jax.Array:
+    """As `Transformer._embed`; on the target side MASK (id V) gets the 'mask_embedding' row."""
+    if side == 'source':
+      return super()._embed(tokens, side, offset, train)
+    c = self.config
+    is_mask = tokens == mask_id(c)                                              # [B, T]
+    # The table has V rows: embed MASK positions as PAD, then swap PAD's row for MASK's.
+    # Dropout comes after the swap, so MASK positions are dropped like any other.
+    x = super()._embed(jnp.where(is_mask, c.pad_id, tokens), side, offset, train=False)
+    table = self.embedding if c.share_embeddings else self.target_embedding
+    swap = (self.mask_embedding - table.embedding[c.pad_id]) * math.sqrt(c.d_model)   # [D]
+    x = jnp.where(is_mask[..., None], x + swap.astype(x.dtype), x)
+    return self.embedding_dropout(x, deterministic=not train)
+
+  def predict_length(self, memory: jax.Array, src_mask: jax.Array) -> jax.Array:
+    """Length-class logits from the mean of the encoder output over real source positions.
+
+    Args:
+      memory: `[B, S, D]`, the encoder output.
+      src_mask: bool `[B, 1, 1, S]`, `masks.padding_mask(src)`.
+
+    Returns:
+      float32 `[B, C]`; class j means target length = source length + j - R
+      (`lengths_from_classes`). An all-PAD source row pools to zeros.
+    """
+    weights = src_mask[:, 0, 0, :, None].astype(jnp.float32)                   # [B, S, 1]
+    pooled = jnp.sum(memory.astype(jnp.float32) * weights, axis=1) / jnp.maximum(
+        jnp.sum(weights, axis=1), 1.0)                                          # [B, D]
+    return self.length_head(pooled.astype(self.config.compute_dtype)).astype(jnp.float32)
+
+  def cross_kv(self, memory: jax.Array) -> tuple[KVCache, ...]:
+    """Every decoder layer's cross-attention keys and values `[B, N, S, H]` of the memory.
+
+    Refinement passes over one source reuse them: `decode_parallel_from_kv`.
+    """
+    return self.decoder.cross_kv(memory)
+
+  def decode_parallel_from_kv(self, tokens: jax.Array, cross_kv: tuple[KVCache, ...],
+                              src_mask: jax.Array, train: bool = False) -> jax.Array:
+    """`decode_parallel` with the memory's keys and values from `cross_kv`."""
+    self._check_length(tokens, 'target')
+    # Padding mask only: every position sees the whole row (and the restricted window, if set).
+    self_mask = masks.combine(masks.padding_mask(tokens, self.config.pad_id),
+                              self._self_attention_mask(tokens.shape[1]))
+    y, _ = self.decoder(self._embed(tokens, 'target', 0, train), cross_kv, self_mask, src_mask,
+                        train)
+    return self._logits(y)
+
+  def decode_parallel(self, tokens: jax.Array, memory: jax.Array, src_mask: jax.Array,
+                      train: bool = False) -> jax.Array:
+    """All target positions at once: partly MASKed row `[B, T]` -> float32 logits `[B, T, V]`.
+
+    Args:
+      tokens: ids `[B, T]`, some of them `mask_id(config)`; PAD marks positions
+        beyond the row, which no position attends to.
+      memory: the encoder output `[B, S, D]`.
+      src_mask: bool `[B, 1, 1, S]`, `masks.padding_mask(src)`.
+      train: dropout on.
+
+    The logits of a position depend on every non-PAD position of its row, before
+    and after it, and not on PAD columns: appending PAD changes nothing.
+    """
+    return self.decode_parallel_from_kv(tokens, self.cross_kv(memory), src_mask, train)
+
+  def __call__(self, src: jax.Array, tokens: jax.Array, train: bool = False
+               ) -> tuple[jax.Array, jax.Array]:
+    """Source `[B, S]` and decoder input `[B, T]` -> token logits `[B, T, V]`, length logits `[B, C]`."""
+    memory = self.encode(src, train)
+    src_mask = masks.padding_mask(src, self.config.pad_id)
+    return (self.decode_parallel(tokens, memory, src_mask, train),
+            self.predict_length(memory, src_mask))
+
+
+# --- length classes --------------------------------------------------------------
+
+
+def length_classes(tgt_lengths: jax.Array, src_lengths: jax.Array, max_offset: int) -> jax.Array:
+  """Target lengths -> classes: clip(tgt - src, -R, R) + R, int32 in [0, 2R].
+
+  For R = 2: offsets -5, -2, 0, 1, 7 -> classes 0, 0, 2, 3, 4.
+  """
+  offset = jnp.asarray(tgt_lengths, jnp.int32) - jnp.asarray(src_lengths, jnp.int32)
+  return jnp.clip(offset, -max_offset, max_offset) + max_offset
+
+
+def lengths_from_classes(classes: jax.Array, src_lengths: jax.Array, max_offset: int,
+                         max_len: int) -> jax.Array:
+  """Classes -> target lengths src + class - R, clipped to [1, max_len]; int32, broadcasting."""
+  lengths = jnp.asarray(src_lengths, jnp.int32) + jnp.asarray(classes, jnp.int32) - max_offset
+  return jnp.clip(lengths, 1, max_len)
+
+
+# --- the training objective ---------------------------------------------------------
+
+
+@flax.struct.dataclass
+class CMLMInputs:
+  """One batch as the CMLM objective sees it.
+
+  src: `[B, S]` source ids.
+  tokens: `[B, T]` decoder input: `targets` with the `masked` positions set to MASK.
+  targets: `[B, T]` what each position should predict: `tgt_out`, or for an
+    EOS-filled row `tgt_out` with its PAD positions set to EOS.
+  masked: bool `[B, T]`, the positions whose loss counts.
+  tgt_lengths: int32 `[B]`, the true target length (EOS included), also for
+    EOS-filled rows; 0 for the all-PAD rows of batch padding.
+  """
+  src: jax.Array
+  tokens: jax.Array
+  targets: jax.Array
+  masked: jax.Array
+  tgt_lengths: jax.Array
+
+
+def cmlm_inputs(rng: jax.Array, batch: Batch, config: ModelConfig, eos_fill_rate: float
+                ) -> CMLMInputs:
+  """Draws the EOS fill and the masked positions of every row (pure `jax.random`, jit-able).
+
+  Per row of n target tokens (EOS included): with probability `eos_fill_rate`
+  its PAD positions, up to the batch width T, become EOS and the row counts T
+  tokens; then k ~ Uniform{1, .., row length} positions, a uniformly random
+  subset, are replaced by MASK (fairseq's CMLM). All-PAD rows stay all PAD and
+  mask nothing. For `tgt_out` "a b </s> <pad>" and k = 2 one draw is:
+
+      targets  a      b  </s>   <pad>
+      tokens   <mask> b  <mask> <pad>
+      masked   1      0  1      0
+  """
+  fill_key, count_key, order_key = jax.random.split(rng, 3)
+  targets = jnp.asarray(batch.tgt_out, jnp.int32)                               # [B, T]
+  rows, width = targets.shape
+  real = targets != config.pad_id
+  tgt_lengths = jnp.sum(real, axis=1, dtype=jnp.int32)                          # [B]
+  fill = jax.random.bernoulli(fill_key, eos_fill_rate, (rows,)) & (tgt_lengths > 0)
+  targets = jnp.where(fill[:, None] & ~real, config.eos_id, targets)
+  in_row = targets != config.pad_id
+  row_lengths = jnp.sum(in_row, axis=1, dtype=jnp.int32)
+  # randint(1, 1) of an all-PAD row gives 1; the minimum makes it 0.
+  count = jnp.minimum(jax.random.randint(count_key, (rows,), 1, row_lengths + 1), row_lengths)
+  # The k smallest of iid uniform keys form a uniformly random k-subset; keys of 2.0
+  # put the positions outside the row after every position inside it.
+  keys = jnp.where(in_row, jax.random.uniform(order_key, (rows, width)), 2.0)
+  rank = jnp.argsort(jnp.argsort(keys, axis=1), axis=1)                         # [B, T]
+  masked = rank < count[:, None]
+  return CMLMInputs(src=jnp.asarray(batch.src, jnp.int32),
+                    tokens=jnp.where(masked, mask_id(config), targets),
+                    targets=targets, masked=masked, tgt_lengths=tgt_lengths)
+
+
+def cmlm_loss_sums(token_logits: jax.Array, length_logits: jax.Array, inputs: CMLMInputs,
+                   config: ModelConfig, smoothing: float) -> dict[str, jax.Array]:
+  """Additive loss statistics of one batch (sum them over devices, then normalise).
+
+  Args:
+    token_logits: float32 `[B, T, V]`.
+    length_logits: float32 `[B, C]`.
+    inputs: the batch's `cmlm_inputs`.
+    config: the model's config (PAD id, R).
+    smoothing: label smoothing of the token loss.
+
+  Returns float32 scalars:
+    loss_sum, nll_sum, correct, tokens: label-smoothed cross-entropy, plain NLL,
+      argmax hits and count over the masked positions only, exactly as
+      `train_step` computes them over all positions for the autoregressive model;
+    length_loss_sum: NLL of the true length class, summed over real rows;
+    length_correct: real rows whose most likely class is the true one;
+    sentences: the number of real rows (tgt_lengths > 0).
+  """
+  # PAD in the targets of the unmasked positions keeps them out of every sum.
+  sums = train_step._loss_sums(token_logits,
+                               jnp.where(inputs.masked, inputs.targets, config.pad_id),
+                               smoothing, config.pad_id)
+  src_lengths = jnp.sum(inputs.src != config.pad_id, axis=1, dtype=jnp.int32)
+  classes = length_classes(inputs.tgt_lengths, src_lengths, config.max_length_offset)   # [B]
+  length_logits = length_logits.astype(jnp.float32)
+  nll = (jax.nn.logsumexp(length_logits, axis=-1)
+         - jnp.take_along_axis(length_logits, classes[:, None], axis=-1)[:, 0])          # [B]
+  correct = jnp.argmax(length_logits, axis=-1) == classes
+  real = (inputs.tgt_lengths > 0).astype(jnp.float32)
+  return {**sums, 'length_loss_sum': jnp.sum(nll * real),
+          'length_correct': jnp.sum(correct * real), 'sentences': jnp.sum(real)}
