@@ -489,9 +489,8 @@ def output_limits(src: np.ndarray, config: ModelConfig, max_len: int | None
   return total, np.where(lengths == 0, 0, np.minimum(wanted, total)).astype(np.int32)
 
 
-def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check):
-  """Validates the inputs; returns variables, src, limits and the loop settings."""
-  config = model.config
+def check_source(src, config: ModelConfig) -> np.ndarray:
+  """Source ids `[B, S]` (numpy or jax) -> int32 numpy, or ValueError naming what is wrong."""
   src = np.asarray(src)
   if src.ndim != 2 or not np.issubdtype(src.dtype, np.integer):
     raise ValueError(f'src must be integer token ids [batch, length], got {src.dtype} '
@@ -501,9 +500,16 @@ def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check)
                      'truncate the input')
   if src.size and (src.min() < 0 or src.max() >= config.vocab_size):
     raise ValueError(f'src has token ids outside [0, model.vocab_size={config.vocab_size})')
+  return src.astype(np.int32)
+
+
+def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check):
+  """Validates the inputs; returns variables, src, limits and the loop settings."""
+  config = model.config
+  src = check_source(src, config)
   total, limits = output_limits(src, config, max_len)
   loop = LoopConfig.for_model(config, total, min_len=min_len, steps_per_check=steps_per_check)
-  return as_variables(params), src.astype(np.int32), limits, loop
+  return as_variables(params), src, limits, loop
 
 
 def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
