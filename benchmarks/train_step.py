@@ -349,12 +349,12 @@ def format_rows(rows: list[dict]) -> str:
   return '\n'.join(lines)
 
 
-def format_peaks(peaks: dict) -> str:
+def format_peaks(peaks: dict, size: int) -> str:
   parts = []
   for dtype, entry in peaks.items():
     found = ', '.join(f'{k} {v["gflops"]:.0f}' for k, v in entry.items() if k != 'gflops')
     parts.append(f'{dtype} {entry["gflops"]:.0f} GFLOP/s ({found})')
-  return 'matmul peak 2048^3: ' + '; '.join(parts)
+  return f'matmul peak {size}^3: ' + '; '.join(parts)
 
 
 # --- command line ---------------------------------------------------------------
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
     common.torch_threads(len(cores))
   load_at_start = [round(x, 2) for x in os.getloadavg()]
   peaks = measure_peaks(DTYPES, bool(peers_ok), args.peak_size)
-  print(format_peaks(peaks))
+  print(format_peaks(peaks, args.peak_size))
 
   timed_steps = args.rounds + args.warmup
   total = 0
