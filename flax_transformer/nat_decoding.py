@@ -1,0 +1,211 @@
+"""Mask-predict decoding of a `CMLMTransformer` (Ghazvininejad et al., 2019).
+
+Axis legend: B sentences, K candidate lengths per sentence (the length beam),
+R = B * K candidate rows, S source length, W canvas width, V vocabulary,
+C length classes, I iterations.
+
+    tokens = mask_predict(model, params, src, iterations=10, length_beam=3)   # [B, W]
+
+The steps, all in one jit-compiled program:
+
+1. Encode the source once; the length classifier's top-K classes give K
+   candidate lengths N per sentence (`length='predict'`), or each sentence gets
+   N = min(source length + R, model.max_len) (`length='fixed'`, K = 1).
+2. Each candidate is a row of the canvas `[R, W]`, W = min(S + R, model.max_len):
+   N MASKs, then PAD (which no position attends to).
+3. Iteration 0 predicts every position at once and keeps each token with its
+   log-probability. Iteration t = 1 .. I-1 re-masks the n = floor(N (I - t) / I)
+   positions of lowest log-probability and predicts them again (the others keep
+   their tokens and log-probabilities). For N = 10, I = 4: 10, 7, 5, 2 masked.
+4. Per sentence, the candidate with the highest mean log-probability over its N
+   positions wins; its tokens are cut at the first EOS.
+
+The output has greedy's format (`decoding.py`): tokens y_1 .., then EOS, then
+PAD. A row in which the model put no EOS gets one appended after its N tokens,
+unless N = W, where it ends without EOS like a greedy row at its limit. PAD and
+BOS are never predicted; all-PAD source rows (batch padding) give all-PAD rows.
+A sentence decodes to the same tokens whatever else is in its batch and
+however wide its source row is padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from flax_transformer import decoding, masks
+from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.nat import CMLMTransformer, lengths_from_classes, mask_id, num_length_classes
+
+LENGTH_MODES = ('predict', 'fixed')
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskPredictConfig:
+  """Mask-predict settings (static under jit).
+
+  iterations: I >= 1 passes over the canvas; 1 is one-pass decoding.
+  length_beam: K >= 1 candidate lengths per sentence, the classifier's top K.
+  length: 'predict' (the classifier) or 'fixed' (min(source length + R,
+    model.max_len) positions, the output cut at the first EOS; needs K = 1).
+  """
+  iterations: int = 10
+  length_beam: int = 3
+  length: Literal['predict', 'fixed'] = 'predict'
+
+  def __post_init__(self):
+    for name in ('iterations', 'length_beam'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f'mask-predict {name} must be a positive integer, got {value!r}')
+    if self.length not in LENGTH_MODES:
+      raise ConfigError(f'mask-predict length must be one of {", ".join(LENGTH_MODES)}, '
+                        f'got {self.length!r}')
+    if self.length == 'fixed' and self.length_beam != 1:
+      raise ConfigError(f"mask-predict length='fixed' decodes one length per sentence: "
+                        f'length_beam must be 1, got {self.length_beam}')
+
+
+def mask_predict(model: CMLMTransformer, params, src, *, iterations: int = 10, length_beam: int = 3,
+                 length: Literal['predict', 'fixed'] = 'predict', return_history: bool = False):
+  """Non-autoregressive decoding with iterative refinement (see the module docstring).
+
+  Args:
+    model: the `CMLMTransformer` (only its config is used).
+    params: the parameter dict, or the full variables `{'params': ...}`.
+    src: int source ids `[B, S]` (numpy or jax), PAD-padded, EOS-terminated.
+    iterations, length_beam, length: see `MaskPredictConfig`.
+    return_history: also return the per-iteration record.
+
+  Returns:
+    int32 tokens `[B, W]`, W = min(S + R, model.max_len); with `return_history`,
+    `(tokens, history)` where history holds, for the R = B * K candidate rows
+    (sentence b's candidates are rows b * K .. b * K + K - 1):
+      'lengths': int32 `[R]`, each candidate's N (0 for batch padding);
+      'masked_counts': int32 `[I, R]`, positions (re-)masked at each iteration
+        (N at iteration 0, then floor(N (I - t) / I));
+      'tokens': int32 `[I, R, W]`, the canvas after each iteration;
+      'scores': float32 `[B, K]`, each candidate's mean log-probability;
+      'chosen': int32 `[B]`, the winning candidate of each sentence.
+  """
+  if not isinstance(model, CMLMTransformer):
+    raise TypeError(f"mask_predict needs a CMLMTransformer (model.kind='cmlm'), "
+                    f'got {type(model).__name__}')
+  settings = MaskPredictConfig(iterations=iterations, length_beam=length_beam, length=length)
+  config = model.config
+  if settings.length_beam > num_length_classes(config):
+    raise ConfigError(f'mask-predict length_beam={settings.length_beam} exceeds the '
+                      f'{num_length_classes(config)} length classes '
+                      f'(2 * model.max_length_offset + 1, max_length_offset='
+                      f'{config.max_length_offset})')
+  src = decoding.check_source(src, config)
+  tokens, history = _mask_predict(config, decoding.as_variables(params), src, settings)
+  return (tokens, history) if return_history else tokens
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'settings'))
+def _mask_predict(config: ModelConfig, variables, src: jax.Array, settings: MaskPredictConfig
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  model = CMLMTransformer(config)
+  batch, k, iterations = src.shape[0], settings.length_beam, settings.iterations
+  width = min(src.shape[1] + config.max_length_offset, config.max_len)
+
+  def encode(module: CMLMTransformer, src: jax.Array):
+    memory = module.encode(src)
+    src_mask = masks.padding_mask(src, config.pad_id)
+    return module.cross_kv(memory), src_mask, module.predict_length(memory, src_mask)
+
+  cross_kv, src_mask, length_logits = model.apply(variables, src, method=encode)
+  # Candidate rows b * K + j: the K candidates of a sentence share its memory.
+  cross_kv, src_mask = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), (cross_kv, src_mask))
+  lengths = _candidate_lengths(length_logits, src, config, settings).reshape(batch * k)   # [R]
+
+  position = jnp.arange(width)
+  in_row = position < lengths[:, None]                                          # [R, W]
+
+  def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Canvas `[R, W]` -> the most likely token at every position and its log-probability."""
+    logits = model.apply(variables, tokens, cross_kv, src_mask,
+                         method=CMLMTransformer.decode_parallel_from_kv)        # [R, W, V]
+    # PAD and BOS are never targets; forbid them as greedy decoding does.
+    logits = logits.at[..., jnp.array([config.pad_id, config.bos_id])].set(-jnp.inf)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return decoding.argmax_pick(log_probs, 0), jnp.max(log_probs, axis=-1)
+
+  def update(tokens, scores, remask):
+    """Predicts the `remask` positions `[R, W]` again; the others keep their tokens and scores."""
+    new_tokens, new_scores = predict(jnp.where(remask, mask_id(config), tokens))
+    return (jnp.where(remask, new_tokens, tokens).astype(jnp.int32),
+            jnp.where(remask, new_scores, scores))
+
+  tokens, scores = update(jnp.full((batch * k, width), config.pad_id, jnp.int32),
+                          jnp.zeros((batch * k, width), jnp.float32), in_row)
+  first_canvas = tokens
+
+  def refine(carry, t):
+    tokens, scores = carry
+    count = lengths * (iterations - t) // iterations                            # [R]
+    remask = _lowest(scores, in_row, count)
+    tokens, scores = update(tokens, scores, remask)
+    return (tokens, scores), (jnp.sum(remask, axis=1, dtype=jnp.int32), tokens)
+
+  (tokens, scores), (counts, canvases) = jax.lax.scan(refine, (tokens, scores),
+                                                      jnp.arange(1, iterations))
+
+  mean_scores = (jnp.sum(jnp.where(in_row, scores, 0.0), axis=1)
+                 / jnp.maximum(lengths, 1)).reshape(batch, k)                   # [B, K]
+  chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)                   # [B]
+  rows = jnp.arange(batch) * k + chosen
+  output = _cut_at_eos(tokens[rows], lengths[rows], config)
+  history = {
+      'lengths': lengths,
+      'masked_counts': jnp.concatenate([lengths[None], counts], axis=0),
+      'tokens': jnp.concatenate([first_canvas[None], canvases], axis=0),
+      'scores': mean_scores,
+      'chosen': chosen,
+  }
+  return output, history
+
+
+def _candidate_lengths(length_logits: jax.Array, src: jax.Array, config: ModelConfig,
+                       settings: MaskPredictConfig) -> jax.Array:
+  """int32 `[B, K]`: the top-K predicted lengths, or the fixed one; 0 for all-PAD sources."""
+  src_lengths = jnp.sum(src != config.pad_id, axis=1, dtype=jnp.int32)[:, None]  # [B, 1]
+  if settings.length == 'fixed':
+    lengths = jnp.minimum(src_lengths + config.max_length_offset, config.max_len)
+  else:
+    _, classes = jax.lax.top_k(length_logits, settings.length_beam)            # [B, K]
+    lengths = lengths_from_classes(classes, src_lengths, config.max_length_offset,
+                                   config.max_len)
+  return jnp.where(src_lengths > 0, lengths, 0)
+
+
+def _lowest(scores: jax.Array, in_row: jax.Array, count: jax.Array) -> jax.Array:
+  """bool `[R, W]`: the `count` `[R]` positions of each row with the lowest scores.
+
+  Only positions inside the row compete; ties go to the earlier position. For
+  scores (-1, -3, -2, -3), all in the row, and count 2: positions 1 and 3.
+  """
+  keys = jnp.where(in_row, scores, jnp.inf)
+  rank = jnp.argsort(jnp.argsort(keys, axis=1), axis=1)   # stable: ties keep position order
+  return rank < count[:, None]
+
+
+def _cut_at_eos(tokens: jax.Array, lengths: jax.Array, config: ModelConfig) -> jax.Array:
+  """Candidate rows `[B, W]` of N tokens -> the tokens before the first EOS, then EOS, then PAD.
+
+  Without an EOS among its N tokens a row gets one at position N, when N < W.
+  Rows with N = 0 (batch padding) are all PAD. For N = 4, W = 6 (E = EOS, P = PAD):
+    a b E c P P -> a b E P P P
+    a b c d P P -> a b c d E P
+  """
+  position = jnp.arange(tokens.shape[1])
+  inside = position < lengths[:, None]
+  end = jnp.min(jnp.where(inside & (tokens == config.eos_id), position, lengths[:, None]),
+                axis=1)                                                         # [B]
+  output = jnp.where(position < end[:, None], tokens, config.pad_id)
+  return jnp.where((position == end[:, None]) & (lengths[:, None] > 0), config.eos_id, output)
