@@ -506,6 +506,10 @@ def check_source(src, config: ModelConfig) -> np.ndarray:
 def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check):
   """Validates the inputs; returns variables, src, limits and the loop settings."""
   config = model.config
+  if config.kind != 'autoregressive':
+    # Its parameters would load into the causal decoder and give fluent-looking garbage.
+    raise ValueError(f"greedy, sample and beam_search decode an autoregressive model; "
+                     f"model.kind={config.kind!r} decodes with nat_decoding.mask_predict")
   src = check_source(src, config)
   total, limits = output_limits(src, config, max_len)
   loop = LoopConfig.for_model(config, total, min_len=min_len, steps_per_check=steps_per_check)

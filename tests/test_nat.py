@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from flax_transformer import ConfigError, ModelConfig, Transformer, nat, nat_decoding
+from flax_transformer import ConfigError, ModelConfig, Transformer, decoding, nat, nat_decoding
 from flax_transformer.batching import Batch
 from flax_transformer.nat import CMLMTransformer, CMLMInputs
 from flax_transformer.nat_decoding import MaskPredictConfig
@@ -408,6 +408,8 @@ def test_bad_calls_are_refused_before_compiling(model, params, src):
     nat_decoding.mask_predict(Transformer(CONFIG), params, src)
   with pytest.raises(ValueError, match='outside'):
     nat_decoding.mask_predict(model, params, src + CONFIG.vocab_size)
+  with pytest.raises(ValueError, match="model.kind='cmlm' decodes with nat_decoding.mask_predict"):
+    decoding.greedy(model, params, src)
 
 
 # --- a trained model ------------------------------------------------------------------------
