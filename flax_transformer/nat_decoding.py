@@ -34,6 +34,7 @@ import dataclasses
 import functools
 from typing import Literal
 
+import flax
 import jax
 import jax.numpy as jnp
 
@@ -68,6 +69,18 @@ class MaskPredictConfig:
     if self.length == 'fixed' and self.length_beam != 1:
       raise ConfigError(f"mask-predict length='fixed' decodes one length per sentence: "
                         f'length_beam must be 1, got {self.length_beam}')
+
+
+@flax.struct.dataclass
+class Canvas:
+  """The refinement loop's state: every candidate row's current tokens and their confidence.
+
+  tokens: int32 `[R, W]`, PAD beyond each row's length N.
+  scores: float32 `[R, W]`, the log-probability each token had when it was last predicted
+    (0 beyond N).
+  """
+  tokens: jax.Array
+  scores: jax.Array
 
 
 def mask_predict(model: CMLMTransformer, params, src, *, iterations: int = 10, length_beam: int = 3,
@@ -136,35 +149,32 @@ def _mask_predict(config: ModelConfig, variables, src: jax.Array, settings: Mask
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return decoding.argmax_pick(log_probs, 0), jnp.max(log_probs, axis=-1)
 
-  def update(tokens, scores, remask):
+  def update(canvas: Canvas, remask: jax.Array) -> Canvas:
     """Predicts the `remask` positions `[R, W]` again; the others keep their tokens and scores."""
-    new_tokens, new_scores = predict(jnp.where(remask, mask_id(config), tokens))
-    return (jnp.where(remask, new_tokens, tokens).astype(jnp.int32),
-            jnp.where(remask, new_scores, scores))
+    tokens, scores = predict(jnp.where(remask, mask_id(config), canvas.tokens))
+    return Canvas(tokens=jnp.where(remask, tokens, canvas.tokens).astype(jnp.int32),
+                  scores=jnp.where(remask, scores, canvas.scores))
 
-  tokens, scores = update(jnp.full((batch * k, width), config.pad_id, jnp.int32),
-                          jnp.zeros((batch * k, width), jnp.float32), in_row)
-  first_canvas = tokens
+  first = update(Canvas(tokens=jnp.full((batch * k, width), config.pad_id, jnp.int32),
+                        scores=jnp.zeros((batch * k, width), jnp.float32)), in_row)
 
-  def refine(carry, t):
-    tokens, scores = carry
+  def refine(canvas: Canvas, t: jax.Array):
     count = lengths * (iterations - t) // iterations                            # [R]
-    remask = _lowest(scores, in_row, count)
-    tokens, scores = update(tokens, scores, remask)
-    return (tokens, scores), (jnp.sum(remask, axis=1, dtype=jnp.int32), tokens)
+    remask = _lowest(canvas.scores, in_row, count)
+    canvas = update(canvas, remask)
+    return canvas, (jnp.sum(remask, axis=1, dtype=jnp.int32), canvas.tokens)
 
-  (tokens, scores), (counts, canvases) = jax.lax.scan(refine, (tokens, scores),
-                                                      jnp.arange(1, iterations))
+  last, (counts, canvases) = jax.lax.scan(refine, first, jnp.arange(1, iterations))
 
-  mean_scores = (jnp.sum(jnp.where(in_row, scores, 0.0), axis=1)
+  mean_scores = (jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1)
                  / jnp.maximum(lengths, 1)).reshape(batch, k)                   # [B, K]
   chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)                   # [B]
   rows = jnp.arange(batch) * k + chosen
-  output = _cut_at_eos(tokens[rows], lengths[rows], config)
+  output = _cut_at_eos(last.tokens[rows], lengths[rows], config)
   history = {
       'lengths': lengths,
       'masked_counts': jnp.concatenate([lengths[None], counts], axis=0),
-      'tokens': jnp.concatenate([first_canvas[None], canvases], axis=0),
+      'tokens': jnp.concatenate([first.tokens[None], canvases], axis=0),
       'scores': mean_scores,
       'chosen': chosen,
   }
