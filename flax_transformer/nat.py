@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 
 from flax_transformer import masks
-from flax_transformer import train_step
 from flax_transformer.attention import KVCache
 from flax_transformer.batching import Batch
 from flax_transformer.config import ModelConfig
@@ -239,6 +238,9 @@ def cmlm_loss_sums(token_logits: jax.Array, length_logits: jax.Array, inputs: CM
     length_correct: real rows whose most likely class is the true one;
     sentences: the number of real rows (tgt_lengths > 0).
   """
+  # Imported here: train_step imports this module for the CMLM step, and an import at the top
+  # of each would leave one of them half-initialised whenever this one is imported first.
+  from flax_transformer import train_step
   # PAD in the targets of the unmasked positions keeps them out of every sum.
   sums = train_step._loss_sums(token_logits,
                                jnp.where(inputs.masked, inputs.targets, config.pad_id),
