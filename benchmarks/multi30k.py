@@ -1,0 +1,155 @@
+"""Translation quality of a trained Multi30k run, and its learning curves.
+
+  python -m benchmarks.multi30k evaluate --workdir runs/multi30k      # val + test_2016 scores -> JSON
+  python -m benchmarks.multi30k plot --workdir runs/multi30k          # val loss / BLEU vs time -> PNG
+
+`evaluate` decodes the validation and test splits with greedy search and beam
+search (4, alpha 0.6), from the last checkpoint and from the mean of the last
+five, and scores each with sacreBLEU on detokenized output (default 13a
+tokenizer): cased BLEU, lowercased BLEU (`-lc`) and chrF, signatures included.
+Model selection uses validation scores only; the test row of the chosen variant
+is the reported result. Results: benchmarks/results/multi30k_<src><tgt>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import sacrebleu
+
+from benchmarks import common
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
+RESULTS = Path(__file__).resolve().parent / 'results'
+SEARCHES = {'greedy': dict(method='greedy'), 'beam4': dict(method='beam', beam_size=4, alpha=0.6)}
+
+
+def score(hypotheses: list[str], references: list[str]) -> dict:
+  """Cased and lowercased sacreBLEU (13a) and chrF of detokenized output, with signatures."""
+  cased, lowered, chrf = (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
+                          sacrebleu.metrics.CHRF())
+  return {'bleu': cased.corpus_score(hypotheses, [references]).score,
+          'bleu_lc': lowered.corpus_score(hypotheses, [references]).score,
+          'chrf': chrf.corpus_score(hypotheses, [references]).score,
+          'signatures': {'bleu': str(cased.get_signature()), 'bleu_lc': str(lowered.get_signature()),
+                         'chrf': str(chrf.get_signature())}}
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+  path = workdir / 'metrics.jsonl'
+  if not path.is_file():
+    raise SystemExit(f'{path}: no metrics log; is {workdir} a training run directory?')
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def training_summary(workdir: Path) -> dict:
+  """Steps and wall-clock seconds of the run, from its metrics log."""
+  lines = read_metrics(workdir)
+  timed = [m for m in lines if 'elapsed_s' in m]
+  return {'steps': max(m['step'] for m in lines),
+          'train_seconds': max(m['elapsed_s'] for m in timed) if timed else None}
+
+
+def evaluate(args) -> dict:
+  from flax_transformer.data import load_parallel
+  from flax_transformer.model import count_params
+  from flax_transformer.translate import Translator
+
+  workdir = Path(args.workdir)
+  config = json.loads((workdir / 'config.json').read_text())
+  data_config = config.get('data', {})
+  src, tgt = data_config.get('src_lang', 'en'), data_config.get('tgt_lang', 'de')
+  if not Path(args.data).exists():
+    raise SystemExit(f'{args.data}: no Multi30k directory there (pass --data DIR)')
+  dataset = load_parallel(str(args.data), src, tgt)
+  splits = {name: (list(dataset[name]['source']), list(dataset[name]['target']))
+            for name in ('validation', 'test')}
+  rows = []
+  for weights, average_last in (('last', 0), (f'average-last{args.average_last}', args.average_last)):
+    translator = Translator.from_checkpoint(workdir, average_last=average_last)
+    for search_name, search in SEARCHES.items():
+      for split, (sources, references) in splits.items():
+        start = time.perf_counter()
+        hypotheses = translator.translate(sources, batch_size=args.batch_size, **search)
+        seconds = time.perf_counter() - start
+        row = {'weights': weights, 'search': search_name, 'split': split,
+               'sentences': len(sources), 'decode_seconds': seconds,
+               **score(hypotheses, references)}
+        rows.append(row)
+        print(f'{weights:>16s} {search_name:>6s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
+              f'lowercased {row["bleu_lc"]:5.2f}  chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
+              flush=True)
+  validation = [r for r in rows if r['split'] == 'validation']
+  best = max(validation, key=lambda r: r['bleu'])
+  selected = next(r for r in rows if r['split'] == 'test' and r['weights'] == best['weights']
+                  and r['search'] == best['search'])
+  print(f'selected on validation: {best["weights"]} + {best["search"]}; test_2016 BLEU '
+        f'{selected["bleu"]:.2f}, lowercased {selected["bleu_lc"]:.2f}, chrF {selected["chrf"]:.2f}')
+  print(f'  {selected["signatures"]["bleu_lc"]}')
+  translator = Translator.from_checkpoint(workdir)
+  result = {'benchmark': 'multi30k', 'machine': common.machine_info(os.cpu_count()),
+            'direction': f'{src}-{tgt}', 'workdir': str(workdir), 'config': config,
+            'parameters': count_params(translator.variables['params']),
+            **training_summary(workdir), 'rows': rows,
+            'selected': {'weights': best['weights'], 'search': best['search']}}
+  output = common.write_json(Path(args.output or RESULTS / f'multi30k_{src}{tgt}.json'), result)
+  print(f'wrote {output}')
+  return result
+
+
+def plot(args) -> None:
+  """Validation loss and BLEU against training time, one PNG."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  workdir = Path(args.workdir)
+  lines = read_metrics(workdir)
+  elapsed = {m['step']: m['elapsed_s'] for m in lines if 'elapsed_s' in m}
+  def hours(step):
+    # Validation lines carry no clock: use the training line of the same step.
+    return elapsed[step] / 3600 if step in elapsed else None
+  loss = [(hours(m['step']), m['val_loss']) for m in lines if 'val_loss' in m]
+  bleu = [(hours(m['step']), m['val_bleu']) for m in lines if 'val_bleu' in m]
+  train = [(hours(m['step']), m['loss']) for m in lines if 'loss' in m and 'elapsed_s' in m]
+  figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
+  left.plot(*zip(*train), color='0.7', linewidth=1, label='training (smoothed labels)')
+  left.plot(*zip(*loss), marker='o', markersize=3, label='validation')
+  left.set(xlabel='training time (hours)', ylabel='loss per target token', ylim=(1, 6))
+  left.legend()
+  if bleu:
+    right.plot(*zip(*bleu), marker='o', markersize=3, color='C2')
+  right.set(xlabel='training time (hours)', ylabel='validation BLEU (greedy, cased)')
+  for axis in (left, right):
+    axis.grid(alpha=0.3)
+  figure.suptitle(args.title or f'{workdir.name}: Multi30k', fontsize=10)
+  figure.tight_layout()
+  output = Path(args.output or RESULTS / f'{workdir.name}.png')
+  figure.savefig(output)
+  print(f'wrote {output} ({os.path.getsize(output) / 1024:.0f} KB)')
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(prog='python -m benchmarks.multi30k', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  commands = parser.add_subparsers(dest='command', required=True)
+  scores = commands.add_parser('evaluate', help='BLEU variants on val and test_2016')
+  scores.add_argument('--workdir', required=True, help='the run directory of train.py')
+  scores.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
+  scores.add_argument('--average-last', type=int, default=5)
+  scores.add_argument('--batch-size', type=int, default=64)
+  scores.add_argument('--output', help='JSON file (default benchmarks/results/multi30k_<src><tgt>.json)')
+  curves = commands.add_parser('plot', help='validation loss and BLEU against training time')
+  curves.add_argument('--workdir', required=True)
+  curves.add_argument('--output', help='PNG file (default benchmarks/results/<workdir name>.png)')
+  curves.add_argument('--title')
+  args = parser.parse_args()
+  evaluate(args) if args.command == 'evaluate' else plot(args)
+
+
+if __name__ == '__main__':
+  main()
