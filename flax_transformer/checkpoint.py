@@ -8,7 +8,8 @@ Layout of a run directory WORKDIR:
     WORKDIR/checkpoints/<step>/     orbax: item 'params', item 'train' (step + optimizer state)
     WORKDIR/metrics.jsonl           one JSON object per logged step (training.py)
 
-`load_for_inference(workdir)` gives (ModelConfig, params, Tokenizer) for decoding;
+`load_for_inference(workdir)` gives (ModelConfig, params, Tokenizer) for decoding, and
+`build_model(config)` the module that config.json's `model.kind` names;
 `average_checkpoints(workdir, 5)` writes WORKDIR/average-last5/, itself a run
 directory whose one checkpoint holds the mean of the last 5 parameter sets, so
 decoding reads it like any other.
@@ -39,6 +40,7 @@ from jax.experimental import multihost_utils
 
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
+from flax_transformer.nat import CMLMTransformer
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train_step import TrainState
@@ -314,10 +316,16 @@ class Checkpoints:
 _WRITE_ERRORS = (OSError, ValueError, RuntimeError)
 
 
+def build_model(model_config: ModelConfig) -> Transformer | CMLMTransformer:
+  """The module of `model_config.kind`: the paper's `Transformer` ('autoregressive') or the
+  non-autoregressive `nat.CMLMTransformer` ('cmlm'). Both are called as model(src, tokens)."""
+  return CMLMTransformer(model_config) if model_config.kind == 'cmlm' else Transformer(model_config)
+
+
 def abstract_params(model_config: ModelConfig):
   """The model's parameter shapes and dtypes (`jax.ShapeDtypeStruct` leaves), computing nothing."""
   tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-  return jax.eval_shape(lambda src, tgt: Transformer(model_config).init(
+  return jax.eval_shape(lambda src, tgt: build_model(model_config).init(
       jax.random.key(0), src, tgt)['params'], tokens, tokens)
 
 

@@ -11,6 +11,10 @@ replicated, batch rows split) or with `jax.pmap`, with identical numerics:
     step = make_parallel_step(model, optimizer, train_config, parallel)
     state = parallel.replicate(create_train_state(model, optimizer, seed=0))
     state, metrics = step(state, parallel.shard_batch(batch))     # batch: the global Batch
+
+The objective follows `model.config.kind`: 'autoregressive' is the paper's
+next-token cross-entropy; 'cmlm' (a `nat.CMLMTransformer`) is the conditional
+masked LM's loss on masked target positions plus the weighted length loss.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_transformer import nat
 from flax_transformer.batching import Batch, shard
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
@@ -34,7 +39,10 @@ from flax_transformer.model import Transformer
 AXIS = 'data'  # the mapped device axis, in both shard_map and pmap
 
 # Independent random streams derived from TrainConfig.seed.
-_INIT_STREAM, _DROPOUT_STREAM = 0, 1
+_INIT_STREAM, _DROPOUT_STREAM, _MASK_STREAM = 0, 1, 2
+# cmlm validation masks come from this seed, not the run's: every evaluation of every run
+# masks the same positions, so validation losses compare across steps and runs.
+_EVAL_MASK_SEED = 0
 
 
 @flax.struct.dataclass
@@ -112,11 +120,34 @@ def token_metrics(sums: Mapping[str, float]) -> dict[str, float]:
 
   Perplexity is exp of the plain negative log-likelihood per token: smoothing is
   a training device, not part of the model's probability of the reference.
+  For a cmlm model the tokens are the masked target positions.
   """
   tokens = max(float(sums['tokens']), 1.0)
   return {'loss': float(sums['loss_sum']) / tokens,
           'ppl': float(np.exp(min(float(sums['nll_sum']) / tokens, 100.0))),
           'accuracy': float(sums['correct']) / tokens}
+
+
+def length_metrics(sums: Mapping[str, float]) -> dict[str, float]:
+  """A cmlm model's sums -> length_loss (NLL of the true length class per sentence) and
+  length_accuracy (the fraction of sentences whose length class is the classifier's argmax)."""
+  sentences = max(float(sums['sentences']), 1.0)
+  return {'length_loss': float(sums['length_loss_sum']) / sentences,
+          'length_accuracy': float(sums['length_correct']) / sentences}
+
+
+def cmlm_objective(sums: Mapping[str, jax.Array], global_tokens: jax.Array,
+                   global_sentences: jax.Array, length_loss_weight: float) -> jax.Array:
+  """The CMLM training loss of one device's sums, normalised by the global batch's counts:
+
+    loss_sum / global masked tokens + length_loss_weight * length_loss_sum / global sentences
+
+  Summed over devices it is the per-masked-token loss of the whole batch plus the
+  weighted per-sentence length loss, whatever the number of devices.
+  """
+  tokens = jnp.maximum(global_tokens, 1).astype(jnp.float32)
+  sentences = jnp.maximum(global_sentences, 1).astype(jnp.float32)
+  return sums['loss_sum'] / tokens + length_loss_weight * sums['length_loss_sum'] / sentences
 
 
 # --- schedule and optimizer ------------------------------------------------------
@@ -175,7 +206,11 @@ def make_optimizer(train_config: TrainConfig, model_config: ModelConfig
 
 def create_train_state(model: Transformer, optimizer: optax.GradientTransformation, seed: int
                        ) -> TrainState:
-  """Fresh parameters from `seed` (Flax initialisers) and the optimizer's initial state."""
+  """Fresh parameters from `seed` (Flax initialisers) and the optimizer's initial state.
+
+  `model` is a `Transformer` or a `nat.CMLMTransformer`: both are called as
+  model(src [B, S], tokens [B, T]).
+  """
   key = jax.random.fold_in(jax.random.key(seed), _INIT_STREAM)
 
   @jax.jit
@@ -199,10 +234,14 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   so summing the devices' gradients (psum) gives exactly the gradient of the
   per-token mean over the whole batch, whatever the number of devices and
   however the tokens fall between them. (A pmean of per-device means would
-  weight a device's tokens by 1 / its own count instead.)
+  weight a device's tokens by 1 / its own count instead.) A cmlm model's loss
+  (`cmlm_objective`) is normalised the same way by the global counts of masked
+  tokens and of sentences.
 
   Dropout keys: seed -> fold in the step -> fold in the device index, so every
   step and device draws fresh masks and a resumed run draws the same ones.
+  cmlm token masks: seed -> fold in the step -> fold in the row's index in the
+  global batch, so a row is masked alike whichever device holds it.
 
   Args:
     state: replicated TrainState.
@@ -218,19 +257,20 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
     (the new state, replicated metrics): summed loss_sum, nll_sum, correct and
     tokens over the global batch, plus grad_norm (global, before clipping),
     learning_rate (the rate this step's update used) and nonfinite (1.0 when
-    the update was withheld, else 0.0).
+    the update was withheld, else 0.0). A cmlm model's sums are over its masked
+    positions ('tokens' counts them), with length_loss_sum, length_correct,
+    sentences, and target_tokens (all non-PAD target positions, for throughput).
   """
   config = model.config
-  dropout_key = jax.random.fold_in(jax.random.key(train_config.seed), _DROPOUT_STREAM)
+  seed_key = jax.random.key(train_config.seed)
+  dropout_key = jax.random.fold_in(seed_key, _DROPOUT_STREAM)
   dropout_key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step),
                                    lax.axis_index(AXIS))
-  global_tokens = lax.psum(jnp.sum(batch.tgt_out != config.pad_id), AXIS)
-
-  def loss_fn(params):
-    logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
-                         rngs={'dropout': dropout_key})                        # [B, T, V]
-    sums = _loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
-    return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
+  if config.kind == 'cmlm':
+    mask_key = jax.random.fold_in(jax.random.fold_in(seed_key, _MASK_STREAM), state.step)
+    loss_fn = _cmlm_loss_fn(model, batch, mask_key, dropout_key, train_config)
+  else:
+    loss_fn = _autoregressive_loss_fn(model, batch, dropout_key, train_config)
 
   # Per-device parameters, so that grad gives this device's gradient and the psum
   # below is the one reduction, under shard_map's replication checks and pmap alike.
@@ -253,11 +293,71 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   return new_state, metrics
 
 
+def _autoregressive_loss_fn(model: Transformer, batch: Batch, dropout_key: jax.Array,
+                            train_config: TrainConfig) -> Callable:
+  """params -> (label-smoothed loss per target token of the global batch, this device's sums)."""
+  config = model.config
+  global_tokens = lax.psum(jnp.sum(batch.tgt_out != config.pad_id), AXIS)
+
+  def loss_fn(params):
+    logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
+                         rngs={'dropout': dropout_key})                        # [B, T, V]
+    sums = _loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+    return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
+
+  return loss_fn
+
+
+def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Array,
+                  train_config: TrainConfig) -> Callable:
+  """params -> (`cmlm_objective` of this device's rows, this device's sums)."""
+  config = model.config
+  inputs = _cmlm_inputs(mask_key, batch, config, train_config.eos_fill_rate)
+  global_tokens = lax.psum(jnp.sum(inputs.masked), AXIS)
+  global_sentences = lax.psum(jnp.sum(inputs.tgt_lengths > 0), AXIS)
+  target_tokens = jnp.sum(batch.tgt_out != config.pad_id).astype(jnp.float32)
+
+  def loss_fn(params):
+    token_logits, length_logits = model.apply(
+        {'params': params}, inputs.src, inputs.tokens, train=True,
+        rngs={'dropout': dropout_key})                              # [B, T, V], [B, 2R + 1]
+    sums = nat.cmlm_loss_sums(token_logits, length_logits, inputs, config,
+                              train_config.label_smoothing)
+    loss = cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
+    return loss, {**sums, 'target_tokens': target_tokens}
+
+  return loss_fn
+
+
+def _cmlm_inputs(key: jax.Array, batch: Batch, config: ModelConfig, eos_fill_rate: float):
+  """`nat.cmlm_inputs` row by row, row r drawing from `key` folded with r's index in the
+  global batch (the device index * rows per device + r): the masks of a row do not depend
+  on the number of devices, so 1, 2 or 4 devices train exactly alike. Call it mapped."""
+  rows = batch.src.shape[0]
+  first = lax.axis_index(AXIS) * rows
+  keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(first + jnp.arange(rows))
+  one_row = jax.tree.map(lambda x: x[:, None], batch)                   # leaves [B, 1, ...]
+  inputs = jax.vmap(lambda k, b: nat.cmlm_inputs(k, b, config, eos_fill_rate))(keys, one_row)
+  return jax.tree.map(lambda x: x[:, 0], inputs)
+
+
 def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: float
               ) -> dict[str, jax.Array]:
-  """Teacher-forced loss sums of this device's rows, summed over AXIS (no dropout)."""
-  logits = model.apply({'params': params}, batch.src, batch.tgt_in)
-  return lax.psum(_loss_sums(logits, batch.tgt_out, label_smoothing, model.config.pad_id), AXIS)
+  """Teacher-forced loss sums of this device's rows, summed over AXIS (no dropout).
+
+  A cmlm model is scored on masks drawn from a fixed key (and no EOS-filled
+  rows), so the validation loss is deterministic: the sums of `cmlm_loss_sums`.
+  """
+  config = model.config
+  if config.kind == 'cmlm':
+    key = jax.random.fold_in(jax.random.key(_EVAL_MASK_SEED), _MASK_STREAM)
+    inputs = _cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
+    token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens)
+    sums = nat.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
+  else:
+    logits = model.apply({'params': params}, batch.src, batch.tgt_in)
+    sums = _loss_sums(logits, batch.tgt_out, label_smoothing, config.pad_id)
+  return lax.psum(sums, AXIS)
 
 
 # --- mapping over devices -------------------------------------------------------
