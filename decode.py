@@ -4,6 +4,8 @@
     python decode.py --checkpoint runs/multi30k --average-last 5 \
         --input test.de --output test.hyp.en --reference test.en
     cat test.de | python decode.py --checkpoint runs/multi30k --method greedy
+    python decode.py --checkpoint runs/cmlm --method nat --iterations 10 --length-beam 3 \
+        --input test.de                          # a model trained with train.py --objective cmlm
 
 One sentence per line in, one translation per line out, in input order: the
 output is written block by block as decoding goes (a progress bar on standard
@@ -64,8 +66,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--output', type=Path, help='write translations here (default: stdout)')
   parser.add_argument('--reference', type=Path,
                       help='reference translations, one per line: print BLEU and chrF')
-  search = parser.add_argument_group('search')
-  search.add_argument('--method', choices=('beam', 'greedy', 'sample'), default='beam')
+  search = parser.add_argument_group(
+      'search', 'beam, greedy and sample decode an autoregressive checkpoint (the default kind), '
+      'nat a non-autoregressive one (train.py --objective cmlm)')
+  search.add_argument('--method', choices=('beam', 'greedy', 'sample', 'nat'), default='beam',
+                      help='beam search (default), greedy, sampling, or nat: mask-predict, which '
+                           'predicts the output length and fills all positions at once, then '
+                           're-predicts the least confident ones')
   search.add_argument('--beam-size', type=int, default=4,
                       help='beam search: beams (paper: 4)')
   search.add_argument('--alpha', type=float, default=0.6,
@@ -75,15 +82,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help='sampling: keep the k best (0: all)')
   search.add_argument('--top-p', type=float, default=1.0, help='sampling: nucleus mass (1: all)')
   search.add_argument('--seed', type=int, default=0, help='sampling: random seed')
+  search.add_argument('--iterations', type=int, default=10,
+                      help='nat: decoding passes; each after the first re-masks and re-predicts '
+                           'the least confident tokens (1: one pass; default 10)')
+  search.add_argument('--length-beam', type=int,
+                      help='nat: the most probable output lengths decoded per sentence, the '
+                           'best-scoring kept (default 3; 1 with --nat-length fixed)')
+  search.add_argument('--nat-length', choices=('predict', 'fixed'), default='predict',
+                      help='nat: predict the length (default), or decode source length + '
+                           "the model's max_length_offset positions and cut at the first EOS")
   search.add_argument('--max-len', type=int,
                       help='output tokens per sentence (default: source length + 50, at most '
-                           "the model's max_len)")
+                           "the model's max_len); not for nat")
   search.add_argument('--batch-size', type=int, default=64,
                       help='sentences per batch')
   args = parser.parse_args(argv)
+  if args.length_beam is None:
+    # A fixed length is one candidate per sentence; predicted lengths keep the 3 best.
+    args.length_beam = 1 if args.method == 'nat' and args.nat_length == 'fixed' else 3
   # Refused here, naming the option, rather than deep in loading or decoding.
   for option, low in (('step', 0), ('average_last', 0), ('beam_size', 1), ('top_k', 0),
-                      ('max_len', 1), ('batch_size', 1)):
+                      ('iterations', 1), ('length_beam', 1), ('max_len', 1), ('batch_size', 1)):
     value = getattr(args, option)
     if value is not None and value < low:
       parser.error(f'argument --{option.replace("_", "-")}: must be >= {low}, got {value}')
@@ -157,9 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   if args.reference is not None else None)
     search = Search(method=args.method, beam_size=args.beam_size, alpha=args.alpha,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, max_len=args.max_len)
+                    seed=args.seed, iterations=args.iterations, length_beam=args.length_beam,
+                    nat_length=args.nat_length, max_len=args.max_len)
     translator = Translator.from_checkpoint(args.checkpoint, step=args.step,
                                             average_last=args.average_last)
+    search.check_model(translator.config)
     max_len = translator.config.max_len
     if args.max_len is not None and not 1 <= args.max_len <= max_len:
       raise InputError(f'--max-len must be in [1, {max_len}] (the model\'s max_len, the length '

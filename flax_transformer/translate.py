@@ -3,6 +3,7 @@
     translator = Translator.from_checkpoint('runs/multi30k', average_last=5)
     translator.translate(['Ein Mann fährt Fahrrad.'])                 # beam 4, alpha 0.6
     translator.translate(sentences, method='sample', top_p=0.9, seed=1)
+    Translator.from_checkpoint('runs/cmlm').translate(sentences, method='nat')  # mask-predict
     alignment = translator.alignment('Ein Mann fährt Fahrrad.')      # cross-attention, for plots
 
 Sources are tokenized as in training (subwords + EOS) and truncated to
@@ -10,6 +11,10 @@ Sources are tokenized as in training (subwords + EOS) and truncated to
 in batches padded to a multiple of 8 tokens and a power of two of rows (bounded
 by `batch_size`), so that few shapes compile; the results come back in input
 order. Empty (or all-space) sentences translate to '' without decoding.
+
+A checkpoint's `model.kind` decides the methods that apply: 'beam', 'greedy'
+and 'sample' decode an autoregressive model, 'nat' (mask-predict,
+`nat_decoding.mask_predict`) a cmlm one; any other pairing is a ConfigError.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from typing import Literal
 import jax
 import numpy as np
 
-from flax_transformer import decoding
-from flax_transformer.checkpoint import load_for_inference
+from flax_transformer import decoding, nat, nat_decoding
+from flax_transformer.checkpoint import build_model, load_for_inference
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.model import Transformer, attention_weights
 from flax_transformer.tokenizer import Tokenizer
 
-METHODS = ('beam', 'greedy', 'sample')
+METHODS = ('beam', 'greedy', 'sample', 'nat')
+# The methods that decode each model.kind.
+KIND_METHODS = {'autoregressive': ('beam', 'greedy', 'sample'), 'cmlm': ('nat',)}
 # Source widths are rounded up to a multiple of this, so a corpus compiles a few shapes.
 WIDTH_MULTIPLE = 8
 
@@ -40,38 +47,83 @@ class Search:
   """How to choose the output: the method and its settings.
 
   method: 'beam' (the paper: beam_size 4, alpha 0.6), 'greedy', or 'sample'
-    (temperature, top_k, top_p; `seed` makes draws reproducible).
+    (temperature, top_k, top_p; `seed` makes draws reproducible) for an
+    autoregressive model; 'nat' for a cmlm model: mask-predict with
+    `iterations` refinement passes over the `length_beam` most probable lengths
+    (nat_length 'predict'), or over a fixed canvas of source length +
+    model.max_length_offset tokens cut at the first EOS (nat_length 'fixed',
+    length_beam 1).
   max_len: output tokens per sentence; None: source length + 50, capped at
-    model.max_len.
+    model.max_len. Not for 'nat', whose output length is the predicted one.
   Settings of another method must stay at their defaults, so that a setting is
   never silently ignored.
   """
-  method: Literal['beam', 'greedy', 'sample'] = 'beam'
+  method: Literal['beam', 'greedy', 'sample', 'nat'] = 'beam'
   beam_size: int = 4
   alpha: float = 0.6
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
+  iterations: int = 10
+  length_beam: int = 3
+  nat_length: Literal['predict', 'fixed'] = 'predict'
   max_len: int | None = None
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ConfigError(f'method must be one of {", ".join(METHODS)}; got {self.method!r}')
-    owners = {'beam': ('beam_size', 'alpha'), 'sample': ('temperature', 'top_k', 'top_p', 'seed')}
+    owners = {'beam': ('beam_size', 'alpha'), 'sample': ('temperature', 'top_k', 'top_p', 'seed'),
+              'nat': ('iterations', 'length_beam', 'nat_length')}
     defaults = Search.__dataclass_fields__
     for method, names in owners.items():
       changed = [n for n in names if getattr(self, n) != defaults[n].default]
       if changed and method != self.method:
         raise ConfigError(f'{", ".join(changed)} only apply to method {method!r}, '
                           f'not {self.method!r}')
+    if self.method == 'nat' and self.max_len is not None:
+      raise ConfigError("max_len only applies to the autoregressive methods (beam, greedy, "
+                        "sample), not 'nat', whose output length is the length predicted")
     # Check the values now, not at the first batch.
     decoding.BeamConfig(beam_size=self.beam_size, alpha=self.alpha)
     decoding.SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+    nat_decoding.MaskPredictConfig(iterations=self.iterations, length_beam=self.length_beam,
+                                   length=self.nat_length)
+
+  def describe(self) -> str:
+    """The method and its settings in words, for reports: 'greedy decoding', ..."""
+    if self.method == 'beam':
+      return f'beam search (beam {self.beam_size}, alpha {self.alpha})'
+    if self.method == 'greedy':
+      return 'greedy decoding'
+    if self.method == 'sample':
+      return (f'sampling (temperature {self.temperature}, top-k {self.top_k}, '
+              f'top-p {self.top_p}, seed {self.seed})')
+    if self.nat_length == 'fixed':
+      return f'mask-predict decoding ({self.iterations} iterations, fixed length)'
+    return (f'mask-predict decoding ({self.iterations} iterations, length beam '
+            f'{self.length_beam})')
+
+  def check_model(self, config: ModelConfig) -> None:
+    """Raises ConfigError unless this method and its settings can decode a model of `config`."""
+    methods = KIND_METHODS[config.kind]
+    if self.method not in methods:
+      other = 'cmlm' if config.kind == 'autoregressive' else 'autoregressive'
+      choices = ', '.join(map(repr, methods[:-1])) + ' or ' * (len(methods) > 1) + repr(methods[-1])
+      raise ConfigError(f'method {self.method!r} decodes {other} models, but this model is '
+                        f'model.kind={config.kind!r}; use method {choices}')
+    classes = nat.num_length_classes(config)
+    if self.method == 'nat' and self.length_beam > classes:
+      raise ConfigError(f'length_beam={self.length_beam} exceeds the model\'s {classes} length '
+                        f'classes (2 * model.max_length_offset + 1, max_length_offset='
+                        f'{config.max_length_offset})')
 
   def run(self, model: Transformer, params, src: np.ndarray, batch_index: int) -> np.ndarray:
-    """Output tokens `[B, L]` for source ids `[B, S]`."""
-    if self.method == 'beam':
+    """Output tokens `[B, L]` for source ids `[B, S]`; `model` of a kind `check_model` accepts."""
+    if self.method == 'nat':
+      tokens = nat_decoding.mask_predict(model, params, src, iterations=self.iterations,
+                                         length_beam=self.length_beam, length=self.nat_length)
+    elif self.method == 'beam':
       tokens, _ = decoding.beam_search(model, params, src, beam_size=self.beam_size,
                                        alpha=self.alpha, max_len=self.max_len)
     elif self.method == 'greedy':
@@ -116,7 +168,7 @@ class Translator:
   def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer):
     tokenizer.check_compatible(config)
     self.config = config
-    self.model = Transformer(config)
+    self.model = build_model(config)
     self.variables = decoding.as_variables(params)
     self.tokenizer = tokenizer
     self._attention_weights = jax.jit(functools.partial(attention_weights, self.model))
@@ -149,13 +201,16 @@ class Translator:
 
   def translate(self, sentences: Sequence[str], *, method: str = 'beam', beam_size: int = 4,
                 alpha: float = 0.6, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                seed: int = 0, max_len: int | None = None, batch_size: int = 64) -> list[str]:
+                seed: int = 0, iterations: int = 10, length_beam: int = 3,
+                nat_length: str = 'predict', max_len: int | None = None,
+                batch_size: int = 64) -> list[str]:
     """Translations of `sentences`, in their order (settings: see `Search`).
 
     A sentence longer than model.max_len tokens is truncated with a warning.
     """
     search = Search(method=method, beam_size=beam_size, alpha=alpha, temperature=temperature,
-                    top_k=top_k, top_p=top_p, seed=seed, max_len=max_len)
+                    top_k=top_k, top_p=top_p, seed=seed, iterations=iterations,
+                    length_beam=length_beam, nat_length=nat_length, max_len=max_len)
     sources = self.encode(sentences)
     for index, count in sources.truncated:
       warnings.warn(f'sentence {index}: {count} subwords + EOS exceed model.max_len='
@@ -173,6 +228,7 @@ class Translator:
     """
     if not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
+    search.check_model(self.config)
     present = [i for i, ids in enumerate(sources.ids) if ids is not None]
     order = sorted(present, key=lambda i: -len(sources.ids[i]))
     translations = [''] * len(sources.ids)
@@ -192,7 +248,14 @@ class Translator:
 
     The weights come from one teacher-forced pass over the output tokens
     (`model.attention_weights`), so they are exactly what the decoder saw.
+    Autoregressive models only: a cmlm decoder sees MASK placeholders, not a
+    prefix, so this pass would not show what it attended to.
     """
+    if self.config.kind != 'autoregressive':
+      raise ConfigError(f'alignment needs an autoregressive model; this one is '
+                        f'model.kind={self.config.kind!r}, whose decoder reads MASK placeholders '
+                        'rather than the output prefix')
+    search.check_model(self.config)
     sources = self.encode([sentence])
     if sources.ids[0] is None:
       raise ValueError('cannot align an empty sentence')
