@@ -4,6 +4,7 @@
     python train.py --preset multi30k --data ../shared/data/multi30k --src en --tgt de \\
         --model.d_model=256 --steps 20000 --workdir runs/multi30k
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python train.py --devices 4 --parallel pmap
+    python train.py --objective cmlm                  # a non-autoregressive model (mask-predict)
     python train.py --distributed ...                 # every host of a TPU pod, SLURM or MPI job
     python train.py --coordinator HOST:PORT --num-processes N --process-id I ...    # any cluster
 
@@ -136,8 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
   aliases.add_argument('--tgt', dest='data.tgt_lang', metavar='LANG', help='= --data.tgt_lang')
   aliases.add_argument('--steps', dest='train.steps', metavar='N', help='= --train.steps')
   aliases.add_argument('--objective', dest='model.kind', choices=('autoregressive', 'cmlm'),
-                       help='= --model.kind: autoregressive (next token) or cmlm (conditional '
-                            'masked LM + length loss, a non-autoregressive model)')
+                       help='= --model.kind: autoregressive (the paper: predict each next '
+                            'token) or cmlm (non-autoregressive: mask a random number of target '
+                            'tokens, predict them all at once from the rest, plus '
+                            '--train.length_loss_weight times a target-length loss; BLEU '
+                            'decodes with mask-predict, as decode.py --method nat)')
   aliases.add_argument('--bf16', dest='model.dtype', action='store_const', const='bfloat16',
                        help='= --model.dtype=bfloat16')
 

@@ -18,6 +18,13 @@ What a run does, in order:
      loss, saves checkpoints, and ends with greedy-decoding BLEU (sacreBLEU,
      signature printed), exact-match accuracy and sample translations.
 
+A model.kind='cmlm' run (train.py --objective cmlm) trains the non-autoregressive
+`nat.CMLMTransformer` on the conditional masked LM objective
+(`train_step.cmlm_objective`): its loss, ppl and accuracy are over the masked
+target positions, beside length_loss and length_accuracy of the length
+classifier, and its BLEU comes from mask-predict decoding (10 iterations, the 3
+most probable lengths) instead of greedy decoding.
+
 Failures, and what they leave on disk:
   * SIGTERM or SIGINT during training: the step in progress finishes, its
     checkpoint is saved, and `interruption.Interrupted` is raised (train.py
@@ -59,25 +66,35 @@ import sacrebleu
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from flax_transformer import checkpoint
+from flax_transformer import checkpoint, nat
 from flax_transformer.batching import Batcher, encode_corpus
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import DataError, describe, load_parallel
 from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.metrics_log import MetricsLog
-from flax_transformer.model import Transformer, count_params
+from flax_transformer.model import count_params
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
-                                         make_optimizer, make_parallel_eval, make_parallel_step,
-                                         token_metrics)
-from flax_transformer.translate import Translator
+                                         length_metrics, make_optimizer, make_parallel_eval,
+                                         make_parallel_step, token_metrics)
+from flax_transformer.translate import Search, Translator
 
-# Sentences per greedy-decoding batch when computing BLEU.
+# Sentences per decoding batch when computing BLEU.
 DECODE_BATCH = 128
 # Translations printed at the end of a run.
 NUM_SAMPLES = 5
+
+
+def evaluation_search(model_config: ModelConfig) -> Search:
+  """How BLEU is decoded during and after training: greedy for an autoregressive model (the
+  usual, cheap model-selection signal); for a cmlm one, mask-predict with the CMLM paper's
+  10 iterations over the 3 most probable lengths (fewer if there are fewer length classes)."""
+  if model_config.kind == 'cmlm':
+    classes = nat.num_length_classes(model_config)
+    return Search(method='nat', iterations=10, length_beam=min(3, classes))
+  return Search(method='greedy')
 
 
 class NonFiniteError(RuntimeError):
@@ -212,7 +229,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   val_batches = _eval_batches(dataset, 'validation', tokenizer, model_config, train_config,
                               data_parallel.num_devices, say)
 
-  model = Transformer(model_config)
+  model = checkpoint.build_model(model_config)
   optimizer = make_optimizer(train_config, model_config)
   step_fn = make_parallel_step(model, optimizer, train_config, data_parallel)
   eval_fn = make_parallel_eval(model, train_config, data_parallel)
@@ -225,7 +242,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     say(f'resumed from {checkpoints.directory / str(start)}')
   state = data_parallel.replicate(state)
   processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
-  say(f'model: {count_params(abstract_state.params):,} parameters, {model_config.dtype} compute; '
+  kind = ' cmlm (non-autoregressive),' if model_config.kind == 'cmlm' else ''
+  say(f'model: {count_params(abstract_state.params):,} parameters,{kind} {model_config.dtype} '
+      'compute; '
       f'{data_parallel.num_devices} device(s){processes} via {parallel}; steps {start} -> '
       f'{train_config.steps}')
 
@@ -242,8 +261,10 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     if val_batches:
       values = _evaluate(eval_fn, state.params, val_batches, data_parallel)
       record(step, {f'val_{name}': value for name, value in values.items()})
+      length = (f', length accuracy {values["length_accuracy"]:.1%}'
+                if 'length_accuracy' in values else '')
       say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
-          f'token accuracy {values["accuracy"]:.1%}')
+          f'token accuracy {values["accuracy"]:.1%}{length}')
 
   # Step metrics stay on the device until a log line or a save needs them (`pending`),
   # then wait on the host for the interval's log line (`fetched`).
@@ -317,7 +338,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     values, lines = _translation_scores(model_config, final_state.params, tokenizer,
                                           dataset[split])
     record(int(final_state.step), values)
-    say(f'{split}, greedy decoding of {len(dataset[split]):,} sentences: BLEU '
+    say(f'{split}, {evaluation_search(model_config).describe()} of '
+        f'{len(dataset[split]):,} sentences: BLEU '
         f'{values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, exact match '
         f'{values["exact_match"]:.1%}\n  ({lines["signature"]})')
     say(lines['samples'])
@@ -399,7 +421,12 @@ def _eval_batches(dataset, split: str, tokenizer: Tokenizer, model_config: Model
 def _evaluate(eval_fn, params, batches: Sequence, data_parallel: DataParallel) -> dict[str, float]:
   outputs = [eval_fn(params, data_parallel.shard_batch(batch)) for batch in batches]
   sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *data_parallel.unreplicate(outputs))
-  return token_metrics(sums)
+  return _metrics(sums)
+
+
+def _metrics(sums: dict[str, float]) -> dict[str, float]:
+  """Loss, ppl, accuracy per token (masked token for cmlm), plus a cmlm model's length metrics."""
+  return {**token_metrics(sums), **(length_metrics(sums) if 'sentences' in sums else {})}
 
 
 def _summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
@@ -407,14 +434,17 @@ def _summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
 
   Skipped steps (non-finite loss or gradient) are left out of the averages and
   counted as nonfinite_steps, a key present only when there were some.
+  tokens_per_s counts every target token (a cmlm step's target_tokens, not
+  only its masked ones).
   """
   good = [m for m in metrics if not m['nonfinite']]
   values = {}
   if good:
     sums = {name: float(np.sum([m[name] for m in good])) for name in good[0]}
-    values = {**token_metrics(sums), 'learning_rate': float(good[-1]['learning_rate']),
+    values = {**_metrics(sums), 'learning_rate': float(good[-1]['learning_rate']),
               'grad_norm': float(np.mean([m['grad_norm'] for m in good]))}
-  values['tokens_per_s'] = float(np.sum([m['tokens'] for m in metrics])) / seconds
+  tokens = 'target_tokens' if 'target_tokens' in metrics[0] else 'tokens'
+  values['tokens_per_s'] = float(np.sum([m[tokens] for m in metrics])) / seconds
   if len(good) < len(metrics):
     values['nonfinite_steps'] = len(metrics) - len(good)
   return values
@@ -451,14 +481,16 @@ def _check_finite(metrics: list[dict], first_step: int, skipped: list[int], limi
 
 def _translation_scores(model_config: ModelConfig, params, tokenizer: Tokenizer,
                         split: datasets.Dataset) -> tuple[dict[str, float], dict[str, str]]:
-  """Greedy-decodes a split: ({'bleu', 'chrf', 'exact_match'}, {'signature', 'samples'}).
+  """Decodes a split with the model's `evaluation_search`:
+  ({'bleu', 'chrf', 'exact_match'}, {'signature', 'samples'}).
 
   The processes share the decoding (`translate_across_processes`) and every one
   scores the whole split. chrF is reported beside BLEU because BLEU's 4-grams
   say little about one-word outputs such as the toy task's German numbers.
   """
   sources, references = list(split['source']), list(split['target'])
-  hypotheses = translate_across_processes(Translator(model_config, params, tokenizer), sources)
+  hypotheses = translate_across_processes(Translator(model_config, params, tokenizer), sources,
+                                          search=evaluation_search(model_config))
   bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(hypotheses, [references])
   chrf_score = chrf.corpus_score(hypotheses, [references])
@@ -471,16 +503,17 @@ def _translation_scores(model_config: ModelConfig, params, tokenizer: Tokenizer,
 
 
 def translate_across_processes(translator: Translator, sentences: Sequence[str],
-                               batch_size: int = DECODE_BATCH) -> list[str]:
-  """Greedy translations of `sentences` in their order, on every process.
+                               batch_size: int = DECODE_BATCH,
+                               search: Search = Search(method='greedy')) -> list[str]:
+  """Translations of `sentences` (greedy by default) in their order, on every process.
 
   Process p of P decodes sentences p, p + P, p + 2P, ...: each sentence once,
   and shares of alike length mix even when the corpus is sorted by length. Call
   it on every process (it gathers across them); with one process it is
-  `translator.translate(sentences, method='greedy')`.
+  `translator.translate(sentences, method='greedy')` (or `search`'s settings).
   """
   index, count = jax.process_index(), jax.process_count()
-  share = translator.translate(list(sentences[index::count]), method='greedy',
+  share = translator.translate(list(sentences[index::count]), **dataclasses.asdict(search),
                                batch_size=batch_size)
   translations = [''] * len(sentences)
   for process, texts in enumerate(_allgather_texts(share)):
