@@ -1,0 +1,265 @@
+"""Sequence-level knowledge distillation: a training set whose targets are a teacher's translations.
+
+Non-autoregressive students learn much better from an autoregressive teacher's
+beam-search outputs than from the human references (Kim & Rush, 2016; Gu et
+al., 2018; the CMLM paper, Ghazvininejad et al., 2019): one consistent
+translation per source is easier to predict position by position than the
+many ways people translate. The recipe:
+
+    python train.py --preset multi30k --data ../shared/data/multi30k --workdir runs/m30k
+    python -m flax_transformer.distill --checkpoint runs/m30k/average-last5 \\
+        --data ../shared/data/multi30k --output data/m30k-distilled
+    python train.py --preset multi30k --objective cmlm --data data/m30k-distilled ...  # as printed
+
+`distill` translates the source side of the training split with the checkpoint's
+beam search and writes OUTPUT as a directory of plain-text `<split>.<lang>` files
+that `data.load_parallel` reads: train.<src> holds the training sources (as
+loading cleaned them: stripped, pairs with an empty side dropped) and
+train.<tgt> their translations, line by line. The validation and test splits
+keep their human references, so model selection and test scores measure the
+real task: from a directory of text files they are copied byte for byte, from
+other sources (a table, the Hub, the toy task) written one sentence per line.
+The languages are the checkpoint's (config.json's data.src_lang, data.tgt_lang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from flax_transformer import checkpoint
+from flax_transformer.config import RUN_PRESETS, ConfigError, run_preset
+from flax_transformer.data import DataError
+from flax_transformer.tokenizer import TokenizerError
+from flax_transformer.training import load_data
+from flax_transformer.translate import Search, Translator
+
+# config.json fields a student's train.py command does not repeat: the tokenizer decides the
+# vocabulary and special ids, --objective the kind, --data/--src/--tgt the data.
+_NOT_REPEATED = {'model': {'vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id', 'kind'},
+                 'train': set(), 'data': {'source', 'src_lang', 'tgt_lang'}}
+
+
+class DistillError(ValueError):
+  """The distillation cannot run as asked; the message names the option at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillResult:
+  """What `distill` wrote.
+
+  output: the directory of `<split>.<lang>` files.
+  sentences: training sources translated.
+  empty: translations that came out empty (their pairs are dropped when loaded).
+  truncated: sources longer than the teacher's max_len, translated from their first
+    max_len - 1 subwords.
+  command: a train.py command that trains a cmlm student on `output` with the
+    teacher's settings.
+  """
+  output: Path
+  sentences: int
+  empty: int
+  truncated: int
+  command: str
+
+
+def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None = None,
+            beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64,
+            overwrite: bool = False, progress: bool = True) -> DistillResult:
+  """Writes OUTPUT: the training split with the checkpoint's beam translations as targets.
+
+  Args:
+    checkpoint_dir: an autoregressive run directory (or its average-lastK).
+    output: the directory to write; it must not exist or be empty, unless
+      `overwrite`, which replaces it.
+    data: the parallel text, as train.py's --data (a directory, a table file,
+      a Hub name or 'toy'); None: the checkpoint's own data.source.
+    beam_size, alpha: the teacher's beam search (the paper's 4 and 0.6).
+    batch_size: sentences per decoding batch.
+    progress: show a progress bar (standard error) while translating.
+
+  Raises:
+    DistillError: a cmlm checkpoint, an output that exists and is not empty
+      (without `overwrite`), or an output that would replace the data or the
+      checkpoint. CheckpointError, DataError, ConfigError: as their names say.
+  """
+  checkpoint_dir, output = Path(checkpoint_dir), Path(output)
+  model_config, train_config, data_config = checkpoint.read_config(checkpoint_dir)
+  if model_config.kind != 'autoregressive':
+    raise DistillError(f'{checkpoint_dir} holds a {model_config.kind} model '
+                       f'(model.kind={model_config.kind!r}); the teacher must be autoregressive, '
+                       'decoded with beam search')
+  search = Search(method='beam', beam_size=beam_size, alpha=alpha)
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise DistillError(f'--batch-size must be a positive integer, got {batch_size!r}')
+  if data is not None:
+    data_config = data_config.replace(source=data)
+  source = Path(data_config.source).expanduser()
+  _check_output(output, overwrite, [checkpoint_dir] + ([source] if source.exists() else []))
+
+  dataset = load_data(data_config)
+  if 'train' not in dataset:
+    raise DataError(f'{data_config.source} has no train split (splits: {", ".join(dataset)})')
+  translator = Translator.from_checkpoint(checkpoint_dir)
+
+  sources = list(dataset['train']['source'])
+  encoded = translator.encode(sources)
+  total = sum(ids is not None for ids in encoded.ids)
+  with tqdm(total=total, unit='sent', desc='distill', disable=not progress, file=sys.stderr,
+            dynamic_ncols=True) as bar, warnings.catch_warnings():
+    # "source length + 50 exceeds max_len: output capped", once per batch of long sources,
+    # would bury the bar; the cap is the model's own limit, as in training's BLEU decoding.
+    warnings.filterwarnings('ignore', message='source length .* output capped')
+    translations = translator.translate_sources(encoded, search, batch_size, on_batch=bar.update)
+
+  # Written beside OUTPUT and renamed into place: OUTPUT is either complete or untouched.
+  partial = output.with_name(f'.{output.name}.partial-{os.getpid()}')
+  try:
+    partial.mkdir(parents=True)
+    _write_splits(partial, source, dataset, sources, translations, data_config)
+    if output.exists():
+      shutil.rmtree(output)
+    partial.rename(output)
+  finally:
+    if partial.exists():
+      shutil.rmtree(partial)
+
+  command = student_command(output, model_config, train_config, data_config, checkpoint_dir)
+  return DistillResult(output=output, sentences=len(sources),
+                       empty=sum(not text for text in translations),
+                       truncated=len(encoded.truncated), command=command)
+
+
+def _write_splits(directory: Path, source: Path, dataset, sources: Sequence[str],
+                  translations: Sequence[str], data_config) -> None:
+  """train.<src> and train.<tgt> (the translations), and the other splits as they were."""
+  src, tgt = data_config.src_lang, data_config.tgt_lang
+  _write_lines(directory / f'train.{src}', sources)
+  _write_lines(directory / f'train.{tgt}', translations)
+  if source.is_dir() and (any(source.glob(f'*.{src}')) or any(source.glob(f'*.{tgt}'))):
+    # A text directory (as load_parallel decides): every other split's files, byte for
+    # byte, under their own names, so loading the output finds the same splits.
+    for path in sorted(source.iterdir()):
+      if path.is_file() and path.suffix in (f'.{src}', f'.{tgt}') and path.stem != 'train':
+        shutil.copyfile(path, directory / path.name)
+    return
+  for split in ('validation', 'test'):  # file stems that load_parallel discovers as these splits
+    if split in dataset:
+      _write_lines(directory / f'{split}.{src}', dataset[split]['source'])
+      _write_lines(directory / f'{split}.{tgt}', dataset[split]['target'])
+
+
+def _check_output(output: Path, overwrite: bool, protected: Sequence[Path]) -> None:
+  """Refuses an output that holds files (unless overwrite) or that holds the inputs."""
+  resolved = output.resolve()
+  for path in protected:
+    path = path.resolve()
+    if resolved == path or resolved in path.parents:
+      raise DistillError(f'--output {output} would replace {path}, an input of the '
+                         'distillation; choose another directory')
+  if output.exists() and not output.is_dir():
+    raise DistillError(f'--output {output} is a file; give a directory')
+  if output.is_dir() and any(output.iterdir()) and not overwrite:
+    raise DistillError(f'--output {output} exists and is not empty; choose another directory '
+                       'or pass --overwrite to replace it')
+
+
+def _write_lines(path: Path, lines: Sequence[str]) -> None:
+  """One sentence per line; a line break inside a sentence (possible in tables and Hub
+  datasets) becomes a space, so that line N stays pair N."""
+  text = ''.join(line.replace('\r', ' ').replace('\n', ' ') + '\n' for line in lines)
+  path.write_text(text, encoding='utf-8')
+
+
+def student_command(output: Path, model_config, train_config, data_config,
+                    checkpoint_dir: Path) -> str:
+  """`python train.py --objective cmlm --data OUTPUT ...` with the teacher's settings: the
+  named preset closest to them and an option for each setting that differs from it."""
+  teacher = {'model': model_config, 'train': train_config, 'data': data_config}
+
+  def differences(preset: str) -> list[str]:
+    configs = dict(zip(('model', 'train', 'data'), run_preset(preset)))
+    return [f'--{section}.{f.name}={getattr(config, f.name)}'
+            for section, config in teacher.items() for f in dataclasses.fields(config)
+            if f.name not in _NOT_REPEATED[section]
+            and getattr(config, f.name) != getattr(configs[section], f.name)]
+
+  preset = min(RUN_PRESETS, key=lambda name: len(differences(name)))
+  run = checkpoint_dir.resolve()
+  if run.name.startswith('average-last'):
+    run = run.parent  # the averaged checkpoints' own run
+  workdir = run.parent / f'{run.name}-cmlm-distilled'
+  words = ['python', 'train.py', '--preset', preset, '--objective', 'cmlm', '--data', str(output),
+           '--src', data_config.src_lang, '--tgt', data_config.tgt_lang, *differences(preset),
+           '--workdir', str(workdir)]
+  return shlex.join(words)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      prog='python -m flax_transformer.distill', allow_abbrev=False,
+      description='Sequence-level knowledge distillation: write a copy of the parallel text whose '
+                  'training targets are an autoregressive checkpoint\'s beam-search '
+                  'translations, to train a non-autoregressive (cmlm) student on.')
+  parser.add_argument('--checkpoint', required=True, type=Path,
+                      help='the teacher: an autoregressive run directory written by train.py '
+                           '(or its average-lastK)')
+  parser.add_argument('--data', metavar='SOURCE',
+                      help="the parallel text, as train.py's --data (default: the checkpoint's "
+                           'data.source)')
+  parser.add_argument('--output', required=True, type=Path,
+                      help='directory to write <split>.<lang> files into (must be new or empty)')
+  parser.add_argument('--overwrite', action='store_true',
+                      help='replace --output if it exists')
+  parser.add_argument('--beam-size', type=int, default=4, help='beams (default 4)')
+  parser.add_argument('--alpha', type=float, default=0.6,
+                      help='length penalty ((5 + |Y|) / 6)^alpha (default 0.6)')
+  parser.add_argument('--batch-size', type=int, default=64, help='sentences per batch')
+  args = parser.parse_args(argv)
+  for option in ('beam_size', 'batch_size'):
+    if getattr(args, option) < 1:
+      parser.error(f'argument --{option.replace("_", "-")}: must be >= 1, '
+                   f'got {getattr(args, option)}')
+  return args
+
+
+def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = print) -> int:
+  """Exit status 0; 2 for a bad option, checkpoint, data or output (one line); 1 when writing
+  fails."""
+  args = parse_args(argv)
+  try:
+    result = distill(args.checkpoint, args.output, data=args.data, beam_size=args.beam_size,
+                     alpha=args.alpha, batch_size=args.batch_size, overwrite=args.overwrite)
+  except (DistillError, checkpoint.CheckpointError, ConfigError, DataError,
+          TokenizerError) as error:
+    print(f'distill: error: {error}', file=sys.stderr)
+    return 2
+  except OSError as error:
+    print(f'distill: error: writing {args.output} failed ({error.strerror or error})',
+          file=sys.stderr)
+    return 1
+  notes = [f'{result.empty:,} empty (their pairs are dropped when loaded)'] if result.empty else []
+  if result.truncated:
+    notes.append(f'{result.truncated:,} sources longer than the teacher\'s max_len translated '
+                 'from their beginning')
+  print_fn(f'wrote {result.output}: {result.sentences:,} training sources with the beam-search '
+           f'translations of {args.checkpoint} (beam {args.beam_size}, alpha {args.alpha})'
+           + (f'; {"; ".join(notes)}' if notes else '')
+           + '; the other splits keep their references.')
+  print_fn(f'Train a non-autoregressive student on it:\n  {result.command}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
