@@ -11,8 +11,12 @@ The steps, all in one jit-compiled program:
 1. Encode the source once; the length classifier's top-K classes give K
    candidate lengths N per sentence (`length='predict'`), or each sentence gets
    N = min(source length + R, model.max_len) (`length='fixed'`, K = 1).
-2. Each candidate is a row of the canvas `[R, W]`, W = min(S + R, model.max_len):
-   N MASKs, then PAD (which no position attends to).
+2. Each candidate is a row of the canvas `[R, W]`: N MASKs, then PAD (which no
+   position attends to). W is the longest candidate plus one (room for its EOS),
+   rounded up to a multiple of 8 and capped at model.max_len: the lengths come
+   back to the host between two programs, so the canvas is only as wide as the
+   sentences need (W = S + R would compute 2-4x more positions on short sources),
+   and one program serves each bucket of widths.
 3. Iteration 0 predicts every position at once and keeps each token with its
    log-probability. Iteration t = 1 .. I-1 re-masks the n = floor(N (I - t) / I)
    positions of lowest log-probability and predicts them again (the others keep
@@ -22,7 +26,7 @@ The steps, all in one jit-compiled program:
 
 The output has greedy's format (`decoding.py`): tokens y_1 .., then EOS, then
 PAD. A row in which the model put no EOS gets one appended after its N tokens,
-unless N = W, where it ends without EOS like a greedy row at its limit. PAD and
+unless N = model.max_len, where it ends without EOS like a greedy row at its limit. PAD and
 BOS are never predicted; all-PAD source rows (batch padding) give all-PAD rows.
 A sentence decodes to the same tokens whatever else is in its batch and
 however wide its source row is padded.
@@ -43,6 +47,8 @@ from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.nat import CMLMTransformer, lengths_from_classes, mask_id, num_length_classes
 
 LENGTH_MODES = ('predict', 'fixed')
+# Canvas widths are rounded up to a multiple of this: few compiled programs, little waste.
+WIDTH_MULTIPLE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +101,7 @@ def mask_predict(model: CMLMTransformer, params, src, *, iterations: int = 10, l
     return_history: also return the per-iteration record.
 
   Returns:
-    int32 tokens `[B, W]`, W = min(S + R, model.max_len); with `return_history`,
+    int32 tokens `[B, W]`, W = `canvas_width(longest candidate, model.max_len)`; with `return_history`,
     `(tokens, history)` where history holds, for the R = B * K candidate rows
     (sentence b's candidates are rows b * K .. b * K + K - 1):
       'lengths': int32 `[R]`, each candidate's N (0 for batch padding);
@@ -116,26 +122,46 @@ def mask_predict(model: CMLMTransformer, params, src, *, iterations: int = 10, l
                       f'(2 * model.max_length_offset + 1, max_length_offset='
                       f'{config.max_length_offset})')
   src = decoding.check_source(src, config)
-  tokens, history = _mask_predict(config, decoding.as_variables(params), src, settings)
+  variables = decoding.as_variables(params)
+  memory, lengths = _encode(config, variables, src, settings)
+  width = canvas_width(int(jnp.max(lengths, initial=0)), config.max_len)
+  tokens, history = _refine(config, variables, src, memory, lengths, settings, width)
   return (tokens, history) if return_history else tokens
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'settings'))
-def _mask_predict(config: ModelConfig, variables, src: jax.Array, settings: MaskPredictConfig
-                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  model = CMLMTransformer(config)
-  batch, k, iterations = src.shape[0], settings.length_beam, settings.iterations
-  width = min(src.shape[1] + config.max_length_offset, config.max_len)
+def canvas_width(longest: int, max_len: int) -> int:
+  """Canvas columns for candidates of up to `longest` tokens: one more for the EOS, rounded
+  up to a multiple of `WIDTH_MULTIPLE` (one compiled program per bucket), at most `max_len`.
 
+  canvas_width(13, 128) == 16; canvas_width(16, 128) == 24; canvas_width(127, 128) == 128.
+  """
+  return min(-(-(longest + 1) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE, max_len)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'settings'))
+def _encode(config: ModelConfig, variables, src: jax.Array, settings: MaskPredictConfig
+            ) -> tuple[jax.Array, jax.Array]:
+  """Source `[B, S]` -> (memory `[B, S, D]`, candidate lengths int32 `[R]`)."""
   def encode(module: CMLMTransformer, src: jax.Array):
     memory = module.encode(src)
-    src_mask = masks.padding_mask(src, config.pad_id)
-    return module.cross_kv(memory), src_mask, module.predict_length(memory, src_mask)
+    return memory, module.predict_length(memory, masks.padding_mask(src, config.pad_id))
 
-  cross_kv, src_mask, length_logits = model.apply(variables, src, method=encode)
+  memory, length_logits = CMLMTransformer(config).apply(variables, src, method=encode)
+  lengths = _candidate_lengths(length_logits, src, config, settings)             # [B, K]
+  return memory, lengths.reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'settings', 'width'))
+def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
+            lengths: jax.Array, settings: MaskPredictConfig, width: int
+            ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The I passes over the canvas `[R, W]` and the choice among each sentence's K candidates."""
+  model = CMLMTransformer(config)
+  batch, k, iterations = src.shape[0], settings.length_beam, settings.iterations
+  cross_kv = model.apply(variables, memory, method=CMLMTransformer.cross_kv)
+  src_mask = masks.padding_mask(src, config.pad_id)
   # Candidate rows b * K + j: the K candidates of a sentence share its memory.
   cross_kv, src_mask = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), (cross_kv, src_mask))
-  lengths = _candidate_lengths(length_logits, src, config, settings).reshape(batch * k)   # [R]
 
   position = jnp.arange(width)
   in_row = position < lengths[:, None]                                          # [R, W]

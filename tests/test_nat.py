@@ -303,7 +303,9 @@ def test_one_pass_rows_are_as_long_as_the_predicted_length(model, params, src):
   tokens, history = decode(model, constant_model(params, token, length_class), src, iterations=1,
                            length_beam=LENGTH_BEAM)
   lengths = source_lengths(src) + 1
-  width = min(src.shape[1] + R, CONFIG.max_len)
+  # Room for the longest row and its EOS, rounded up to a multiple of 8.
+  width = nat_decoding.canvas_width(lengths.max(), CONFIG.max_len)
+  assert width % nat_decoding.WIDTH_MULTIPLE == 0 and lengths.max() < width
   assert tokens.shape == (len(SOURCES), width)
   for row, n in zip(tokens, lengths):
     np.testing.assert_array_equal(row, [token] * n + [EOS] + [PAD] * (width - n - 1))
@@ -346,20 +348,32 @@ def test_remasked_counts_follow_the_schedule(model, params, src, iterations):
 
 
 def test_fixed_length_decodes_source_plus_r_positions_cut_at_the_first_eos(model, params):
-  src = pad_rows(SOURCES[:3])                                    # the third source is the widest
-  width = src.shape[1] + R
+  src = pad_rows(SOURCES[:3])
+  lengths = source_lengths(src) + R
+  width = nat_decoding.canvas_width(lengths.max(), CONFIG.max_len)
   tokens, history = decode(model, constant_model(params, 7, 0), src, iterations=1, length_beam=1,
                            length='fixed')
-  lengths = source_lengths(src) + R
   np.testing.assert_array_equal(history['lengths'], lengths)
+  assert tokens.shape == (3, width)
   for row, n in zip(tokens, lengths):
-    np.testing.assert_array_equal(row[:n], [7] * n)
-  assert tokens[0, lengths[0]] == EOS and tokens[1, lengths[1]] == EOS
-  assert lengths[2] == width and EOS not in tokens[2]              # no room: ends like greedy at its limit
+    np.testing.assert_array_equal(row, [7] * n + [EOS] + [PAD] * (width - n - 1))
   eos_only, _ = decode(model, constant_model(params, EOS, 0), src, iterations=1, length_beam=1,
                        length='fixed')
   np.testing.assert_array_equal(eos_only, np.where(np.arange(width) == 0, EOS, PAD)[None]
                                 .repeat(3, 0))
+  # A source within R of model.max_len fills the whole table: no room for EOS, as greedy.
+  long = pad_rows([[5] * (CONFIG.max_len - R + 1) + [EOS]])
+  tokens, history = decode(model, constant_model(params, 7, 0), long, iterations=1,
+                           length_beam=1, length='fixed')
+  assert history['lengths'][0] == CONFIG.max_len and tokens.shape == (1, CONFIG.max_len)
+  assert (tokens == 7).all()
+
+
+def test_canvas_width_leaves_room_for_eos_in_few_buckets():
+  widths = [nat_decoding.canvas_width(n, 128) for n in range(1, 128)]
+  assert all(n < w or w == 128 for n, w in zip(range(1, 128), widths))
+  assert all(w % 8 == 0 for w in widths) and len(set(widths)) == 16
+  assert nat_decoding.canvas_width(13, 128) == 16 and nat_decoding.canvas_width(16, 128) == 24
 
 
 def test_a_sentence_decodes_alike_alone_and_in_any_padded_batch(model, params, src):
