@@ -89,8 +89,9 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
 
   Raises:
     DistillError: a cmlm checkpoint, an output that exists and is not empty
-      (without `overwrite`), or an output that would replace the data or the
-      checkpoint. CheckpointError, DataError, ConfigError: as their names say.
+      (without `overwrite`), an output that would replace the data or the
+      checkpoint, or a teacher whose translations are all empty (nothing is
+      written then). CheckpointError, DataError, ConfigError: as their names say.
   """
   checkpoint_dir, output = Path(checkpoint_dir), Path(output)
   model_config, train_config, data_config = checkpoint.read_config(checkpoint_dir)
@@ -120,6 +121,9 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
     # would bury the bar; the cap is the model's own limit, as in training's BLEU decoding.
     warnings.filterwarnings('ignore', message='source length .* output capped')
     translations = translator.translate_sources(encoded, search, batch_size, on_batch=bar.update)
+  if not any(translations):
+    raise DistillError(f'every translation by {checkpoint_dir} is empty (it ends each sentence at '
+                       'once), which would leave no training pairs; distil from a trained model')
 
   # Written beside OUTPUT and renamed into place: OUTPUT is either complete or untouched.
   partial = output.with_name(f'.{output.name}.partial-{os.getpid()}')

@@ -438,3 +438,14 @@ def test_distill_refuses_a_cmlm_teacher_and_a_used_output(distilled, cmlm_run, t
   assert status == 0, err
   assert {p.name: p.read_bytes() for p in output.iterdir()} == before
 
+
+def test_distill_refuses_a_teacher_that_only_emits_empty_translations(teacher, corpus, tmp_path,
+                                                                    monkeypatch):
+  monkeypatch.setattr(Translator, 'translate_sources',
+                      lambda self, sources, *args, **kwargs: [''] * len(sources.ids))
+  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus,
+                                       '--output', tmp_path / 'out'])
+  assert status == 2
+  assert 'is empty (it ends each sentence at once), which would leave no training pairs' in \
+      error_line(err, 'distill')
+  assert not (tmp_path / 'out').exists()
