@@ -40,6 +40,7 @@ from flax_transformer import masks
 from flax_transformer.attention import KVCache
 from flax_transformer.batching import Batch
 from flax_transformer.config import ModelConfig
+from flax_transformer.losses import loss_sums
 from flax_transformer.matmul import Dense
 from flax_transformer.model import Transformer
 
@@ -233,18 +234,14 @@ def cmlm_loss_sums(token_logits: jax.Array, length_logits: jax.Array, inputs: CM
   Returns float32 scalars:
     loss_sum, nll_sum, correct, tokens: label-smoothed cross-entropy, plain NLL,
       argmax hits and count over the masked positions only, exactly as
-      `train_step` computes them over all positions for the autoregressive model;
+      `losses.loss_sums` computes them over all positions for the autoregressive model;
     length_loss_sum: NLL of the true length class, summed over real rows;
     length_correct: real rows whose most likely class is the true one;
     sentences: the number of real rows (tgt_lengths > 0).
   """
-  # Imported here: train_step imports this module for the CMLM step, and an import at the top
-  # of each would leave one of them half-initialised whenever this one is imported first.
-  from flax_transformer import train_step
   # PAD in the targets of the unmasked positions keeps them out of every sum.
-  sums = train_step._loss_sums(token_logits,
-                               jnp.where(inputs.masked, inputs.targets, config.pad_id),
-                               smoothing, config.pad_id)
+  sums = loss_sums(token_logits, jnp.where(inputs.masked, inputs.targets, config.pad_id),
+                   smoothing, config.pad_id)
   src_lengths = jnp.sum(inputs.src != config.pad_id, axis=1, dtype=jnp.int32)
   classes = length_classes(inputs.tgt_lengths, src_lengths, config.max_length_offset)   # [B]
   length_logits = length_logits.astype(jnp.float32)

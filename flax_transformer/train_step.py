@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_transformer import nat
 from flax_transformer.batching import Batch, shard
 from flax_transformer.config import ModelConfig, TrainConfig
+from flax_transformer.losses import label_smoothed_cross_entropy, loss_sums, token_losses
 from flax_transformer.model import Transformer
 
 AXIS = 'data'  # the mapped device axis, in both shard_map and pmap
@@ -62,58 +63,8 @@ class TrainState:
 
 
 # --- the objective ------------------------------------------------------------
-
-def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float
-                 ) -> tuple[jax.Array, jax.Array]:
-  """Per-token label-smoothed cross-entropy and plain negative log-likelihood.
-
-  The smoothed target puts 1 - eps on the reference token and eps spread
-  uniformly over all V tokens, so
-    smoothed = (1 - eps) * nll + eps * mean_v(-log p_v)
-  with -log p_v = logsumexp(logits) - logits_v. Written with one logsumexp and
-  two reductions of the logits: no one-hot or log-softmax tensor `[B, T, V]`.
-
-  Args:
-    logits: `[B, T, V]`, float32.
-    targets: int `[B, T]`.
-    smoothing: eps in [0, 1).
-
-  Returns:
-    (smoothed, nll), both float32 `[B, T]`, not masked.
-  """
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)                                    # [B, T]
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  nll = log_z - target_logit
-  uniform = log_z - jnp.mean(logits, axis=-1)                                  # mean_v(-log p_v)
-  return (1.0 - smoothing) * nll + smoothing * uniform, nll
-
-
-def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float,
-                                 pad_id: int) -> tuple[jax.Array, jax.Array]:
-  """Sum of label-smoothed cross-entropy over non-PAD targets, and their count.
-
-  Returns float32 scalars (loss_sum, weight_sum); loss per token is their ratio.
-  Positions where `targets == pad_id` contribute to neither.
-  """
-  smoothed, _ = token_losses(logits, targets, smoothing)
-  weights = (targets != pad_id).astype(jnp.float32)
-  return jnp.sum(smoothed * weights), jnp.sum(weights)
-
-
-def _loss_sums(logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: int
-               ) -> dict[str, jax.Array]:
-  """The additive statistics behind every reported metric, over non-PAD targets."""
-  smoothed, nll = token_losses(logits, targets, smoothing)
-  weights = (targets != pad_id).astype(jnp.float32)
-  # Correct when the target's logit is the largest (an exact tie counts as correct): the same
-  # max and gather as the loss's, which XLA shares, where jnp.argmax's (value, index)
-  # reduction over [B, T, V] cost more on CPU than the whole loss.
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
-  return {'loss_sum': jnp.sum(smoothed * weights), 'nll_sum': jnp.sum(nll * weights),
-          'correct': jnp.sum(correct * weights), 'tokens': jnp.sum(weights)}
-
+# token_losses, label_smoothed_cross_entropy and loss_sums live in `losses` (the CMLM
+# objective in `nat` uses them too); they stay importable from here.
 
 def token_metrics(sums: Mapping[str, float]) -> dict[str, float]:
   """Sums from any number of steps -> loss (label-smoothed, per token), ppl, accuracy.
@@ -302,7 +253,7 @@ def _autoregressive_loss_fn(model: Transformer, batch: Batch, dropout_key: jax.A
   def loss_fn(params):
     logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
                          rngs={'dropout': dropout_key})                        # [B, T, V]
-    sums = _loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+    sums = loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
     return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
 
   return loss_fn
@@ -322,7 +273,7 @@ def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Arr
         {'params': params}, inputs.src, inputs.tokens, train=True,
         rngs={'dropout': dropout_key})                              # [B, T, V], [B, 2R + 1]
     sums = nat.cmlm_loss_sums(token_logits, length_logits, inputs, config,
-                              train_config.label_smoothing)
+                               train_config.label_smoothing)
     loss = cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
     return loss, {**sums, 'target_tokens': target_tokens}
 
@@ -356,7 +307,7 @@ def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: floa
     sums = nat.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
   else:
     logits = model.apply({'params': params}, batch.src, batch.tgt_in)
-    sums = _loss_sums(logits, batch.tgt_out, label_smoothing, config.pad_id)
+    sums = loss_sums(logits, batch.tgt_out, label_smoothing, config.pad_id)
   return lax.psum(sums, AXIS)
 
 

@@ -1,0 +1,65 @@
+"""Per-token losses of a batch of logits: label-smoothed cross-entropy and its sums.
+
+Axis legend: B rows, T positions, V vocabulary.
+
+Shared by the autoregressive step (`train_step`) and the non-autoregressive CMLM
+objective (`nat.cmlm_loss_sums`), which scores only its masked positions by
+giving the others PAD targets.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Per-token label-smoothed cross-entropy and plain negative log-likelihood.
+
+  The smoothed target puts 1 - eps on the reference token and eps spread
+  uniformly over all V tokens, so
+    smoothed = (1 - eps) * nll + eps * mean_v(-log p_v)
+  with -log p_v = logsumexp(logits) - logits_v. Written with one logsumexp and
+  two reductions of the logits: no one-hot or log-softmax tensor `[B, T, V]`.
+
+  Args:
+    logits: `[B, T, V]`, float32.
+    targets: int `[B, T]`.
+    smoothing: eps in [0, 1).
+
+  Returns:
+    (smoothed, nll), both float32 `[B, T]`, not masked.
+  """
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)                                    # [B, T]
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = log_z - target_logit
+  uniform = log_z - jnp.mean(logits, axis=-1)                                  # mean_v(-log p_v)
+  return (1.0 - smoothing) * nll + smoothing * uniform, nll
+
+
+def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float,
+                                 pad_id: int) -> tuple[jax.Array, jax.Array]:
+  """Sum of label-smoothed cross-entropy over non-PAD targets, and their count.
+
+  Returns float32 scalars (loss_sum, weight_sum); loss per token is their ratio.
+  Positions where `targets == pad_id` contribute to neither.
+  """
+  smoothed, _ = token_losses(logits, targets, smoothing)
+  weights = (targets != pad_id).astype(jnp.float32)
+  return jnp.sum(smoothed * weights), jnp.sum(weights)
+
+
+def loss_sums(logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: int
+               ) -> dict[str, jax.Array]:
+  """The additive statistics behind every reported metric, over non-PAD targets."""
+  smoothed, nll = token_losses(logits, targets, smoothing)
+  weights = (targets != pad_id).astype(jnp.float32)
+  # Correct when the target's logit is the largest (an exact tie counts as correct): the same
+  # max and gather as the loss's, which XLA shares, where jnp.argmax's (value, index)
+  # reduction over [B, T, V] cost more on CPU than the whole loss.
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
+  return {'loss_sum': jnp.sum(smoothed * weights), 'nll_sum': jnp.sum(nll * weights),
+          'correct': jnp.sum(correct * weights), 'tokens': jnp.sum(weights)}
