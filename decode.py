@@ -69,10 +69,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   search = parser.add_argument_group(
       'search', 'beam, greedy and sample decode an autoregressive checkpoint (the default kind), '
       'nat a non-autoregressive one (train.py --objective cmlm)')
-  search.add_argument('--method', choices=('beam', 'greedy', 'sample', 'nat'), default='beam',
-                      help='beam search (default), greedy, sampling, or nat: mask-predict, which '
-                           'predicts the output length and fills all positions at once, then '
-                           're-predicts the least confident ones')
+  search.add_argument('--method', choices=('beam', 'greedy', 'sample', 'nat'),
+                      help='beam search (the default for an autoregressive checkpoint), greedy, '
+                           'sampling, or nat: mask-predict (the default for a cmlm checkpoint), '
+                           'which predicts the output length and fills all positions at once, '
+                           'then re-predicts the least confident ones')
   search.add_argument('--beam-size', type=int, default=4,
                       help='beam search: beams (paper: 4)')
   search.add_argument('--alpha', type=float, default=0.6,
@@ -97,9 +98,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   search.add_argument('--batch-size', type=int, default=64,
                       help='sentences per batch')
   args = parser.parse_args(argv)
-  if args.length_beam is None:
-    # A fixed length is one candidate per sentence; predicted lengths keep the 3 best.
-    args.length_beam = 1 if args.method == 'nat' and args.nat_length == 'fixed' else 3
   # Refused here, naming the option, rather than deep in loading or decoding.
   for option, low in (('step', 0), ('average_last', 0), ('beam_size', 1), ('top_k', 0),
                       ('iterations', 1), ('length_beam', 1), ('max_len', 1), ('batch_size', 1)):
@@ -174,12 +172,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     sentences, show_progress = read_input(args)
     references = (read_references(args.reference, len(sentences))
                   if args.reference is not None else None)
-    search = Search(method=args.method, beam_size=args.beam_size, alpha=args.alpha,
+    def make_search(method: str) -> Search:
+      # A fixed length is one candidate per sentence; predicted lengths keep the 3 best.
+      length_beam = args.length_beam or (1 if args.nat_length == 'fixed' else 3)
+      return Search(method=method, beam_size=args.beam_size, alpha=args.alpha,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, iterations=args.iterations, length_beam=args.length_beam,
+                    seed=args.seed, iterations=args.iterations, length_beam=length_beam,
                     nat_length=args.nat_length, max_len=args.max_len)
+
+    # A named method's settings are refused before the checkpoint loads.
+    search = make_search(args.method) if args.method else None
     translator = Translator.from_checkpoint(args.checkpoint, step=args.step,
                                             average_last=args.average_last)
+    if search is None:
+      # The checkpoint's kind picks the default: beam search (the paper) or mask-predict.
+      search = make_search('nat' if translator.config.kind == 'cmlm' else 'beam')
     search.check_model(translator.config)
     max_len = translator.config.max_len
     if args.max_len is not None and not 1 <= args.max_len <= max_len:

@@ -199,15 +199,19 @@ class Translator:
       ids.append(np.array(subwords + [self.tokenizer.eos_id], np.int32))
     return Sources(ids=ids, truncated=truncated)
 
-  def translate(self, sentences: Sequence[str], *, method: str = 'beam', beam_size: int = 4,
+  def translate(self, sentences: Sequence[str], *, method: str | None = None, beam_size: int = 4,
                 alpha: float = 0.6, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 seed: int = 0, iterations: int = 10, length_beam: int = 3,
                 nat_length: str = 'predict', max_len: int | None = None,
                 batch_size: int = 64) -> list[str]:
     """Translations of `sentences`, in their order (settings: see `Search`).
 
-    A sentence longer than model.max_len tokens is truncated with a warning.
+    method None: the model's own, 'beam' (the paper's beam 4) for an autoregressive
+    model, 'nat' (mask-predict) for a cmlm one. A sentence longer than model.max_len
+    tokens is truncated with a warning.
     """
+    if method is None:
+      method = 'nat' if self.config.kind == 'cmlm' else 'beam'
     search = Search(method=method, beam_size=beam_size, alpha=alpha, temperature=temperature,
                     top_k=top_k, top_p=top_p, seed=seed, iterations=iterations,
                     length_beam=length_beam, nat_length=nat_length, max_len=max_len)

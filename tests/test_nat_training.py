@@ -296,11 +296,17 @@ def test_decode_cli_method_nat_translates_a_cmlm_run(cmlm_run, tmp_path):
   status, out, err = call(decode_cli.main, ['--checkpoint', workdir / 'average-last2', '--method',
                                             'nat', '--nat-length', 'fixed', 'one hundred'])
   assert status == 0 and len(out.split('\n')) == 2, err
+  # Without --method a cmlm checkpoint decodes with mask-predict, the default of its kind,
+  # as Translator.translate does without a method.
+  status, default_out, err = call(decode_cli.main, ['--checkpoint', workdir, 'twenty-two'])
+  assert status == 0, err
+  assert default_out == translator.translate(['twenty-two'])[0] + '\n'
+  assert default_out == translator.translate(['twenty-two'], method='nat')[0] + '\n'
 
 
 @pytest.mark.parametrize('argv, message', [
-    ([], "method 'beam' decodes autoregressive models, but this model is model.kind='cmlm'; "
-         "use method 'nat'"),
+    (['--method', 'beam'], "method 'beam' decodes autoregressive models, but this model is "
+                           "model.kind='cmlm'; use method 'nat'"),
     (['--method', 'greedy'], "method 'greedy' decodes autoregressive models"),
     (['--method', 'nat', '--max-len', '5'], "max_len only applies to the autoregressive methods"),
     (['--method', 'beam', '--iterations', '4'],
