@@ -4,8 +4,8 @@
   python -m benchmarks.multi30k plot --workdir runs/multi30k          # val loss / BLEU vs time -> PNG
 
 `evaluate` decodes the validation and test splits with greedy search and beam
-search (4, alpha 0.6), from the last checkpoint and from the mean of the last
-five, and scores each with sacreBLEU on detokenized output (default 13a
+search (4, at each length penalty of `--alphas`, the paper's 0.6 by default),
+from the last checkpoint and from the mean of the last five, and scores each with sacreBLEU on detokenized output (default 13a
 tokenizer): cased BLEU, lowercased BLEU (`-lc`) and chrF, signatures included.
 Model selection uses validation scores only; the test row of the chosen variant
 is the reported result. Results: benchmarks/results/multi30k_<src><tgt>.json.
@@ -25,7 +25,12 @@ from benchmarks import common
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 RESULTS = Path(__file__).resolve().parent / 'results'
-SEARCHES = {'greedy': dict(method='greedy'), 'beam4': dict(method='beam', beam_size=4, alpha=0.6)}
+
+
+def searches(alphas: list[float]) -> dict[str, dict]:
+  """Greedy, and beam 4 at each length penalty alpha: {'greedy': ..., 'beam4-a0.6': ...}."""
+  return {'greedy': dict(method='greedy'),
+          **{f'beam4-a{alpha:g}': dict(method='beam', beam_size=4, alpha=alpha) for alpha in alphas}}
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
@@ -71,7 +76,7 @@ def evaluate(args) -> dict:
   rows = []
   for weights, average_last in (('last', 0), (f'average-last{args.average_last}', args.average_last)):
     translator = Translator.from_checkpoint(workdir, average_last=average_last)
-    for search_name, search in SEARCHES.items():
+    for search_name, search in searches(args.alphas).items():
       for split, (sources, references) in splits.items():
         start = time.perf_counter()
         hypotheses = translator.translate(sources, batch_size=args.batch_size, **search)
@@ -142,6 +147,9 @@ def main() -> None:
   scores.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
   scores.add_argument('--average-last', type=int, default=5)
   scores.add_argument('--batch-size', type=int, default=64)
+  scores.add_argument('--alphas', type=lambda text: [float(a) for a in text.split(',')],
+                      default=[0.6], help='beam length penalties to score, e.g. 0.6,1.0,1.5,2.0 '
+                                          '(chosen on validation like the rest)')
   scores.add_argument('--output', help='JSON file (default benchmarks/results/multi30k_<src><tgt>.json)')
   curves = commands.add_parser('plot', help='validation loss and BLEU against training time')
   curves.add_argument('--workdir', required=True)
