@@ -9,8 +9,6 @@
   the training targets and copies the other splits byte for byte.
 """
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -35,6 +33,7 @@ from flax_transformer.train_step import (DataParallel, create_train_state, lengt
                                          make_optimizer, make_parallel_eval, make_parallel_step,
                                          token_metrics)
 from flax_transformer.translate import Search, Translator
+from script_calls import call, error_line
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,22 +50,6 @@ OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_lay
            '--model.max_length_offset=4', '--data.vocab_size=256', '--train.max_tokens=256',
            '--train.warmup_steps=4', '--train.log_every=2', '--train.eval_every=2',
            '--train.checkpoint_every=2']
-
-
-def call(main, argv) -> tuple[int, str, str]:
-  """A script's `main(argv)`: (exit status, argparse's SystemExit included; stdout; stderr)."""
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-      status = main([str(a) for a in argv])
-    except SystemExit as exit_info:
-      status = exit_info.code
-  return status, out.getvalue(), err.getvalue()
-
-
-def error_line(err: str, script: str) -> str:
-  (line,) = [line for line in re.split(r'[\r\n]', err) if line.startswith(f'{script}: error')]
-  return line
 
 
 def copy_batch(rng, rows, length, vocab):

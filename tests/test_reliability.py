@@ -13,8 +13,6 @@ Non-finite steps are injected two ways, neither through a test-only hook:
     NaN, as a corrupt batch would.
 """
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -40,6 +38,7 @@ from flax_transformer.training import NonFiniteError, train
 from flax_transformer.translate import Translator
 # Restoring a run directory's training state, as tests/test_interrupt.py compares them.
 from test_interrupt import assert_trees_equal, saved_steps, train_state
+from script_calls import call, error_line
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
@@ -65,23 +64,6 @@ def write_corpus(directory: Path, en: list[str], de: list[str]) -> Path:
   (directory / 'train.en').write_text(''.join(f'{line}\n' for line in en))
   (directory / 'train.de').write_text(''.join(f'{line}\n' for line in de))
   return directory
-
-
-def call(main, argv) -> tuple[int, str, str]:
-  """A script's `main(argv)`: (exit status, argparse's SystemExit included; stdout; stderr)."""
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-      status = main([str(a) for a in argv])
-    except SystemExit as exit_info:
-      status = exit_info.code
-  return status, out.getvalue(), err.getvalue()
-
-
-def error_line(err: str, script: str) -> str:
-  """The script's one error line on standard error (the rest: progress bars, warnings)."""
-  (line,) = [line for line in re.split(r'[\r\n]', err) if line.startswith(f'{script}: error')]
-  return line
 
 
 def metrics_lines(workdir: Path) -> list[dict]:
