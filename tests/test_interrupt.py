@@ -66,11 +66,27 @@ DEADLINE_S = 180
 VALUES = ('loss', 'ppl', 'accuracy', 'learning_rate', 'grad_norm')
 FILE_LIMIT = 64 * 1024
 # train.py with RLIMIT_FSIZE set first (python's own -c, where preexec_fn would fork a
-# multithreaded process).
-LIMITED = ('import resource, runpy, sys\n'
+# multithreaded process). Its stdout and stderr go through pipes to `cat` processes
+# started before the limit: the limit is for the checkpoint files, and the tracebacks
+# that orbax's writing threads print (their number depends on timing) would otherwise
+# fill a 64 KiB stderr file too and lose train.py's own last line.
+LIMITED = ('import os, resource, runpy, subprocess, sys\n'
+           'relays = [subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=fd) for fd in (1, 2)]\n'
+           'for fd, relay in zip((1, 2), relays):\n'
+           '  os.dup2(relay.stdin.fileno(), fd)\n'
+           '  relay.stdin.close()\n'
            f'resource.setrlimit(resource.RLIMIT_FSIZE, ({FILE_LIMIT}, {FILE_LIMIT}))\n'
            'sys.argv = sys.argv[1:]\n'
-           'runpy.run_path(sys.argv[0], run_name="__main__")\n')
+           'try:\n'
+           '  runpy.run_path(sys.argv[0], run_name="__main__")\n'
+           'finally:\n'
+           '  # Everything written reaches the files before this process exits.\n'
+           '  sys.stdout.flush()\n'
+           '  sys.stderr.flush()\n'
+           '  os.close(1)\n'
+           '  os.close(2)\n'
+           '  for relay in relays:\n'
+           '    relay.wait()\n')
 
 
 def environment(cache: Path) -> dict[str, str]:
