@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer.batching import (Batch, Batcher, EncodedCorpus, default_buckets,
+from flax_transformer.batching import (Batch, Batcher, default_buckets,
                                        encode_corpus, shard)
 from flax_transformer.data import DataError, load_parallel
 from flax_transformer.tokenizer import Tokenizer

@@ -11,15 +11,11 @@ lengths, so the devices hold different numbers of target tokens, which is what
 the step's global token normalisation must get right.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from device_workers import run_values, run_worker
+
 STEPS = 4
 RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
 
@@ -75,18 +71,7 @@ np.savez(out, **results)
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
   out = tmp_path_factory.mktemp('multidevice') / 'runs.npz'
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
-         'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT)}
-  done = subprocess.run([sys.executable, '-c', WORKER, str(STEPS), str(out), *RUNS], env=env,
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  with np.load(out) as data:
-    return dict(data)
-
-
-def run_values(results, run, kind):
-  prefix = f'{run}/{kind}/'
-  return {name[len(prefix):]: value for name, value in results.items() if name.startswith(prefix)}
+  return run_worker(WORKER, [STEPS, out, *RUNS], out, device_count=4)
 
 
 @pytest.mark.parametrize('run', [r for r in RUNS if r != 'shard_map-1'])

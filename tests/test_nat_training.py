@@ -10,9 +10,7 @@
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from flax_transformer.train_step import (DataParallel, create_train_state, lengt
                                          make_optimizer, make_parallel_eval, make_parallel_step,
                                          token_metrics)
 from flax_transformer.translate import Search, Translator
+from device_workers import run_values, run_worker
 from script_calls import call, error_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,20 +113,7 @@ RUNS = ('shard_map-1', 'shard_map-2')
 @pytest.fixture(scope='module')
 def device_runs(tmp_path_factory):
   out = tmp_path_factory.mktemp('nat_devices') / 'runs.npz'
-  # Without XLA's backend optimisations (as tests/test_multihost.py): a third less compiling.
-  flags = '--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0'
-  env = {**os.environ, 'XLA_FLAGS': flags, 'JAX_PLATFORMS': 'cpu',
-         'PYTHONPATH': f'{ROOT}{os.pathsep}{ROOT / "tests"}'}  # the worker imports copy_batch
-  done = subprocess.run([sys.executable, '-c', WORKER, str(STEPS), str(out), *RUNS], env=env,
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  with np.load(out) as data:
-    return dict(data)
-
-
-def run_values(results, run, kind):
-  prefix = f'{run}/{kind}/'
-  return {name[len(prefix):]: value for name, value in results.items() if name.startswith(prefix)}
+  return run_worker(WORKER, [STEPS, out, *RUNS], out, device_count=2, backend_optimization=False)
 
 
 @pytest.mark.parametrize('run', RUNS[1:])

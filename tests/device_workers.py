@@ -1,0 +1,41 @@
+"""Worker scripts run on simulated CPU devices, as the multi-device tests run them.
+
+XLA_FLAGS must be set before jax is imported, so each worker is a fresh
+process; it saves its results to an .npz file whose keys are `RUN/KIND/INDEX`.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_worker(source: str, args, out: Path, device_count: int,
+               backend_optimization: bool = True) -> dict[str, np.ndarray]:
+  """`python -c source *args` on `device_count` CPU devices -> the arrays it saved to `out`.
+
+  `backend_optimization=False` turns XLA's backend optimisation off (as
+  tests/test_multihost.py does): a third less compiling, where only equality
+  between runs is tested.
+  """
+  flags = f'--xla_force_host_platform_device_count={device_count}'
+  if not backend_optimization:
+    flags += ' --xla_backend_optimization_level=0'
+  # tests/ on the path too: workers import the tests' helpers.
+  env = {**os.environ, 'XLA_FLAGS': flags, 'JAX_PLATFORMS': 'cpu',
+         'PYTHONPATH': f'{ROOT}{os.pathsep}{ROOT / "tests"}'}
+  done = subprocess.run([sys.executable, '-c', source, *map(str, args)], env=env,
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  with np.load(out) as data:
+    return dict(data)
+
+
+def run_values(results: dict[str, np.ndarray], run: str, kind: str) -> dict[str, np.ndarray]:
+  """The arrays of one run and kind, keyed by what follows `RUN/KIND/`."""
+  prefix = f'{run}/{kind}/'
+  return {name[len(prefix):]: value for name, value in results.items() if name.startswith(prefix)}
