@@ -165,15 +165,18 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
 
   position = jnp.arange(width)
   in_row = position < lengths[:, None]                                          # [R, W]
+  never_target = jnp.isin(jnp.arange(config.vocab_size), jnp.array([config.pad_id, config.bos_id]))  # [V]
 
   def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Canvas `[R, W]` -> the most likely token at every position and its log-probability."""
     logits = model.apply(variables, tokens, cross_kv, src_mask,
                          method=CMLMTransformer.decode_parallel_from_kv)        # [R, W, V]
     # PAD and BOS are never targets; forbid them as greedy decoding does.
-    logits = logits.at[..., jnp.array([config.pad_id, config.bos_id])].set(-jnp.inf)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    return decoding.argmax_pick(log_probs, 0), jnp.max(log_probs, axis=-1)
+    logits = jnp.where(never_target, -jnp.inf, logits)
+    # The best token's log-probability is its logit minus the logsumexp: two reductions
+    # over the vocabulary, where log_softmax would write a second [R, W, V] array.
+    best_log_prob = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+    return decoding.argmax_pick(logits, 0), best_log_prob
 
   def update(canvas: Canvas, remask: jax.Array) -> Canvas:
     """Predicts the `remask` positions `[R, W]` again; the others keep their tokens and scores."""
