@@ -3,12 +3,15 @@
   python -m benchmarks.multi30k evaluate --workdir runs/multi30k      # val + test_2016 scores -> JSON
   python -m benchmarks.multi30k plot --workdir runs/multi30k          # val loss / BLEU vs time -> PNG
 
-`evaluate` decodes the validation and test splits with greedy search and beam
-search (4, at each length penalty of `--alphas`, the paper's 0.6 by default),
-from the last checkpoint and from the mean of the last five, and scores each with sacreBLEU on detokenized output (default 13a
-tokenizer): cased BLEU, lowercased BLEU (`-lc`) and chrF, signatures included.
-Model selection uses validation scores only; the test row of the chosen variant
-is the reported result. Results: benchmarks/results/multi30k_<src><tgt>.json.
+`evaluate` decodes the validation and test splits from the last checkpoint and
+from the mean of the last K (each K of `--average-last`, 5 by default). An
+autoregressive run is decoded with greedy search and beam search (4, at each
+length penalty of `--alphas`, the paper's 0.6 by default); a cmlm run with
+mask-predict at T = 1, 4 and 10 passes, with length beams 1 and 3. Each output
+is scored with sacreBLEU on detokenized output (default 13a tokenizer): cased
+BLEU, lowercased BLEU (`-lc`) and chrF, signatures included. Model selection
+uses validation scores only; the test row of the chosen variant is the reported
+result. Results: benchmarks/results/multi30k_<src><tgt>[_cmlm].json.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ def searches(alphas: list[float]) -> dict[str, dict]:
   """Greedy, and beam 4 at each length penalty alpha: {'greedy': ..., 'beam4-a0.6': ...}."""
   return {'greedy': dict(method='greedy'),
           **{f'beam4-a{alpha:g}': dict(method='beam', beam_size=4, alpha=alpha) for alpha in alphas}}
+
+
+def nat_searches() -> dict[str, dict]:
+  """Mask-predict as the CMLM paper reports it: T = 1, 4, 10 passes, length beams 1 and 3."""
+  return {f'nat-T{passes}-l{beam}': dict(method='nat', iterations=passes, length_beam=beam)
+          for passes in (1, 4, 10) for beam in (1, 3)}
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
@@ -73,10 +82,13 @@ def evaluate(args) -> dict:
   dataset = load_parallel(str(args.data), src, tgt)
   splits = {name: (list(dataset[name]['source']), list(dataset[name]['target']))
             for name in ('validation', 'test')}
+  cmlm = config.get('model', {}).get('kind') == 'cmlm'
+  variants = nat_searches() if cmlm else searches(args.alphas)
   rows = []
-  for weights, average_last in (('last', 0), (f'average-last{args.average_last}', args.average_last)):
+  for weights, average_last in (('last', 0),
+                                *((f'average-last{k}', k) for k in args.average_last)):
     translator = Translator.from_checkpoint(workdir, average_last=average_last)
-    for search_name, search in searches(args.alphas).items():
+    for search_name, search in variants.items():
       for split, (sources, references) in splits.items():
         start = time.perf_counter()
         hypotheses = translator.translate(sources, batch_size=args.batch_size, **search)
@@ -85,7 +97,7 @@ def evaluate(args) -> dict:
                'sentences': len(sources), 'decode_seconds': seconds,
                **score(hypotheses, references)}
         rows.append(row)
-        print(f'{weights:>16s} {search_name:>6s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
+        print(f'{weights:>16s} {search_name:>11s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
               f'lowercased {row["bleu_lc"]:5.2f}  chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
               flush=True)
   validation = [r for r in rows if r['split'] == 'validation']
@@ -101,7 +113,8 @@ def evaluate(args) -> dict:
             'parameters': count_params(translator.variables['params']),
             **training_summary(workdir), 'rows': rows,
             'selected': {'weights': best['weights'], 'search': best['search']}}
-  output = common.write_json(Path(args.output or RESULTS / f'multi30k_{src}{tgt}.json'), result)
+  name = f'multi30k_{src}{tgt}{"_cmlm" if cmlm else ""}.json'
+  output = common.write_json(Path(args.output or RESULTS / name), result)
   print(f'wrote {output}')
   return result
 
@@ -145,12 +158,15 @@ def main() -> None:
   scores = commands.add_parser('evaluate', help='BLEU variants on val and test_2016')
   scores.add_argument('--workdir', required=True, help='the run directory of train.py')
   scores.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
-  scores.add_argument('--average-last', type=int, default=5)
+  scores.add_argument('--average-last', type=lambda text: [int(k) for k in text.split(',')],
+                      default=[5], help='checkpoints to average, e.g. 5,10 (each a variant; '
+                                        'the run must keep that many)')
   scores.add_argument('--batch-size', type=int, default=64)
   scores.add_argument('--alphas', type=lambda text: [float(a) for a in text.split(',')],
                       default=[0.6], help='beam length penalties to score, e.g. 0.6,1.0,1.5,2.0 '
                                           '(chosen on validation like the rest)')
-  scores.add_argument('--output', help='JSON file (default benchmarks/results/multi30k_<src><tgt>.json)')
+  scores.add_argument('--output', help='JSON file (default benchmarks/results/'
+                                       'multi30k_<src><tgt>[_cmlm].json)')
   curves = commands.add_parser('plot', help='validation loss and BLEU against training time')
   curves.add_argument('--workdir', required=True)
   curves.add_argument('--output', help='PNG file (default benchmarks/results/<workdir name>.png)')
