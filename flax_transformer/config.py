@@ -213,11 +213,13 @@ class TrainConfig:
 
   @classmethod
   def multi30k(cls, **overrides) -> TrainConfig:
-    """Multi30k: 5,000 batches of 4k tokens per side (~32 epochs), a shorter warmup than the paper's.
+    """Multi30k: 6,000 batches of 4k tokens per side (~38 epochs), a shorter warmup than the paper's.
 
-    About 2 hours on a 2-core CPU with bfloat16 compute (~1.4 s per step), inside a 2.5-hour budget.
+    1 h 51 min on a 2-core CPU with bfloat16 compute (~1.1 s per step), inside a 2.5-hour
+    budget. Validation BLEU still rose from 5,000 steps to 6,000 (36.3 -> 36.4 greedy; the
+    mean of the last 5 with beam 4: 38.6 -> 39.3).
     """
-    defaults = dict(steps=5000, max_tokens=4096, warmup_steps=1000, log_every=50,
+    defaults = dict(steps=6000, max_tokens=4096, warmup_steps=1000, log_every=50,
                     eval_every=500, checkpoint_every=500, keep_checkpoints=5, bleu_every=1000)
     return cls(**{**defaults, **overrides})
 
