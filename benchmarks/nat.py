@@ -6,7 +6,8 @@ The Multi30k preset's size (3+3 layers, d=256, vocabulary 8,000, bfloat16
 compute) with random weights, sources of 16 tokens and outputs of exactly 16
 tokens for every method: the autoregressive searches run with min_len = max_len
 = 16, and the length classifier of the non-autoregressive model is set to
-predict the source length, so every method produces the same number of tokens.
+predict the source length, so every method produces the same number of tokens
+(with a length beam of 3, the other two candidates are 15 and 17 tokens).
 Sentences/s at batch 1 and batch 64, medians of interleaved rounds after
 compilation. Quality is not measured here (random weights).
 Results: benchmarks/results/nat_speed.json.
@@ -41,9 +42,13 @@ def models(vocab: int = 8000):
     tokens = np.ones((1, LENGTH), np.int32)
     params = jax.jit(model.init)(jax.random.key(0), tokens, tokens)['params']
     if kind == 'cmlm':
-      # Length class R (target length = source length) far above the others.
+      # Length class R (target length = source length) far above the others, then its
+      # neighbours R -+ 1: a length beam of 3 decodes 15, 16 and 17 tokens, as a trained
+      # classifier's top lengths cluster. (Left random, the 2nd and 3rd candidates could be
+      # up to R tokens longer, and the shared canvas twice as wide.)
       bias = np.zeros_like(params['length_head']['bias'])
-      bias[config.max_length_offset] = 1e4
+      r = config.max_length_offset
+      bias[r], bias[r - 1], bias[r + 1] = 1e4, 1e4 - 1, 1e4 - 2
       params = {**params, 'length_head': {**params['length_head'], 'bias': bias}}
     built.append((model, {'params': params}))
   return built
