@@ -348,10 +348,16 @@ def _write_column(tokens: jax.Array, column: jax.Array, position: jax.Array) -> 
   return jax.lax.dynamic_update_index_in_dim(tokens, column, position, axis=-1)
 
 
+def never_output(vocab_size: int, pad_id: int, bos_id: int) -> jax.Array:
+  """`[V]` True for PAD and BOS, which no search (autoregressive or mask-predict) emits."""
+  vocab = jnp.arange(vocab_size)
+  return (vocab == pad_id) | (vocab == bos_id)
+
+
 def _allowed_logits(logits: jax.Array, position: jax.Array, config: LoopConfig) -> jax.Array:
   """Logits `[B, V]` with PAD, BOS, and EOS before `min_len`, set to -inf."""
   vocab = jnp.arange(logits.shape[-1])
-  forbidden = ((vocab == config.pad_id) | (vocab == config.bos_id)
+  forbidden = (never_output(logits.shape[-1], config.pad_id, config.bos_id)
                | ((vocab == config.eos_id) & (position < config.min_len)))
   return jnp.where(forbidden, -jnp.inf, logits)
 

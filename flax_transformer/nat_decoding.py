@@ -165,7 +165,7 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
 
   position = jnp.arange(width)
   in_row = position < lengths[:, None]                                          # [R, W]
-  never_target = jnp.isin(jnp.arange(config.vocab_size), jnp.array([config.pad_id, config.bos_id]))  # [V]
+  never_target = decoding.never_output(config.vocab_size, config.pad_id, config.bos_id)  # [V]
 
   def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Canvas `[R, W]` -> the most likely token at every position and its log-probability."""
