@@ -14,9 +14,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_worker(source: str, args, out: Path, device_count: int,
+def run_worker(source: str, out: Path, args, device_count: int,
                backend_optimization: bool = True) -> dict[str, np.ndarray]:
-  """`python -c source *args` on `device_count` CPU devices -> the arrays it saved to `out`.
+  """`python -c source out *args` on `device_count` CPU devices -> the arrays it saved to `out`.
 
   `backend_optimization=False` turns XLA's backend optimisation off (as
   tests/test_multihost.py does): a third less compiling, where only equality
@@ -28,7 +28,7 @@ def run_worker(source: str, args, out: Path, device_count: int,
   # tests/ on the path too: workers import the tests' helpers.
   env = {**os.environ, 'XLA_FLAGS': flags, 'JAX_PLATFORMS': 'cpu',
          'PYTHONPATH': f'{ROOT}{os.pathsep}{ROOT / "tests"}'}
-  done = subprocess.run([sys.executable, '-c', source, *map(str, args)], env=env,
+  done = subprocess.run([sys.executable, '-c', source, str(out), *map(str, args)], env=env,
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   with np.load(out) as data:

@@ -30,7 +30,7 @@ from flax_transformer.model import Transformer
 from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
                                          make_parallel_step)
 
-steps, out, runs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 assert jax.device_count() == 4, jax.devices()
 config = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
 # adam_eps=1: see test_parameters_match_one_device.
@@ -71,7 +71,7 @@ np.savez(out, **results)
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
   out = tmp_path_factory.mktemp('multidevice') / 'runs.npz'
-  return run_worker(WORKER, [STEPS, out, *RUNS], out, device_count=4)
+  return run_worker(WORKER, out, [STEPS, *RUNS], device_count=4)
 
 
 @pytest.mark.parametrize('run', [r for r in RUNS if r != 'shard_map-1'])

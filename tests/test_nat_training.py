@@ -77,7 +77,7 @@ from flax_transformer.train_step import (DataParallel, create_train_state, make_
                                          make_parallel_eval, make_parallel_step)
 from test_nat_training import copy_batch
 
-steps, out, runs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 assert jax.device_count() == 2, jax.devices()
 config = ModelConfig.tiny(kind='cmlm', num_encoder_layers=1, num_decoder_layers=1,
                           dropout_rate=0.0, max_length_offset=4)
@@ -113,7 +113,7 @@ RUNS = ('shard_map-1', 'shard_map-2')
 @pytest.fixture(scope='module')
 def device_runs(tmp_path_factory):
   out = tmp_path_factory.mktemp('nat_devices') / 'runs.npz'
-  return run_worker(WORKER, [STEPS, out, *RUNS], out, device_count=2, backend_optimization=False)
+  return run_worker(WORKER, out, [STEPS, *RUNS], device_count=2, backend_optimization=False)
 
 
 @pytest.mark.parametrize('run', RUNS[1:])
