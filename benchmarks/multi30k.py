@@ -151,6 +151,11 @@ def plot(args) -> None:
   print(f'wrote {output} ({os.path.getsize(output) / 1024:.0f} KB)')
 
 
+def comma_separated(cast):
+  """An argparse type: 'A,B,C' -> [cast(A), cast(B), cast(C)]."""
+  return lambda text: [cast(item) for item in text.split(',')]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(prog='python -m benchmarks.multi30k', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,11 +163,11 @@ def main() -> None:
   scores = commands.add_parser('evaluate', help='BLEU variants on val and test_2016')
   scores.add_argument('--workdir', required=True, help='the run directory of train.py')
   scores.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
-  scores.add_argument('--average-last', type=lambda text: [int(k) for k in text.split(',')],
+  scores.add_argument('--average-last', type=comma_separated(int),
                       default=[5], help='checkpoints to average, e.g. 5,10 (each a variant; '
                                         'the run must keep that many)')
   scores.add_argument('--batch-size', type=int, default=64)
-  scores.add_argument('--alphas', type=lambda text: [float(a) for a in text.split(',')],
+  scores.add_argument('--alphas', type=comma_separated(float),
                       default=[0.6], help='beam length penalties to score, e.g. 0.6,1.0,1.5,2.0 '
                                           '(chosen on validation like the rest)')
   scores.add_argument('--output', help='JSON file (default benchmarks/results/'
