@@ -117,6 +117,18 @@ def torch_matmul_peak(dtype: str, size: int = 2048, repeats: int = 7) -> dict:
   return _peak(time_calls(run, repeats), size, dtype, 'torch')
 
 
+def measure_peaks(dtypes, with_torch: bool, size: int) -> dict:
+  """{dtype: {'jax': {...}, 'torch': {...}, 'gflops': the faster}} for [size, size] matmuls."""
+  peaks = {}
+  for dtype in dtypes:
+    entry = {'jax': jax_matmul_peak(dtype, size)}
+    if with_torch:
+      entry['torch'] = torch_matmul_peak(dtype, size)
+    entry['gflops'] = max(e['gflops'] for e in entry.values())
+    peaks[dtype] = entry
+  return peaks
+
+
 def _peak(times: list[float], size: int, dtype: str, framework: str) -> dict:
   flops = 2 * size ** 3
   return {'framework': framework, 'dtype': dtype, 'size': size,

@@ -8,7 +8,10 @@ with random weights, a batch of 32 sources of 32 tokens, 32 new tokens forced
 (EOS banned until then), float32. Tokens/s counts the returned output tokens
 (batch * new tokens), for beam search too. Numbers are medians over rounds in
 which the contenders of a group run in turn (`common.interleaved_medians`), after
-a warm-up call that compiles.
+a warm-up call that compiles. GFLOP/s divide the same analytic model FLOPs
+(`decode_flops`) by each contender's time, against a 2048^3 float32 matmul timed
+in the same run (the faster of JAX and PyTorch): how close each comes to the
+machine, and what share of it 2x Marian's speed would take.
 
 Groups:
   headline      greedy and beam 4 (`flax_transformer.decoding`) and
@@ -119,6 +122,8 @@ def main(argv=None) -> int:
                           for k in setting.chunk_sizes}}, setting.rounds),
   }
 
+  # The ceiling every contender's GFLOP/s is read against, measured in this run.
+  peak = common.measure_peaks(['float32'], with_torch=bool(marian), size=2048)['float32']
   timings = {}
   total = sum(len(contenders) * rounds for contenders, rounds in groups.values())
   with tqdm(total=total, desc='decode benchmark', unit='call', file=sys.stderr) as bar:
@@ -127,7 +132,8 @@ def main(argv=None) -> int:
       timings[group] = common.interleaved_medians(contenders, rounds=rounds,
                                                   progress=lambda: bar.update(1))
   cached, naive = (np.asarray(f()) for f in (headline['greedy'], groups['naive'][0]['naive_greedy']))
-  report = summarize(timings, setting)
+  report = summarize(timings, setting, config, peak['gflops'])
+  report['float32_matmul_peak'] = peak
   report['naive_tokens_equal_cached'] = float((cached == naive).mean())
   print(format_report(report))
 
@@ -135,15 +141,59 @@ def main(argv=None) -> int:
   path = common.write_json(output, {
       'benchmark': 'decode', 'machine': common.machine_info(len(cores)),
       'setting': dataclasses.asdict(setting), 'model': dataclasses.asdict(config),
+      'flops_formula': '\n'.join(f.__doc__ for f in (decode_flops, prefix_flops, step_flops)),
       **report, 'timings': timings})
   print(f'wrote {path}')
   return 0
 
 
-def summarize(timings: dict, setting: Setting) -> dict:
+def prefix_flops(config, batch: int, src_len: int) -> int:
+  """Matmul FLOPs before the first step (2 per multiply-add): the encoder, then K and V.
+
+  With B sources of S tokens, D = d_model, F = d_ff, N_e / N_d layers:
+
+    encoder layer   2BS(4D^2 + 2DF) + 4BS^2 D      Q, K, V, O, FFN; QK^T and AV
+    decoder layer   2BS(2D^2)                      cross-attention K and V, once
+  """
+  B, S, D, F = batch, src_len, config.d_model, config.d_ff
+  return (config.num_encoder_layers * (2 * B * S * (4 * D * D + 2 * D * F) + 4 * B * S * S * D)
+          + config.num_decoder_layers * 2 * B * S * 2 * D * D)
+
+
+def step_flops(config, rows: int, src_len: int, attended: int) -> int:
+  """Matmul FLOPs of one decode step of R rows attending to `attended` positions of their own.
+
+    decoder layer   2R(4D^2 + 2DF)                 Q, K, V, O of one token, FFN
+                    + 2R(2D^2) + 4RSD              cross-attention Q, O; QK^T and AV over S
+                    + 4R A D                       self-attention QK^T and AV over A positions
+    output          2RDV                           logits against the shared embedding
+
+  The compiled step attends to all L cache slots (masked), so its dots count
+  A = L; `decode_flops` counts the model's work, A = t + 1 at step t.
+  """
+  R, S, A = rows, src_len, attended
+  D, F, V = config.d_model, config.d_ff, config.vocab_size
+  layer = 2 * R * (4 * D * D + 2 * D * F) + 2 * R * 2 * D * D + 4 * R * S * D + 4 * R * A * D
+  return config.num_decoder_layers * layer + 2 * R * D * V
+
+
+def decode_flops(config, batch: int, src_len: int, new_tokens: int, beams: int = 1) -> int:
+  """Model FLOPs of decoding `new_tokens` for B sources: the prefix plus every step on B * beams rows.
+
+  The same count for every contender (ours, Marian), so GFLOP/s compare like
+  tokens/s; not counted: softmax, LayerNorm, top-k and the cache reorder.
+  """
+  return prefix_flops(config, batch, src_len) + sum(
+      step_flops(config, batch * beams, src_len, t + 1) for t in range(new_tokens))
+
+
+def summarize(timings: dict, setting: Setting, config, peak_gflops: float) -> dict:
   seconds = lambda group, name: timings[group][name]['median_s']
   tokens = setting.batch * setting.new_tokens
   rates = {name: tokens / seconds('headline', name) for name in timings['headline']}
+  gflops = {name: decode_flops(config, setting.batch, setting.source_len, setting.new_tokens,
+                               4 if name.endswith('beam4') else 1) / seconds('headline', name) / 1e9
+            for name in timings['headline']}
   rates['naive_greedy'] = tokens / seconds('naive', 'naive_greedy')
   speedups = {'greedy_over_naive': rates['greedy'] / rates['naive_greedy']}
   if 'marian_greedy' in rates:
@@ -152,6 +202,12 @@ def summarize(timings: dict, setting: Setting) -> dict:
   return {
       'tokens_per_second': rates,
       'speedups': speedups,
+      'gflops': gflops,
+      'fraction_of_peak': {name: value / peak_gflops for name, value in gflops.items()},
+      # What 2x Marian's tokens/s would take, as a fraction of the matmul peak.
+      'fraction_of_peak_for_2x_marian': {
+          name: 2 * gflops[f'marian_{name}'] / peak_gflops
+          for name in ('greedy', 'beam4') if f'marian_{name}' in gflops},
       'greedy_ms_per_step': {length: 1e3 * seconds('per_step', f'greedy_{length}') / length
                              for length in setting.per_step_lengths},
       'loop_design_seconds': {group: {name: t['median_s'] for name, t in timings[group].items()}
@@ -162,10 +218,16 @@ def summarize(timings: dict, setting: Setting) -> dict:
 def format_report(report: dict) -> str:
   lines = ['tokens/s: ' + ', '.join(f'{k} {v:.0f}' for k, v in report['tokens_per_second'].items()),
            'speedups: ' + ', '.join(f'{k} {v:.2f}x' for k, v in report['speedups'].items()),
+           'GFLOP/s (share of the float32 matmul peak): ' + ', '.join(
+               f'{k} {v:.0f} ({report["fraction_of_peak"][k]:.0%})'
+               for k, v in report['gflops'].items()),
            'greedy ms/step by output length: ' + ', '.join(
                f'{k}: {v:.1f}' for k, v in report['greedy_ms_per_step'].items())]
   for group, times in report['loop_design_seconds'].items():
     lines.append(f'loop design, {group} (s): ' + ', '.join(f'{k} {v:.2f}' for k, v in times.items()))
+  if report['fraction_of_peak_for_2x_marian']:
+    lines.append('2x Marian would need: ' + ', '.join(
+        f'{k} {v:.0%} of peak' for k, v in report['fraction_of_peak_for_2x_marian'].items()))
   lines.append(f"naive tokens equal to cached: {report['naive_tokens_equal_cached']:.1%}")
   return '\n'.join(lines)
 

@@ -202,18 +202,6 @@ def throughput(config, shape: Shape, seconds: float, peak_gflops: float | None) 
 
 # --- sections -------------------------------------------------------------------
 
-def measure_peaks(dtypes, with_torch: bool, size: int) -> dict:
-  """{dtype: {'jax': {...}, 'torch': {...}, 'gflops': the faster}} for 2048^3 matmuls."""
-  peaks = {}
-  for dtype in dtypes:
-    entry = {'jax': common.jax_matmul_peak(dtype, size)}
-    if with_torch:
-      entry['torch'] = common.torch_matmul_peak(dtype, size)
-    entry['gflops'] = max(e['gflops'] for e in entry.values())
-    peaks[dtype] = entry
-  return peaks
-
-
 def run_table(args, configs, peaks, peers_ok, bar) -> list[dict]:
   """Ours and the peers on every (config, dtype): one interleaved timing per pair."""
   import jax
@@ -442,7 +430,7 @@ def main(argv=None) -> int:
   if peers_ok:
     common.torch_threads(len(cores))
   load_at_start = [round(x, 2) for x in os.getloadavg()]
-  peaks = measure_peaks(DTYPES, bool(peers_ok), args.peak_size)
+  peaks = common.measure_peaks(DTYPES, bool(peers_ok), args.peak_size)
   print(format_peaks(peaks, args.peak_size))
 
   timed_steps = args.rounds + args.warmup

@@ -1,8 +1,10 @@
-"""The benchmark's arithmetic: the analytic FLOP count and the peers' sizes.
+"""The benchmarks' arithmetic: the analytic FLOP counts and the peers' sizes.
 
 `train_flops` must equal the matmul FLOPs of the step XLA is given (counted from
 its HLO, operand shapes and all), and stay within the elementwise margin of
-XLA's own cost analysis of the compiled step. The PyTorch peers must train as
+XLA's own cost analysis of the compiled step; the decode benchmark's
+`prefix_flops` and `step_flops` must equal the dots of the encoder pass and of
+one cached decode step. The PyTorch peers must train as
 many parameters as our model, or the side-by-side ratios compare different work.
 """
 
@@ -14,10 +16,11 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks.decode import decode_flops, prefix_flops, step_flops
 from benchmarks.train_step import Shape, synthetic_batch, train_flops
 from flax_transformer import train_step
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.model import Transformer, count_params
+from flax_transformer.model import DecodeCache, Transformer, count_params
 
 # Different source and target lengths, so S and T cannot be swapped unnoticed.
 TINY_SHAPE = Shape(batch=4, src_len=8, tgt_len=6)
@@ -74,6 +77,48 @@ def test_flop_formula_within_xla_cost_analysis():
   formula = train_flops(MID_CONFIG, MID_SHAPE)
   xla = _lowered_step(MID_CONFIG, MID_SHAPE).compile().cost_analysis()['flops']
   assert formula <= xla <= 1.08 * formula, (formula, xla)
+
+
+def test_decode_flop_formulas_equal_the_dots_of_the_encoder_pass_and_one_step():
+  config, rows, src_len, cache_len = ModelConfig.tiny(), 6, 7, 5
+  model = Transformer(config)
+  src = np.full((rows, src_len), config.unk_id + 1, np.int32)
+  variables = model.init(jax.random.key(0), src[:, :1], src[:, :1])
+  start = jax.jit(lambda v, src: model.apply(v, src, cache_len,
+                                             method=Transformer.start_decoding)).lower(variables, src)
+  assert prefix_flops(config, rows, src_len) == hlo_dot_flops(start.as_text(dialect='hlo'))
+
+  cache = jax.eval_shape(
+      lambda v, src: model.apply(v, src, cache_len, method=Transformer.start_decoding),
+      variables, src)
+  step = jax.jit(lambda v, tokens, cache: model.apply(v, tokens, cache, 2,
+                                                      method=Transformer.decode_step))
+  tokens = jax.ShapeDtypeStruct((rows, 1), np.int32)
+  step_hlo = step.lower(variables, tokens, cache).as_text(dialect='hlo')
+  assert isinstance(cache, DecodeCache) and cache.max_len == cache_len
+  # The compiled step attends to every cache slot (masked): A = L.
+  assert step_flops(config, rows, src_len, cache_len) == hlo_dot_flops(step_hlo)
+
+
+def test_decoding_one_token_costs_the_teacher_forced_forward_pass_with_one_target():
+  """Prefix + first step (A = 1) is exactly the forward pass at T = 1: the two formulas agree."""
+  for config in (ModelConfig.tiny(), MID_CONFIG, ModelConfig.base()):
+    for batch, src_len in ((1, 1), (3, 11)):
+      forward = train_flops(config, Shape(batch, src_len, 1)) // 3
+      assert prefix_flops(config, batch, src_len) + step_flops(config, batch, src_len, 1) == forward
+      assert decode_flops(config, batch, src_len, 1) == forward
+
+
+def test_decode_flops_count_each_step_on_every_beam_and_its_own_prefix():
+  config, batch, src_len = ModelConfig.tiny(), 2, 9
+  prefix = prefix_flops(config, batch, src_len)
+  greedy = decode_flops(config, batch, src_len, 4)
+  beam = decode_flops(config, batch, src_len, 4, beams=3)
+  # Beams share the encoder pass and triple every step, attention over t + 1 slots included.
+  assert beam - prefix == 3 * (greedy - prefix)
+  assert greedy - prefix == sum(step_flops(config, batch, src_len, a) for a in (1, 2, 3, 4))
+  assert step_flops(config, batch, src_len, 2) - step_flops(config, batch, src_len, 1) == (
+      config.num_decoder_layers * 4 * batch * config.d_model)
 
 
 @pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')
