@@ -7,7 +7,8 @@
 from the mean of the last K (each K of `--average-last`, 5 by default). An
 autoregressive run is decoded with greedy search and beam search (4, at each
 length penalty of `--alphas`, the paper's 0.6 by default); a cmlm run with
-mask-predict at T = 1, 4 and 10 passes, with length beams 1 and 3. Each output
+mask-predict at T = 1, 4 and 10 passes, with length beams 1 and 3, and at T = 1
+and 10 on a fixed-length canvas cut at the first EOS. Each output
 is scored with sacreBLEU on detokenized output (default 13a tokenizer): cased
 BLEU, lowercased BLEU (`-lc`) and chrF, signatures included. Model selection
 uses validation scores only; the test row of the chosen variant is the reported
@@ -37,9 +38,12 @@ def searches(alphas: list[float]) -> dict[str, dict]:
 
 
 def nat_searches() -> dict[str, dict]:
-  """Mask-predict as the CMLM paper reports it: T = 1, 4, 10 passes, length beams 1 and 3."""
-  return {f'nat-T{passes}-l{beam}': dict(method='nat', iterations=passes, length_beam=beam)
-          for passes in (1, 4, 10) for beam in (1, 3)}
+  """Mask-predict as the CMLM paper reports it: T = 1, 4, 10 passes, length beams 1 and 3;
+  and the alternative to a predicted length, a fixed canvas cut at the first EOS (T = 1, 10)."""
+  return {**{f'nat-T{passes}-l{beam}': dict(method='nat', iterations=passes, length_beam=beam)
+             for passes in (1, 4, 10) for beam in (1, 3)},
+          **{f'nat-T{passes}-fixed': dict(method='nat', iterations=passes, nat_length='fixed')
+             for passes in (1, 10)}}
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
