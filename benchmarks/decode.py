@@ -25,6 +25,9 @@ Groups:
                 with a done mask, against chunks of k steps inside a while loop
                 that exits once every row is done
   runs_to_end   the same designs when no row ends early: the price of the checks
+  matmul_ceiling  the decode steps' weight matmuls alone (`step_matmuls`) at greedy's
+                and beam 4's row counts: the fastest any decoder on XLA's CPU dots
+                could run its steps, as a share of the peak
 
 Both frameworks get the same cores (`common.pin_threads` before JAX starts,
 `common.torch_threads` for PyTorch), and PyTorch's OpenMP threads wait passively
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
       'runs_to_end': ({'greedy_plain_scan': greedy(steps_per_check=n),
                        **{f'greedy_chunk{k}': greedy(steps_per_check=k)
                           for k in setting.chunk_sizes}}, setting.rounds),
+      'matmul_ceiling': ({name: on_rows(step_matmuls(config, n), rows, config.d_model)
+                          for name, rows in (('greedy', setting.batch),
+                                             ('beam4', 4 * setting.batch))}, setting.rounds),
   }
 
   # The ceiling every contender's GFLOP/s is read against, measured in this run.
@@ -212,6 +218,11 @@ def summarize(timings: dict, setting: Setting, config, peak_gflops: float) -> di
                              for length in setting.per_step_lengths},
       'loop_design_seconds': {group: {name: t['median_s'] for name, t in timings[group].items()}
                               for group in ('ends_early', 'runs_to_end')},
+      # The steps' weight matmuls alone (`step_matmuls`): as fast as XLA's dots go at these shapes.
+      'step_matmul_ceiling_fraction_of_peak': {
+          name: setting.new_tokens * step_flops(config, rows, 0, 0)
+          / seconds('matmul_ceiling', name) / 1e9 / peak_gflops
+          for name, rows in (('greedy', setting.batch), ('beam4', 4 * setting.batch))},
   }
 
 
@@ -225,6 +236,8 @@ def format_report(report: dict) -> str:
                f'{k}: {v:.1f}' for k, v in report['greedy_ms_per_step'].items())]
   for group, times in report['loop_design_seconds'].items():
     lines.append(f'loop design, {group} (s): ' + ', '.join(f'{k} {v:.2f}' for k, v in times.items()))
+  lines.append('decode steps\' matmuls alone: ' + ', '.join(
+      f'{k} rows {v:.0%} of peak' for k, v in report['step_matmul_ceiling_fraction_of_peak'].items()))
   if report['fraction_of_peak_for_2x_marian']:
     lines.append('2x Marian would need: ' + ', '.join(
         f'{k} {v:.0%} of peak' for k, v in report['fraction_of_peak_for_2x_marian'].items()))
@@ -302,6 +315,53 @@ def ending_at(model, params, src, n, budget, steps_per_check, beam_size=None):
     return state.finished_tokens, state.position
 
   return lambda: jax.block_until_ready(run(params, src))
+
+
+def step_matmuls(config, n: int):
+  """n decode steps through the weight matmuls alone, random weights: a ceiling.
+
+  Returns a jitted function of float32 rows `[R, D]`.
+
+  Per step and layer the same dots as `Transformer.decode_step` (Q, K, V, O; the
+  cross-attention's Q and O; the FFN), then the logits against a `[V, D]`
+  table; no attention over the cache or the source, no softmax, LayerNorm,
+  top-k or cache writes. Its FLOPs are `step_flops(config, rows, 0, 0)` per
+  step. However a decoder is written, its steps cannot run faster than their
+  matmuls do at these shapes on XLA's CPU dots.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  D, F, V = config.d_model, config.d_ff, config.vocab_size
+  shapes = {'q': (D, D), 'k': (D, D), 'v': (D, D), 'o': (D, D), 'cross_q': (D, D),
+            'cross_o': (D, D), 'ffn_in': (D, F), 'ffn_out': (F, D)}
+  keys = iter(jax.random.split(jax.random.key(0), len(shapes) * config.num_decoder_layers + 2))
+  weight = lambda *shape: 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
+  layers = [{name: weight(*shape) for name, shape in shapes.items()}
+            for _ in range(config.num_decoder_layers)]
+  embedding = weight(V, D)
+
+  @jax.jit
+  def run(x):                                                                   # [R, D]
+    def step(_, x):
+      h = x
+      for w in layers:
+        h = (h @ w['q'] + h @ w['k'] + h @ w['v']) @ w['o']
+        h = (h @ w['cross_q']) @ w['cross_o']
+        h = jax.nn.relu(h @ w['ffn_in']) @ w['ffn_out']
+      logits = jnp.einsum('rd,vd->rv', h, embedding)                           # [R, V]
+      return x + 1e-3 * logits[:, :D]  # the next step waits for this one's logits
+    return jax.lax.fori_loop(0, n, step, x)
+
+  return run
+
+
+def on_rows(fn, rows: int, width: int):
+  """A timed call of `fn` on fixed random float32 rows `[rows, width]`."""
+  import jax
+  import numpy as np
+  x = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)
+  return lambda: jax.block_until_ready(fn(x))
 
 
 def marian_generate(config, src, n, threads, skip):

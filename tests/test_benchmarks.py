@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.decode import decode_flops, prefix_flops, step_flops
+from benchmarks.decode import decode_flops, prefix_flops, step_flops, step_matmuls
 from benchmarks.train_step import Shape, synthetic_batch, train_flops
 from flax_transformer import train_step
 from flax_transformer.config import ModelConfig, TrainConfig
@@ -98,6 +98,15 @@ def test_decode_flop_formulas_equal_the_dots_of_the_encoder_pass_and_one_step():
   assert isinstance(cache, DecodeCache) and cache.max_len == cache_len
   # The compiled step attends to every cache slot (masked): A = L.
   assert step_flops(config, rows, src_len, cache_len) == hlo_dot_flops(step_hlo)
+
+
+def test_the_matmul_ceiling_runs_the_weight_dots_of_one_step_per_iteration():
+  """`step_matmuls`: the step's dots minus attention (S = A = 0), once per loop iteration."""
+  config, rows = MID_CONFIG, 3
+  run = step_matmuls(config, n=4)
+  hlo = run.lower(np.zeros((rows, config.d_model), np.float32)).as_text(dialect='hlo')
+  assert hlo_dot_flops(hlo) == step_flops(config, rows, 0, 0)  # the loop body, written once
+  assert run(np.ones((rows, config.d_model), np.float32)).shape == (rows, config.d_model)
 
 
 def test_decoding_one_token_costs_the_teacher_forced_forward_pass_with_one_target():
