@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode            # the issue's setting; ~20 minutes on 2 busy cores
     python -m benchmarks.decode --quick    # smaller model and shapes, ~3 minutes
+    python -m benchmarks.decode --groups headline,matmul_ceiling   # some groups only
 
 Setting: the paper's base model (d=512, 6+6 layers, 8 heads, d_ff=2048, 37k vocabulary)
 with random weights, a batch of 32 sources of 32 tokens, 32 new tokens forced
@@ -66,13 +67,22 @@ QUICK = Setting(batch=8, source_len=16, new_tokens=16, rounds=3, naive_rounds=2,
                 model=(('num_encoder_layers', 2), ('num_decoder_layers', 2), ('vocab_size', 8000)))
 
 
+GROUPS = ('headline', 'naive', 'per_step', 'ends_early', 'runs_to_end', 'matmul_ceiling')
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--quick', action='store_true', help='smaller model and shapes, fewer rounds')
   parser.add_argument('--threads', type=int, help='cores for both frameworks (default: all)')
   parser.add_argument('--skip-marian', action='store_true', help='measure only this library')
+  parser.add_argument('--groups', type=lambda text: text.split(','), default=list(GROUPS),
+                      help=f'comma-separated groups to run (default: all of {",".join(GROUPS)})')
   parser.add_argument('--output', type=Path, help='JSON results file')
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  unknown = sorted(set(args.groups) - set(GROUPS))
+  if unknown:
+    parser.error(f'unknown group(s) {", ".join(unknown)}; choose from {", ".join(GROUPS)}')
+  return args
 
 
 def main(argv=None) -> int:
@@ -109,21 +119,23 @@ def main(argv=None) -> int:
   marian = marian_generate(config, src, n, len(cores), skip=args.skip_marian)
   if marian:
     headline.update(marian_greedy=lambda: marian(1), marian_beam4=lambda: marian(4))
+  # Contenders are built lazily: a group that is not run compiles nothing.
   groups = {
-      'headline': (headline, setting.rounds),
-      'naive': ({'naive_greedy': naive_greedy(model, params, src, n)}, setting.naive_rounds),
-      'per_step': ({f'greedy_{length}': greedy(length) for length in setting.per_step_lengths},
-                   setting.rounds),
-      'ends_early': ({'greedy_plain_scan': ending_at(model, params, src, n, budget, budget),
+      'headline': lambda: (headline, setting.rounds),
+      'naive': lambda: ({'naive_greedy': naive_greedy(model, params, src, n)},
+                        setting.naive_rounds),
+      'per_step': lambda: ({f'greedy_{length}': greedy(length)
+                            for length in setting.per_step_lengths}, setting.rounds),
+      'ends_early': lambda: ({'greedy_plain_scan': ending_at(model, params, src, n, budget, budget),
                       **{f'greedy_chunk{k}': ending_at(model, params, src, n, budget, k)
                          for k in setting.chunk_sizes},
                       'beam4_plain_scan': ending_at(model, params, src, n, budget, budget, 4),
                       'beam4_chunk8': ending_at(model, params, src, n, budget, 8, 4)},
                      setting.rounds),
-      'runs_to_end': ({'greedy_plain_scan': greedy(steps_per_check=n),
+      'runs_to_end': lambda: ({'greedy_plain_scan': greedy(steps_per_check=n),
                        **{f'greedy_chunk{k}': greedy(steps_per_check=k)
                           for k in setting.chunk_sizes}}, setting.rounds),
-      'matmul_ceiling': ({name: on_rows(step_matmuls(config, n), rows, config.d_model)
+      'matmul_ceiling': lambda: ({name: on_rows(step_matmuls(config, n), rows, config.d_model)
                           for name, rows in (('greedy', setting.batch),
                                              ('beam4', 4 * setting.batch))}, setting.rounds),
   }
@@ -131,19 +143,24 @@ def main(argv=None) -> int:
   # The ceiling every contender's GFLOP/s is read against, measured in this run.
   peak = common.measure_peaks(['float32'], with_torch=bool(marian), size=2048)['float32']
   timings = {}
+  groups = {name: groups[name]() for name in GROUPS if name in args.groups}
   total = sum(len(contenders) * rounds for contenders, rounds in groups.values())
   with tqdm(total=total, desc='decode benchmark', unit='call', file=sys.stderr) as bar:
     for group, (contenders, rounds) in groups.items():
       bar.set_postfix_str(group)
       timings[group] = common.interleaved_medians(contenders, rounds=rounds,
                                                   progress=lambda: bar.update(1))
-  cached, naive = (np.asarray(f()) for f in (headline['greedy'], groups['naive'][0]['naive_greedy']))
   report = summarize(timings, setting, config, peak['gflops'])
   report['float32_matmul_peak'] = peak
-  report['naive_tokens_equal_cached'] = float((cached == naive).mean())
+  if 'naive' in groups:
+    cached = np.asarray(greedy()())
+    naive = np.asarray(groups['naive'][0]['naive_greedy']())
+    report['naive_tokens_equal_cached'] = float((cached == naive).mean())
   print(format_report(report))
 
-  output = args.output or common.RESULTS / ('decode_quick.json' if args.quick else 'decode.json')
+  # A partial run never overwrites the full one's file.
+  partial = '' if set(args.groups) == set(GROUPS) else '_' + '+'.join(groups)
+  output = args.output or common.RESULTS / f'decode{"_quick" if args.quick else ""}{partial}.json'
   path = common.write_json(output, {
       'benchmark': 'decode', 'machine': common.machine_info(len(cores)),
       'setting': dataclasses.asdict(setting), 'model': dataclasses.asdict(config),
@@ -194,54 +211,71 @@ def decode_flops(config, batch: int, src_len: int, new_tokens: int, beams: int =
 
 
 def summarize(timings: dict, setting: Setting, config, peak_gflops: float) -> dict:
+  """The report's sections, each from the groups it needs (all of them by default)."""
   seconds = lambda group, name: timings[group][name]['median_s']
   tokens = setting.batch * setting.new_tokens
-  rates = {name: tokens / seconds('headline', name) for name in timings['headline']}
-  gflops = {name: decode_flops(config, setting.batch, setting.source_len, setting.new_tokens,
-                               4 if name.endswith('beam4') else 1) / seconds('headline', name) / 1e9
-            for name in timings['headline']}
-  rates['naive_greedy'] = tokens / seconds('naive', 'naive_greedy')
-  speedups = {'greedy_over_naive': rates['greedy'] / rates['naive_greedy']}
-  if 'marian_greedy' in rates:
-    speedups['greedy_over_marian_greedy'] = rates['greedy'] / rates['marian_greedy']
-    speedups['beam4_over_marian_beam4'] = rates['beam4'] / rates['marian_beam4']
-  return {
-      'tokens_per_second': rates,
-      'speedups': speedups,
-      'gflops': gflops,
-      'fraction_of_peak': {name: value / peak_gflops for name, value in gflops.items()},
-      # What 2x Marian's tokens/s would take, as a fraction of the matmul peak.
-      'fraction_of_peak_for_2x_marian': {
-          name: 2 * gflops[f'marian_{name}'] / peak_gflops
-          for name in ('greedy', 'beam4') if f'marian_{name}' in gflops},
-      'greedy_ms_per_step': {length: 1e3 * seconds('per_step', f'greedy_{length}') / length
-                             for length in setting.per_step_lengths},
-      'loop_design_seconds': {group: {name: t['median_s'] for name, t in timings[group].items()}
-                              for group in ('ends_early', 'runs_to_end')},
-      # The steps' weight matmuls alone (`step_matmuls`): as fast as XLA's dots go at these shapes.
-      'step_matmul_ceiling_fraction_of_peak': {
-          name: setting.new_tokens * step_flops(config, rows, 0, 0)
-          / seconds('matmul_ceiling', name) / 1e9 / peak_gflops
-          for name, rows in (('greedy', setting.batch), ('beam4', 4 * setting.batch))},
-  }
+  report = {}
+  if 'headline' in timings:
+    rates = {name: tokens / seconds('headline', name) for name in timings['headline']}
+    gflops = {name: decode_flops(config, setting.batch, setting.source_len, setting.new_tokens,
+                                 4 if name.endswith('beam4') else 1)
+                    / seconds('headline', name) / 1e9 for name in timings['headline']}
+    speedups = {}
+    if 'marian_greedy' in rates:
+      speedups['greedy_over_marian_greedy'] = rates['greedy'] / rates['marian_greedy']
+      speedups['beam4_over_marian_beam4'] = rates['beam4'] / rates['marian_beam4']
+    report.update(
+        tokens_per_second=rates, speedups=speedups, gflops=gflops,
+        fraction_of_peak={name: value / peak_gflops for name, value in gflops.items()},
+        # What 2x Marian's tokens/s would take, as a fraction of the matmul peak.
+        fraction_of_peak_for_2x_marian={
+            name: 2 * gflops[f'marian_{name}'] / peak_gflops
+            for name in ('greedy', 'beam4') if f'marian_{name}' in gflops})
+  if 'naive' in timings:
+    naive_rate = tokens / seconds('naive', 'naive_greedy')
+    report.setdefault('tokens_per_second', {})['naive_greedy'] = naive_rate
+    if 'headline' in timings:
+      report['speedups']['greedy_over_naive'] = report['tokens_per_second']['greedy'] / naive_rate
+  if 'per_step' in timings:
+    report['greedy_ms_per_step'] = {length: 1e3 * seconds('per_step', f'greedy_{length}') / length
+                                    for length in setting.per_step_lengths}
+  designs = [group for group in ('ends_early', 'runs_to_end') if group in timings]
+  if designs:
+    report['loop_design_seconds'] = {
+        group: {name: t['median_s'] for name, t in timings[group].items()} for group in designs}
+  if 'matmul_ceiling' in timings:
+    # The steps' weight matmuls alone (`step_matmuls`): as fast as XLA's dots go at these shapes.
+    report['step_matmul_ceiling_fraction_of_peak'] = {
+        name: setting.new_tokens * step_flops(config, rows, 0, 0)
+        / seconds('matmul_ceiling', name) / 1e9 / peak_gflops
+        for name, rows in (('greedy', setting.batch), ('beam4', 4 * setting.batch))}
+  return report
 
 
 def format_report(report: dict) -> str:
-  lines = ['tokens/s: ' + ', '.join(f'{k} {v:.0f}' for k, v in report['tokens_per_second'].items()),
-           'speedups: ' + ', '.join(f'{k} {v:.2f}x' for k, v in report['speedups'].items()),
-           'GFLOP/s (share of the float32 matmul peak): ' + ', '.join(
-               f'{k} {v:.0f} ({report["fraction_of_peak"][k]:.0%})'
-               for k, v in report['gflops'].items()),
-           'greedy ms/step by output length: ' + ', '.join(
-               f'{k}: {v:.1f}' for k, v in report['greedy_ms_per_step'].items())]
-  for group, times in report['loop_design_seconds'].items():
+  lines = []
+  if 'tokens_per_second' in report:
+    lines.append('tokens/s: ' + ', '.join(f'{k} {v:.0f}'
+                                          for k, v in report['tokens_per_second'].items()))
+  if report.get('speedups'):
+    lines.append('speedups: ' + ', '.join(f'{k} {v:.2f}x' for k, v in report['speedups'].items()))
+  if 'gflops' in report:
+    lines.append('GFLOP/s (share of the float32 matmul peak): ' + ', '.join(
+        f'{k} {v:.0f} ({report["fraction_of_peak"][k]:.0%})' for k, v in report['gflops'].items()))
+  if 'greedy_ms_per_step' in report:
+    lines.append('greedy ms/step by output length: ' + ', '.join(
+        f'{k}: {v:.1f}' for k, v in report['greedy_ms_per_step'].items()))
+  for group, times in report.get('loop_design_seconds', {}).items():
     lines.append(f'loop design, {group} (s): ' + ', '.join(f'{k} {v:.2f}' for k, v in times.items()))
-  lines.append('decode steps\' matmuls alone: ' + ', '.join(
-      f'{k} rows {v:.0%} of peak' for k, v in report['step_matmul_ceiling_fraction_of_peak'].items()))
-  if report['fraction_of_peak_for_2x_marian']:
+  if 'step_matmul_ceiling_fraction_of_peak' in report:
+    lines.append("decode steps' matmuls alone: " + ', '.join(
+        f'{k} rows {v:.0%} of peak'
+        for k, v in report['step_matmul_ceiling_fraction_of_peak'].items()))
+  if report.get('fraction_of_peak_for_2x_marian'):
     lines.append('2x Marian would need: ' + ', '.join(
         f'{k} {v:.0%} of peak' for k, v in report['fraction_of_peak_for_2x_marian'].items()))
-  lines.append(f"naive tokens equal to cached: {report['naive_tokens_equal_cached']:.1%}")
+  if 'naive_tokens_equal_cached' in report:
+    lines.append(f"naive tokens equal to cached: {report['naive_tokens_equal_cached']:.1%}")
   return '\n'.join(lines)
 
 
