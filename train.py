@@ -61,6 +61,8 @@ SETTING_HELP = {
     'model.kind': 'autoregressive (the paper) or cmlm (non-autoregressive, mask-predict)',
     'model.max_length_offset': 'cmlm: the length classifier predicts target - source length '
                                'within +- this',
+    'model.nat_decoder_input': 'cmlm: MASKed positions are fed the MASK embedding (mask) or the '
+                               'source token at the same relative position (uniform_copy)',
     'train.seed': 'seed of the parameters, batch order and dropout',
     'train.steps': 'batches to train on (with accumulation K: steps / K updates)',
     'train.max_tokens': 'padded tokens per batch and side',

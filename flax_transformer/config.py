@@ -55,6 +55,11 @@ class ModelConfig:
   # cmlm: the classifier predicts target length - source length, clipped to
   # [-max_length_offset, max_length_offset] (2 * max_length_offset + 1 classes).
   max_length_offset: int = 32
+  # cmlm: what a MASKed decoder position is fed. 'mask': the learned MASK embedding
+  # (CMLM). 'uniform_copy': the embedding of the source token at the same relative
+  # position, floor(j * S / N) for position j of an N-token row and S source tokens
+  # (Gu et al., 2018), so even the first pass starts from the source's words.
+  nat_decoder_input: Literal['mask', 'uniform_copy'] = 'mask'
   pad_id: int = 0
   bos_id: int = 1
   eos_id: int = 2
@@ -86,6 +91,9 @@ class ModelConfig:
         or self.max_length_offset < 0:
       raise ConfigError(f'model.max_length_offset must be a non-negative integer, '
                         f'got {self.max_length_offset!r}')
+    if self.nat_decoder_input not in ('mask', 'uniform_copy'):
+      raise ConfigError(f"model.nat_decoder_input must be 'mask' or 'uniform_copy', "
+                        f'got {self.nat_decoder_input!r}')
     if self.attention_radius is not None and self.attention_radius < 0:
       raise ConfigError(f'model.attention_radius must be >= 0 or None, got {self.attention_radius!r}')
     special = {'pad_id': self.pad_id, 'bos_id': self.bos_id, 'eos_id': self.eos_id,

@@ -24,7 +24,10 @@ Training (one step's inputs and additive loss statistics):
 
 MASK is id `config.vocab_size`: one learned embedding row beyond the V rows of
 the (shared) embedding table, so the tokenizer never produces it and the output
-projection, tied to that table, never predicts it.
+projection, tied to that table, never predicts it. With
+`config.nat_decoder_input='uniform_copy'` a MASKed position is instead fed the
+source token at the same relative position (`uniform_copy`; Gu et al., 2018,
+"Non-Autoregressive Neural Machine Translation"), and the model has no MASK row.
 """
 
 from __future__ import annotations
@@ -58,22 +61,28 @@ def num_length_classes(config: ModelConfig) -> int:
 class CMLMTransformer(Transformer):
   """The encoder–decoder with a non-causal decoder over MASKed rows and a length classifier.
 
-  Parameters beyond `Transformer`'s: 'mask_embedding' `[D]` (the MASK row) and
-  'length_head' (Dense D -> C over the mean-pooled encoder output).
+  Parameters beyond `Transformer`'s: 'mask_embedding' `[D]` (the MASK row; not
+  with `nat_decoder_input='uniform_copy'`) and 'length_head' (Dense D -> C over
+  the mean-pooled encoder output).
   """
 
   def setup(self):
     super().setup()
     c = self.config
-    # Same initialisation as the table's rows: unit variance after the sqrt(D) scaling.
-    self.mask_embedding = self.param('mask_embedding', nn.initializers.normal(c.d_model ** -0.5),
-                                     (c.d_model,))
+    if c.nat_decoder_input == 'mask':
+      # Same initialisation as the table's rows: unit variance after the sqrt(D) scaling.
+      self.mask_embedding = self.param('mask_embedding',
+                                       nn.initializers.normal(c.d_model ** -0.5), (c.d_model,))
     self.length_head = Dense(num_length_classes(c), dtype=c.compute_dtype)
 
   def _embed(self, tokens: jax.Array, side: str, offset: jax.Array | int, train: bool
              ) -> jax.Array:
-    """As `Transformer._embed`; on the target side MASK (id V) gets the 'mask_embedding' row."""
-    if side == 'source':
+    """As `Transformer._embed`; on the target side MASK (id V) gets the 'mask_embedding' row.
+
+    With `nat_decoder_input='uniform_copy'` the callers have already replaced
+    every MASK by a source token (`uniform_copy`).
+    """
+    if side == 'source' or self.config.nat_decoder_input == 'uniform_copy':
       return super()._embed(tokens, side, offset, train)
     c = self.config
     is_mask = tokens == mask_id(c)                                              # [B, T]
@@ -109,9 +118,16 @@ class CMLMTransformer(Transformer):
     return self.decoder.cross_kv(memory)
 
   def decode_parallel_from_kv(self, tokens: jax.Array, cross_kv: tuple[KVCache, ...],
-                              src_mask: jax.Array, train: bool = False) -> jax.Array:
+                              src_mask: jax.Array, train: bool = False,
+                              src: jax.Array | None = None) -> jax.Array:
     """`decode_parallel` with the memory's keys and values from `cross_kv`."""
     self._check_length(tokens, 'target')
+    if self.config.nat_decoder_input == 'uniform_copy':
+      if src is None:
+        raise ValueError("model.nat_decoder_input='uniform_copy' needs the source ids (src=...) "
+                         'to copy into the MASKed positions')
+      tokens = jnp.where(tokens == mask_id(self.config),
+                         uniform_copy(src, tokens, self.config.pad_id), tokens)
     # Padding mask only: every position sees the whole row (and the restricted window, if set).
     self_mask = masks.combine(masks.padding_mask(tokens, self.config.pad_id),
                               self._self_attention_mask(tokens.shape[1]))
@@ -120,7 +136,7 @@ class CMLMTransformer(Transformer):
     return self._logits(y)
 
   def decode_parallel(self, tokens: jax.Array, memory: jax.Array, src_mask: jax.Array,
-                      train: bool = False) -> jax.Array:
+                      train: bool = False, src: jax.Array | None = None) -> jax.Array:
     """All target positions at once: partly MASKed row `[B, T]` -> float32 logits `[B, T, V]`.
 
     Args:
@@ -129,19 +145,37 @@ class CMLMTransformer(Transformer):
       memory: the encoder output `[B, S, D]`.
       src_mask: bool `[B, 1, 1, S]`, `masks.padding_mask(src)`.
       train: dropout on.
+      src: the source ids `[B, S]`; needed only with `nat_decoder_input='uniform_copy'`.
 
     The logits of a position depend on every non-PAD position of its row, before
     and after it, and not on PAD columns: appending PAD changes nothing.
     """
-    return self.decode_parallel_from_kv(tokens, self.cross_kv(memory), src_mask, train)
+    return self.decode_parallel_from_kv(tokens, self.cross_kv(memory), src_mask, train, src)
 
   def __call__(self, src: jax.Array, tokens: jax.Array, train: bool = False
                ) -> tuple[jax.Array, jax.Array]:
     """Source `[B, S]` and decoder input `[B, T]` -> token logits `[B, T, V]`, length logits `[B, C]`."""
     memory = self.encode(src, train)
     src_mask = masks.padding_mask(src, self.config.pad_id)
-    return (self.decode_parallel(tokens, memory, src_mask, train),
+    return (self.decode_parallel(tokens, memory, src_mask, train, src),
             self.predict_length(memory, src_mask))
+
+
+def uniform_copy(src: jax.Array, tokens: jax.Array, pad_id: int) -> jax.Array:
+  """The source token at each target position's relative place: int32 `[B, T]`.
+
+  Position j of a row with N non-PAD tokens gets source token floor(j * S / N),
+  S the row's non-PAD source tokens (EOS included); PAD beyond the row. Source
+  "a b c </s>" (S = 4) over N = 6 positions: a a b c c </s>; over N = 2: a c.
+  """
+  src = jnp.asarray(src, jnp.int32)
+  src_lengths = jnp.sum(src != pad_id, axis=1, dtype=jnp.int32)[:, None]        # [B, 1]
+  in_row = tokens != pad_id                                                     # [B, T]
+  lengths = jnp.sum(in_row, axis=1, dtype=jnp.int32)[:, None]                   # [B, 1]
+  position = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]                 # [1, T]
+  index = position * src_lengths // jnp.maximum(lengths, 1)                     # [B, T] < S
+  copied = jnp.take_along_axis(src, jnp.minimum(index, src.shape[1] - 1), axis=1)
+  return jnp.where(in_row, copied, pad_id)
 
 
 # --- length classes --------------------------------------------------------------

@@ -161,7 +161,8 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
   cross_kv = model.apply(variables, memory, method=CMLMTransformer.cross_kv)
   src_mask = masks.padding_mask(src, config.pad_id)
   # Candidate rows b * K + j: the K candidates of a sentence share its memory.
-  cross_kv, src_mask = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), (cross_kv, src_mask))
+  cross_kv, src_mask, candidate_src = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0),
+                                                   (cross_kv, src_mask, src))
 
   position = jnp.arange(width)
   in_row = position < lengths[:, None]                                          # [R, W]
@@ -169,7 +170,7 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
 
   def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Canvas `[R, W]` -> the most likely token at every position and its log-probability."""
-    logits = model.apply(variables, tokens, cross_kv, src_mask,
+    logits = model.apply(variables, tokens, cross_kv, src_mask, src=candidate_src,
                          method=CMLMTransformer.decode_parallel_from_kv)        # [R, W, V]
     # PAD and BOS are never targets; forbid them as greedy decoding does.
     logits = jnp.where(never_target, -jnp.inf, logits)

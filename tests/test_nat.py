@@ -290,6 +290,65 @@ def test_extra_pad_columns_change_nothing(forward, params, src, decoder_input):
   np.testing.assert_allclose(wide_length, length_logits, atol=1e-5)
 
 
+# --- uniform copy of the source (nat_decoder_input='uniform_copy') ---------------------------
+
+COPY_CONFIG = CONFIG.replace(nat_decoder_input='uniform_copy')
+
+
+def test_uniform_copy_takes_the_source_token_at_the_same_relative_position():
+  a, b, c = 10, 11, 12
+  src = pad_rows([[a, b, c, EOS], [a, EOS], [a, b, c, EOS]], width=6)
+  tokens = pad_rows([[MASK] * 6, [MASK] * 3, [MASK, 20]], width=7)
+  np.testing.assert_array_equal(nat.uniform_copy(src, tokens, PAD), [
+      [a, a, b, c, c, EOS, PAD],            # S = 4 over N = 6: floor(j * 4 / 6)
+      [a, a, EOS, PAD, PAD, PAD, PAD],      # S = 2 over N = 3
+      [a, c, PAD, PAD, PAD, PAD, PAD]])     # S = 4 over N = 2
+
+
+@pytest.fixture(scope='module')
+def copy_forward():
+  model = CMLMTransformer(COPY_CONFIG)
+  params = jax.jit(model.init)(jax.random.key(0), pad_rows(SOURCES), pad_rows(SOURCES))['params']
+  apply = jax.jit(lambda src, tokens: model.apply({'params': params}, src, tokens)[0])
+  return params, lambda src, tokens: np.asarray(apply(src, tokens))
+
+
+def test_uniform_copy_feeds_masked_positions_the_copied_source_tokens(copy_forward, src,
+                                                                       decoder_input):
+  params, forward = copy_forward
+  assert 'mask_embedding' not in params                     # nothing embeds MASK
+  copied = np.asarray(nat.uniform_copy(src, decoder_input, PAD))
+  spelled_out = np.where(decoder_input == MASK, copied, decoder_input)
+  np.testing.assert_array_equal(forward(src, decoder_input), forward(src, spelled_out))
+  # A masked position's input follows the source; with the learned MASK row it would not.
+  other_src = np.where(src == src[0, 0], src[0, 0] + 1, src)
+  moved = forward(other_src, decoder_input) - forward(src, decoder_input)
+  assert np.abs(moved[0]).max() > 1e-3
+
+
+def test_uniform_copy_mask_predict_is_independent_of_batch_padding(copy_forward, src):
+  params, _ = copy_forward
+  model = CMLMTransformer(COPY_CONFIG)
+  batch = np.asarray(nat_decoding.mask_predict(model, params, src, iterations=3, length_beam=2))
+  wider = np.asarray(nat_decoding.mask_predict(model, params, np.pad(src, ((0, 0), (0, 5))),
+                                               iterations=3, length_beam=2))
+  np.testing.assert_array_equal(wider[:, :batch.shape[1]], batch)
+  alone = np.asarray(nat_decoding.mask_predict(model, params, src[1:2, :len(SOURCES[1])],
+                                               iterations=3, length_beam=2))[0]
+  np.testing.assert_array_equal(alone, batch[1, :len(alone)])
+
+
+def test_uniform_copy_needs_the_source_ids(copy_forward, src, decoder_input):
+  params, _ = copy_forward
+  model = CMLMTransformer(COPY_CONFIG)
+  memory = model.apply({'params': params}, src, method=CMLMTransformer.encode)
+  with pytest.raises(ValueError, match="'uniform_copy' needs the source ids"):
+    model.apply({'params': params}, decoder_input, memory, nat.masks.padding_mask(src, PAD),
+                method=CMLMTransformer.decode_parallel)
+  with pytest.raises(ConfigError, match="nat_decoder_input must be 'mask' or 'uniform_copy'"):
+    CONFIG.replace(nat_decoder_input='copy')
+
+
 # --- mask-predict -----------------------------------------------------------------------------
 
 
@@ -429,9 +488,12 @@ def test_bad_calls_are_refused_before_compiling(model, params, src):
 # --- a trained model ------------------------------------------------------------------------
 
 
-def test_a_model_trained_on_copying_decodes_it_exactly():
-  """500 Adam steps on the CMLM objective (copy 2..7 tokens) -> mask-predict copies exactly."""
-  config = ModelConfig.tiny(kind='cmlm', max_length_offset=2, dropout_rate=0.0, max_len=16)
+@pytest.mark.parametrize('decoder_input, iterations', [('mask', 4), ('uniform_copy', 1)])
+def test_a_model_trained_on_copying_decodes_it_exactly(decoder_input, iterations):
+  """500 Adam steps on the CMLM objective (copy 2..7 tokens) -> mask-predict copies exactly;
+  fed the source itself (uniform copy at the right length), in a single pass."""
+  config = ModelConfig.tiny(kind='cmlm', max_length_offset=2, dropout_rate=0.0, max_len=16,
+                            nat_decoder_input=decoder_input)
   model = CMLMTransformer(config)
   rng = np.random.default_rng(0)
 
@@ -464,7 +526,8 @@ def test_a_model_trained_on_copying_decodes_it_exactly():
     params, opt_state = step(params, opt_state, copy_batch(64), jax.random.key(i))
 
   src = copy_batch(200)
-  tokens = np.asarray(nat_decoding.mask_predict(model, params, src, iterations=4, length_beam=1))
+  tokens = np.asarray(nat_decoding.mask_predict(model, params, src, iterations=iterations,
+                                                length_beam=1))
   expected = np.pad(src, ((0, 0), (0, tokens.shape[1] - src.shape[1])))
   exact = (tokens == expected).all(axis=1).mean()
   assert exact >= 0.95, exact
