@@ -9,10 +9,10 @@ with random weights, a batch of 32 sources of 32 tokens, 32 new tokens forced
 (EOS banned until then), float32. Tokens/s counts the returned output tokens
 (batch * new tokens), for beam search too. Numbers are medians over rounds in
 which the contenders of a group run in turn (`common.interleaved_medians`), after
-a warm-up call that compiles. GFLOP/s divide the same analytic model FLOPs
-(`decode_flops`) by each contender's time, against a 2048^3 float32 matmul timed
-in the same run (the faster of JAX and PyTorch): how close each comes to the
-machine, and what share of it 2x Marian's speed would take.
+a warm-up call that compiles. In the headline group, GFLOP/s divide the same
+analytic model FLOPs (`decode_flops`) by each contender's time, against a 2048^3
+float32 matmul timed in the same run (the faster of JAX and PyTorch): how close
+each comes to the machine, and what share of it 2x Marian's speed would take.
 
 Groups:
   headline      greedy and beam 4 (`flax_transformer.decoding`) and
@@ -116,10 +116,11 @@ def main(argv=None) -> int:
   headline = {'greedy': greedy(),
               'beam4': lambda: jax.block_until_ready(
                   decoding.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))}
-  marian = marian_generate(config, src, n, len(cores), skip=args.skip_marian)
+  marian = ('headline' in args.groups
+            and marian_generate(config, src, n, len(cores), skip=args.skip_marian))
   if marian:
     headline.update(marian_greedy=lambda: marian(1), marian_beam4=lambda: marian(4))
-  # Contenders are built lazily: a group that is not run compiles nothing.
+  # Built only for the groups that run: the naive loop and the ceiling make their own arrays.
   groups = {
       'headline': lambda: (headline, setting.rounds),
       'naive': lambda: ({'naive_greedy': naive_greedy(model, params, src, n)},
@@ -140,8 +141,9 @@ def main(argv=None) -> int:
                                              ('beam4', 4 * setting.batch))}, setting.rounds),
   }
 
-  # The ceiling every contender's GFLOP/s is read against, measured in this run.
-  peak = common.measure_peaks(['float32'], with_torch=bool(marian), size=2048)['float32']
+  # The ceiling GFLOP/s are read against, measured in this run when a group reports them.
+  peak = (common.measure_peaks(['float32'], with_torch=bool(marian), size=2048)['float32']
+          if {'headline', 'matmul_ceiling'} & set(args.groups) else None)
   timings = {}
   groups = {name: groups[name]() for name in GROUPS if name in args.groups}
   total = sum(len(contenders) * rounds for contenders, rounds in groups.values())
@@ -150,8 +152,9 @@ def main(argv=None) -> int:
       bar.set_postfix_str(group)
       timings[group] = common.interleaved_medians(contenders, rounds=rounds,
                                                   progress=lambda: bar.update(1))
-  report = summarize(timings, setting, config, peak['gflops'])
-  report['float32_matmul_peak'] = peak
+  report = summarize(timings, setting, config, peak and peak['gflops'])
+  if peak:
+    report['float32_matmul_peak'] = peak
   if 'naive' in groups:
     cached = np.asarray(greedy()())
     naive = np.asarray(groups['naive'][0]['naive_greedy']())
@@ -210,8 +213,11 @@ def decode_flops(config, batch: int, src_len: int, new_tokens: int, beams: int =
       step_flops(config, batch * beams, src_len, t + 1) for t in range(new_tokens))
 
 
-def summarize(timings: dict, setting: Setting, config, peak_gflops: float) -> dict:
-  """The report's sections, each from the groups it needs (all of them by default)."""
+def summarize(timings: dict, setting: Setting, config, peak_gflops: float | None) -> dict:
+  """The report's sections, each from the groups it needs (all of them by default).
+
+  `peak_gflops` is needed when 'headline' or 'matmul_ceiling' was timed.
+  """
   seconds = lambda group, name: timings[group][name]['median_s']
   tokens = setting.batch * setting.new_tokens
   report = {}

@@ -42,7 +42,8 @@ def nat_searches() -> dict[str, dict]:
   and the alternative to a predicted length, a fixed canvas cut at the first EOS (T = 1, 10)."""
   return {**{f'nat-T{passes}-l{beam}': dict(method='nat', iterations=passes, length_beam=beam)
              for passes in (1, 4, 10) for beam in (1, 3)},
-          **{f'nat-T{passes}-fixed': dict(method='nat', iterations=passes, nat_length='fixed')
+          **{f'nat-T{passes}-fixed': dict(method='nat', iterations=passes, length_beam=1,
+                                                 nat_length='fixed')
              for passes in (1, 10)}}
 
 

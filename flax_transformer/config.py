@@ -57,7 +57,7 @@ class ModelConfig:
   max_length_offset: int = 32
   # cmlm: what a MASKed decoder position is fed. 'mask': the learned MASK embedding
   # (CMLM). 'uniform_copy': the embedding of the source token at the same relative
-  # position, floor(j * S / N) for position j of an N-token row and S source tokens
+  # position, round(j * S / N) for position j of an N-token row and S source tokens
   # (Gu et al., 2018), so even the first pass starts from the source's words.
   nat_decoder_input: Literal['mask', 'uniform_copy'] = 'mask'
   pad_id: int = 0
@@ -94,6 +94,9 @@ class ModelConfig:
     if self.nat_decoder_input not in ('mask', 'uniform_copy'):
       raise ConfigError(f"model.nat_decoder_input must be 'mask' or 'uniform_copy', "
                         f'got {self.nat_decoder_input!r}')
+    if self.nat_decoder_input != 'mask' and self.kind != 'cmlm':
+      raise ConfigError(f"model.nat_decoder_input={self.nat_decoder_input!r} is for "
+                        f"model.kind='cmlm'; an {self.kind} decoder is fed its previous tokens")
     if self.attention_radius is not None and self.attention_radius < 0:
       raise ConfigError(f'model.attention_radius must be >= 0 or None, got {self.attention_radius!r}')
     special = {'pad_id': self.pad_id, 'bos_id': self.bos_id, 'eos_id': self.eos_id,

@@ -164,16 +164,21 @@ class CMLMTransformer(Transformer):
 def uniform_copy(src: jax.Array, tokens: jax.Array, pad_id: int) -> jax.Array:
   """The source token at each target position's relative place: int32 `[B, T]`.
 
-  Position j of a row with N non-PAD tokens gets source token floor(j * S / N),
-  S the row's non-PAD source tokens (EOS included); PAD beyond the row. Source
-  "a b c </s>" (S = 4) over N = 6 positions: a a b c c </s>; over N = 2: a c.
+  Position j of a row with N non-PAD tokens gets source token round(j * S / N)
+  (halves round up; at most S - 1), S the row's non-PAD source tokens (EOS
+  included): Gu et al.'s uniform copy. Source "a b c </s>" (S = 4) over N = 6
+  positions: a b b c </s> </s>; over N = 2: a c. PAD beyond the row; a row
+  with N = 0 stays all PAD, and an all-PAD source (S = 0, batch padding)
+  copies PAD, which no position then attends to.
   """
   src = jnp.asarray(src, jnp.int32)
   src_lengths = jnp.sum(src != pad_id, axis=1, dtype=jnp.int32)[:, None]        # [B, 1]
   in_row = tokens != pad_id                                                     # [B, T]
-  lengths = jnp.sum(in_row, axis=1, dtype=jnp.int32)[:, None]                   # [B, 1]
+  lengths = jnp.maximum(jnp.sum(in_row, axis=1, dtype=jnp.int32)[:, None], 1)   # [B, 1]
   position = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]                 # [1, T]
-  index = position * src_lengths // jnp.maximum(lengths, 1)                     # [B, T] < S
+  # round(j S / N) = floor((2 j S + N) / 2N), in integers.
+  index = (2 * position * src_lengths + lengths) // (2 * lengths)               # [B, T]
+  index = jnp.clip(index, 0, jnp.maximum(src_lengths - 1, 0))
   copied = jnp.take_along_axis(src, jnp.minimum(index, src.shape[1] - 1), axis=1)
   return jnp.where(in_row, copied, pad_id)
 

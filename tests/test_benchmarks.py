@@ -80,7 +80,8 @@ def test_flop_formula_within_xla_cost_analysis():
 
 
 def test_decode_flop_formulas_equal_the_dots_of_the_encoder_pass_and_one_step():
-  config, rows, src_len, cache_len = ModelConfig.tiny(), 6, 7, 5
+  # D, F and V all different, so no two terms can be swapped unnoticed.
+  config, rows, src_len, cache_len = ModelConfig.tiny(d_ff=96, vocab_size=80), 6, 7, 5
   model = Transformer(config)
   src = np.full((rows, src_len), config.unk_id + 1, np.int32)
   variables = model.init(jax.random.key(0), src[:, :1], src[:, :1])
@@ -118,16 +119,46 @@ def test_decoding_one_token_costs_the_teacher_forced_forward_pass_with_one_targe
       assert decode_flops(config, batch, src_len, 1) == forward
 
 
-def test_decode_flops_count_each_step_on_every_beam_and_its_own_prefix():
-  config, batch, src_len = ModelConfig.tiny(), 2, 9
+def test_beams_share_the_encoder_pass_and_multiply_every_step():
+  config, batch, src_len = ModelConfig.tiny(d_ff=96, vocab_size=80), 2, 9
   prefix = prefix_flops(config, batch, src_len)
   greedy = decode_flops(config, batch, src_len, 4)
   beam = decode_flops(config, batch, src_len, 4, beams=3)
-  # Beams share the encoder pass and triple every step, attention over t + 1 slots included.
   assert beam - prefix == 3 * (greedy - prefix)
-  assert greedy - prefix == sum(step_flops(config, batch, src_len, a) for a in (1, 2, 3, 4))
+  # One more attended position: QK^T and AV each grow by one D-vector product per row and layer.
   assert step_flops(config, batch, src_len, 2) - step_flops(config, batch, src_len, 1) == (
       config.num_decoder_layers * 4 * batch * config.d_model)
+
+
+def test_a_partial_decode_report_has_the_sections_of_its_groups_only():
+  from benchmarks import decode
+  config = ModelConfig.tiny(d_ff=96, vocab_size=80)
+  setting = decode.QUICK
+  timed = lambda *names: {name: {'median_s': 0.5} for name in names}
+  timings = {'headline': timed('greedy', 'beam4', 'marian_greedy', 'marian_beam4'),
+             'matmul_ceiling': timed('greedy', 'beam4')}
+  report = decode.summarize(timings, setting, config, peak_gflops=1.0)
+  assert set(report) == {'tokens_per_second', 'speedups', 'gflops', 'fraction_of_peak',
+                         'fraction_of_peak_for_2x_marian', 'step_matmul_ceiling_fraction_of_peak'}
+  tokens = setting.batch * setting.new_tokens
+  assert report['tokens_per_second']['greedy'] == tokens / 0.5
+  assert report['speedups']['greedy_over_marian_greedy'] == 1.0
+  beam_flops = decode_flops(config, setting.batch, setting.source_len, setting.new_tokens, 4)
+  assert report['gflops']['marian_beam4'] == pytest.approx(beam_flops / 0.5 / 1e9)
+  assert report['fraction_of_peak_for_2x_marian']['beam4'] == pytest.approx(
+      2 * beam_flops / 0.5 / 1e9)
+  text = decode.format_report(report)
+  assert 'greedy ms/step' not in text and 'loop design' not in text and 'naive' not in text
+  assert "decode steps' matmuls alone" in text and '2x Marian would need' in text
+
+
+def test_every_multi30k_variant_is_a_valid_search():
+  from benchmarks.multi30k import nat_searches, searches
+  from flax_transformer.translate import Search
+  variants = {**nat_searches(), **searches([0.6, 1.5])}
+  assert {'nat-T10-l3', 'nat-T1-fixed', 'nat-T10-fixed', 'greedy', 'beam4-a1.5'} <= set(variants)
+  for name, settings in variants.items():
+    Search(**settings)  # raises ConfigError on a contradictory setting
 
 
 @pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')

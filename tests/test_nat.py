@@ -297,12 +297,16 @@ COPY_CONFIG = CONFIG.replace(nat_decoder_input='uniform_copy')
 
 def test_uniform_copy_takes_the_source_token_at_the_same_relative_position():
   a, b, c = 10, 11, 12
-  src = pad_rows([[a, b, c, EOS], [a, EOS], [a, b, c, EOS]], width=6)
-  tokens = pad_rows([[MASK] * 6, [MASK] * 3, [MASK, 20]], width=7)
+  src = pad_rows([[a, b, c, EOS], [a, EOS], [a, b, c, EOS], [a, b, c, EOS], [], [a, b, EOS]],
+                 width=6)
+  tokens = pad_rows([[MASK] * 6, [MASK] * 3, [MASK, 20], [], [MASK] * 2, [MASK] * 2], width=7)
   np.testing.assert_array_equal(nat.uniform_copy(src, tokens, PAD), [
-      [a, a, b, c, c, EOS, PAD],            # S = 4 over N = 6: floor(j * 4 / 6)
-      [a, a, EOS, PAD, PAD, PAD, PAD],      # S = 2 over N = 3
-      [a, c, PAD, PAD, PAD, PAD, PAD]])     # S = 4 over N = 2
+      [a, b, b, c, EOS, EOS, PAD],          # S = 4 over N = 6: round(0, .67, 1.33, 2, 2.67, 3.33)
+      [a, EOS, EOS, PAD, PAD, PAD, PAD],    # S = 2 over N = 3: round(0, .67, 1.33)
+      [a, c, PAD, PAD, PAD, PAD, PAD],      # S = 4 over N = 2
+      [PAD] * 7,                            # N = 0
+      [PAD] * 7,                            # an all-PAD source copies PAD
+      [a, EOS, PAD, PAD, PAD, PAD, PAD]])   # S = 3 over N = 2: halves round up (1.5 -> 2)
 
 
 @pytest.fixture(scope='module')
@@ -320,10 +324,21 @@ def test_uniform_copy_feeds_masked_positions_the_copied_source_tokens(copy_forwa
   copied = np.asarray(nat.uniform_copy(src, decoder_input, PAD))
   spelled_out = np.where(decoder_input == MASK, copied, decoder_input)
   np.testing.assert_array_equal(forward(src, decoder_input), forward(src, spelled_out))
-  # A masked position's input follows the source; with the learned MASK row it would not.
-  other_src = np.where(src == src[0, 0], src[0, 0] + 1, src)
-  moved = forward(other_src, decoder_input) - forward(src, decoder_input)
-  assert np.abs(moved[0]).max() > 1e-3
+
+
+@pytest.mark.parametrize('config', [CONFIG, COPY_CONFIG], ids=['mask', 'uniform_copy'])
+def test_only_uniform_copy_feeds_the_source_ids_to_the_decoder(config, src, decoder_input):
+  """Same memory, different `src` ids: the decoder moves only when it copies them."""
+  model = CMLMTransformer(config)
+  params = model.init(jax.random.key(0), src, src)['params']
+  memory = model.apply({'params': params}, src, method=CMLMTransformer.encode)
+  src_mask = nat.masks.padding_mask(src, PAD)
+  other_src = np.where(src != PAD, src + 1, PAD)
+  logits = [np.asarray(model.apply({'params': params}, decoder_input, memory, src_mask, src=ids,
+                                   method=CMLMTransformer.decode_parallel))
+            for ids in (src, other_src)]
+  moved = np.abs(logits[1] - logits[0]).max()
+  assert moved > 1e-3 if config.nat_decoder_input == 'uniform_copy' else moved == 0.0
 
 
 def test_uniform_copy_mask_predict_is_independent_of_batch_padding(copy_forward, src):
@@ -347,6 +362,8 @@ def test_uniform_copy_needs_the_source_ids(copy_forward, src, decoder_input):
                 method=CMLMTransformer.decode_parallel)
   with pytest.raises(ConfigError, match="nat_decoder_input must be 'mask' or 'uniform_copy'"):
     CONFIG.replace(nat_decoder_input='copy')
+  with pytest.raises(ConfigError, match="'uniform_copy' is for model.kind='cmlm'"):
+    CONFIG.replace(kind='autoregressive', nat_decoder_input='uniform_copy')
 
 
 # --- mask-predict -----------------------------------------------------------------------------
