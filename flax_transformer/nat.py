@@ -178,8 +178,7 @@ def uniform_copy(src: jax.Array, tokens: jax.Array, pad_id: int) -> jax.Array:
   position = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]                 # [1, T]
   # round(j S / N) = floor((2 j S + N) / 2N), in integers.
   index = (2 * position * src_lengths + lengths) // (2 * lengths)               # [B, T]
-  index = jnp.clip(index, 0, jnp.maximum(src_lengths - 1, 0))
-  copied = jnp.take_along_axis(src, jnp.minimum(index, src.shape[1] - 1), axis=1)
+  copied = jnp.take_along_axis(src, jnp.minimum(index, jnp.maximum(src_lengths - 1, 0)), axis=1)
   return jnp.where(in_row, copied, pad_id)
 
 
