@@ -181,9 +181,9 @@ def prefix_flops(config, batch: int, src_len: int) -> int:
     encoder layer   2BS(4D^2 + 2DF) + 4BS^2 D      Q, K, V, O, FFN; QK^T and AV
     decoder layer   2BS(2D^2)                      cross-attention K and V, once
   """
-  B, S, D, F = batch, src_len, config.d_model, config.d_ff
-  return (config.num_encoder_layers * (2 * B * S * (4 * D * D + 2 * D * F) + 4 * B * S * S * D)
-          + config.num_decoder_layers * 2 * B * S * 2 * D * D)
+  D = config.d_model
+  return (config.num_encoder_layers * common.encoder_layer_flops(config, batch, src_len)
+          + config.num_decoder_layers * 2 * batch * src_len * 2 * D * D)
 
 
 def step_flops(config, rows: int, src_len: int, attended: int) -> int:

@@ -93,7 +93,7 @@ def train_flops(config, shape: Shape) -> int:
   """
   B, S, T = shape.batch, shape.src_len, shape.tgt_len
   D, F, V = config.d_model, config.d_ff, config.vocab_size
-  encoder = 2 * B * S * (4 * D * D + 2 * D * F) + 4 * B * S * S * D
+  encoder = common.encoder_layer_flops(config, B, S)
   decoder = (2 * B * T * (4 * D * D + 2 * D * F) + 4 * B * T * T * D
              + 2 * B * T * 2 * D * D + 2 * B * S * 2 * D * D + 4 * B * T * S * D)
   forward = (config.num_encoder_layers * encoder + config.num_decoder_layers * decoder
