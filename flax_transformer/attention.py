@@ -54,8 +54,17 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None
   if mask is not None:
     # A fully masked row softmaxes to uniform weights; zero it explicitly.
     weights = jnp.where(mask, weights, 0.0)
-  out = jnp.einsum('BNTS,BNSH->BTNH', weights.astype(v.dtype), v)
-  return out, weights
+  return _weighted_values(weights, v), weights
+
+
+def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
+  """weights `[B, N, T, S]` times values `[B, N, S, H]` -> `[B, T, N, H]`.
+
+  The product is taken heads-first and transposed after: asked for `BTNH`
+  directly, XLA:CPU swaps the operands into a dot its fast kernels do not take
+  (8x slower for beam search's 4 x 128 attention, 1.8x at training's 32 x 32).
+  """
+  return jnp.einsum('BNTS,BNSH->BNTH', weights.astype(v.dtype), v).transpose(0, 2, 1, 3)
 
 
 @flax.struct.dataclass
@@ -127,6 +136,6 @@ class MultiHeadAttention(nn.Module):
     if self.attention_dropout_rate > 0.0 and not deterministic:
       # Dropout on the weights needs them explicitly: recompute the output.
       weights = self.weights_dropout(weights, deterministic=False)
-      out = jnp.einsum('BNTS,BNSH->BTNH', weights.astype(q.dtype), kv.v.astype(q.dtype))
+      out = _weighted_values(weights.astype(q.dtype), kv.v.astype(q.dtype))
     out = out.reshape(*out.shape[:-2], self.d_model)                 # [B, T, D]
     return self.out(out)
