@@ -15,9 +15,10 @@ Two levels:
 
 * On a step function: `decode_loop` and `beam_loop` drive any
   `step_fn(tokens [B], cache, position) -> (logits [B, V], cache)` whose cache
-  leaves all have the batch (or batch * beam) axis first. The model-level
-  functions wrap `Transformer.decode_step` this way; tests drive the loops with
-  hand-made step functions whose best sequence is known.
+  leaves all have the batch (or batch * beam) axis first, or, for beam search,
+  whose cache is a `BeamDecodeCache`. The model-level functions wrap
+  `Transformer.decode_step` and `Transformer.decode_beam_step` this way; tests
+  drive the loops with hand-made step functions whose best sequence is known.
 
 The loop: `lax.scan` over `steps_per_check` steps inside a `lax.while_loop`
 that stops once every row is done. Finished rows are carried with a `done`
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.model import DecodeCache, Transformer, empty_self_cache
+from flax_transformer.model import BeamDecodeCache, DecodeCache, Transformer
 
 # The paper's default output budget: source length + 50 (§6.1).
 EXTRA_OUTPUT_TOKENS = 50
@@ -253,7 +254,8 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
 
   Args:
     step_fn: `(tokens [B*K], cache, position) -> (logits [B*K, V], cache)`.
-    cache: the initial cache for B * K rows, the K beams of a sentence adjacent.
+    cache: the initial cache: a `BeamDecodeCache`, or any pytree of `[B*K, ...]`
+      leaves, the K beams of a sentence adjacent (see `reorder_beams`).
     limits: int32 `[B]` per-sentence length limits (0: batch padding).
     config: loop settings.
     beam: beam settings.
@@ -279,11 +281,17 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
     flat_tokens = state.live_tokens.reshape(batch * k, length)
     logits, cache = step_fn(_last_tokens(flat_tokens, position, config), state.cache,
                             _cache_position(position, config))
-    logprobs = jax.nn.log_softmax(_allowed_logits(logits, position, config))
-    vocab = logprobs.shape[-1]
-    extended = state.live_logprobs[:, :, None] + logprobs.reshape(batch, k, vocab)
-    cand_logprobs, cand_index = jax.lax.top_k(extended.reshape(batch, k * vocab), 2 * k)
-    cand_parent, cand_token = cand_index // vocab, cand_index % vocab           # [B, 2K]
+    logits = _allowed_logits(logits, position, config)                          # [B*K, V]
+    # The 2K best extensions of all beams are among the 2K best of each beam,
+    # so only those are normalised and ranked: no log_softmax is written out
+    # over all K * V values.
+    per_beam = min(2 * k, logits.shape[-1])
+    top_logits, top_tokens = jax.lax.top_k(logits, per_beam)                  # [B*K, 2K]
+    top_logprobs = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    extended = state.live_logprobs[:, :, None] + top_logprobs.reshape(batch, k, per_beam)
+    cand_logprobs, cand_index = jax.lax.top_k(extended.reshape(batch, k * per_beam), 2 * k)
+    cand_parent = cand_index // per_beam                                        # [B, 2K]
+    cand_token = jnp.take_along_axis(top_tokens.reshape(batch, k * per_beam), cand_index, axis=1)
     cand_tokens = _write_column(
         jnp.take_along_axis(state.live_tokens, cand_parent[:, :, None], axis=1),
         cand_token, position)                                                   # [B, 2K, Lb]
@@ -305,10 +313,7 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
     live_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logprobs), k)
     live_tokens = jnp.take_along_axis(cand_tokens, keep[:, :, None], axis=1)
     parent = jnp.take_along_axis(cand_parent, keep, axis=1)                     # [B, K]
-    # Only the self-attention cache follows the beams: cross-attention keys and
-    # values are the same for all beams of a sentence and live outside `cache`.
-    rows = (jnp.arange(batch)[:, None] * k + parent).reshape(-1)
-    cache = jax.tree.map(lambda x: x[rows], cache)
+    cache = reorder_beams(cache, parent)
 
     best_possible = live_logprobs[:, 0] / length_penalty(limits, beam.alpha)
     done = state.done | (position + 1 >= limits) | (finished_scores[:, -1] >= best_possible)
@@ -316,6 +321,21 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
                      done, cache)
 
   return _run_until_done(step, state, config)
+
+
+def reorder_beams(cache: Cache, parent: jax.Array) -> Cache:
+  """The cache after live beam k of sentence b became an extension of beam parent[b, k] `[B, K]`.
+
+  A `BeamDecodeCache` only updates its history; any other cache has its
+  `[B*K, ...]` rows gathered.
+  """
+  if isinstance(cache, BeamDecodeCache):
+    return cache.reorder(parent)
+  batch, k = parent.shape
+  if k == 1:
+    return cache
+  rows = (jnp.arange(batch)[:, None] * k + parent).reshape(-1)
+  return jax.tree.map(lambda x: x[rows], cache)
 
 
 def _run_until_done(step, state, config: LoopConfig):
@@ -524,20 +544,25 @@ def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check)
 
 def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
                   beam_size: int = 1) -> tuple[StepFn, Cache]:
-  """Runs the encoder once; returns the step function and its initial cache.
+  """Runs the encoder once; returns the step function on `[B * K]` rows and its initial cache.
 
-  The step function's cache is the self-attention cache only (`[B * K, N, L, H]`
-  per layer), so beam search reorders nothing else. The cross-attention keys and
-  values are computed here, once, and closed over: for beam search they are
-  repeated K times along the batch, once, instead of re-gathered every step.
+  beam_size 1: the cache is the self-attention cache only (`[B, N, L, H]` per
+  layer); the cross-attention keys and values are computed here, once, and
+  closed over. beam_size K > 1: the cache is a `BeamDecodeCache`, which
+  `reorder_beams` reorders without moving keys or values.
   """
   model = Transformer(config)
-  start = model.apply(variables, src, max_len, method=Transformer.start_decoding)
-  cross_kv, src_mask, self_kv = start.cross_kv, start.src_mask, start.self_kv
   if beam_size > 1:
-    repeat = functools.partial(jnp.repeat, repeats=beam_size, axis=0)
-    cross_kv, src_mask = jax.tree.map(repeat, cross_kv), repeat(src_mask)
-    self_kv = empty_self_cache(config, src.shape[0] * beam_size, max_len)
+    def beam_step_fn(tokens: jax.Array, cache: BeamDecodeCache, position: jax.Array):
+      logits, cache = model.apply(variables, tokens.reshape(-1, beam_size), cache, position,
+                                  method=Transformer.decode_beam_step)
+      return logits.reshape(tokens.shape[0], -1), cache
+
+    return beam_step_fn, model.apply(variables, src, max_len, beam_size,
+                                     method=Transformer.start_beam_decoding)
+
+  start = model.apply(variables, src, max_len, method=Transformer.start_decoding)
+  cross_kv, src_mask = start.cross_kv, start.src_mask
 
   def step_fn(tokens: jax.Array, self_kv: Cache, position: jax.Array):
     cache = DecodeCache(self_kv=self_kv, cross_kv=cross_kv, src_mask=src_mask)
@@ -545,7 +570,7 @@ def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
                                 method=Transformer.decode_step)
     return logits[:, 0], cache.self_kv
 
-  return step_fn, self_kv
+  return step_fn, start.self_kv
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'loop'))

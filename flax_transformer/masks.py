@@ -79,6 +79,34 @@ def local_mask(length: int, radius: int, kv_length: int | None = None,
   return (jnp.abs(query_pos - key_pos) <= radius)[None, None]
 
 
+def beam_history_mask(history: jax.Array, position: jax.Array | int) -> jax.Array:
+  """Which slots of a pooled beam cache hold each beam's own earlier tokens.
+
+  Beam search keeps the keys of beam j's token at position p in slot j * L + p
+  of a cache pooled over the K beams of a sentence (`attention.KVCache` with
+  `beams=K`), and records, instead of moving keys when beams are reordered,
+  where each live beam's history lies.
+
+  Args:
+    history: int `[B, K, L]`; history[b, k, p] = j: live beam k's token at
+      position p has its keys in beam block j.
+    position: the current step; positions after it are not yet written.
+
+  Returns:
+    bool `[B, 1, K, K * L]`, True at (k, j * L + p) iff history[b, k, p] == j
+    and p <= position. For K = 2, L = 3, position 1, and history rows
+    k=0: [1, 0, *], k=1: [1, 1, *] (both extend the first token of beam block
+    1; each wrote its second token into its own block):
+           block 0  block 1
+      k=0:  0 1 0 | 1 0 0
+      k=1:  0 0 0 | 1 1 0
+  """
+  batch, beams, length = history.shape
+  in_block = history[:, :, None, :] == jnp.arange(beams)[None, None, :, None]    # [B, K, K, L]
+  written = jnp.arange(length) <= position                                        # [L]
+  return (in_block & written).reshape(batch, 1, beams, beams * length)
+
+
 def combine(*masks: jax.Array | None) -> jax.Array | None:
   """Logical AND of masks with broadcasting; `None` entries are ignored.
 

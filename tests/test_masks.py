@@ -73,6 +73,19 @@ def test_combine_broadcasts_and_ignores_none():
   assert masks.combine(None, None) is None
 
 
+def test_beam_history_mask_selects_each_beam_s_own_slots():
+  history = jnp.array([[[1, 0, 0], [1, 1, 0]]])  # K=2 beams, L=3: the docstring's example
+  mask = jax.jit(masks.beam_history_mask)(history, 1)
+  assert mask.shape == (1, 1, 2, 6) and mask.dtype == jnp.bool_
+  np.testing.assert_array_equal(mask[0, 0], [[0, 1, 0, 1, 0, 0],
+                                             [0, 0, 0, 1, 1, 0]])
+  # Each beam sees exactly one slot per written position, in the block its history names.
+  full = masks.beam_history_mask(jnp.array([[[0, 1, 1], [1, 0, 1]]]), 2)[0, 0]
+  assert (np.asarray(full).reshape(2, 2, 3).sum(axis=1) == 1).all()
+  np.testing.assert_array_equal(full, [[1, 0, 0, 0, 1, 1],
+                                       [0, 1, 0, 1, 0, 1]])
+
+
 @pytest.mark.parametrize('builder', [lambda n: masks.causal_mask(n),
                                      lambda n: masks.local_mask(n, 1)])
 def test_builders_jit_and_vmap(builder):
