@@ -232,10 +232,13 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   grad_norm = optax.tree.norm(grads)
   # Global values (after the psums), so every device takes the same decision.
   finite = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(grad_norm)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                   (params, opt_state), (state.params, state.opt_state))
+
+  def apply_update(params, opt_state):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = lax.cond(finite, apply_update, lambda params, opt_state: (params, opt_state),
+                               state.params, state.opt_state)
   update_count = state.step // train_config.grad_accum_steps
   metrics = {**sums, 'grad_norm': grad_norm,
              'learning_rate': make_schedule(train_config, config)(update_count),
