@@ -81,10 +81,6 @@ class BeamDecodeCache:
   src_mask: jax.Array
 
   @property
-  def beams(self) -> int:
-    return self.history.shape[1]
-
-  @property
   def max_len(self) -> int:
     return self.history.shape[2]
 
