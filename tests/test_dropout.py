@@ -50,3 +50,19 @@ def test_module_is_identity_when_deterministic_and_draws_from_dropout_rngs():
   np.testing.assert_array_equal(run(4), run(4))
   assert ((run(4) == 0) != (run(5) == 0)).any()
   assert abs((run(4) == 0).mean() - RATE) < 0.01
+
+
+@pytest.mark.parametrize('shape', [(64, 32, 64), (3, 5, 7)])
+def test_both_halves_of_each_random_word_drop_independently(shape):
+  """Each 32-bit word serves two elements, one per half of the flattened array."""
+  x = jnp.ones(shape, jnp.float32)
+  dropped = np.concatenate([np.asarray(dropout(x, RATE, jax.random.key(k))).ravel() == 0
+                            for k in range(200 if x.size < 1000 else 1)])
+  dropped = dropped.reshape(-1, x.size)
+  pairs, offset = x.size // 2, (x.size + 1) // 2      # word i feeds elements i and offset + i
+  low, high = dropped[:, :pairs].ravel(), dropped[:, offset:offset + pairs].ravel()
+  bound = 5 * np.sqrt(RATE * (1 - RATE) / low.size)
+  assert abs(low.mean() - RATE) < bound and abs(high.mean() - RATE) < bound
+  # Independent halves: P(both dropped) = RATE^2 (to 5 sd); equal halves would give RATE.
+  both = (low & high).mean()
+  assert abs(both - RATE ** 2) < 5 * np.sqrt(RATE ** 2 * (1 - RATE ** 2) / low.size)
