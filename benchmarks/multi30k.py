@@ -2,6 +2,7 @@
 
   python -m benchmarks.multi30k evaluate --workdir runs/multi30k      # val + test_2016 scores -> JSON
   python -m benchmarks.multi30k plot --workdir runs/multi30k          # val loss / BLEU vs time -> PNG
+  python -m benchmarks.multi30k compare --workdirs runs/a,runs/b --steps 3000   # runs side by side
 
 `evaluate` decodes the validation and test splits from the last checkpoint and
 from the mean of the last K (each K of `--average-last`, 5 by default). An
@@ -13,13 +14,22 @@ is scored with sacreBLEU on detokenized output (default 13a tokenizer): cased
 BLEU, lowercased BLEU (`-lc`) and chrF, signatures included. Model selection
 uses validation scores only; the test row of the chosen variant is the reported
 result. Results: benchmarks/results/multi30k_<src><tgt>[_cmlm].json.
+
+`compare` puts runs that differ in their tokenizer side by side up to a common
+step, from their logs alone: validation BLEU and chrF at each BLEU evaluation,
+and validation loss per *sentence* (the per-token loss times the validation
+targets' token count under each run's own tokenizer, EOS included), which,
+unlike loss per token, does not change with the vocabulary. Also each
+tokenizer's subwords per training sentence and the median seconds per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -156,6 +166,72 @@ def plot(args) -> None:
   print(f'wrote {output} ({os.path.getsize(output) / 1024:.0f} KB)')
 
 
+def tokens_per_sentence(tokenizer, texts: list[str]) -> float:
+  """Mean subword tokens per text, EOS included (as the model sees a target)."""
+  return sum(len(ids) + 1 for ids in tokenizer.encode(texts)) / len(texts)
+
+
+def seconds_per_step(lines: list[dict], last_step: int) -> float | None:
+  """Median over the log's training intervals up to `last_step` of seconds per step.
+
+  A median, so that intervals that include a validation pass or a pause do not count.
+  """
+  timed = sorted((m['step'], m['elapsed_s']) for m in lines
+                 if 'elapsed_s' in m and m['step'] <= last_step)
+  rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(timed, timed[1:])]
+  return statistics.median(rates) if rates else None
+
+
+def compare(args) -> dict:
+  """Runs side by side up to `--steps`, from their logs and tokenizers (no decoding)."""
+  from flax_transformer.data import load_parallel
+  from flax_transformer.tokenizer import Tokenizer
+
+  runs, datasets = [], {}
+  for workdir in map(Path, args.workdirs):
+    config = json.loads((workdir / 'config.json').read_text())
+    data_config = config.get('data', {})
+    src, tgt = data_config.get('src_lang', 'en'), data_config.get('tgt_lang', 'de')
+    if (src, tgt) not in datasets:
+      datasets[src, tgt] = load_parallel(str(args.data), src, tgt)
+    dataset = datasets[src, tgt]
+    tokenizer = Tokenizer.load(workdir)
+    val_targets = list(dataset['validation']['target'])
+    val_tokens = tokens_per_sentence(tokenizer, val_targets) * len(val_targets)
+    lines = [m for m in read_metrics(workdir) if m['step'] <= args.steps]
+    evaluations = {}
+    for m in lines:
+      if 'val_ppl' in m:
+        evaluations.setdefault(m['step'], {})['val_loss_per_sentence'] = (
+            math.log(m['val_ppl']) * val_tokens / len(val_targets))
+      if 'val_bleu' in m:
+        evaluations.setdefault(m['step'], {}).update(val_bleu=m['val_bleu'],
+                                                     val_chrf=m['val_chrf'])
+    train = dataset['train']
+    run = {'workdir': str(workdir), 'direction': f'{src}-{tgt}',
+           'requested_vocab_size': data_config.get('vocab_size'),
+           'vocab_size': tokenizer.vocab_size,
+           'source_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['source'])),
+           'target_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['target'])),
+           'seconds_per_step': seconds_per_step(lines, args.steps),
+           'steps': max((m['step'] for m in lines), default=0),
+           'evaluations': {step: evaluations[step] for step in sorted(evaluations)}}
+    runs.append(run)
+    print(f'{workdir}: vocabulary {run["vocab_size"]:,}, '
+          f'{run["source_tokens_per_sentence"]:.1f} + {run["target_tokens_per_sentence"]:.1f} '
+          f'tokens per training pair, {run["seconds_per_step"] or float("nan"):.2f} s per step')
+    for step, values in run['evaluations'].items():
+      text = f'  step {step:>5d}: val loss {values.get("val_loss_per_sentence", float("nan")):6.2f} per sentence'
+      if 'val_bleu' in values:
+        text += f', BLEU {values["val_bleu"]:5.2f}, chrF {values["val_chrf"]:5.2f}'
+      print(text)
+  result = {'benchmark': 'multi30k-compare', 'machine': common.machine_info(os.cpu_count()),
+            'up_to_step': args.steps, 'runs': runs}
+  if args.output:
+    print(f'wrote {common.write_json(Path(args.output), result)}')
+  return result
+
+
 def comma_separated(cast):
   """An argparse type: 'A,B,C' -> [cast(A), cast(B), cast(C)]."""
   return lambda text: [cast(item) for item in text.split(',')]
@@ -181,8 +257,14 @@ def main() -> None:
   curves.add_argument('--workdir', required=True)
   curves.add_argument('--output', help='PNG file (default benchmarks/results/<workdir name>.png)')
   curves.add_argument('--title')
+  side_by_side = commands.add_parser('compare', help='runs side by side up to a common step')
+  side_by_side.add_argument('--workdirs', required=True, type=comma_separated(str),
+                            help='run directories, comma-separated')
+  side_by_side.add_argument('--steps', type=int, required=True, help='compare up to this step')
+  side_by_side.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
+  side_by_side.add_argument('--output', help='JSON file (default: print only)')
   args = parser.parse_args()
-  evaluate(args) if args.command == 'evaluate' else plot(args)
+  {'evaluate': evaluate, 'plot': plot, 'compare': compare}[args.command](args)
 
 
 if __name__ == '__main__':
