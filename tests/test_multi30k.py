@@ -7,11 +7,13 @@ from types import SimpleNamespace
 import datasets
 import numpy as np
 import pytest
+import tokenizers
 
 from benchmarks import multi30k
 from flax_transformer.config import run_preset
 from flax_transformer.data import load_parallel
 from flax_transformer.model import count_params
+from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.training import train
 
 MULTI30K = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
@@ -68,3 +70,49 @@ def test_plot_writes_a_small_png(tmp_path):
   multi30k.plot(SimpleNamespace(workdir=str(tmp_path), output=str(output), title=None))
   assert output.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert output.stat().st_size < 200 * 1024
+
+
+def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
+  english = ['a man rides a red bike', 'two dogs play in the snow', 'a woman reads a book',
+             'children run home from school']
+  german = ['ein mann fährt ein rotes rad', 'zwei hunde spielen im schnee',
+            'eine frau liest ein buch', 'kinder rennen von der schule heim']
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  for stem in ('train', 'val'):
+    (corpus / f'{stem}.en').write_text('\n'.join(english) + '\n')
+    (corpus / f'{stem}.de').write_text('\n'.join(german) + '\n')
+  val_ppl = 20.0
+  workdirs = []
+  for size in (40, 120):
+    workdir = tmp_path / f'vocab{size}'
+    Tokenizer.train(english + german, size).save(workdir)
+    (workdir / 'config.json').write_text(json.dumps(
+        {'data': {'src_lang': 'en', 'tgt_lang': 'de', 'vocab_size': size}}))
+    # Steps 10-40 at 1 s per step, except 40-50 (which held a validation pass); step 60 is
+    # past the compared range.
+    clock = {10: 10, 20: 20, 30: 30, 40: 40, 50: 90, 60: 100}
+    lines = [{'step': step, 'loss': 3.0, 'elapsed_s': seconds} for step, seconds in clock.items()]
+    lines += [{'step': 50, 'val_ppl': val_ppl}, {'step': 50, 'val_bleu': 12.5, 'val_chrf': 30.0},
+              {'step': 60, 'val_ppl': 2.0}]
+    (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(m) + '\n' for m in lines))
+    workdirs.append(workdir)
+
+  result = multi30k.compare(SimpleNamespace(workdirs=[str(w) for w in workdirs], steps=50,
+                                            data=str(corpus), output=None))
+
+  sentence_losses = []
+  for workdir, run in zip(workdirs, result['runs']):
+    backend = tokenizers.Tokenizer.from_file(str(workdir / 'tokenizer.json'))
+    targets = [len(backend.encode(text, add_special_tokens=False).ids) + 1 for text in german]
+    assert run['target_tokens_per_sentence'] == pytest.approx(np.mean(targets))
+    assert run['seconds_per_step'] == pytest.approx(1.0)
+    assert run['steps'] == 50 and list(run['evaluations']) == [50]
+    evaluation = run['evaluations'][50]
+    assert evaluation['val_bleu'] == 12.5 and evaluation['val_chrf'] == 30.0
+    assert evaluation['val_loss_per_sentence'] == pytest.approx(np.log(val_ppl) * np.mean(targets))
+    sentence_losses.append(evaluation['val_loss_per_sentence'])
+  # The smaller vocabulary cuts the same sentences into more pieces: at an equal loss per
+  # token, its loss per sentence is the larger.
+  assert result['runs'][0]['vocab_size'] < result['runs'][1]['vocab_size']
+  assert sentence_losses[0] > sentence_losses[1]
