@@ -199,8 +199,12 @@ def compare(args) -> dict:
     val_targets = list(dataset['validation']['target'])
     val_tokens = tokens_per_sentence(tokenizer, val_targets) * len(val_targets)
     lines = [m for m in read_metrics(workdir) if m['step'] <= args.steps]
+    # Validation lines carry no clock: each takes the training line of its step's.
+    clock = {m['step']: m['elapsed_s'] for m in lines if 'elapsed_s' in m}
     evaluations = {}
     for m in lines:
+      if ('val_ppl' in m or 'val_bleu' in m) and m['step'] in clock:
+        evaluations.setdefault(m['step'], {})['elapsed_s'] = clock[m['step']]
       if 'val_ppl' in m:
         evaluations.setdefault(m['step'], {})['val_loss_per_sentence'] = (
             math.log(m['val_ppl']) * val_tokens / len(val_targets))
@@ -221,7 +225,8 @@ def compare(args) -> dict:
           f'{run["source_tokens_per_sentence"]:.1f} + {run["target_tokens_per_sentence"]:.1f} '
           f'tokens per training pair, {run["seconds_per_step"] or float("nan"):.2f} s per step')
     for step, values in run['evaluations'].items():
-      text = f'  step {step:>5d}: val loss {values.get("val_loss_per_sentence", float("nan")):6.2f} per sentence'
+      text = (f'  step {step:>5d} ({values.get("elapsed_s", float("nan")) / 60:5.1f} min): val loss '
+              f'{values.get("val_loss_per_sentence", float("nan")):6.2f} per sentence')
       if 'val_bleu' in values:
         text += f', BLEU {values["val_bleu"]:5.2f}, chrF {values["val_chrf"]:5.2f}'
       print(text)

@@ -110,6 +110,7 @@ def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
     assert run['steps'] == 50 and list(run['evaluations']) == [50]
     evaluation = run['evaluations'][50]
     assert evaluation['val_bleu'] == 12.5 and evaluation['val_chrf'] == 30.0
+    assert evaluation['elapsed_s'] == 90
     assert evaluation['val_loss_per_sentence'] == pytest.approx(np.log(val_ppl) * np.mean(targets))
     sentence_losses.append(evaluation['val_loss_per_sentence'])
   # The smaller vocabulary cuts the same sentences into more pieces: at an equal loss per
