@@ -20,7 +20,9 @@ step, from their logs alone: validation BLEU and chrF at each BLEU evaluation,
 and validation loss per *sentence* (the per-token loss times the validation
 targets' token count under each run's own tokenizer, EOS included), which,
 unlike loss per token, does not change with the vocabulary. Also each
-tokenizer's subwords per training sentence and the median seconds per step.
+tokenizer's subwords per training sentence, the median seconds per step, and
+the training clock at each evaluation (runs whose steps cost differently
+compare at equal time too).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def read_metrics(workdir: Path) -> list[dict]:
   if not path.is_file():
     raise SystemExit(f'{path}: no metrics log; is {workdir} a training run directory?')
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_clock(lines: list[dict]) -> dict[int, float]:
+  """Step -> elapsed training seconds, from the training lines (validation lines carry no clock)."""
+  return {m['step']: m['elapsed_s'] for m in lines if 'elapsed_s' in m}
 
 
 def training_summary(workdir: Path) -> dict:
@@ -142,9 +149,8 @@ def plot(args) -> None:
 
   workdir = Path(args.workdir)
   lines = read_metrics(workdir)
-  elapsed = {m['step']: m['elapsed_s'] for m in lines if 'elapsed_s' in m}
+  elapsed = step_clock(lines)
   def hours(step):
-    # Validation lines carry no clock: use the training line of the same step.
     return elapsed[step] / 3600 if step in elapsed else None
   loss = [(hours(m['step']), m['val_loss']) for m in lines if 'val_loss' in m]
   bleu = [(hours(m['step']), m['val_bleu']) for m in lines if 'val_bleu' in m]
@@ -171,13 +177,12 @@ def tokens_per_sentence(tokenizer, texts: list[str]) -> float:
   return sum(len(ids) + 1 for ids in tokenizer.encode(texts)) / len(texts)
 
 
-def seconds_per_step(lines: list[dict], last_step: int) -> float | None:
-  """Median over the log's training intervals up to `last_step` of seconds per step.
+def seconds_per_step(lines: list[dict]) -> float | None:
+  """Median over the log's training intervals of seconds per step.
 
   A median, so that intervals that include a validation pass or a pause do not count.
   """
-  timed = sorted((m['step'], m['elapsed_s']) for m in lines
-                 if 'elapsed_s' in m and m['step'] <= last_step)
+  timed = sorted(step_clock(lines).items())
   rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(timed, timed[1:])]
   return statistics.median(rates) if rates else None
 
@@ -196,18 +201,16 @@ def compare(args) -> dict:
       datasets[src, tgt] = load_parallel(str(args.data), src, tgt)
     dataset = datasets[src, tgt]
     tokenizer = Tokenizer.load(workdir)
-    val_targets = list(dataset['validation']['target'])
-    val_tokens = tokens_per_sentence(tokenizer, val_targets) * len(val_targets)
+    val_tokens = tokens_per_sentence(tokenizer, list(dataset['validation']['target']))
     lines = [m for m in read_metrics(workdir) if m['step'] <= args.steps]
-    # Validation lines carry no clock: each takes the training line of its step's.
-    clock = {m['step']: m['elapsed_s'] for m in lines if 'elapsed_s' in m}
+    clock = step_clock(lines)
     evaluations = {}
     for m in lines:
       if ('val_ppl' in m or 'val_bleu' in m) and m['step'] in clock:
         evaluations.setdefault(m['step'], {})['elapsed_s'] = clock[m['step']]
       if 'val_ppl' in m:
         evaluations.setdefault(m['step'], {})['val_loss_per_sentence'] = (
-            math.log(m['val_ppl']) * val_tokens / len(val_targets))
+            math.log(m['val_ppl']) * val_tokens)
       if 'val_bleu' in m:
         evaluations.setdefault(m['step'], {}).update(val_bleu=m['val_bleu'],
                                                      val_chrf=m['val_chrf'])
@@ -217,7 +220,7 @@ def compare(args) -> dict:
            'vocab_size': tokenizer.vocab_size,
            'source_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['source'])),
            'target_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['target'])),
-           'seconds_per_step': seconds_per_step(lines, args.steps),
+           'seconds_per_step': seconds_per_step(lines),
            'steps': max((m['step'] for m in lines), default=0),
            'evaluations': {step: evaluations[step] for step in sorted(evaluations)}}
     runs.append(run)
