@@ -243,6 +243,27 @@ def _loopback_bind_address(coordinator: str | None) -> str | None:
   return coordinator if loopback else None
 
 
+def _report_failed_write(message: str) -> None:
+  """Prints `message` as a line of its own; as a program, the last line printed.
+
+  When one file of a checkpoint cannot be written, orbax (0.12) closes the save's
+  event loop while tensorstore still finishes the save's other writes, and each
+  of those prints an "Event loop is closed" traceback from tensorstore's threads,
+  until the process ends. They may stop part way through a line, so the message
+  starts with a newline and goes out in one write; when train.py is the program,
+  whatever those threads print afterwards is discarded, so that the message is
+  not buried under them.
+  """
+  real_stderr = sys.stderr
+  if __name__ == '__main__':
+    sys.stderr = open(os.devnull, 'w')  # traceback printing looks up sys.stderr each time
+  real_stderr.write(f'\n{message}\n')
+  real_stderr.flush()
+  if __name__ == '__main__':
+    # ... and a traceback already part printed holds the file descriptor.
+    os.dup2(sys.stderr.fileno(), real_stderr.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
@@ -263,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
-  from flax_transformer.checkpoint import CheckpointError
+  from flax_transformer.checkpoint import CheckpointError, WriteError
   from flax_transformer.data import DataError
   from flax_transformer.interruption import Interrupted
   from flax_transformer.tokenizer import TokenizerError
@@ -279,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     train(model_config, train_config, data_config, workdir, devices=args.devices,
           parallel=args.parallel, resume=args.resume, average_last=args.average_last,
           skip_nonfinite=args.skip_nonfinite)
+  except WriteError as error:  # a full disk or an unwritable --workdir; names the path
+    _report_failed_write(f'train.py: error: {error}')
+    return 1
   except (CheckpointError, ConfigError, DataError, TokenizerError, OSError) as error:
-    # OSError: an unwritable --workdir or a full disk (checkpoint.WriteError names the path).
     print(f'train.py: error: {error}', file=sys.stderr)
     return 1
   except NonFiniteError as error:
