@@ -206,14 +206,15 @@ def compare(args) -> dict:
     clock = step_clock(lines)
     evaluations = {}
     for m in lines:
-      if ('val_ppl' in m or 'val_bleu' in m) and m['step'] in clock:
-        evaluations.setdefault(m['step'], {})['elapsed_s'] = clock[m['step']]
+      if 'val_ppl' not in m and 'val_bleu' not in m:
+        continue  # a training line
+      evaluation = evaluations.setdefault(m['step'], {})
+      if m['step'] in clock:
+        evaluation['elapsed_s'] = clock[m['step']]
       if 'val_ppl' in m:
-        evaluations.setdefault(m['step'], {})['val_loss_per_sentence'] = (
-            math.log(m['val_ppl']) * val_tokens)
+        evaluation['val_loss_per_sentence'] = math.log(m['val_ppl']) * val_tokens
       if 'val_bleu' in m:
-        evaluations.setdefault(m['step'], {}).update(val_bleu=m['val_bleu'],
-                                                     val_chrf=m['val_chrf'])
+        evaluation.update(val_bleu=m['val_bleu'], val_chrf=m['val_chrf'])
     train = dataset['train']
     run = {'workdir': str(workdir), 'direction': f'{src}-{tgt}',
            'requested_vocab_size': data_config.get('vocab_size'),
