@@ -1,13 +1,17 @@
 """Configuration as frozen dataclasses: the model, the training run and its data.
 
-Every default is decided here and nowhere else. Presets are classmethods that
-take overrides, e.g. `ModelConfig.base(vocab_size=8000)`, `TrainConfig.toy(steps=500)`;
-`parse_overrides` turns command-line strings like `--model.d_model=256` into values.
+Every default and every setting's help is written here, once: each field is a
+`setting(default, help)`, and train.py's `--help` is generated from the help.
+Presets are classmethods that take overrides, e.g. `ModelConfig.base(vocab_size=8000)`,
+`TrainConfig.toy(steps=500)`; `parse_overrides` turns command-line strings like
+`--model.d_model=256` into values. Choices (`Literal` fields) are checked from
+their annotations, so a new choice is added in one place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Literal
 
@@ -18,6 +22,55 @@ class ConfigError(ValueError):
   """A configuration value is invalid; the message names the option."""
 
 
+def setting(default, help: str):  # noqa: A002 -- the name argparse gives it
+  """A config field with its default and a one-line help (shown by train.py --help)."""
+  return dataclasses.field(default=default, metadata={'help': help})
+
+
+def help_of(config_class, name: str) -> str:
+  """The one-line help of a config field."""
+  return {f.name: f for f in dataclasses.fields(config_class)}[name].metadata['help']
+
+
+@functools.cache
+def field_types(config_class) -> dict[str, object]:
+  """Each field's annotation, resolved (the module's annotations are strings)."""
+  return typing.get_type_hints(config_class)
+
+
+def _check_choices(config, section: str) -> None:
+  """Raises ConfigError naming `section.field` when a Literal field holds another value."""
+  hints = field_types(type(config))
+  for field in dataclasses.fields(config):
+    choices = typing.get_args(hints[field.name])
+    if typing.get_origin(hints[field.name]) is Literal and getattr(config, field.name) not in choices:
+      raise ConfigError(f'{section}.{field.name} must be one of {", ".join(map(str, choices))}, '
+                        f'got {getattr(config, field.name)!r}')
+
+
+def _check_fields(config, section: str, positive_ints=(), nonnegative_ints=(), positive_floats=(),
+                  unit_floats=(), nonnegative_floats=()):
+  """Raises ConfigError naming `section.field` for the first value outside its range."""
+  _check_choices(config, section)
+  for name in positive_ints + nonnegative_ints:
+    value, low = getattr(config, name), 1 if name in positive_ints else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      kind = 'a positive integer' if low else 'a non-negative integer'
+      raise ConfigError(f'{section}.{name} must be {kind}, got {value!r}')
+  for name in positive_floats:
+    value = getattr(config, name)
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+      raise ConfigError(f'{section}.{name} must be a positive number, got {value!r}')
+  for name in nonnegative_floats:
+    value = getattr(config, name)
+    if not (isinstance(value, (int, float)) and value >= 0):
+      raise ConfigError(f'{section}.{name} must be >= 0, got {value!r}')
+  for name in unit_floats:
+    value = getattr(config, name)
+    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+      raise ConfigError(f'{section}.{name} must be in [0, 1), got {value!r}')
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of the encoder–decoder Transformer.
@@ -25,77 +78,56 @@ class ModelConfig:
   Frozen and hashable, so it can be a static argument of `jax.jit`.
   """
 
-  vocab_size: int = 37_000
-  d_model: int = 512
-  num_heads: int = 8
-  num_encoder_layers: int = 6
-  num_decoder_layers: int = 6
-  d_ff: int = 2048
-  # Dropout on embeddings + positions and on every sub-layer output (paper §5.4).
-  dropout_rate: float = 0.1
-  # Dropout on the attention weights; the paper does not use it.
-  attention_dropout_rate: float = 0.0
-  # Length of the positional-encoding table: the longest source or target sequence.
-  max_len: int = 256
-  activation: Literal['relu', 'gelu'] = 'relu'
-  # 'post': LayerNorm(x + Sublayer(x)) as in the paper; 'pre': x + Sublayer(LayerNorm(x)).
-  norm_placement: Literal['post', 'pre'] = 'post'
-  # One embedding matrix for source, target and the pre-softmax projection (paper §3.4).
-  share_embeddings: bool = True
-  # Restricted self-attention (paper §4): each position sees positions within this
-  # distance. None means unrestricted.
-  attention_radius: int | None = None
-  # Compute dtype ('float32' or 'bfloat16'); parameters, logits and loss stay float32.
-  dtype: Literal['float32', 'bfloat16'] = 'float32'
-  # 'autoregressive': the paper's causal decoder, one token per step. 'cmlm': a
-  # non-autoregressive decoder (conditional masked LM, Ghazvininejad et al. 2019) whose
-  # self-attention sees the whole target row, fed MASK placeholders (id vocab_size, an
-  # extra embedding row), plus a length classifier over the mean-pooled encoder output.
-  kind: Literal['autoregressive', 'cmlm'] = 'autoregressive'
-  # cmlm: the classifier predicts target length - source length, clipped to
-  # [-max_length_offset, max_length_offset] (2 * max_length_offset + 1 classes).
-  max_length_offset: int = 32
-  # cmlm: what a MASKed decoder position is fed. 'mask': the learned MASK embedding
-  # (CMLM). 'uniform_copy': the embedding of the source token at the same relative
-  # position, round(j * S / N) for position j of an N-token row and S source tokens
-  # (Gu et al., 2018), so even the first pass starts from the source's words.
-  nat_decoder_input: Literal['mask', 'uniform_copy'] = 'mask'
-  pad_id: int = 0
-  bos_id: int = 1
-  eos_id: int = 2
-  unk_id: int = 3
+  vocab_size: int = setting(37_000, 'vocabulary size V (set from the trained tokenizer)')
+  d_model: int = setting(512, 'model width D')
+  num_heads: int = setting(8, 'attention heads N (must divide d_model)')
+  num_encoder_layers: int = setting(6, 'encoder layers')
+  num_decoder_layers: int = setting(6, 'decoder layers')
+  d_ff: int = setting(2048, 'inner width F of the feed-forward layers')
+  dropout_rate: float = setting(0.1, 'dropout on embeddings + positions and on every sub-layer '
+                                     'output (paper §5.4)')
+  attention_dropout_rate: float = setting(0.0, 'dropout on the attention weights (the paper: '
+                                               'none)')
+  max_len: int = setting(256, 'longest source or target in tokens, EOS included: the length of '
+                              'the positional table (longer training pairs are dropped)')
+  activation: Literal['relu', 'gelu'] = setting('relu', 'feed-forward activation')
+  norm_placement: Literal['post', 'pre'] = setting(
+      'post', 'post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))')
+  share_embeddings: bool = setting(True, 'one embedding matrix for source, target and the '
+                                         'pre-softmax projection (paper §3.4; true/false)')
+  attention_radius: int | None = setting(None, 'restricted self-attention (paper §4): each '
+                                               'position sees positions within this distance; '
+                                               'none: unrestricted')
+  dtype: Literal['float32', 'bfloat16'] = setting('float32', 'compute dtype (parameters, logits '
+                                                             'and loss stay float32)')
+  kind: Literal['autoregressive', 'cmlm'] = setting(
+      'autoregressive', "autoregressive: the paper's causal decoder, one token per step; cmlm: "
+      'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
+      'mask-predict')
+  max_length_offset: int = setting(32, 'cmlm: the length classifier predicts target length - '
+                                       'source length within +- this')
+  cmlm_decoder_input: Literal['mask', 'uniform_copy'] = setting(
+      'mask', 'cmlm: a MASKed position is fed the MASK embedding (mask) or the source token at '
+      'the same relative position, round(j * S / N) (uniform_copy, Gu et al. 2018)')
+  pad_id: int = setting(0, 'PAD id (set from the tokenizer)')
+  bos_id: int = setting(1, 'BOS id (set from the tokenizer)')
+  eos_id: int = setting(2, 'EOS id (set from the tokenizer)')
+  unk_id: int = setting(3, 'UNK id (set from the tokenizer)')
+
+  # Fields the tokenizer decides: the trained vocabulary's size and its special ids.
+  TOKENIZER_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
 
   def __post_init__(self):
-    positive = ('vocab_size', 'd_model', 'num_heads', 'num_encoder_layers', 'num_decoder_layers',
-                'd_ff', 'max_len')
-    for name in positive:
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f'model.{name} must be a positive integer, got {value!r}')
+    _check_fields(self, 'model',
+                  positive_ints=('vocab_size', 'd_model', 'num_heads', 'num_encoder_layers',
+                                 'num_decoder_layers', 'd_ff', 'max_len'),
+                  nonnegative_ints=('max_length_offset',),
+                  unit_floats=('dropout_rate', 'attention_dropout_rate'))
     if self.d_model % self.num_heads:
       raise ConfigError(f'model.d_model={self.d_model} is not divisible by model.num_heads='
                         f'{self.num_heads}: each head needs d_model / num_heads dimensions')
-    for name in ('dropout_rate', 'attention_dropout_rate'):
-      value = getattr(self, name)
-      if not 0.0 <= value < 1.0:
-        raise ConfigError(f'model.{name} must be in [0, 1), got {value!r}')
-    if self.activation not in ('relu', 'gelu'):
-      raise ConfigError(f"model.activation must be 'relu' or 'gelu', got {self.activation!r}")
-    if self.norm_placement not in ('post', 'pre'):
-      raise ConfigError(f"model.norm_placement must be 'post' or 'pre', got {self.norm_placement!r}")
-    if self.dtype not in ('float32', 'bfloat16'):
-      raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-    if self.kind not in ('autoregressive', 'cmlm'):
-      raise ConfigError(f"model.kind must be 'autoregressive' or 'cmlm', got {self.kind!r}")
-    if isinstance(self.max_length_offset, bool) or not isinstance(self.max_length_offset, int) \
-        or self.max_length_offset < 0:
-      raise ConfigError(f'model.max_length_offset must be a non-negative integer, '
-                        f'got {self.max_length_offset!r}')
-    if self.nat_decoder_input not in ('mask', 'uniform_copy'):
-      raise ConfigError(f"model.nat_decoder_input must be 'mask' or 'uniform_copy', "
-                        f'got {self.nat_decoder_input!r}')
-    if self.nat_decoder_input != 'mask' and self.kind != 'cmlm':
-      raise ConfigError(f"model.nat_decoder_input={self.nat_decoder_input!r} is for "
+    if self.cmlm_decoder_input != 'mask' and self.kind != 'cmlm':
+      raise ConfigError(f"model.cmlm_decoder_input={self.cmlm_decoder_input!r} is for "
                         f"model.kind='cmlm'; an {self.kind} decoder is fed its previous tokens")
     if self.attention_radius is not None and self.attention_radius < 0:
       raise ConfigError(f'model.attention_radius must be >= 0 or None, got {self.attention_radius!r}')
@@ -138,24 +170,6 @@ class ModelConfig:
     return cls(**{**defaults, **overrides})
 
 
-def _check_fields(config, section: str, positive_ints=(), nonnegative_ints=(), positive_floats=(),
-                  unit_floats=()):
-  """Raises ConfigError naming `section.field` for the first value outside its range."""
-  for name in positive_ints + nonnegative_ints:
-    value, low = getattr(config, name), 1 if name in positive_ints else 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      kind = 'a positive integer' if low else 'a non-negative integer'
-      raise ConfigError(f'{section}.{name} must be {kind}, got {value!r}')
-  for name in positive_floats:
-    value = getattr(config, name)
-    if value is not None and not (isinstance(value, (int, float)) and value > 0):
-      raise ConfigError(f'{section}.{name} must be a positive number, got {value!r}')
-  for name in unit_floats:
-    value = getattr(config, name)
-    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-      raise ConfigError(f'{section}.{name} must be in [0, 1), got {value!r}')
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Optimisation, batching and bookkeeping of a training run.
@@ -165,37 +179,35 @@ class TrainConfig:
   counts those updates.
   """
 
-  seed: int = 0
-  steps: int = 100_000
-  # Padded tokens per batch and side (a batch of length-L rows holds max_tokens // L
-  # rows); the paper's batches held about 25k source and 25k target tokens.
-  max_tokens: int = 25_000
-  # lrate = lr_scale * d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5), n = update + 1.
-  warmup_steps: int = 4000
-  lr_scale: float = 1.0
-  adam_b1: float = 0.9
-  adam_b2: float = 0.98
-  adam_eps: float = 1e-9
-  label_smoothing: float = 0.1
-  # Clip the global gradient norm to this value; None: no clipping (the paper).
-  max_grad_norm: float | None = None
-  # Decoupled (AdamW) decay of weight matrices and embeddings; 0: plain Adam (the paper).
-  weight_decay: float = 0.0
-  grad_accum_steps: int = 1
-  log_every: int = 100
-  eval_every: int = 1000
-  checkpoint_every: int = 1000
-  # The paper averages the last 5 checkpoints, so keep at least that many.
-  keep_checkpoints: int = 5
-  # BLEU on the validation split every this many steps; 0: only at the end of training.
-  bleu_every: int = 0
-  # model.kind='cmlm' only. Weight of the length classifier's cross-entropy (per sentence)
-  # beside the masked-token loss (per masked token); fairseq's CMLM uses 0.1.
-  length_loss_weight: float = 0.1
-  # model.kind='cmlm' only. Fraction of target rows whose PAD positions (up to the batch
-  # width) are filled with EOS while training, so that decoding at a fixed maximum
-  # length and cutting at the first EOS has seen rows that go on past their end.
-  eos_fill_rate: float = 0.1
+  seed: int = setting(0, 'seed of the parameters, batch order and dropout')
+  steps: int = setting(100_000, 'batches to train on (with accumulation K: steps / K updates)')
+  max_tokens: int = setting(25_000, 'padded tokens per batch and side (a batch of length-L rows '
+                                    "holds max_tokens // L rows; the paper's held about 25k)")
+  warmup_steps: int = setting(4000, 'updates of linear learning-rate warmup')
+  lr_scale: float = setting(1.0, "factor on the paper's rate d_model^-0.5 * min(n^-0.5, "
+                                 'n * warmup_steps^-1.5), n = update + 1')
+  adam_b1: float = setting(0.9, 'Adam beta1')
+  adam_b2: float = setting(0.98, 'Adam beta2')
+  adam_eps: float = setting(1e-9, 'Adam epsilon')
+  label_smoothing: float = setting(0.1, 'label smoothing epsilon')
+  max_grad_norm: float | None = setting(None, 'clip the global gradient norm to this; none: no '
+                                              'clipping (the paper)')
+  weight_decay: float = setting(0.0, 'decoupled (AdamW) decay of weight matrices and '
+                                     'embeddings; 0: plain Adam (the paper)')
+  grad_accum_steps: int = setting(1, 'batches accumulated per optimizer update')
+  log_every: int = setting(100, 'steps between lines of training metrics (bar and '
+                                'metrics.jsonl)')
+  eval_every: int = setting(1000, 'steps between validation losses')
+  checkpoint_every: int = setting(1000, 'steps between checkpoints (and one at the end)')
+  keep_checkpoints: int = setting(5, 'checkpoints kept on disk, the newest (the paper averages '
+                                     'the last 5)')
+  bleu_every: int = setting(0, 'steps between validation BLEU scores; 0: only at the end')
+  length_loss_weight: float = setting(0.1, "cmlm: weight of the length classifier's "
+                                           'cross-entropy (per sentence) beside the masked-token '
+                                           "loss (fairseq's CMLM: 0.1)")
+  eos_fill_rate: float = setting(0.1, 'cmlm: fraction of target rows whose PAD positions are '
+                                      'filled with EOS while training, for fixed-length '
+                                      'decoding')
 
   # Fields a resumed run may change: they say how long and how chattily to train, not how.
   RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
@@ -208,11 +220,8 @@ class TrainConfig:
                        'eval_every', 'checkpoint_every', 'keep_checkpoints'),
         nonnegative_ints=('seed', 'bleu_every'),
         positive_floats=('lr_scale', 'adam_eps', 'max_grad_norm'),
+        nonnegative_floats=('length_loss_weight', 'weight_decay'),
         unit_floats=('adam_b1', 'adam_b2', 'label_smoothing', 'eos_fill_rate'))
-    if not (isinstance(self.length_loss_weight, (int, float)) and self.length_loss_weight >= 0):
-      raise ConfigError(f'train.length_loss_weight must be >= 0, got {self.length_loss_weight!r}')
-    if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-      raise ConfigError(f'train.weight_decay must be >= 0, got {self.weight_decay!r}')
 
   def replace(self, **overrides) -> TrainConfig:
     return dataclasses.replace(self, **overrides)
@@ -224,12 +233,8 @@ class TrainConfig:
 
   @classmethod
   def multi30k(cls, **overrides) -> TrainConfig:
-    """Multi30k: 6,000 batches of 4k tokens per side (~38 epochs), a shorter warmup than the paper's.
-
-    1 h 51 min on a 2-core CPU with bfloat16 compute (~1.1 s per step), inside a 2.5-hour
-    budget. Validation BLEU still rose from 5,000 steps to 6,000 (36.3 -> 36.4 greedy; the
-    mean of the last 5 with beam 4: 38.6 -> 39.3).
-    """
+    """Multi30k: 6,000 batches of 4k tokens per side (~38 epochs), a shorter warmup than the
+    paper's (docs/multi30k.md: how it was chosen, and what it scores)."""
     defaults = dict(steps=6000, max_tokens=4096, warmup_steps=1000, log_every=50,
                     eval_every=500, checkpoint_every=500, keep_checkpoints=5, bleu_every=1000)
     return cls(**{**defaults, **overrides})
@@ -246,15 +251,15 @@ class TrainConfig:
 class DataConfig:
   """Where the parallel text comes from and how its shared vocabulary is built."""
 
-  # 'toy': numbers in English words -> German words, generated in code (offline);
-  # otherwise a local directory or file, or a Hub dataset name (see data.load_parallel).
-  source: str = 'toy'
-  src_lang: str = 'en'
-  tgt_lang: str = 'de'
-  # Requested size of the shared subword vocabulary; model.vocab_size is set to the
-  # trained tokenizer's actual size, which small corpora may leave below this.
-  vocab_size: int = 8000
-  tokenizer: Literal['bpe', 'unigram'] = 'bpe'
+  source: str = setting('toy', 'toy (English -> German number words, generated in code, '
+                               'offline), a directory or table file of parallel text, or a Hub '
+                               'dataset (see data.load_parallel)')
+  src_lang: str = setting('en', 'source language code (file suffix or column)')
+  tgt_lang: str = setting('de', 'target language code (file suffix or column)')
+  vocab_size: int = setting(8000, "size of the shared subword vocabulary to train; "
+                                  "model.vocab_size becomes the trained tokenizer's size, which "
+                                  'a small corpus may leave below this')
+  tokenizer: Literal['bpe', 'unigram'] = setting('bpe', 'subword model of the tokenizer')
 
   def __post_init__(self):
     _check_fields(self, 'data', positive_ints=('vocab_size',))
@@ -264,14 +269,16 @@ class DataConfig:
         raise ConfigError(f'data.{name} must be a non-empty string, got {value!r}')
     if self.src_lang == self.tgt_lang:
       raise ConfigError(f'data.src_lang and data.tgt_lang are both {self.src_lang!r}')
-    if self.tokenizer not in ('bpe', 'unigram'):
-      raise ConfigError(f"data.tokenizer must be 'bpe' or 'unigram', got {self.tokenizer!r}")
 
   def replace(self, **overrides) -> DataConfig:
     return dataclasses.replace(self, **overrides)
 
 
+# The three sections of a run's settings, as config.json and train.py's options name them.
+SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig}
 RUN_PRESETS = ('toy', 'multi30k', 'base')
+# Settings renamed since earlier versions: old option -> new one.
+RENAMED = {'model.nat_decoder_input': 'model.cmlm_decoder_input'}
 
 
 def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
@@ -280,7 +287,8 @@ def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
   toy: numbers in English words -> German, generated in code; a 1M-parameter
     model that reaches ~98% exact match in a few minutes on a laptop CPU.
   multi30k: Multi30k en->de (the Hub's 'bentrevett/multi30k', or `--data DIR`);
-    a 3+3-layer d=256 model.
+    a 3+3-layer d=256 model, dropout 0.3, bfloat16 compute, 8,000 BPE tokens
+    (docs/multi30k.md says why each).
   base: the paper's base model and schedule on WMT14 en->de from the Hub.
   """
   if name == 'toy':
@@ -288,10 +296,6 @@ def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
                         d_ff=512, max_len=64),
             TrainConfig.toy(), DataConfig(source='toy', vocab_size=256))
   if name == 'multi30k':
-    # 29k sentence pairs overfit a 7.6M-parameter model quickly: dropout 0.3, as the small
-    # Multi30k models of the literature use; bfloat16 matmuls (f32 accumulation) ~1.5x faster.
-    # 8,000 BPE tokens: 4,000 trailed on validation from 2,000 steps on; 16,000 tied at equal
-    # training time, its steps 1.25x dearer (README, "Choosing the vocabulary size").
     return (ModelConfig(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3,
                         d_ff=1024, max_len=128, dropout_rate=0.3, dtype='bfloat16'),
             TrainConfig.multi30k(), DataConfig(source='bentrevett/multi30k', vocab_size=8000))
@@ -300,6 +304,7 @@ def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
                                                                   vocab_size=37_000)
   raise ConfigError(f'unknown preset {name!r}; choose one of {", ".join(RUN_PRESETS)}')
 
+
 def parse_overrides(config, section: str, assignments: dict[str, str]):
   """Returns `config` with string values parsed by each field's annotation.
 
@@ -307,10 +312,12 @@ def parse_overrides(config, section: str, assignments: dict[str, str]):
   Booleans accept true/false/1/0/yes/no, optional fields accept 'none', and
   Literal fields accept one of their choices. Errors name `section.field`.
   """
-  hints = typing.get_type_hints(type(config))
+  hints = field_types(type(config))
   fields = {f.name for f in dataclasses.fields(config)}
   values = {}
   for name, text in assignments.items():
+    if f'{section}.{name}' in RENAMED:
+      raise ConfigError(f'{section}.{name} is now called {RENAMED[f"{section}.{name}"]}')
     if name not in fields:
       raise ConfigError(f'unknown option {section}.{name}; known: '
                         + ', '.join(sorted(f'{section}.{f}' for f in fields)))

@@ -450,8 +450,9 @@ def greedy(model: Transformer, params, src, *, max_len: int | None = None, min_l
   return _greedy(model.config, variables, src, limits, loop)
 
 
-def sample(model: Transformer, params, src, rng: jax.Array, *, temperature: float = 1.0,
-           top_k: int = 0, top_p: float = 1.0, max_len: int | None = None, min_len: int = 0,
+def sample(model: Transformer, params, src, rng: jax.Array, *,
+           temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+           top_p: float = SamplingConfig.top_p, max_len: int | None = None, min_len: int = 0,
            steps_per_check: int = DEFAULT_STEPS_PER_CHECK) -> jax.Array:
   """Ancestral sampling with temperature, top-k and top-p (see `SamplingConfig`).
 
@@ -463,8 +464,9 @@ def sample(model: Transformer, params, src, rng: jax.Array, *, temperature: floa
   return _sample(model.config, variables, src, limits, rng, loop, sampling)
 
 
-def beam_search(model: Transformer, params, src, *, beam_size: int = 4, alpha: float = 0.6,
-                n_best: int = 1, max_len: int | None = None, min_len: int = 0,
+def beam_search(model: Transformer, params, src, *, beam_size: int = BeamConfig.beam_size,
+                alpha: float = BeamConfig.alpha, n_best: int = BeamConfig.n_best,
+                max_len: int | None = None, min_len: int = 0,
                 steps_per_check: int = DEFAULT_STEPS_PER_CHECK) -> tuple[jax.Array, jax.Array]:
   """Beam search with the GNMT length penalty (see `beam_loop` and `BeamConfig`).
 
@@ -535,7 +537,7 @@ def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check)
   if config.kind != 'autoregressive':
     # Its parameters would load into the causal decoder and give fluent-looking garbage.
     raise ValueError(f"greedy, sample and beam_search decode an autoregressive model; "
-                     f"model.kind={config.kind!r} decodes with nat_decoding.mask_predict")
+                     f"model.kind={config.kind!r} decodes with cmlm_decoding.mask_predict")
   src = check_source(src, config)
   total, limits = output_limits(src, config, max_len)
   loop = LoopConfig.for_model(config, total, min_len=min_len, steps_per_check=steps_per_check)

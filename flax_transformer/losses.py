@@ -3,7 +3,7 @@
 Axis legend: B rows, T positions, V vocabulary.
 
 Shared by the autoregressive step (`train_step`) and the non-autoregressive CMLM
-objective (`nat.cmlm_loss_sums`), which scores only its masked positions by
+objective (`cmlm.cmlm_loss_sums`), which scores only its masked positions by
 giving the others PAD targets.
 """
 

@@ -13,7 +13,7 @@ replicated, batch rows split) or with `jax.pmap`, with identical numerics:
     state, metrics = step(state, parallel.shard_batch(batch))     # batch: the global Batch
 
 The objective follows `model.config.kind`: 'autoregressive' is the paper's
-next-token cross-entropy; 'cmlm' (a `nat.CMLMTransformer`) is the conditional
+next-token cross-entropy; 'cmlm' (a `cmlm.CMLMTransformer`) is the conditional
 masked LM's loss on masked target positions plus the weighted length loss.
 """
 
@@ -31,7 +31,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_transformer import nat
+from flax_transformer import cmlm
 from flax_transformer.batching import Batch, shard
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.losses import label_smoothed_cross_entropy, loss_sums, token_losses
@@ -159,7 +159,7 @@ def create_train_state(model: Transformer, optimizer: optax.GradientTransformati
                        ) -> TrainState:
   """Fresh parameters from `seed` (Flax initialisers) and the optimizer's initial state.
 
-  `model` is a `Transformer` or a `nat.CMLMTransformer`: both are called as
+  `model` is a `Transformer` or a `cmlm.CMLMTransformer`: both are called as
   model(src [B, S], tokens [B, T]).
   """
   key = jax.random.fold_in(jax.random.key(seed), _INIT_STREAM)
@@ -275,7 +275,7 @@ def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Arr
     token_logits, length_logits = model.apply(
         {'params': params}, inputs.src, inputs.tokens, train=True,
         rngs={'dropout': dropout_key})                              # [B, T, V], [B, 2R + 1]
-    sums = nat.cmlm_loss_sums(token_logits, length_logits, inputs, config,
+    sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config,
                                train_config.label_smoothing)
     loss = cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
     return loss, {**sums, 'target_tokens': target_tokens}
@@ -284,14 +284,14 @@ def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Arr
 
 
 def _cmlm_inputs(key: jax.Array, batch: Batch, config: ModelConfig, eos_fill_rate: float):
-  """`nat.cmlm_inputs` row by row, row r drawing from `key` folded with r's index in the
+  """`cmlm.cmlm_inputs` row by row, row r drawing from `key` folded with r's index in the
   global batch (the device index * rows per device + r): the masks of a row do not depend
   on the number of devices, so 1, 2 or 4 devices train exactly alike. Call it mapped."""
   rows = batch.src.shape[0]
   first = lax.axis_index(AXIS) * rows
   keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(first + jnp.arange(rows))
   one_row = jax.tree.map(lambda x: x[:, None], batch)                   # leaves [B, 1, ...]
-  inputs = jax.vmap(lambda k, b: nat.cmlm_inputs(k, b, config, eos_fill_rate))(keys, one_row)
+  inputs = jax.vmap(lambda k, b: cmlm.cmlm_inputs(k, b, config, eos_fill_rate))(keys, one_row)
   return jax.tree.map(lambda x: x[:, 0], inputs)
 
 
@@ -307,7 +307,7 @@ def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: floa
     key = jax.random.fold_in(jax.random.key(_EVAL_MASK_SEED), _MASK_STREAM)
     inputs = _cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
     token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens)
-    sums = nat.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
+    sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
   else:
     logits = model.apply({'params': params}, batch.src, batch.tgt_in)
     sums = loss_sums(logits, batch.tgt_out, label_smoothing, config.pad_id)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from flax_transformer import decoding, masks
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.nat import CMLMTransformer, lengths_from_classes, mask_id, num_length_classes
+from flax_transformer.cmlm import CMLMTransformer, lengths_from_classes, mask_id, num_length_classes
 
 LENGTH_MODES = ('predict', 'fixed')
 # Canvas widths are rounded up to a multiple of this: few compiled programs, little waste.
@@ -89,8 +89,11 @@ class Canvas:
   scores: jax.Array
 
 
-def mask_predict(model: CMLMTransformer, params, src, *, iterations: int = 10, length_beam: int = 3,
-                 length: Literal['predict', 'fixed'] = 'predict', return_history: bool = False):
+def mask_predict(model: CMLMTransformer, params, src, *,
+                 iterations: int = MaskPredictConfig.iterations,
+                 length_beam: int = MaskPredictConfig.length_beam,
+                 length: Literal['predict', 'fixed'] = MaskPredictConfig.length,
+                 return_history: bool = False):
   """Non-autoregressive decoding with iterative refinement (see the module docstring).
 
   Args:

@@ -4,7 +4,7 @@ Ghazvininejad et al. (2019), "Mask-Predict": the encoder is the paper's; the
 decoder is the same stack with a self-attention that sees the whole target row
 (padding mask only, no look-ahead mask), fed a row in which some or all tokens
 are replaced by MASK; a length classifier over the mean-pooled encoder output
-predicts how long the target is. Decoding (`nat_decoding.py`) starts from a row
+predicts how long the target is. Decoding (`cmlm_decoding.py`) starts from a row
 of N MASKs and fills it in, in parallel, in a few refinement passes.
 
 Axis legend: B batch, S source length, T target length (the canvas), D model dim,
@@ -25,7 +25,7 @@ Training (one step's inputs and additive loss statistics):
 MASK is id `config.vocab_size`: one learned embedding row beyond the V rows of
 the (shared) embedding table, so the tokenizer never produces it and the output
 projection, tied to that table, never predicts it. With
-`config.nat_decoder_input='uniform_copy'` a MASKed position is instead fed the
+`config.cmlm_decoder_input='uniform_copy'` a MASKed position is instead fed the
 source token at the same relative position (`uniform_copy`; Gu et al., 2018,
 "Non-Autoregressive Neural Machine Translation"), and the model has no MASK row.
 """
@@ -62,14 +62,14 @@ class CMLMTransformer(Transformer):
   """The encoder–decoder with a non-causal decoder over MASKed rows and a length classifier.
 
   Parameters beyond `Transformer`'s: 'mask_embedding' `[D]` (the MASK row; not
-  with `nat_decoder_input='uniform_copy'`) and 'length_head' (Dense D -> C over
+  with `cmlm_decoder_input='uniform_copy'`) and 'length_head' (Dense D -> C over
   the mean-pooled encoder output).
   """
 
   def setup(self):
     super().setup()
     c = self.config
-    if c.nat_decoder_input == 'mask':
+    if c.cmlm_decoder_input == 'mask':
       # Same initialisation as the table's rows: unit variance after the sqrt(D) scaling.
       self.mask_embedding = self.param('mask_embedding',
                                        nn.initializers.normal(c.d_model ** -0.5), (c.d_model,))
@@ -79,10 +79,10 @@ class CMLMTransformer(Transformer):
              ) -> jax.Array:
     """As `Transformer._embed`; on the target side MASK (id V) gets the 'mask_embedding' row.
 
-    With `nat_decoder_input='uniform_copy'` the callers have already replaced
+    With `cmlm_decoder_input='uniform_copy'` the callers have already replaced
     every MASK by a source token (`uniform_copy`).
     """
-    if side == 'source' or self.config.nat_decoder_input == 'uniform_copy':
+    if side == 'source' or self.config.cmlm_decoder_input == 'uniform_copy':
       return super()._embed(tokens, side, offset, train)
     c = self.config
     is_mask = tokens == mask_id(c)                                              # [B, T]
@@ -122,9 +122,9 @@ class CMLMTransformer(Transformer):
                               src: jax.Array | None = None) -> jax.Array:
     """`decode_parallel` with the memory's keys and values from `cross_kv`."""
     self._check_length(tokens, 'target')
-    if self.config.nat_decoder_input == 'uniform_copy':
+    if self.config.cmlm_decoder_input == 'uniform_copy':
       if src is None:
-        raise ValueError("model.nat_decoder_input='uniform_copy' needs the source ids (src=...) "
+        raise ValueError("model.cmlm_decoder_input='uniform_copy' needs the source ids (src=...) "
                          'to copy into the MASKed positions')
       tokens = jnp.where(tokens == mask_id(self.config),
                          uniform_copy(src, tokens, self.config.pad_id), tokens)
@@ -145,7 +145,7 @@ class CMLMTransformer(Transformer):
       memory: the encoder output `[B, S, D]`.
       src_mask: bool `[B, 1, 1, S]`, `masks.padding_mask(src)`.
       train: dropout on.
-      src: the source ids `[B, S]`; needed only with `nat_decoder_input='uniform_copy'`.
+      src: the source ids `[B, S]`; needed only with `cmlm_decoder_input='uniform_copy'`.
 
     The logits of a position depend on every non-PAD position of its row, before
     and after it, and not on PAD columns: appending PAD changes nothing.

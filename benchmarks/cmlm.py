@@ -1,6 +1,6 @@
 """Decoding speed: mask-predict (non-autoregressive) against greedy and beam search.
 
-  python -m benchmarks.nat [--quick]
+  python -m benchmarks.cmlm [--quick]
 
 The Multi30k preset's size (3+3 layers, d=256, vocabulary 8,000, bfloat16
 compute) with random weights, sources of 16 tokens and outputs of exactly 16
@@ -24,8 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import common
-from flax_transformer import ModelConfig, decoding, nat_decoding
-from flax_transformer.checkpoint import build_model
+from flax_transformer import ModelConfig, cmlm_decoding, decoding
+from flax_transformer.build import build_model
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 LENGTH = 16
@@ -62,7 +62,7 @@ def sources(batch: int, vocab: int) -> np.ndarray:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.nat', description=__doc__,
+  parser = argparse.ArgumentParser(prog='python -m benchmarks.cmlm', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--quick', action='store_true', help='batch 1 only, 2 rounds')
   parser.add_argument('--rounds', type=int, default=5)
@@ -87,7 +87,7 @@ def main() -> None:
     for iterations in (1, 4, 10):
       for length_beam in (1, 3):
         contenders[f'mask-predict T={iterations} l={length_beam}'] = (
-            lambda i=iterations, k=length_beam: block(nat_decoding.mask_predict(
+            lambda i=iterations, k=length_beam: block(cmlm_decoding.mask_predict(
                 nat_model, nat_vars, src, iterations=i, length_beam=k)))
     # Every method decodes LENGTH positions: checked once, outside the timing.
     for name, fn in contenders.items():
