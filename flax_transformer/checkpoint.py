@@ -1,181 +1,44 @@
-"""The run directory: configs, tokenizer, orbax checkpoints, restore, averaging.
+"""Orbax checkpoints of a run directory: save, restore, load for decoding, average.
 
-Layout of a run directory WORKDIR:
+    WORKDIR/checkpoints/<step>/     item 'params', item 'train' (step + optimizer state)
 
-    WORKDIR/config.json             {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
-                                     "tokenizer_sha256": digest of tokenizer.json}
-    WORKDIR/tokenizer.json          the shared subword vocabulary (Tokenizer.save)
-    WORKDIR/checkpoints/<step>/     orbax: item 'params', item 'train' (step + optimizer state)
-    WORKDIR/metrics.jsonl           one JSON object per logged step (training.py)
-
-`load_for_inference(workdir)` gives (ModelConfig, params, Tokenizer) for decoding, and
-`build_model(config)` the module that config.json's `model.kind` names;
+`load_for_inference(workdir)` gives (ModelConfig, params, Tokenizer) for decoding;
 `average_checkpoints(workdir, 5)` writes WORKDIR/average-last5/, itself a run
 directory whose one checkpoint holds the mean of the last 5 parameter sets, so
-decoding reads it like any other.
+decoding reads it like any other. The rest of the run directory (config.json,
+tokenizer.json) is `run_directory.py`'s.
 
-Crash safety: config.json and tokenizer.json are written to a temporary file
-and renamed over the old one, and orbax writes each checkpoint to
-`<step>.orbax-checkpoint-tmp` and renames it when complete, so a process killed
-at any moment leaves every file either as it was or complete. A training run's
-`Checkpoints` deletes such leftover temporary directories when it starts.
+Crash safety: orbax writes each checkpoint to `<step>.orbax-checkpoint-tmp` and
+renames it when complete, so a process killed at any moment leaves every
+checkpoint either absent or complete. A training run's `Checkpoints` deletes
+such leftover temporary directories when it starts.
+
+Nothing here imports the training step or optax: decoding loads checkpoints
+without them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
-from flax_transformer.model import Transformer
-from flax_transformer.nat import CMLMTransformer
+from flax_transformer.build import abstract_params
+from flax_transformer.config import ModelConfig
+from flax_transformer.run_directory import (CHECKPOINT_DIR, CONFIG_FILE, CheckpointError,
+                                            WriteError, check_tokenizer, read_config)
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.train_step import TrainState
 
-CONFIG_FILE = 'config.json'
-# config.json's key for the SHA-256 of tokenizer.json.
-TOKENIZER_DIGEST = 'tokenizer_sha256'
-CHECKPOINT_DIR = 'checkpoints'
-METRICS_FILE = 'metrics.jsonl'
+__all__ = ['CheckpointError', 'Checkpoints', 'WriteError', 'average_checkpoints',
+           'load_for_inference']
 
-
-class CheckpointError(ValueError):
-  """A run directory or checkpoint is missing, incomplete or does not fit the request."""
-
-
-class WriteError(OSError):
-  """A file of the run directory could not be written (no permission, disk full, ...).
-
-  The message names the path; the files written before are intact.
-  """
-
-
-def ensure_writable(workdir: str | Path) -> None:
-  """Creates WORKDIR if needed and checks that a file can be written in it.
-
-  Called before training, so that an unwritable directory is reported before
-  hours of work whose first save would fail.
-  """
-  workdir = Path(workdir)
-  probe = workdir / f'.write-test-{jax.process_index()}-{os.getpid()}'
-  try:
-    workdir.mkdir(parents=True, exist_ok=True)
-    probe.write_bytes(b'')
-    probe.unlink()
-  except OSError as error:
-    raise WriteError(f'{workdir}: cannot write the run directory ({error.strerror or error}); '
-                     'choose another --workdir or make this one writable') from error
-
-
-def _write_atomically(path: Path, text: str) -> None:
-  """Writes `path` through a temporary file and a rename: a crash leaves the old or the new file."""
-  temporary = path.with_name(f'.{path.name}.tmp')
-  temporary.write_text(text)
-  os.replace(temporary, path)
-
-
-def file_digest(path: str | Path) -> str:
-  """SHA-256 of a file's bytes, in hex."""
-  return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-# --- configs ------------------------------------------------------------------
-
-def write_config(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
-                 data_config: DataConfig) -> Path:
-  """Writes WORKDIR/config.json (creating WORKDIR) and returns its path.
-
-  When WORKDIR/tokenizer.json exists, its digest is recorded too, so that
-  `check_tokenizer` can tell the run's tokenizer from another one of the same size.
-  """
-  workdir = Path(workdir)
-  path = workdir / CONFIG_FILE
-  path.parent.mkdir(parents=True, exist_ok=True)
-  content = {'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
-             'data': dataclasses.asdict(data_config)}
-  if (workdir / TOKENIZER_FILE).is_file():
-    content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
-  _write_atomically(path, json.dumps(content, indent=2) + '\n')
-  return path
-
-
-def check_tokenizer(workdir: str | Path) -> None:
-  """Raises CheckpointError if WORKDIR/tokenizer.json is not the file config.json recorded.
-
-  Token ids mean nothing with another vocabulary, and two vocabularies of the
-  same size fit the same model, so the sizes alone cannot tell. A config.json
-  without a recorded digest (older runs) is not checked.
-  """
-  workdir = Path(workdir)
-  config_path, tokenizer_path = workdir / CONFIG_FILE, workdir / TOKENIZER_FILE
-  try:
-    recorded = json.loads(config_path.read_text()).get(TOKENIZER_DIGEST)
-  except (OSError, json.JSONDecodeError, AttributeError):
-    return  # read_config reports a missing or malformed config.json
-  if recorded is None or not tokenizer_path.is_file():
-    return
-  actual = file_digest(tokenizer_path)
-  if actual != recorded:
-    raise CheckpointError(
-        f'{tokenizer_path} is not the tokenizer this run was trained with: its SHA-256 is '
-        f'{actual[:12]}..., {config_path} records {recorded[:12]}...; the token ids in the '
-        'checkpoints belong to that one. Put the run\'s own tokenizer.json back, or start a new '
-        'run in another --workdir (or with --no-resume)')
-
-
-def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
-  """Reads WORKDIR/config.json back into the three configs."""
-  path = Path(workdir) / CONFIG_FILE
-  if not path.is_file():
-    raise CheckpointError(f'{path}: no such file; {workdir} is not a run directory written by '
-                          'train.py (it needs config.json, tokenizer.json and checkpoints/)')
-  try:
-    content = json.loads(path.read_text())
-    return (ModelConfig(**content['model']), TrainConfig(**content['train']),
-            DataConfig(**content['data']))
-  except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as error:
-    raise CheckpointError(f'{path}: not a valid run configuration ({error})') from error
-
-
-def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
-                    data_config: DataConfig) -> None:
-  """Raises CheckpointError unless WORKDIR's run can continue with these configs.
-
-  The model and data settings must be identical; of the training settings only
-  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log) may differ.
-  """
-  saved_model, saved_train, saved_data = read_config(workdir)
-  differences = _differences('model', saved_model, model_config, ())
-  differences += _differences('data', saved_data, data_config, ())
-  differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
-  if differences:
-    raise CheckpointError(
-        f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '
-        + '; '.join(differences) + '. Resume with the saved settings, or start a new run in '
-        'another --workdir (or pass --no-resume to overwrite this one).')
-
-
-def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> list[str]:
-  return [f'{section}.{f.name}: saved {getattr(saved, f.name)!r}, '
-          f'requested {getattr(requested, f.name)!r}'
-          for f in dataclasses.fields(saved)
-          if f.name not in allowed and getattr(saved, f.name) != getattr(requested, f.name)]
-
-
-# --- checkpoints ----------------------------------------------------------------
 
 class Checkpoints:
   """orbax `CheckpointManager` over WORKDIR/checkpoints.
@@ -213,8 +76,8 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, state: TrainState) -> None:
-    """Saves a host (numpy) or fully replicated TrainState at its own `step`.
+  def save(self, state) -> None:
+    """Saves a host (numpy) or fully replicated `TrainState` at its own `step`.
 
     Raises WriteError if this save cannot start or an earlier one failed.
     """
@@ -257,7 +120,7 @@ class Checkpoints:
                       f'({type(error).__name__}: {error}); {previous}. Free disk space or fix '
                       'the permissions, then run again to resume')
 
-  def restore(self, step: int, abstract_state: TrainState) -> TrainState:
+  def restore(self, step: int, abstract_state):
     """The TrainState saved at `step`, as numpy arrays shaped like `abstract_state`.
 
     `abstract_state` has `jax.ShapeDtypeStruct` leaves, e.g. from
@@ -266,8 +129,8 @@ class Checkpoints:
     items = {'params': abstract_state.params,
              'train': {'step': abstract_state.step, 'opt_state': abstract_state.opt_state}}
     restored = self._restore(step, items, 'a training state of this model and optimizer')
-    return TrainState(step=restored['train']['step'], params=restored['params'],
-                      opt_state=restored['train']['opt_state'])
+    return abstract_state.replace(step=restored['train']['step'], params=restored['params'],
+                                  opt_state=restored['train']['opt_state'])
 
   def restore_params(self, step: int, abstract_params) -> Any:
     """The parameters saved at `step`, as numpy arrays shaped like `abstract_params`."""
@@ -314,19 +177,6 @@ class Checkpoints:
 # What orbax and tensorstore raise when a file cannot be written: OSError from Python's own
 # file operations, ValueError (tensorstore's status codes) or RuntimeError from the rest.
 _WRITE_ERRORS = (OSError, ValueError, RuntimeError)
-
-
-def build_model(model_config: ModelConfig) -> Transformer | CMLMTransformer:
-  """The module of `model_config.kind`: the paper's `Transformer` ('autoregressive') or the
-  non-autoregressive `nat.CMLMTransformer` ('cmlm'). Both are called as model(src, tokens)."""
-  return CMLMTransformer(model_config) if model_config.kind == 'cmlm' else Transformer(model_config)
-
-
-def abstract_params(model_config: ModelConfig):
-  """The model's parameter shapes and dtypes (`jax.ShapeDtypeStruct` leaves), computing nothing."""
-  tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-  return jax.eval_shape(lambda src, tgt: build_model(model_config).init(
-      jax.random.key(0), src, tgt)['params'], tokens, tokens)
 
 
 def _check_shapes(restored, abstract, where: Path) -> None:

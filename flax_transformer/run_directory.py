@@ -1,0 +1,252 @@
+"""The run directory: what a training run writes besides its checkpoints, and the rules for it.
+
+    WORKDIR/config.json      {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+                              "tokenizer_sha256": digest of tokenizer.json}
+    WORKDIR/tokenizer.json   the shared subword vocabulary (Tokenizer.save)
+    WORKDIR/checkpoints/     orbax checkpoints, one directory per step (checkpoint.py)
+    WORKDIR/metrics.jsonl    one JSON object per logged step (metrics_log.py)
+
+`RunDirectory` is what training asks of it: `prepare` (a writable directory,
+cleared for a fresh run), `tokenizer` (the saved one, or one trained on the
+data and saved), and `record_settings` (refuse settings that differ from the
+saved run's, then write config.json). Decoding only reads: `read_config` and
+`check_tokenizer`.
+
+Crash safety: config.json and tokenizer.json are written to a temporary file
+and renamed over the old one, so a process killed at any moment leaves each
+either as it was or complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+from jax.experimental import multihost_utils
+
+from flax_transformer.config import SECTIONS, ConfigError, DataConfig, ModelConfig, TrainConfig
+from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from flax_transformer.tokenizer import Tokenizer
+
+CONFIG_FILE = 'config.json'
+# config.json's key for the SHA-256 of tokenizer.json.
+TOKENIZER_DIGEST = 'tokenizer_sha256'
+CHECKPOINT_DIR = 'checkpoints'
+METRICS_FILE = 'metrics.jsonl'
+TENSORBOARD_DIR = 'tensorboard'
+# config.json keys of earlier versions, read under their new names.
+_RENAMED_KEYS = {'model': {'nat_decoder_input': 'cmlm_decoder_input'}}
+
+
+class CheckpointError(ValueError):
+  """A run directory or checkpoint is missing, incomplete or does not fit the request."""
+
+
+class WriteError(OSError):
+  """A file of the run directory could not be written (no permission, disk full, ...).
+
+  The message names the path; the files written before are intact.
+  """
+
+
+def ensure_writable(workdir: str | Path) -> None:
+  """Creates WORKDIR if needed and checks that a file can be written in it.
+
+  Called before training, so that an unwritable directory is reported before
+  hours of work whose first save would fail.
+  """
+  workdir = Path(workdir)
+  probe = workdir / f'.write-test-{jax.process_index()}-{os.getpid()}'
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b'')
+    probe.unlink()
+  except OSError as error:
+    raise WriteError(f'{workdir}: cannot write the run directory ({error.strerror or error}); '
+                     'choose another --workdir or make this one writable') from error
+
+
+def _write_atomically(path: Path, text: str) -> None:
+  """Writes `path` through a temporary file and a rename: a crash leaves the old or the new file."""
+  temporary = path.with_name(f'.{path.name}.tmp')
+  temporary.write_text(text)
+  os.replace(temporary, path)
+
+
+def file_digest(path: str | Path) -> str:
+  """SHA-256 of a file's bytes, in hex."""
+  return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def write_config(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
+                 data_config: DataConfig) -> Path:
+  """Writes WORKDIR/config.json (creating WORKDIR) and returns its path.
+
+  When WORKDIR/tokenizer.json exists, its digest is recorded too, so that
+  `check_tokenizer` can tell the run's tokenizer from another one of the same size.
+  """
+  workdir = Path(workdir)
+  path = workdir / CONFIG_FILE
+  path.parent.mkdir(parents=True, exist_ok=True)
+  content = {'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
+             'data': dataclasses.asdict(data_config)}
+  if (workdir / TOKENIZER_FILE).is_file():
+    content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
+  _write_atomically(path, json.dumps(content, indent=2) + '\n')
+  return path
+
+
+def check_tokenizer(workdir: str | Path) -> None:
+  """Raises CheckpointError if WORKDIR/tokenizer.json is not the file config.json recorded.
+
+  Token ids mean nothing with another vocabulary, and two vocabularies of the
+  same size fit the same model, so the sizes alone cannot tell. A config.json
+  without a recorded digest (older runs) is not checked.
+  """
+  workdir = Path(workdir)
+  config_path, tokenizer_path = workdir / CONFIG_FILE, workdir / TOKENIZER_FILE
+  try:
+    recorded = json.loads(config_path.read_text()).get(TOKENIZER_DIGEST)
+  except (OSError, json.JSONDecodeError, AttributeError):
+    return  # read_config reports a missing or malformed config.json
+  if recorded is None or not tokenizer_path.is_file():
+    return
+  actual = file_digest(tokenizer_path)
+  if actual != recorded:
+    raise CheckpointError(
+        f'{tokenizer_path} is not the tokenizer this run was trained with: its SHA-256 is '
+        f'{actual[:12]}..., {config_path} records {recorded[:12]}...; the token ids in the '
+        'checkpoints belong to that one. Put the run\'s own tokenizer.json back, or start a new '
+        'run in another --workdir (or with --no-resume)')
+
+
+def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
+  """Reads WORKDIR/config.json back into the three configs."""
+  path = Path(workdir) / CONFIG_FILE
+  if not path.is_file():
+    raise CheckpointError(f'{path}: no such file; {workdir} is not a run directory written by '
+                          'train.py (it needs config.json, tokenizer.json and checkpoints/)')
+  try:
+    content = json.loads(path.read_text())
+    for section, renamed in _RENAMED_KEYS.items():
+      for old, new in renamed.items():
+        if old in content[section]:
+          content[section][new] = content[section].pop(old)
+    return tuple(cls(**content[section]) for section, cls in SECTIONS.items())
+  except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as error:
+    raise CheckpointError(f'{path}: not a valid run configuration ({error})') from error
+
+
+def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
+                    data_config: DataConfig) -> None:
+  """Raises CheckpointError unless WORKDIR's run can continue with these configs.
+
+  The model and data settings must be identical; of the training settings only
+  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log) may differ.
+  """
+  saved_model, saved_train, saved_data = read_config(workdir)
+  differences = _differences('model', saved_model, model_config, ())
+  differences += _differences('data', saved_data, data_config, ())
+  differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
+  if differences:
+    raise CheckpointError(
+        f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '
+        + '; '.join(differences) + '. Resume with the saved settings, or start a new run in '
+        'another --workdir (or pass --no-resume to overwrite this one).')
+
+
+def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> list[str]:
+  return [f'{section}.{f.name}: saved {getattr(saved, f.name)!r}, '
+          f'requested {getattr(requested, f.name)!r}'
+          for f in dataclasses.fields(saved)
+          if f.name not in allowed and getattr(saved, f.name) != getattr(requested, f.name)]
+
+
+
+
+def clear_run(workdir: str | Path) -> None:
+  """Deletes what a previous run wrote to `workdir`, and nothing else."""
+  workdir = Path(workdir)
+  for name in (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE):
+    (workdir / name).unlink(missing_ok=True)
+  for directory in [workdir / CHECKPOINT_DIR, workdir / TENSORBOARD_DIR,
+                    *workdir.glob('average-last*')]:
+    if directory.is_dir():
+      shutil.rmtree(directory)
+
+
+class RunDirectory:
+  """A training run's directory, prepared stage by stage (see the module docstring).
+
+  Process 0 alone writes config.json, trains the tokenizer and clears an old
+  run; the other processes wait at a barrier, then read what it wrote.
+  """
+
+  def __init__(self, workdir: str | Path):
+    self.path = Path(workdir)
+    self.is_main = jax.process_index() == 0
+
+  @property
+  def metrics_file(self) -> Path:
+    return self.path / METRICS_FILE
+
+  @property
+  def tensorboard_dir(self) -> Path:
+    return self.path / TENSORBOARD_DIR
+
+  def check_writable(self) -> None:
+    """Raises WriteError now, rather than at the first save hours later."""
+    ensure_writable(self.path)
+
+  def prepare(self, resume: bool) -> None:
+    """Without `resume`, deletes the previous run's files first."""
+    if not resume and self.is_main:
+      clear_run(self.path)
+    multihost_utils.sync_global_devices('run directory ready')
+
+  def tokenizer(self, train_split, data_config: DataConfig, has_checkpoints: bool,
+                say: Callable[[str], None]) -> Tokenizer:
+    """WORKDIR/tokenizer.json, trained on the training split (source + target) if absent.
+
+    With checkpoints on disk the file must be there and be the one config.json
+    records. Process 0 alone trains, so every process loads one vocabulary
+    ('unigram' training is not bit-exact across runs), and no process can see the
+    file half-written and skip the barrier that the others wait at.
+    """
+    path = self.path / TOKENIZER_FILE
+    if has_checkpoints and not path.is_file():
+      raise CheckpointError(f'{self.path} has checkpoints but no {TOKENIZER_FILE}; the token ids '
+                            'in them mean nothing without it')
+    if has_checkpoints:
+      check_tokenizer(self.path)
+    trained = self.is_main and not path.is_file()
+    if trained:
+      texts = list(train_split['source']) + list(train_split['target'])
+      tokenizer = Tokenizer.train(texts, data_config.vocab_size, data_config.tokenizer)
+      tokenizer.save(self.path)
+      say(f'tokenizer: trained {data_config.tokenizer} on {len(texts):,} sentences, '
+          f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
+          f'{path}')
+    multihost_utils.sync_global_devices('tokenizer ready')
+    tokenizer = Tokenizer.load(self.path)
+    if not trained:
+      say(f'tokenizer: {path} ({tokenizer.vocab_size:,} tokens)')
+    return tokenizer
+
+  def record_settings(self, model_config: ModelConfig, train_config: TrainConfig,
+                      data_config: DataConfig) -> None:
+    """Refuses settings that differ from the saved run's (CheckpointError), then writes them.
+
+    Checked also before the first checkpoint: the saved tokenizer belongs to the
+    saved settings.
+    """
+    if (self.path / CONFIG_FILE).is_file():
+      check_resumable(self.path, model_config, train_config, data_config)
+    if self.is_main:
+      write_config(self.path, model_config, train_config, data_config)
