@@ -38,24 +38,25 @@ from pathlib import Path
 import sacrebleu
 
 from benchmarks import common
+from flax_transformer.methods import BeamSearch, DecodingMethod, Greedy, MaskPredict
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 RESULTS = Path(__file__).resolve().parent / 'results'
 
 
-def searches(alphas: list[float]) -> dict[str, dict]:
+def searches(alphas: list[float]) -> dict[str, DecodingMethod]:
   """Greedy, and beam 4 at each length penalty alpha: {'greedy': ..., 'beam4-a0.6': ...}."""
-  return {'greedy': dict(method='greedy'),
-          **{f'beam4-a{alpha:g}': dict(method='beam', beam_size=4, alpha=alpha) for alpha in alphas}}
+  return {'greedy': Greedy(),
+          **{f'beam4-a{alpha:g}': BeamSearch(beam_size=4, alpha=alpha) for alpha in alphas}}
 
 
-def nat_searches() -> dict[str, dict]:
+def mask_predict_searches() -> dict[str, DecodingMethod]:
   """Mask-predict as the CMLM paper reports it: T = 1, 4, 10 passes, length beams 1 and 3;
   and the alternative to a predicted length, a fixed canvas cut at the first EOS (T = 1, 10)."""
-  return {**{f'nat-T{passes}-l{beam}': dict(method='nat', iterations=passes, length_beam=beam)
+  return {**{f'mask-predict-T{passes}-l{beam}': MaskPredict(iterations=passes, length_beam=beam)
              for passes in (1, 4, 10) for beam in (1, 3)},
-          **{f'nat-T{passes}-fixed': dict(method='nat', iterations=passes, length_beam=1,
-                                                 nat_length='fixed')
+          **{f'mask-predict-T{passes}-fixed': MaskPredict(iterations=passes, length_beam=1,
+                                                          length='fixed')
              for passes in (1, 10)}}
 
 
@@ -105,7 +106,7 @@ def evaluate(args) -> dict:
   splits = {name: (list(dataset[name]['source']), list(dataset[name]['target']))
             for name in ('validation', 'test')}
   cmlm = config.get('model', {}).get('kind') == 'cmlm'
-  variants = nat_searches() if cmlm else searches(args.alphas)
+  variants = mask_predict_searches() if cmlm else searches(args.alphas)
   rows = []
   for weights, average_last in (('last', 0),
                                 *((f'average-last{k}', k) for k in args.average_last)):
@@ -113,7 +114,7 @@ def evaluate(args) -> dict:
     for search_name, search in variants.items():
       for split, (sources, references) in splits.items():
         start = time.perf_counter()
-        hypotheses = translator.translate(sources, batch_size=args.batch_size, **search)
+        hypotheses = translator.translate(sources, search, batch_size=args.batch_size)
         seconds = time.perf_counter() - start
         row = {'weights': weights, 'search': search_name, 'split': split,
                'sentences': len(sources), 'decode_seconds': seconds,

@@ -7,7 +7,7 @@ translation per source is easier to predict position by position than the
 many ways people translate. The recipe:
 
     python train.py --preset multi30k --data ../shared/data/multi30k --workdir runs/m30k
-    python -m flax_transformer.distill --checkpoint runs/m30k/average-last5 \\
+    python distill.py --checkpoint runs/m30k/average-last5 \\
         --data ../shared/data/multi30k --output data/m30k-distilled
     python train.py --preset multi30k --objective cmlm --data data/m30k-distilled ...  # as printed
 
@@ -24,24 +24,23 @@ The languages are the checkpoint's (config.json's data.src_lang, data.tgt_lang).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shlex
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from flax_transformer import checkpoint
-from flax_transformer.config import RUN_PRESETS, ConfigError, run_preset
+from flax_transformer.config import RUN_PRESETS, run_preset
 from flax_transformer.data import DataError
-from flax_transformer.tokenizer import TokenizerError
+from flax_transformer.methods import BeamSearch, DecodingMethod
+from flax_transformer.run_directory import read_config
 from flax_transformer.training import load_data
-from flax_transformer.translate import Search, Translator
+from flax_transformer.translate import Translator
 
 # config.json fields a student's train.py command does not repeat: the tokenizer decides the
 # vocabulary and special ids, --objective the kind, --data/--src/--tgt the data.
@@ -73,7 +72,7 @@ class DistillResult:
 
 
 def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None = None,
-            beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64,
+            method: DecodingMethod = BeamSearch(), batch_size: int = 64,
             overwrite: bool = False, progress: bool = True) -> DistillResult:
   """Writes OUTPUT: the training split with the checkpoint's beam translations as targets.
 
@@ -83,7 +82,7 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
       `overwrite`, which replaces it.
     data: the parallel text, as train.py's --data (a directory, a table file,
       a Hub name or 'toy'); None: the checkpoint's own data.source.
-    beam_size, alpha: the teacher's beam search (the paper's 4 and 0.6).
+    method: how the teacher decodes (default: the paper's beam search).
     batch_size: sentences per decoding batch.
     progress: show a progress bar (standard error) while translating.
 
@@ -94,12 +93,12 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
       written then). CheckpointError, DataError, ConfigError: as their names say.
   """
   checkpoint_dir, output = Path(checkpoint_dir), Path(output)
-  model_config, train_config, data_config = checkpoint.read_config(checkpoint_dir)
+  model_config, train_config, data_config = read_config(checkpoint_dir)
   if model_config.kind != 'autoregressive':
     raise DistillError(f'{checkpoint_dir} holds a {model_config.kind} model '
                        f'(model.kind={model_config.kind!r}); the teacher must be autoregressive, '
                        'decoded with beam search')
-  search = Search(method='beam', beam_size=beam_size, alpha=alpha)
+  method.check_model(model_config)
   if not isinstance(batch_size, int) or batch_size < 1:
     raise DistillError(f'--batch-size must be a positive integer, got {batch_size!r}')
   if data is not None:
@@ -120,7 +119,7 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
     # "source length + 50 exceeds max_len: output capped", once per batch of long sources,
     # would bury the bar; the cap is the model's own limit, as in training's BLEU decoding.
     warnings.filterwarnings('ignore', message='source length .* output capped')
-    translations = translator.translate_sources(encoded, search, batch_size, on_batch=bar.update)
+    translations = translator.translate_sources(encoded, method, batch_size, on_batch=bar.update)
   if not any(translations):
     raise DistillError(f'every translation by {checkpoint_dir} is empty (it ends each sentence at '
                        'once), which would leave no training pairs; distil from a trained model')
@@ -206,64 +205,3 @@ def student_command(output: Path, model_config, train_config, data_config,
            '--src', data_config.src_lang, '--tgt', data_config.tgt_lang, *differences(preset),
            '--workdir', str(workdir)]
   return shlex.join(words)
-
-
-# --- command line ---------------------------------------------------------------------------
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      prog='python -m flax_transformer.distill', allow_abbrev=False,
-      description='Sequence-level knowledge distillation: write a copy of the parallel text whose '
-                  'training targets are an autoregressive checkpoint\'s beam-search '
-                  'translations, to train a non-autoregressive (cmlm) student on.')
-  parser.add_argument('--checkpoint', required=True, type=Path,
-                      help='the teacher: an autoregressive run directory written by train.py '
-                           '(or its average-lastK)')
-  parser.add_argument('--data', metavar='SOURCE',
-                      help="the parallel text, as train.py's --data (default: the checkpoint's "
-                           'data.source)')
-  parser.add_argument('--output', required=True, type=Path,
-                      help='directory to write <split>.<lang> files into (must be new or empty)')
-  parser.add_argument('--overwrite', action='store_true',
-                      help='replace --output if it exists')
-  parser.add_argument('--beam-size', type=int, default=4, help='beams (default 4)')
-  parser.add_argument('--alpha', type=float, default=0.6,
-                      help='length penalty ((5 + |Y|) / 6)^alpha (default 0.6)')
-  parser.add_argument('--batch-size', type=int, default=64, help='sentences per batch')
-  args = parser.parse_args(argv)
-  for option in ('beam_size', 'batch_size'):
-    if getattr(args, option) < 1:
-      parser.error(f'argument --{option.replace("_", "-")}: must be >= 1, '
-                   f'got {getattr(args, option)}')
-  return args
-
-
-def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = print) -> int:
-  """Exit status 0; 2 for a bad option, checkpoint, data or output (one line); 1 when writing
-  fails."""
-  args = parse_args(argv)
-  try:
-    result = distill(args.checkpoint, args.output, data=args.data, beam_size=args.beam_size,
-                     alpha=args.alpha, batch_size=args.batch_size, overwrite=args.overwrite)
-  except (DistillError, checkpoint.CheckpointError, ConfigError, DataError,
-          TokenizerError) as error:
-    print(f'distill: error: {error}', file=sys.stderr)
-    return 2
-  except OSError as error:
-    print(f'distill: error: writing {args.output} failed ({error.strerror or error})',
-          file=sys.stderr)
-    return 1
-  notes = [f'{result.empty:,} empty (their pairs are dropped when loaded)'] if result.empty else []
-  if result.truncated:
-    notes.append(f'{result.truncated:,} sources longer than the teacher\'s max_len translated '
-                 'from their beginning')
-  print_fn(f'wrote {result.output}: {result.sentences:,} training sources with the beam-search '
-           f'translations of {args.checkpoint} (beam {args.beam_size}, alpha {args.alpha})'
-           + (f'; {"; ".join(notes)}' if notes else '')
-           + '; the other splits keep their references.')
-  print_fn(f'Train a non-autoregressive student on it:\n  {result.command}')
-  return 0
-
-
-if __name__ == '__main__':
-  sys.exit(main())

@@ -4,26 +4,29 @@
     result = train(model_config, train_config, data_config, 'runs/toy')
     result.scores          # {'bleu': ..., 'exact_match': ..., 'val_loss': ...}
 
-What a run does, in order:
-  1. loads the parallel text (`data_config.source`, or the `dataset` given);
-  2. loads WORKDIR/tokenizer.json, or trains the shared vocabulary on the
-     training split and saves it there; model.vocab_size becomes its size;
-  3. resumes from the latest checkpoint in WORKDIR/checkpoints when there is
-     one (after checking that the settings match WORKDIR/config.json), else
-     starts from fresh parameters;
-  4. trains to `train_config.steps` with `Batcher.batch_at(step)`, so the
-     batches and dropout keys depend on the step alone and a resumed run
-     continues exactly where an uninterrupted one would;
-  5. logs to a progress bar and WORKDIR/metrics.jsonl, evaluates the validation
-     loss, saves checkpoints, and ends with greedy-decoding BLEU (sacreBLEU,
-     signature printed), exact-match accuracy and sample translations.
+A run goes through four stages, each a function or a small object below:
 
-A model.kind='cmlm' run (train.py --objective cmlm) trains the non-autoregressive
-`nat.CMLMTransformer` on the conditional masked LM objective
-(`train_step.cmlm_objective`): its loss, ppl and accuracy are over the masked
-target positions, beside length_loss and length_accuracy of the length
-classifier, and its BLEU comes from mask-predict decoding (10 iterations, the 3
-most probable lengths) instead of greedy decoding.
+  1. `_open_run`: the run directory (writable, cleared unless resuming), the
+     parallel text (`data_config.source`, or the `dataset` given), the
+     tokenizer (WORKDIR/tokenizer.json, or trained on the training split and
+     saved), the settings checked against WORKDIR/config.json and written;
+  2. `_initial_state`: the latest checkpoint in WORKDIR/checkpoints, or fresh
+     parameters;
+  3. `TrainingLoop.train_from`: trains to `train_config.steps` with `Batcher.batch_at(step)`,
+     so the batches and dropout keys depend on the step alone and a resumed run
+     continues exactly where an uninterrupted one would; logs to a progress bar
+     and WORKDIR/metrics.jsonl, evaluates the validation loss and saves
+     checkpoints at their cadence;
+  4. `_final_scores`: decodes the test split (else validation) with
+     `methods.default_method(config, Greedy())`: greedy for the paper's model,
+     mask-predict for a cmlm one; BLEU and chrF (sacreBLEU, signatures printed),
+     exact match and sample translations; the same for the averaged checkpoints
+     when asked.
+
+A model.kind='cmlm' run (train.py --objective cmlm) trains `cmlm.CMLMTransformer`
+on the conditional masked LM objective (`train_step.cmlm_objective`): its loss,
+ppl and accuracy are over the masked target positions, beside length_loss and
+length_accuracy of the length classifier.
 
 Failures, and what they leave on disk:
   * SIGTERM or SIGINT during training: the step in progress finishes, its
@@ -34,8 +37,8 @@ Failures, and what they leave on disk:
     or skips up to `skip_nonfinite` such steps. Such a step's metrics are read
     before any later checkpoint is saved, so every checkpoint on disk is finite.
   * A checkpoint that cannot be written (full disk, no permission) raises
-    `checkpoint.WriteError` as soon as its background write ends; an
-    unwritable WORKDIR is refused before the data is loaded.
+    `WriteError` as soon as its background write ends; an unwritable WORKDIR is
+    refused before the data is loaded.
   * Killed at any moment (kill -9): every checkpoint on disk is complete, and
     running again resumes from the latest one.
 
@@ -46,15 +49,14 @@ span all devices. Process 0 alone prints, shows the progress bar, writes
 config.json and metrics.jsonl, and trains the tokenizer (the others wait, then
 load its file). Every process takes part in orbax's checkpoint saves, which
 write one copy, and restores from them. The validation loss evaluates each
-sentence once, on one device; BLEU's greedy decoding is split between the
-processes. WORKDIR must be on a filesystem that every host sees.
+sentence once, on one device; BLEU's decoding is split between the processes.
+WORKDIR must be on a filesystem that every host sees.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,39 +64,31 @@ from pathlib import Path
 import datasets
 import jax
 import numpy as np
-import sacrebleu
-from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from flax_transformer import checkpoint, nat
 from flax_transformer.batching import Batcher, encode_corpus
+from flax_transformer.build import build_model
+from flax_transformer.checkpoint import Checkpoints, WriteError, average_checkpoints, load_for_inference
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import DataError, describe, load_parallel
+from flax_transformer.evaluation import translation_scores
 from flax_transformer.interruption import Interrupted, StopSignals
+from flax_transformer.methods import Greedy, default_method
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import count_params
-from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from flax_transformer.run_directory import RunDirectory
 from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
                                          length_metrics, make_optimizer, make_parallel_eval,
                                          make_parallel_step, token_metrics)
-from flax_transformer.translate import Search, Translator
-
-# Sentences per decoding batch when computing BLEU.
-DECODE_BATCH = 128
-# Translations printed at the end of a run.
-NUM_SAMPLES = 5
+from flax_transformer.translate import Translator
 
 
-def evaluation_search(model_config: ModelConfig) -> Search:
+def evaluation_method(model_config: ModelConfig):
   """How BLEU is decoded during and after training: greedy for an autoregressive model (the
-  usual, cheap model-selection signal); for a cmlm one, mask-predict with the CMLM paper's
-  10 iterations over the 3 most probable lengths (fewer if there are fewer length classes)."""
-  if model_config.kind == 'cmlm':
-    classes = nat.num_length_classes(model_config)
-    return Search(method='nat', iterations=10, length_beam=min(3, classes))
-  return Search(method='greedy')
+  usual, cheap model-selection signal), the model's default (mask-predict) for a cmlm one."""
+  return default_method(model_config, autoregressive=Greedy())
 
 
 class NonFiniteError(RuntimeError):
@@ -182,186 +176,87 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
       is saved.
     NonFiniteError: more than `skip_nonfinite` steps had a non-finite loss or
       gradient; the checkpoints on disk are those saved before.
-    checkpoint.WriteError: WORKDIR or a checkpoint could not be written.
+    WriteError: WORKDIR or a checkpoint could not be written.
     ConfigError, DataError, TokenizerError, CheckpointError: bad settings,
       data, or run directory, before training starts.
   """
   check_settings(model_config, train_config, data_config, average_last, skip_nonfinite)
-  is_main = jax.process_index() == 0
-  say = print_fn if is_main else (lambda message: None)
-  workdir = Path(workdir)
-  checkpoint.ensure_writable(workdir)
-  if devices is not None and jax.process_count() > 1:
-    raise ConfigError('--devices selects local devices of a single process; with several '
-                      'processes every device takes part')
-  device_list = None if devices is None else _local_devices(devices)
-  data_parallel = DataParallel(device_list, mode=parallel)
+  run = _open_run(model_config, train_config, data_config, RunDirectory(workdir), dataset,
+                  devices, parallel, resume, print_fn)
+  loop = TrainingLoop(run, skip_nonfinite)
+  state, start = _initial_state(run, parallel)
+  run.log = (MetricsLog(run.directory.metrics_file, resume_step=start,
+                        tensorboard_dir=run.directory.tensorboard_dir)
+             if run.directory.is_main else None)
+  try:
+    state = loop.train_from(state, start)
+    if start >= train_config.steps:
+      run.say(f'{run.directory.path} is already trained to step {start} '
+              f'(train.steps={train_config.steps}); evaluating it')
+      loop.validate(start, state.params)
+    final_state = run.data_parallel.unreplicate(state)
+    _final_scores(run, final_state, average_last)
+  finally:
+    if run.log is not None:
+      run.log.close()
+  return TrainResult(workdir=run.directory.path, model_config=run.model_config,
+                     tokenizer=run.tokenizer, state=final_state, scores=run.scores)
 
+
+# --- stage 1: the run directory, the data and the settings ----------------------------------
+
+@dataclasses.dataclass
+class _Run:
+  """What the stages share: the settings, data, devices and the run directory's writers."""
+  directory: RunDirectory
+  model_config: ModelConfig
+  train_config: TrainConfig
+  dataset: datasets.DatasetDict
+  tokenizer: Tokenizer
+  data_parallel: DataParallel
+  checkpoints: Checkpoints
+  say: Callable[[str], None]
+  log: MetricsLog | None = None
+  scores: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def record(self, step: int, values: dict[str, float]) -> None:
+    """Keeps `values` as the latest scores and logs them at `step` (process 0)."""
+    self.scores.update(values)
+    if self.log is not None:
+      self.log.write(step, values)
+
+
+def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
+              directory: RunDirectory, dataset: datasets.DatasetDict | None,
+              devices: int | None, parallel: str, resume: bool,
+              print_fn: Callable[[str], None]) -> _Run:
+  """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
+  say = print_fn if directory.is_main else (lambda message: None)
+  directory.check_writable()
+  data_parallel = DataParallel(_local_devices(devices), mode=parallel)
   dataset = load_data(data_config) if dataset is None else dataset
   if 'train' not in dataset:
     raise DataError(f'the data has no train split (splits: {", ".join(dataset)})')
   say(f'data: {describe(dataset)}')
-
-  if not resume and is_main:
-    _clear_run(workdir)
-  multihost_utils.sync_global_devices('run directory ready')
-  checkpoints = checkpoint.Checkpoints(workdir, keep=train_config.keep_checkpoints)
-  start = checkpoints.latest_step()
-  if start is not None and not (workdir / TOKENIZER_FILE).is_file():
-    raise checkpoint.CheckpointError(f'{workdir} has checkpoints but no {TOKENIZER_FILE}; the '
-                                     'token ids in them mean nothing without it')
-  if start is not None:
-    checkpoint.check_tokenizer(workdir)
-  tokenizer = _tokenizer(workdir, dataset['train'], data_config, say, is_main)
+  directory.prepare(resume)
+  checkpoints = Checkpoints(directory.path, keep=train_config.keep_checkpoints)
+  tokenizer = directory.tokenizer(dataset['train'], data_config,
+                                  has_checkpoints=checkpoints.latest_step() is not None, say=say)
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
-  if (workdir / checkpoint.CONFIG_FILE).is_file():
-    # Also before the first checkpoint: the saved tokenizer belongs to the saved settings.
-    checkpoint.check_resumable(workdir, model_config, train_config, data_config)
-  if is_main:
-    checkpoint.write_config(workdir, model_config, train_config, data_config)
-
-  corpus = encode_corpus(dataset['train'], tokenizer, model_config.max_len)
-  batcher = Batcher(corpus, train_config.max_tokens, train_config.seed,
-                    row_multiple=data_parallel.num_devices)
-  say(f'train: {batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side longer than '
-      f'model.max_len={model_config.max_len} tokens with EOS)')
-  val_batches = _eval_batches(dataset, 'validation', tokenizer, model_config, train_config,
-                              data_parallel.num_devices, say)
-
-  model = checkpoint.build_model(model_config)
-  optimizer = make_optimizer(train_config, model_config)
-  step_fn = make_parallel_step(model, optimizer, train_config, data_parallel)
-  eval_fn = make_parallel_eval(model, train_config, data_parallel)
-  abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, train_config.seed))
-  if start is None:
-    state = create_train_state(model, optimizer, train_config.seed)
-    start = 0
-  else:
-    state = checkpoints.restore(start, abstract_state)
-    say(f'resumed from {checkpoints.directory / str(start)}')
-  state = data_parallel.replicate(state)
-  processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
-  kind = ' cmlm (non-autoregressive),' if model_config.kind == 'cmlm' else ''
-  say(f'model: {count_params(abstract_state.params):,} parameters,{kind} {model_config.dtype} '
-      'compute; '
-      f'{data_parallel.num_devices} device(s){processes} via {parallel}; steps {start} -> '
-      f'{train_config.steps}')
-
-  log = MetricsLog(workdir / checkpoint.METRICS_FILE, resume_step=start,
-                   tensorboard_dir=workdir / 'tensorboard') if is_main else None
-  scores: dict[str, float] = {}
-
-  def record(step: int, values: dict[str, float]):
-    scores.update(values)
-    if log is not None:
-      log.write(step, values)
-
-  def validate(step: int):
-    if val_batches:
-      values = _evaluate(eval_fn, state.params, val_batches, data_parallel)
-      record(step, {f'val_{name}': value for name, value in values.items()})
-      length = (f', length accuracy {values["length_accuracy"]:.1%}'
-                if 'length_accuracy' in values else '')
-      say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
-          f'token accuracy {values["accuracy"]:.1%}{length}')
-
-  # Step metrics stay on the device until a log line or a save needs them (`pending`),
-  # then wait on the host for the interval's log line (`fetched`).
-  pending, fetched, skipped = [], [], []
-  interval_start = run_start = time.perf_counter()
-  done = start
-  bar = tqdm(range(start, train_config.steps), initial=start, total=train_config.steps,
-             desc='train', unit='step', disable=not is_main, dynamic_ncols=True)
-  try:
-    with StopSignals() as stop:
-      for step in bar:
-        state, metrics = step_fn(state, data_parallel.shard_batch(batcher.batch_at(step)))
-        pending.append(metrics)
-        done = step + 1
-        checkpoints.check_saved()
-        stopping = stop.requested(done)
-        final = done == train_config.steps
-        save_now = stopping or final or done % train_config.checkpoint_every == 0
-        log_now = stopping or final or done % train_config.log_every == 0
-        new = []
-        if save_now or log_now:
-          new, pending = data_parallel.unreplicate(pending), []
-          fetched += new
-        if log_now:
-          values = _summarize(fetched, time.perf_counter() - interval_start)
-          values['elapsed_s'] = time.perf_counter() - run_start
-          record(done, values)
-          if 'loss' in values:
-            bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
-          fetched, interval_start = [], time.perf_counter()
-        # Before the save: a state after too many non-finite steps is not saved.
-        _check_finite(new, done - len(new) + 1, skipped, skip_nonfinite, checkpoints, say)
-        if not stopping and (done % train_config.eval_every == 0 or final):
-          validate(done)
-        if save_now:
-          checkpoints.save(data_parallel.unreplicate(state))
-        if stopping:
-          break
-        if (train_config.bleu_every and done % train_config.bleu_every == 0
-            and 'validation' in dataset):
-          params = data_parallel.unreplicate(state.params)
-          values = _translation_scores(model_config, params, tokenizer,
-                                        dataset['validation'])[0]
-          record(done, {f'val_{name}': value for name, value in values.items()})
-          say(f'step {done}: validation BLEU {values["bleu"]:.2f}')
-      bar.close()
-      # Still under StopSignals: a signal now waits for the last save to be committed.
-      checkpoints.close()
-  except Exception:
-    bar.close()
-    # Let the saves already under way finish: the error raised is the one to report.
-    with contextlib.suppress(checkpoint.WriteError):
-      checkpoints.close()
-    if log is not None:
-      log.close()
-    raise
-  if stop.signal_number is not None:
-    # Stopped at step `done`, saved. A signal after the last step, while its checkpoint was
-    # written, also ends here: the evaluation is left to the next run ("already trained").
-    if log is not None:
-      log.close()
-    raise Interrupted(stop.signal_number, done, checkpoints.directory / str(done))
-  if start >= train_config.steps:
-    say(f'{workdir} is already trained to step {start} (train.steps={train_config.steps}); '
-        'evaluating it')
-    validate(start)
-
-  final_state = data_parallel.unreplicate(state)
-  split = 'test' if 'test' in dataset else 'validation' if 'validation' in dataset else None
-  if split is not None:
-    values, lines = _translation_scores(model_config, final_state.params, tokenizer,
-                                          dataset[split])
-    record(int(final_state.step), values)
-    say(f'{split}, {evaluation_search(model_config).describe()} of '
-        f'{len(dataset[split]):,} sentences: BLEU '
-        f'{values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, exact match '
-        f'{values["exact_match"]:.1%}\n  ({lines["signature"]})')
-    say(lines['samples'])
-    if average_last:
-      averaged = checkpoint.average_checkpoints(workdir, average_last)
-      _, avg_params, _ = checkpoint.load_for_inference(averaged)
-      values, _ = _translation_scores(model_config, avg_params, tokenizer, dataset[split])
-      record(int(final_state.step), {f'avg_{name}': value for name, value in values.items()})
-      say(f'{averaged}: mean of the last {average_last} checkpoints, {split} BLEU '
-          f'{values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, exact match '
-          f'{values["exact_match"]:.1%}')
-  elif average_last:
-    say(f'wrote {checkpoint.average_checkpoints(workdir, average_last)}')
-  if log is not None:
-    log.close()
-  return TrainResult(workdir=workdir, model_config=model_config, tokenizer=tokenizer,
-                     state=final_state, scores=scores)
+  directory.record_settings(model_config, train_config, data_config)
+  return _Run(directory=directory, model_config=model_config, train_config=train_config,
+              dataset=dataset, tokenizer=tokenizer, data_parallel=data_parallel,
+              checkpoints=checkpoints, say=say)
 
 
-# --- pieces of the run ------------------------------------------------------------
-
-def _local_devices(count: int) -> list[jax.Device]:
+def _local_devices(count: int | None) -> list[jax.Device] | None:
+  """The first `count` local devices; None: every device of every process."""
+  if count is None:
+    return None
+  if jax.process_count() > 1:
+    raise ConfigError('--devices selects local devices of a single process; with several '
+                      'processes every device takes part')
   available = jax.local_devices()
   if not 1 <= count <= len(available):
     raise ConfigError(f'--devices={count}: this process has {len(available)} device(s) '
@@ -370,58 +265,165 @@ def _local_devices(count: int) -> list[jax.Device]:
   return available[:count]
 
 
-def _clear_run(workdir: Path) -> None:
-  """Deletes what a previous run wrote to `workdir`, and nothing else."""
-  for name in (checkpoint.CONFIG_FILE, TOKENIZER_FILE, checkpoint.METRICS_FILE):
-    (workdir / name).unlink(missing_ok=True)
-  for directory in [workdir / checkpoint.CHECKPOINT_DIR, workdir / 'tensorboard',
-                    *workdir.glob('average-last*')]:
-    if directory.is_dir():
-      shutil.rmtree(directory)
+# --- stage 2: the initial state ---------------------------------------------------------------
+
+def _initial_state(run: _Run, parallel: str) -> tuple[TrainState, int]:
+  """The replicated state to train from and its step: the latest checkpoint's, or fresh."""
+  model = build_model(run.model_config)
+  optimizer = make_optimizer(run.train_config, run.model_config)
+  seed = run.train_config.seed
+  abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, seed))
+  start = run.checkpoints.latest_step()
+  if start is None:
+    state, start = create_train_state(model, optimizer, seed), 0
+  else:
+    state = run.checkpoints.restore(start, abstract_state)
+    run.say(f'resumed from {run.checkpoints.directory / str(start)}')
+  processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
+  kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
+  run.say(f'model: {count_params(abstract_state.params):,} parameters,{kind} '
+          f'{run.model_config.dtype} compute; {run.data_parallel.num_devices} device(s)'
+          f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}')
+  return run.data_parallel.replicate(state), start
 
 
-def _tokenizer(workdir: Path, train_split: datasets.Dataset, data_config: DataConfig,
-               say: Callable[[str], None], is_main: bool) -> Tokenizer:
-  """WORKDIR/tokenizer.json, trained on the training split (source + target) if absent.
+# --- stage 3: the loop ------------------------------------------------------------------------
 
-  Process 0 alone looks for the file and trains when it is missing; every process
-  then loads process 0's file. One vocabulary for all ('unigram' training is not
-  bit-exact across runs), and no process can see the file half-written and skip
-  the barrier that the others wait at.
+class MetricBuffer:
+  """The training steps' metrics between two log lines.
+
+  They stay on the device (`pending`) until a log line or a save needs them,
+  then wait on the host (`fetched`) for the interval's log line. Steps whose
+  loss or gradient was not finite are noted in `skipped`.
   """
-  trained = is_main and not (workdir / TOKENIZER_FILE).is_file()
-  if trained:
-    texts = list(train_split['source']) + list(train_split['target'])
-    tokenizer = Tokenizer.train(texts, data_config.vocab_size, data_config.tokenizer)
-    tokenizer.save(workdir)
-    say(f'tokenizer: trained {data_config.tokenizer} on {len(texts):,} sentences, '
-        f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
-        f'{workdir / TOKENIZER_FILE}')
-  multihost_utils.sync_global_devices('tokenizer ready')
-  tokenizer = Tokenizer.load(workdir)
-  if not trained:
-    say(f'tokenizer: {workdir / TOKENIZER_FILE} ({tokenizer.vocab_size:,} tokens)')
-  return tokenizer
+
+  def __init__(self, data_parallel: DataParallel):
+    self.data_parallel = data_parallel
+    self.pending: list = []
+    self.fetched: list[dict] = []
+    self.skipped: list[int] = []
+    self.interval_start = time.perf_counter()
+
+  def add(self, metrics) -> None:
+    self.pending.append(metrics)
+
+  def fetch(self) -> list[dict]:
+    """Brings the pending metrics to the host; returns them (they also join the interval)."""
+    new, self.pending = self.data_parallel.unreplicate(self.pending), []
+    self.fetched += new
+    return new
+
+  def summary(self) -> dict[str, float]:
+    """The interval's log line (see `summarize`), after which a new interval starts."""
+    values = summarize(self.fetched, time.perf_counter() - self.interval_start)
+    self.fetched, self.interval_start = [], time.perf_counter()
+    return values
 
 
-def _eval_batches(dataset, split: str, tokenizer: Tokenizer, model_config: ModelConfig,
-                  train_config: TrainConfig, num_devices: int, say) -> list:
+class TrainingLoop:
+  """Steps from the start to train.steps, with their logging, validation and checkpoints."""
+
+  def __init__(self, run: _Run, skip_nonfinite: int):
+    self.run = run
+    self.skip_nonfinite = skip_nonfinite
+    model, config = build_model(run.model_config), run.train_config
+    optimizer = make_optimizer(config, run.model_config)
+    self.step_fn = make_parallel_step(model, optimizer, config, run.data_parallel)
+    self.eval_fn = make_parallel_eval(model, config, run.data_parallel)
+    corpus = encode_corpus(run.dataset['train'], run.tokenizer, run.model_config.max_len)
+    self.batcher = Batcher(corpus, config.max_tokens, config.seed,
+                           row_multiple=run.data_parallel.num_devices)
+    run.say(f'train: {self.batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side '
+            f'longer than model.max_len={run.model_config.max_len} tokens with EOS)')
+    self.val_batches = _eval_batches(run, 'validation')
+
+  def train_from(self, state: TrainState, start: int) -> TrainState:
+    """Trains from `start`; raises Interrupted after saving when a signal asked to stop."""
+    run, config = self.run, self.run.train_config
+    buffer, run_start, done = MetricBuffer(run.data_parallel), time.perf_counter(), start
+    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc='train',
+               unit='step', disable=not run.directory.is_main, dynamic_ncols=True)
+    try:
+      with StopSignals() as stop:
+        for step in bar:
+          state, metrics = self.step_fn(state, run.data_parallel.shard_batch(
+              self.batcher.batch_at(step)))
+          buffer.add(metrics)
+          done, stopping = step + 1, stop.requested(step + 1)
+          run.checkpoints.check_saved()
+          self._after_step(state, done, stopping, buffer, bar, run_start)
+          if stopping:
+            break
+        bar.close()
+        # Still under StopSignals: a signal now waits for the last save to be committed.
+        run.checkpoints.close()
+    except Exception:
+      bar.close()
+      # Let the saves already under way finish: the error raised is the one to report.
+      with contextlib.suppress(WriteError):
+        run.checkpoints.close()
+      raise
+    if stop.signal_number is not None:
+      # Stopped at a step, saved. A signal after the last step, while its checkpoint was
+      # written, also ends here: the evaluation is left to the next run ("already trained").
+      raise Interrupted(stop.signal_number, done, run.checkpoints.directory / str(done))
+    return state
+
+  def _after_step(self, state: TrainState, done: int, stopping: bool, buffer: MetricBuffer,
+                  bar, run_start: float) -> None:
+    """The log line, finiteness check, validation, save and BLEU due after step `done`."""
+    run, config = self.run, self.run.train_config
+    final = done == config.steps
+    save_now = stopping or final or done % config.checkpoint_every == 0
+    log_now = stopping or final or done % config.log_every == 0
+    new = buffer.fetch() if save_now or log_now else []
+    if log_now:
+      values = {**buffer.summary(), 'elapsed_s': time.perf_counter() - run_start}
+      run.record(done, values)
+      if 'loss' in values:
+        bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
+    # Before the save: a state after too many non-finite steps is not saved.
+    check_finite(new, done - len(new) + 1, buffer.skipped, self.skip_nonfinite,
+                 run.checkpoints, run.say)
+    if not stopping and (done % config.eval_every == 0 or final):
+      self.validate(done, state.params)
+    if save_now:
+      run.checkpoints.save(run.data_parallel.unreplicate(state))
+    if (not stopping and config.bleu_every and done % config.bleu_every == 0
+        and 'validation' in run.dataset):
+      params = run.data_parallel.unreplicate(state.params)
+      values, _ = _split_scores(run, params, 'validation')
+      run.record(done, {f'val_{name}': value for name, value in values.items()})
+      run.say(f'step {done}: validation BLEU {values["bleu"]:.2f}')
+
+  def validate(self, step: int, params) -> None:
+    """Logs the validation loss, ppl and accuracy (and a cmlm model's length accuracy)."""
+    if not self.val_batches:
+      return
+    run = self.run
+    outputs = [self.eval_fn(params, run.data_parallel.shard_batch(batch))
+               for batch in self.val_batches]
+    sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *run.data_parallel.unreplicate(outputs))
+    values = _metrics(sums)
+    run.record(step, {f'val_{name}': value for name, value in values.items()})
+    length = (f', length accuracy {values["length_accuracy"]:.1%}'
+              if 'length_accuracy' in values else '')
+    run.say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
+            f'token accuracy {values["accuracy"]:.1%}{length}')
+
+
+def _eval_batches(run: _Run, split: str) -> list:
   """The split's batches in a fixed order (no shuffling), or [] when it is absent."""
-  if split not in dataset:
-    say(f'no {split} split: validation loss is not computed')
+  if split not in run.dataset:
+    run.say(f'no {split} split: validation loss is not computed')
     return []
-  corpus = encode_corpus(dataset[split], tokenizer, model_config.max_len)
+  corpus = encode_corpus(run.dataset[split], run.tokenizer, run.model_config.max_len)
   if corpus.num_dropped:
-    say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the loss')
-  batcher = Batcher(corpus, train_config.max_tokens, train_config.seed, row_multiple=num_devices,
-                    shuffle=False)
+    run.say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the '
+            'loss')
+  batcher = Batcher(corpus, run.train_config.max_tokens, run.train_config.seed,
+                    row_multiple=run.data_parallel.num_devices, shuffle=False)
   return list(batcher.epoch(0))
-
-
-def _evaluate(eval_fn, params, batches: Sequence, data_parallel: DataParallel) -> dict[str, float]:
-  outputs = [eval_fn(params, data_parallel.shard_batch(batch)) for batch in batches]
-  sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *data_parallel.unreplicate(outputs))
-  return _metrics(sums)
 
 
 def _metrics(sums: dict[str, float]) -> dict[str, float]:
@@ -429,7 +431,7 @@ def _metrics(sums: dict[str, float]) -> dict[str, float]:
   return {**token_metrics(sums), **(length_metrics(sums) if 'sentences' in sums else {})}
 
 
-def _summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
+def summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
   """Per-step metrics of one logging interval -> per-token loss, ppl, accuracy, rates.
 
   Skipped steps (non-finite loss or gradient) are left out of the averages and
@@ -450,8 +452,8 @@ def _summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
   return values
 
 
-def _check_finite(metrics: list[dict], first_step: int, skipped: list[int], limit: int,
-                  checkpoints: checkpoint.Checkpoints, say: Callable[[str], None]) -> None:
+def check_finite(metrics: list[dict], first_step: int, skipped: list[int], limit: int,
+                 checkpoints: Checkpoints, say: Callable[[str], None]) -> None:
   """Notes the steps among `metrics` (steps first_step, first_step + 1, ...) that were skipped.
 
   Raises NonFiniteError once `skipped` holds more than `limit` steps, after the
@@ -479,66 +481,33 @@ def _check_finite(metrics: list[dict], first_step: int, skipped: list[int], limi
         'To skip such steps and go on, pass --skip-nonfinite N.', step)
 
 
-def _translation_scores(model_config: ModelConfig, params, tokenizer: Tokenizer,
-                        split: datasets.Dataset) -> tuple[dict[str, float], dict[str, str]]:
-  """Decodes a split with the model's `evaluation_search`:
-  ({'bleu', 'chrf', 'exact_match'}, {'signature', 'samples'}).
+# --- stage 4: the final scores ----------------------------------------------------------------
 
-  The processes share the decoding (`translate_across_processes`) and every one
-  scores the whole split. chrF is reported beside BLEU because BLEU's 4-grams
-  say little about one-word outputs such as the toy task's German numbers.
-  """
-  sources, references = list(split['source']), list(split['target'])
-  hypotheses = translate_across_processes(Translator(model_config, params, tokenizer), sources,
-                                          search=evaluation_search(model_config))
-  bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-  bleu_score = bleu.corpus_score(hypotheses, [references])
-  chrf_score = chrf.corpus_score(hypotheses, [references])
-  exact = float(np.mean([h == r for h, r in zip(hypotheses, references)]))
-  samples = '\n'.join(f'  source:    {s}\n  reference: {r}\n  output:    {h}'
-                      for s, r, h in list(zip(sources, references, hypotheses))[:NUM_SAMPLES])
-  signature = f'BLEU {bleu.get_signature()}, chrF {chrf.get_signature()}'
-  return ({'bleu': bleu_score.score, 'chrf': chrf_score.score, 'exact_match': exact},
-          {'signature': signature, 'samples': samples})
-
-
-def translate_across_processes(translator: Translator, sentences: Sequence[str],
-                               batch_size: int = DECODE_BATCH,
-                               search: Search = Search(method='greedy')) -> list[str]:
-  """Translations of `sentences` (greedy by default) in their order, on every process.
-
-  Process p of P decodes sentences p, p + P, p + 2P, ...: each sentence once,
-  and shares of alike length mix even when the corpus is sorted by length. Call
-  it on every process (it gathers across them); with one process it is
-  `translator.translate(sentences, method='greedy')` (or `search`'s settings).
-  """
-  index, count = jax.process_index(), jax.process_count()
-  share = translator.translate(list(sentences[index::count]), **dataclasses.asdict(search),
-                               batch_size=batch_size)
-  translations = [''] * len(sentences)
-  for process, texts in enumerate(_allgather_texts(share)):
-    translations[process::count] = texts
-  return translations
+def _final_scores(run: _Run, state: TrainState, average_last: int) -> None:
+  """Test (else validation) scores of the final parameters, and of the averaged checkpoints."""
+  split = next((name for name in ('test', 'validation') if name in run.dataset), None)
+  if split is None:
+    if average_last:
+      run.say(f'wrote {average_checkpoints(run.directory.path, average_last)}')
+    return
+  step = int(state.step)
+  values, report = _split_scores(run, state.params, split)
+  run.record(step, values)
+  run.say(f'{split}, {evaluation_method(run.model_config).describe()} of '
+          f'{len(run.dataset[split]):,} sentences: BLEU {values["bleu"]:.2f}, chrF '
+          f'{values["chrf"]:.2f}, exact match {values["exact_match"]:.1%}\n'
+          f'  ({report["signature"]})')
+  run.say(report['samples'])
+  if average_last:
+    averaged = average_checkpoints(run.directory.path, average_last)
+    _, avg_params, _ = load_for_inference(averaged)
+    values, _ = _split_scores(run, avg_params, split)
+    run.record(step, {f'avg_{name}': value for name, value in values.items()})
+    run.say(f'{averaged}: mean of the last {average_last} checkpoints, {split} BLEU '
+            f'{values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, exact match '
+            f'{values["exact_match"]:.1%}')
 
 
-def _allgather_texts(texts: list[str]) -> list[list[str]]:
-  """Each process's list of strings -> every process's list, on every process, in process order.
-
-  Collectives move arrays of one shape everywhere, so the strings travel as
-  UTF-8 bytes in a zero-padded uint8 `[P, R, W]` array with their byte lengths
-  `[P, R]`, after a first exchange agrees on R (the longest list) and W (the
-  longest string, in bytes).
-  """
-  if jax.process_count() == 1:
-    return [list(texts)]
-  encoded = [text.encode() for text in texts]
-  sizes = multihost_utils.process_allgather(
-      np.array([len(encoded), max(map(len, encoded), default=0)], np.int32))     # [P, 2]
-  rows, width = max(int(sizes[:, 0].max()), 1), max(int(sizes[:, 1].max()), 1)
-  data, lengths = np.zeros((rows, width), np.uint8), np.zeros(rows, np.int32)
-  for row, raw in enumerate(encoded):
-    data[row, :len(raw)] = np.frombuffer(raw, np.uint8)
-    lengths[row] = len(raw)
-  data, lengths = multihost_utils.process_allgather((data, lengths))        # [P, R, W], [P, R]
-  return [[data[p, r, :lengths[p, r]].tobytes().decode() for r in range(sizes[p, 0])]
-          for p in range(len(sizes))]
+def _split_scores(run: _Run, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
+  translator = Translator(run.model_config, params, run.tokenizer)
+  return translation_scores(translator, run.dataset[split], evaluation_method(run.model_config))

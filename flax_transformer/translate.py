@@ -2,8 +2,8 @@
 
     translator = Translator.from_checkpoint('runs/multi30k', average_last=5)
     translator.translate(['Ein Mann fährt Fahrrad.'])                 # beam 4, alpha 0.6
-    translator.translate(sentences, method='sample', top_p=0.9, seed=1)
-    Translator.from_checkpoint('runs/cmlm').translate(sentences, method='nat')  # mask-predict
+    translator.translate(sentences, Sampling(top_p=0.9, seed=1))
+    Translator.from_checkpoint('runs/cmlm').translate(sentences)     # mask-predict
     alignment = translator.alignment('Ein Mann fährt Fahrrad.')      # cross-attention, for plots
 
 Sources are tokenized as in training (subwords + EOS) and truncated to
@@ -12,9 +12,9 @@ in batches padded to a multiple of 8 tokens and a power of two of rows (bounded
 by `batch_size`), so that few shapes compile; the results come back in input
 order. Empty (or all-space) sentences translate to '' without decoding.
 
-A checkpoint's `model.kind` decides the methods that apply: 'beam', 'greedy'
-and 'sample' decode an autoregressive model, 'nat' (mask-predict,
-`nat_decoding.mask_predict`) a cmlm one; any other pairing is a ConfigError.
+A method is a value from `methods` (`BeamSearch()`, `Greedy()`, `Sampling(...)`,
+`MaskPredict(...)`); None means the model's `methods.default_method`. A method
+that cannot decode the checkpoint's `model.kind` is a ConfigError.
 """
 
 from __future__ import annotations
@@ -24,116 +24,20 @@ import functools
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
 
 import jax
 import numpy as np
 
-from flax_transformer import decoding, nat, nat_decoding
-from flax_transformer.checkpoint import build_model, load_for_inference
+from flax_transformer import decoding
+from flax_transformer.build import build_model
+from flax_transformer.checkpoint import load_for_inference
 from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.methods import BeamSearch, DecodingMethod, default_method
 from flax_transformer.model import Transformer, attention_weights
 from flax_transformer.tokenizer import Tokenizer
 
-METHODS = ('beam', 'greedy', 'sample', 'nat')
-# The methods that decode each model.kind.
-KIND_METHODS = {'autoregressive': ('beam', 'greedy', 'sample'), 'cmlm': ('nat',)}
 # Source widths are rounded up to a multiple of this, so a corpus compiles a few shapes.
 WIDTH_MULTIPLE = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Search:
-  """How to choose the output: the method and its settings.
-
-  method: 'beam' (the paper: beam_size 4, alpha 0.6), 'greedy', or 'sample'
-    (temperature, top_k, top_p; `seed` makes draws reproducible) for an
-    autoregressive model; 'nat' for a cmlm model: mask-predict with
-    `iterations` refinement passes over the `length_beam` most probable lengths
-    (nat_length 'predict'), or over a fixed canvas of source length +
-    model.max_length_offset tokens cut at the first EOS (nat_length 'fixed',
-    length_beam 1).
-  max_len: output tokens per sentence; None: source length + 50, capped at
-    model.max_len. Not for 'nat', whose output length is the predicted one.
-  Settings of another method must stay at their defaults, so that a setting is
-  never silently ignored.
-  """
-  method: Literal['beam', 'greedy', 'sample', 'nat'] = 'beam'
-  beam_size: int = 4
-  alpha: float = 0.6
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  iterations: int = 10
-  length_beam: int = 3
-  nat_length: Literal['predict', 'fixed'] = 'predict'
-  max_len: int | None = None
-
-  def __post_init__(self):
-    if self.method not in METHODS:
-      raise ConfigError(f'method must be one of {", ".join(METHODS)}; got {self.method!r}')
-    owners = {'beam': ('beam_size', 'alpha'), 'sample': ('temperature', 'top_k', 'top_p', 'seed'),
-              'nat': ('iterations', 'length_beam', 'nat_length')}
-    defaults = Search.__dataclass_fields__
-    for method, names in owners.items():
-      changed = [n for n in names if getattr(self, n) != defaults[n].default]
-      if changed and method != self.method:
-        raise ConfigError(f'{", ".join(changed)} only apply to method {method!r}, '
-                          f'not {self.method!r}')
-    if self.method == 'nat' and self.max_len is not None:
-      raise ConfigError("max_len only applies to the autoregressive methods (beam, greedy, "
-                        "sample), not 'nat', whose output length is the length predicted")
-    # Check the values now, not at the first batch.
-    decoding.BeamConfig(beam_size=self.beam_size, alpha=self.alpha)
-    decoding.SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-    nat_decoding.MaskPredictConfig(iterations=self.iterations, length_beam=self.length_beam,
-                                   length=self.nat_length)
-
-  def describe(self) -> str:
-    """The method and its settings in words, for reports: 'greedy decoding', ..."""
-    if self.method == 'beam':
-      return f'beam search (beam {self.beam_size}, alpha {self.alpha})'
-    if self.method == 'greedy':
-      return 'greedy decoding'
-    if self.method == 'sample':
-      return (f'sampling (temperature {self.temperature}, top-k {self.top_k}, '
-              f'top-p {self.top_p}, seed {self.seed})')
-    if self.nat_length == 'fixed':
-      return f'mask-predict decoding ({self.iterations} iterations, fixed length)'
-    return (f'mask-predict decoding ({self.iterations} iterations, length beam '
-            f'{self.length_beam})')
-
-  def check_model(self, config: ModelConfig) -> None:
-    """Raises ConfigError unless this method and its settings can decode a model of `config`."""
-    methods = KIND_METHODS[config.kind]
-    if self.method not in methods:
-      other = 'cmlm' if config.kind == 'autoregressive' else 'autoregressive'
-      choices = ', '.join(map(repr, methods[:-1])) + ' or ' * (len(methods) > 1) + repr(methods[-1])
-      raise ConfigError(f'method {self.method!r} decodes {other} models, but this model is '
-                        f'model.kind={config.kind!r}; use method {choices}')
-    classes = nat.num_length_classes(config)
-    if self.method == 'nat' and self.length_beam > classes:
-      raise ConfigError(f'length_beam={self.length_beam} exceeds the model\'s {classes} length '
-                        f'classes (2 * model.max_length_offset + 1, max_length_offset='
-                        f'{config.max_length_offset})')
-
-  def run(self, model: Transformer, params, src: np.ndarray, batch_index: int) -> np.ndarray:
-    """Output tokens `[B, L]` for source ids `[B, S]`; `model` of a kind `check_model` accepts."""
-    if self.method == 'nat':
-      tokens = nat_decoding.mask_predict(model, params, src, iterations=self.iterations,
-                                         length_beam=self.length_beam, length=self.nat_length)
-    elif self.method == 'beam':
-      tokens, _ = decoding.beam_search(model, params, src, beam_size=self.beam_size,
-                                       alpha=self.alpha, max_len=self.max_len)
-    elif self.method == 'greedy':
-      tokens = decoding.greedy(model, params, src, max_len=self.max_len)
-    else:
-      # One key per batch: batches draw independently, and a rerun draws the same.
-      rng = jax.random.fold_in(jax.random.key(self.seed), batch_index)
-      tokens = decoding.sample(model, params, src, rng, temperature=self.temperature,
-                               top_k=self.top_k, top_p=self.top_p, max_len=self.max_len)
-    return np.asarray(tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,30 +103,37 @@ class Translator:
       ids.append(np.array(subwords + [self.tokenizer.eos_id], np.int32))
     return Sources(ids=ids, truncated=truncated)
 
-  def translate(self, sentences: Sequence[str], *, method: str | None = None, beam_size: int = 4,
-                alpha: float = 0.6, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                seed: int = 0, iterations: int = 10, length_beam: int = 3,
-                nat_length: str = 'predict', max_len: int | None = None,
-                batch_size: int = 64) -> list[str]:
-    """Translations of `sentences`, in their order (settings: see `Search`).
+  def translate(self, sentences: Sequence[str], method: DecodingMethod | None = None, *,
+                batch_size: int = 64, on_batch: Callable[[int], object] | None = None,
+                on_truncated: Callable[[int, int], object] | None = None) -> list[str]:
+    """Translations of `sentences`, in their order, decoded with `method`.
 
-    method None: the model's own, 'beam' (the paper's beam 4) for an autoregressive
-    model, 'nat' (mask-predict) for a cmlm one. A sentence longer than model.max_len
-    tokens is truncated with a warning.
+    method: None is the model's `default_method` (the paper's beam search, or
+      mask-predict for a cmlm model).
+    on_batch: called with the number of sentences done after each batch (and
+      once for the empty ones), e.g. a progress bar's update.
+    on_truncated: called as (index, subword count) for each sentence longer than
+      model.max_len tokens, which is truncated; None warns.
     """
-    if method is None:
-      method = 'nat' if self.config.kind == 'cmlm' else 'beam'
-    search = Search(method=method, beam_size=beam_size, alpha=alpha, temperature=temperature,
-                    top_k=top_k, top_p=top_p, seed=seed, iterations=iterations,
-                    length_beam=length_beam, nat_length=nat_length, max_len=max_len)
+    if method is not None and not isinstance(method, DecodingMethod):
+      raise TypeError(f'method must be a decoding method value such as BeamSearch(beam_size=4) '
+                      f'or Greedy() (flax_transformer.methods), got {method!r}')
     sources = self.encode(sentences)
     for index, count in sources.truncated:
-      warnings.warn(f'sentence {index}: {count} subwords + EOS exceed model.max_len='
-                    f'{self.config.max_len}; truncated to {self.config.max_len - 1} subwords',
-                    stacklevel=2)
-    return self.translate_sources(sources, search, batch_size)
+      if on_truncated is not None:
+        on_truncated(index, count)
+      else:
+        warnings.warn(f'sentence {index}: {count} subwords + EOS exceed model.max_len='
+                      f'{self.config.max_len}; truncated to {self.config.max_len - 1} subwords',
+                      stacklevel=2)
+    translations = self.translate_sources(sources, method or default_method(self.config),
+                                          batch_size, on_batch)
+    empty = sum(ids is None for ids in sources.ids)
+    if on_batch is not None and empty:
+      on_batch(empty)
+    return translations
 
-  def translate_sources(self, sources: Sources, search: Search, batch_size: int = 64,
+  def translate_sources(self, sources: Sources, method: DecodingMethod, batch_size: int = 64,
                         on_batch: Callable[[int], object] | None = None) -> list[str]:
     """Translations of encoded sources, in their order ('' for empty ones).
 
@@ -232,14 +143,14 @@ class Translator:
     """
     if not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
-    search.check_model(self.config)
+    method.check_model(self.config)
     present = [i for i, ids in enumerate(sources.ids) if ids is not None]
     order = sorted(present, key=lambda i: -len(sources.ids[i]))
     translations = [''] * len(sources.ids)
     for batch_index, start in enumerate(range(0, len(order), batch_size)):
       indices = order[start:start + batch_size]
       src = self._pad([sources.ids[i] for i in indices], batch_size)
-      tokens = search.run(self.model, self.variables, src, batch_index)
+      tokens = method.run(self.model, self.variables, src, batch_index)
       for index, text in zip(indices, self.tokenizer.decode(tokens[:len(indices)])):
         translations[index] = text
       if on_batch is not None:
@@ -247,8 +158,8 @@ class Translator:
     return translations
 
   def alignment(self, sentence: str, translation: str | None = None,
-                search: Search = Search()) -> Alignment:
-    """Cross-attention weights of `translation` (default: decoded with `search`) over `sentence`.
+                method: DecodingMethod = BeamSearch()) -> Alignment:
+    """Cross-attention weights of `translation` (default: decoded with `method`) over `sentence`.
 
     The weights come from one teacher-forced pass over the output tokens
     (`model.attention_weights`), so they are exactly what the decoder saw.
@@ -259,13 +170,13 @@ class Translator:
       raise ConfigError(f'alignment needs an autoregressive model; this one is '
                         f'model.kind={self.config.kind!r}, whose decoder reads MASK placeholders '
                         'rather than the output prefix')
-    search.check_model(self.config)
+    method.check_model(self.config)
     sources = self.encode([sentence])
     if sources.ids[0] is None:
       raise ValueError('cannot align an empty sentence')
     src = sources.ids[0][None]
     if translation is None:
-      output = search.run(self.model, self.variables, src, batch_index=0)[0]
+      output = method.run(self.model, self.variables, src)[0]
       output = output[output != self.tokenizer.pad_id]
     else:
       output = np.array(self.tokenizer.encode([translation])[0] + [self.tokenizer.eos_id])
