@@ -1,15 +1,45 @@
-"""The original encoder–decoder Transformer (Vaswani et al., 2017) in JAX/Flax."""
+"""The original encoder–decoder Transformer (Vaswani et al., 2017) in JAX/Flax.
+
+Axis legend, the same letters in every module's shapes and einsums:
+
+  B  batch: sentences, or rows of a training batch (per device inside a mapped step)
+  S  source length            T  target length (queries)    L  output length (cache slots)
+  N  attention heads          H  head dim                   D  model width (d_model)
+  F  feed-forward width       V  vocabulary                 K  beams per sentence
+  M  candidate lengths per sentence (mask-predict's length beam)
+  R  candidate rows, B * M    W  mask-predict canvas width  C  length classes (cmlm)
+  I  refinement iterations    G  devices                    P  processes
+
+The public names below are the API; `Translator`, the decoding methods and
+`build_model` load on first use, so that importing the package stays light.
+"""
+
+import importlib
 
 from flax_transformer.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
-from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.layers import sinusoidal_positions
 from flax_transformer.model import (BeamDecodeCache, DecodeCache, Transformer, attention_weights,
                                     count_params, empty_self_cache)
 
 __version__ = '0.1.0'
 
+# Public names defined in modules that import more (orbax, sacreBLEU): name -> module.
+_LAZY = {'Translator': 'translate', 'BeamSearch': 'methods', 'Greedy': 'methods',
+         'MaskPredict': 'methods', 'Sampling': 'methods', 'DecodingMethod': 'methods',
+         'default_method': 'methods', 'build_model': 'build', 'CMLMTransformer': 'cmlm'}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    return getattr(importlib.import_module(f'flax_transformer.{_LAZY[name]}'), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
 __all__ = [
-    'BeamDecodeCache', 'ConfigError', 'DecodeCache', 'KVCache', 'ModelConfig', 'MultiHeadAttention', 'Transformer',
-    'attention_weights', 'count_params', 'empty_self_cache', 'scaled_dot_product_attention',
+    'BeamDecodeCache', 'BeamSearch', 'CMLMTransformer', 'ConfigError', 'DataConfig', 'DecodeCache',
+    'DecodingMethod', 'Greedy', 'KVCache', 'MaskPredict', 'ModelConfig', 'MultiHeadAttention',
+    'Sampling', 'TrainConfig', 'Transformer', 'Translator', 'attention_weights', 'build_model',
+    'count_params', 'default_method', 'empty_self_cache', 'scaled_dot_product_attention',
     'sinusoidal_positions',
 ]

@@ -1,0 +1,139 @@
+"""Translate with a trained checkpoint: sentences as arguments, a file, or standard input.
+
+    python decode.py --checkpoint runs/multi30k "Ein Mann fährt Fahrrad."
+    python decode.py --checkpoint runs/multi30k --average-last 5 \\
+        --input test.de --output test.hyp.en --reference test.en
+    cat test.de | python decode.py --checkpoint runs/multi30k --method greedy
+    python decode.py --checkpoint runs/cmlm --method mask_predict --iterations 10 --length-beam 3
+
+One sentence per line in (UTF-8, split at '\\n' only, as training reads its data),
+one translation per line out, in input order, written block by block; a progress
+bar on standard error counts the sentences of a file or standard input. Empty
+lines give empty lines; a line longer than the model's max_len is truncated with
+a warning naming it. --reference prints sacreBLEU's BLEU and chrF with their
+signatures. A failure part way keeps the translations already written and says
+how many. Exit status: 0; 2 for bad arguments, input or checkpoint (one line,
+before any translation); 1 when writing fails or anything unexpected happens
+part way; 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from flax_transformer.cli.options import add_method_options, method_settings
+
+# Sentences read, sorted and decoded together; their translations are written before the next
+# block is read. Large enough for length-sorted batches, small enough to see output soon.
+BATCHES_PER_BLOCK = 8
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog='decode.py', description=__doc__.split('\n\n')[0],
+                                   allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  add = parser.add_argument
+  add('sentences', nargs='*', help='sentences to translate (else --input or stdin)')
+  add('--checkpoint', required=True, type=Path,
+      help='run directory written by train.py (config.json, tokenizer.json, checkpoints/)')
+  add('--step', type=int, help='checkpoint step to load (default: the latest)')
+  add('--average-last', type=int, default=0, metavar='K',
+      help='average the parameters of the last K checkpoints (paper: 5)')
+  add('--input', type=Path, help='file with one sentence per line ("-": stdin)')
+  add('--output', type=Path, help='write translations here (default: stdout)')
+  add('--reference', type=Path, help='reference translations, one per line: print BLEU and chrF')
+  add('--batch-size', type=int, default=64, help='sentences per batch')
+  add_method_options(parser)
+  args = parser.parse_args(argv)
+  if args.nat_length is not None:
+    parser.error('--nat-length is now called --length')
+  # Refused here, naming the option, rather than deep in loading or decoding.
+  for option, low in (('step', 0), ('average_last', 0), ('beam_size', 1), ('top_k', 0),
+                      ('iterations', 1), ('length_beam', 1), ('max_len', 1), ('batch_size', 1)):
+    value = getattr(args, option)
+    if value is not None and value < low:
+      parser.error(f'argument --{option.replace("_", "-")}: must be >= {low}, got {value}')
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  # Imported here so that --help and argument errors answer at once.
+  from flax_transformer.checkpoint import CheckpointError
+  from flax_transformer.cli import text_io
+  from flax_transformer.config import ConfigError
+  from flax_transformer.methods import default_method, method_from_name
+  from flax_transformer.tokenizer import TokenizerError
+  from flax_transformer.translate import Translator
+
+  settings = method_settings(args)
+  try:
+    sentences, show_progress = text_io.read_input(args.sentences, args.input)
+    references = (text_io.read_references(args.reference, len(sentences))
+                  if args.reference is not None else None)
+    # A named method's settings are refused before the checkpoint loads.
+    method = method_from_name(args.method, **settings) if args.method else None
+    translator = Translator.from_checkpoint(args.checkpoint, step=args.step,
+                                            average_last=args.average_last)
+    method = method or method_from_name(default_method(translator.config).name, **settings)
+    method.check_model(translator.config)
+    output = text_io.open_output(args.output)
+  except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
+    print(f'decode.py: error: {error}', file=sys.stderr)
+    return 2
+  return _translate(translator, method, sentences, references, output, args, show_progress)
+
+
+def _translate(translator, method, sentences, references, output, args, show_progress) -> int:
+  """Decodes block by block, writing each block's translations before reading the next."""
+  from flax_transformer.cli.text_io import blocks
+  destination, translations = args.output or 'standard output', []
+  max_len = translator.config.max_len
+  try:
+    with tqdm(total=len(sentences), unit='sent', desc='decode', disable=not show_progress,
+              file=sys.stderr, dynamic_ncols=True) as progress, warnings.catch_warnings():
+      # Library warnings (e.g. an output budget capped at max_len) as one plain line each.
+      warnings.showwarning = lambda message, *_, **__: progress.write(
+          f'decode.py: warning: {message}', file=sys.stderr)
+      for start, block in blocks(sentences, args.batch_size * BATCHES_PER_BLOCK):
+        done = translator.translate(
+            block, method, batch_size=args.batch_size, on_batch=progress.update,
+            on_truncated=lambda index, count, start=start: progress.write(
+                f'decode.py: warning: line {start + index + 1} has {count} subword tokens; the '
+                f'model reads at most {max_len - 1} + EOS: truncated', file=sys.stderr))
+        output.write(''.join(text + '\n' for text in done))
+        output.flush()
+        translations.extend(done)
+    if output is not sys.stdout:
+      output.close()  # a failure to write the last bytes is reported like any other
+  except OSError as error:
+    print(f'decode.py: error: writing {destination} failed ({error.strerror or error}); it holds '
+          f'the translations of the first {len(translations)} lines at most', file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print(f'decode.py: interrupted; {destination} holds the translations of the first '
+          f'{len(translations)} lines', file=sys.stderr)
+    return 128 + signal.SIGINT
+  except BaseException:
+    print(f'decode.py: failed after {len(translations)} lines, whose translations are in '
+          f'{destination}:', file=sys.stderr)
+    raise
+  finally:
+    if output is not sys.stdout and not output.closed:
+      with contextlib.suppress(OSError):  # after an error: what failed is reported already
+        output.close()
+  if references is not None:
+    from sacrebleu.metrics import BLEU, CHRF
+    stream = sys.stdout if args.output else sys.stderr
+    for metric in (BLEU(), CHRF()):
+      score = metric.corpus_score(translations, [references])
+      print(f'{score}  signature: {metric.get_signature()}', file=stream)
+  return 0

@@ -1,0 +1,66 @@
+"""Lines in and out for the decoding program: arguments, files or standard input, UTF-8."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from flax_transformer.data import DataError, split_lines
+
+
+class InputError(Exception):
+  """Bad command-line input: the message is shown as is."""
+
+
+def lines_of(data: bytes, where: str) -> list[str]:
+  """UTF-8 lines split as training splits its files; a Windows line end's '\\r' is dropped."""
+  try:
+    return [line.removesuffix('\r') for line in split_lines(data, where)]
+  except DataError as error:
+    raise InputError(str(error)) from None
+
+
+def read_input(sentences: Sequence[str], path: Path | None) -> tuple[list[str], bool]:
+  """The sentences, and whether they came from a file or stdin (then a progress bar shows)."""
+  if sentences and path:
+    raise InputError('give sentences as arguments or --input FILE, not both')
+  if sentences:
+    return list(sentences), False
+  if path is not None and str(path) != '-':
+    if not path.is_file():
+      raise InputError(f'--input {path}: no such file')
+    lines, source = lines_of(path.read_bytes(), str(path)), str(path)
+  elif sys.stdin.isatty():
+    raise InputError('nothing to translate: give sentences as arguments, --input FILE, or pipe '
+                     'text into standard input')
+  else:
+    lines, source = lines_of(sys.stdin.buffer.read(), 'standard input'), 'standard input'
+  if not lines:
+    raise InputError(f'{source} is empty: nothing to translate')
+  return lines, True
+
+
+def read_references(path: Path, count: int) -> list[str]:
+  if not path.is_file():
+    raise InputError(f'--reference {path}: no such file')
+  references = lines_of(path.read_bytes(), str(path))
+  if len(references) != count:
+    raise InputError(f'--reference {path} has {len(references)} lines, the input has {count}')
+  return references
+
+
+def open_output(path: Path | None):
+  """The --output file opened for writing, or standard output."""
+  if path is None:
+    return sys.stdout
+  try:
+    return open(path, 'w', encoding='utf-8')
+  except OSError as error:
+    raise InputError(f'--output {path}: cannot write it ({error.strerror or error})') from None
+
+
+def blocks(items: Sequence[str], size: int) -> Iterator[tuple[int, Sequence[str]]]:
+  """(first index, items) of consecutive blocks of `size` items."""
+  for start in range(0, len(items), size):
+    yield start, items[start:start + size]

@@ -1,0 +1,145 @@
+"""Train a Transformer translation model; a command line over `flax_transformer.training.train`.
+
+    python train.py                                   # the offline default: the toy task
+    python train.py --preset multi30k --data ../shared/data/multi30k --workdir runs/multi30k
+    python train.py --objective cmlm                  # a non-autoregressive model (mask-predict)
+    python train.py --coordinator HOST:PORT --num-processes N --process-id I ...  # multi-host
+
+Every setting of ModelConfig, TrainConfig and DataConfig is an option `--model.NAME=VALUE`,
+`--train.NAME=VALUE`, `--data.NAME=VALUE` over the preset's values (`--help` lists them). A
+run directory that holds checkpoints is resumed exactly, unless `--no-resume` is given.
+
+Exit status: 0 trained and evaluated; 1 an error in the data, the run directory or a write
+(one line; the checkpoints written stay); 2 a bad option or setting, refused before any work;
+3 a step's loss or gradient was not finite (more than --skip-nonfinite times; the checkpoints
+on disk are those saved before it); 130 SIGINT, 143 SIGTERM: the step reached was saved
+first (after a second Ctrl-C, or before training started, nothing new is saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from flax_transformer.cli.options import add_setting_options, configs_from_args, nonnegative_int, positive_int
+from flax_transformer.config import RUN_PRESETS, ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog='train.py', allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+      description=__doc__.split('\n\n')[0],
+      epilog='model.vocab_size and the special token ids come from the tokenizer trained on the '
+             'data (its size is at most --data.vocab_size).\nMixed precision: --bf16 computes in '
+             'bfloat16 with float32 parameters, logits and loss.')
+  run = parser.add_argument_group('run')
+  run.add_argument('--preset', choices=RUN_PRESETS, default='toy',
+                   help='named settings to start from (default: toy, offline)')
+  run.add_argument('--workdir', type=Path, help='run directory: config.json, tokenizer.json, '
+                   'checkpoints/, metrics.jsonl (default: runs/PRESET)')
+  run.add_argument('--resume', action=argparse.BooleanOptionalAction, default=True,
+                   help='continue from the latest checkpoint in --workdir if there is one; '
+                        '--no-resume deletes the previous run there and starts afresh')
+  run.add_argument('--devices', type=positive_int, metavar='N',
+                   help='use the first N local devices (default: all devices of all processes)')
+  run.add_argument('--parallel', choices=('shard_map', 'pmap'), default='shard_map',
+                   help='how the step is mapped over devices (identical results)')
+  run.add_argument('--average-last', type=positive_int, default=0, metavar='K',
+                   help='at the end, write WORKDIR/average-lastK, the mean of the last K '
+                        'checkpoints (the paper averages 5), and report its scores')
+  run.add_argument('--skip-nonfinite', type=nonnegative_int, default=0, metavar='N',
+                   help='skip up to N steps whose loss or gradient is not finite (their '
+                        'updates are not applied) before stopping; default 0: stop at the first')
+  hosts = parser.add_argument_group(
+      'multi-host', 'run the same command on every process; with --distributed alone, JAX '
+      'detects the cluster (SLURM, TPU pods, Open MPI)')
+  hosts.add_argument('--distributed', action='store_true',
+                     help='call jax.distributed.initialize() before anything else')
+  hosts.add_argument('--coordinator', metavar='HOST:PORT',
+                     help='address of process 0 (implies --distributed)')
+  hosts.add_argument('--num-processes', type=positive_int, metavar='N',
+                     help='how many processes take part (with --coordinator)')
+  hosts.add_argument('--process-id', type=int, metavar='I',
+                     help="this process's index, 0 .. N-1 (with --coordinator)")
+  add_setting_options(parser)
+  return parser
+
+
+def _start_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """jax.distributed.initialize when asked; flag mistakes are answered at once."""
+  from flax_transformer import distributed
+  if not (args.coordinator or args.distributed):
+    if args.num_processes is not None or args.process_id is not None:
+      parser.error('--num-processes and --process-id need --coordinator (or --distributed)')
+    return
+  problem = distributed.check_coordinator(args.coordinator, args.num_processes, args.process_id)
+  if problem:
+    parser.error(problem)
+  try:
+    distributed.start(args.coordinator, args.num_processes, args.process_id)
+  except ValueError as error:  # JAX names the first setting it could neither read nor detect
+    parser.error(f'jax.distributed.initialize: {error} JAX detects the cluster on TPU pods and '
+                 'under SLURM or Open MPI; elsewhere give --coordinator HOST:PORT, '
+                 '--num-processes N and --process-id I')
+
+
+def _report_failed_write(message: str, as_program: bool) -> None:
+  """Prints `message` as a line of its own; as a program, the last line printed.
+
+  After a failed write, orbax (0.12) leaves tensorstore's threads printing "Event loop
+  is closed" tracebacks until the process ends, maybe part way through a line: the
+  message goes out whole, and a program then discards what those threads print.
+  """
+  real_stderr = sys.stderr
+  if as_program:
+    sys.stderr = open(os.devnull, 'w')  # traceback printing looks up sys.stderr each time
+  real_stderr.write(f'\n{message}\n')
+  real_stderr.flush()
+  if as_program:  # ... and a traceback already part printed holds the file descriptor.
+    os.dup2(sys.stderr.fileno(), real_stderr.fileno())
+
+
+def main(argv: list[str] | None = None) -> int:
+  """The program; argv None reads sys.argv and runs as the process's program."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    configs = configs_from_args(args)
+  except ConfigError as error:
+    parser.error(str(error))
+  _start_hosts(parser, args)
+  # Imported after argument checks, so --help and option errors answer at once (and after
+  # jax.distributed.initialize, which must come before anything touches the devices).
+  from flax_transformer.checkpoint import CheckpointError, WriteError
+  from flax_transformer.data import DataError
+  from flax_transformer.interruption import Interrupted
+  from flax_transformer.tokenizer import TokenizerError
+  from flax_transformer.training import NonFiniteError, check_settings, train
+
+  try:
+    check_settings(*configs, args.average_last, args.skip_nonfinite)
+  except ConfigError as error:
+    parser.error(str(error))
+  workdir = args.workdir or Path('runs') / args.preset
+  try:
+    train(*configs, workdir, devices=args.devices, parallel=args.parallel, resume=args.resume,
+          average_last=args.average_last, skip_nonfinite=args.skip_nonfinite)
+  except WriteError as error:  # a full disk or an unwritable --workdir; names the path
+    _report_failed_write(f'train.py: error: {error}', as_program=argv is None)
+    return 1
+  except (CheckpointError, ConfigError, DataError, TokenizerError, OSError,
+          NonFiniteError) as error:
+    print(f'train.py: error: {error}', file=sys.stderr)
+    return 3 if isinstance(error, NonFiniteError) else 1
+  except Interrupted as stop:
+    print(f'train.py: {stop}', file=sys.stderr)
+    return stop.exit_code
+  except KeyboardInterrupt:
+    # A second Ctrl-C, or one outside the training loop (loading, final evaluation).
+    print(f'train.py: interrupted by SIGINT, nothing more saved; the checkpoints in {workdir} '
+          'are complete: run the same command to resume from the latest', file=sys.stderr)
+    return 128 + signal.SIGINT
+  return 0

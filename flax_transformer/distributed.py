@@ -1,0 +1,63 @@
+"""Multi-host start-up: `jax.distributed.initialize` with the choices a training run needs.
+
+    start('10.0.0.1:1234', num_processes=2, process_id=0)   # or start() under SLURM, MPI, TPU pods
+
+Call it before anything touches the devices. What is None, JAX detects.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import jax
+
+
+def check_coordinator(coordinator: str | None, num_processes: int | None,
+                      process_id: int | None) -> str | None:
+  """An error message for flags a coordinator would never answer, else None."""
+  if coordinator is not None:
+    host, _, port = coordinator.rpartition(':')
+    if not host or not port.isdigit():
+      return f'--coordinator must be HOST:PORT (the address of process 0), got {coordinator!r}'
+  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+    return (f'--process-id={process_id} is outside 0 .. {num_processes - 1} '
+            f'(--num-processes={num_processes})')
+  return None
+
+
+def start(coordinator: str | None = None, num_processes: int | None = None,
+          process_id: int | None = None) -> None:
+  """`jax.distributed.initialize`; what is None, JAX detects (TPU pods, SLURM, Open MPI).
+
+  Raises ValueError when JAX can neither read nor detect a setting.
+  """
+  # Collectives between CPU processes need an implementation: gloo (TCP, built into
+  # jaxlib) unless one is chosen in the environment (e.g. mpi). Only the CPU backend
+  # reads this; GPU and TPU collectives are unaffected.
+  if 'JAX_CPU_COLLECTIVES_IMPLEMENTATION' not in os.environ:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator, num_processes, process_id,
+                             coordinator_bind_address=loopback_bind_address(coordinator))
+  if jax.process_index() != 0:
+    # Process 0 reports for all. Set before anything imports tqdm, which reads it once:
+    # this also silences the data loading bars of `datasets` and of encode_corpus.
+    os.environ['TQDM_DISABLE'] = '1'
+
+
+def loopback_bind_address(coordinator: str | None) -> str | None:
+  """The coordinator address itself when it is a loopback one, else None.
+
+  JAX's coordinator listens on every interface by default; one reached at
+  127.0.0.1 or localhost serves this machine only, so it listens there alone and
+  a rehearsal on one machine opens no port to the network. Any other address is
+  left to the default, as process 0 may be reached by a name or NAT address that
+  is not one of its own interfaces.
+  """
+  if coordinator is None:
+    return None
+  host = coordinator.rpartition(':')[0].strip('[]')
+  try:
+    return coordinator if ipaddress.ip_address(host).is_loopback else None
+  except ValueError:
+    return coordinator if host == 'localhost' else None
