@@ -8,7 +8,9 @@ Axis legend, the same letters in every module's shapes and einsums:
   F  feed-forward width       V  vocabulary                 K  beams per sentence
   M  candidate lengths per sentence (mask-predict's length beam)
   R  candidate rows, B * M    W  mask-predict canvas width  C  length classes (cmlm)
-  I  refinement iterations    G  devices                    P  processes
+  I  refinement iterations    O  cmlm's max_length_offset   G  devices
+  P  processes                X  a dense layer's input features (contracted)
+  Y  a dense layer's output features
 
 The public names below are the API; `Translator`, the decoding methods and
 `build_model` load on first use, so that importing the package stays light.

@@ -8,7 +8,7 @@ predicts how long the target is. Decoding (`cmlm_decoding.py`) starts from a row
 of N MASKs and fills it in, in parallel, in a few refinement passes.
 
 Axis legend: B batch, S source length, T target length (the canvas), D model dim,
-V vocabulary, C = 2R + 1 length classes for R = `config.max_length_offset`.
+V vocabulary, C = 2O + 1 length classes for O = `config.max_length_offset`.
 
     model = CMLMTransformer(config)                         # config.kind == 'cmlm'
     variables = model.init(jax.random.key(0), src, tokens)
@@ -54,7 +54,7 @@ def mask_id(config: ModelConfig) -> int:
 
 
 def num_length_classes(config: ModelConfig) -> int:
-  """C = 2R + 1: target length - source length in [-R, R]."""
+  """C = 2O + 1: target length - source length in [-O, O]."""
   return 2 * config.max_length_offset + 1
 
 
@@ -102,7 +102,7 @@ class CMLMTransformer(Transformer):
       src_mask: bool `[B, 1, 1, S]`, `masks.padding_mask(src)`.
 
     Returns:
-      float32 `[B, C]`; class j means target length = source length + j - R
+      float32 `[B, C]`; class j means target length = source length + j - O
       (`lengths_from_classes`). An all-PAD source row pools to zeros.
     """
     weights = src_mask[:, 0, 0, :, None].astype(jnp.float32)                   # [B, S, 1]
@@ -186,9 +186,9 @@ def uniform_copy(src: jax.Array, tokens: jax.Array, pad_id: int) -> jax.Array:
 
 
 def length_classes(tgt_lengths: jax.Array, src_lengths: jax.Array, max_offset: int) -> jax.Array:
-  """Target lengths -> classes: clip(tgt - src, -R, R) + R, int32 in [0, 2R].
+  """Target lengths -> classes: clip(tgt - src, -O, O) + O, int32 in [0, 2O].
 
-  For R = 2: offsets -5, -2, 0, 1, 7 -> classes 0, 0, 2, 3, 4.
+  For O = 2: offsets -5, -2, 0, 1, 7 -> classes 0, 0, 2, 3, 4.
   """
   offset = jnp.asarray(tgt_lengths, jnp.int32) - jnp.asarray(src_lengths, jnp.int32)
   return jnp.clip(offset, -max_offset, max_offset) + max_offset
@@ -196,7 +196,7 @@ def length_classes(tgt_lengths: jax.Array, src_lengths: jax.Array, max_offset: i
 
 def lengths_from_classes(classes: jax.Array, src_lengths: jax.Array, max_offset: int,
                          max_len: int) -> jax.Array:
-  """Classes -> target lengths src + class - R, clipped to [1, max_len]; int32, broadcasting."""
+  """Classes -> target lengths src + class - O, clipped to [1, max_len]; int32, broadcasting."""
   lengths = jnp.asarray(src_lengths, jnp.int32) + jnp.asarray(classes, jnp.int32) - max_offset
   return jnp.clip(lengths, 1, max_len)
 
@@ -266,7 +266,7 @@ def cmlm_loss_sums(token_logits: jax.Array, length_logits: jax.Array, inputs: CM
     token_logits: float32 `[B, T, V]`.
     length_logits: float32 `[B, C]`.
     inputs: the batch's `cmlm_inputs`.
-    config: the model's config (PAD id, R).
+    config: the model's config (PAD id, O).
     smoothing: label smoothing of the token loss.
 
   Returns float32 scalars:

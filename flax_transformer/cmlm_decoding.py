@@ -1,21 +1,21 @@
 """Mask-predict decoding of a `CMLMTransformer` (Ghazvininejad et al., 2019).
 
-Axis legend: B sentences, K candidate lengths per sentence (the length beam),
-R = B * K candidate rows, S source length, W canvas width, V vocabulary,
-C length classes, I iterations.
+Axes (the package legend): B sentences, M candidate lengths per sentence (the length
+beam), R = B * M candidate rows, S source length, W canvas width, V vocabulary,
+C length classes, I iterations, O = model.max_length_offset.
 
     tokens = mask_predict(model, params, src, iterations=10, length_beam=3)   # [B, W]
 
 The steps, all in one jit-compiled program:
 
-1. Encode the source once; the length classifier's top-K classes give K
+1. Encode the source once; the length classifier's top-M classes give M
    candidate lengths N per sentence (`length='predict'`), or each sentence gets
-   N = min(source length + R, model.max_len) (`length='fixed'`, K = 1).
+   N = min(source length + O, model.max_len) (`length='fixed'`, M = 1).
 2. Each candidate is a row of the canvas `[R, W]`: N MASKs, then PAD (which no
    position attends to). W is the longest candidate plus one (room for its EOS),
    rounded up to a multiple of 8 and capped at model.max_len: the lengths come
    back to the host between two programs, so the canvas is only as wide as the
-   sentences need (W = S + R would compute 2-4x more positions on short sources),
+   sentences need (W = S + O would compute 2-4x more positions on short sources),
    and one program serves each bucket of widths.
 3. Iteration 0 predicts every position at once and keeps each token with its
    log-probability. Iteration t = 1 .. I-1 re-masks the n = floor(N (I - t) / I)
@@ -56,9 +56,9 @@ class MaskPredictConfig:
   """Mask-predict settings (static under jit).
 
   iterations: I >= 1 passes over the canvas; 1 is one-pass decoding.
-  length_beam: K >= 1 candidate lengths per sentence, the classifier's top K.
-  length: 'predict' (the classifier) or 'fixed' (min(source length + R,
-    model.max_len) positions, the output cut at the first EOS; needs K = 1).
+  length_beam: M >= 1 candidate lengths per sentence, the classifier's top M.
+  length: 'predict' (the classifier) or 'fixed' (min(source length + O,
+    model.max_len) positions, the output cut at the first EOS; needs M = 1).
   """
   iterations: int = 10
   length_beam: int = 3
@@ -105,13 +105,13 @@ def mask_predict(model: CMLMTransformer, params, src, *,
 
   Returns:
     int32 tokens `[B, W]`, W = `canvas_width(longest candidate, model.max_len)`; with `return_history`,
-    `(tokens, history)` where history holds, for the R = B * K candidate rows
-    (sentence b's candidates are rows b * K .. b * K + K - 1):
+    `(tokens, history)` where history holds, for the R = B * M candidate rows
+    (sentence b's candidates are rows b * M .. b * M + M - 1):
       'lengths': int32 `[R]`, each candidate's N (0 for batch padding);
       'masked_counts': int32 `[I, R]`, positions (re-)masked at each iteration
         (N at iteration 0, then floor(N (I - t) / I));
       'tokens': int32 `[I, R, W]`, the canvas after each iteration;
-      'scores': float32 `[B, K]`, each candidate's mean log-probability;
+      'scores': float32 `[B, M]`, each candidate's mean log-probability;
       'chosen': int32 `[B]`, the winning candidate of each sentence.
   """
   if not isinstance(model, CMLMTransformer):
@@ -150,7 +150,7 @@ def _encode(config: ModelConfig, variables, src: jax.Array, settings: MaskPredic
     return memory, module.predict_length(memory, masks.padding_mask(src, config.pad_id))
 
   memory, length_logits = CMLMTransformer(config).apply(variables, src, method=encode)
-  lengths = _candidate_lengths(length_logits, src, config, settings)             # [B, K]
+  lengths = _candidate_lengths(length_logits, src, config, settings)             # [B, M]
   return memory, lengths.reshape(-1)
 
 
@@ -158,12 +158,12 @@ def _encode(config: ModelConfig, variables, src: jax.Array, settings: MaskPredic
 def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
             lengths: jax.Array, settings: MaskPredictConfig, width: int
             ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The I passes over the canvas `[R, W]` and the choice among each sentence's K candidates."""
+  """The I passes over the canvas `[R, W]` and the choice among each sentence's M candidates."""
   model = CMLMTransformer(config)
   batch, k, iterations = src.shape[0], settings.length_beam, settings.iterations
   cross_kv = model.apply(variables, memory, method=CMLMTransformer.cross_kv)
   src_mask = masks.padding_mask(src, config.pad_id)
-  # Candidate rows b * K + j: the K candidates of a sentence share its memory.
+  # Candidate rows b * M + j: the M candidates of a sentence share its memory.
   cross_kv, src_mask, candidate_src = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0),
                                                    (cross_kv, src_mask, src))
 
@@ -200,7 +200,7 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
   last, (counts, canvases) = jax.lax.scan(refine, first, jnp.arange(1, iterations))
 
   mean_scores = (jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1)
-                 / jnp.maximum(lengths, 1)).reshape(batch, k)                   # [B, K]
+                 / jnp.maximum(lengths, 1)).reshape(batch, k)                   # [B, M]
   chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)                   # [B]
   rows = jnp.arange(batch) * k + chosen
   output = _cut_at_eos(last.tokens[rows], lengths[rows], config)
@@ -216,12 +216,12 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
 
 def _candidate_lengths(length_logits: jax.Array, src: jax.Array, config: ModelConfig,
                        settings: MaskPredictConfig) -> jax.Array:
-  """int32 `[B, K]`: the top-K predicted lengths, or the fixed one; 0 for all-PAD sources."""
+  """int32 `[B, M]`: the top-M predicted lengths, or the fixed one; 0 for all-PAD sources."""
   src_lengths = jnp.sum(src != config.pad_id, axis=1, dtype=jnp.int32)[:, None]  # [B, 1]
   if settings.length == 'fixed':
     lengths = jnp.minimum(src_lengths + config.max_length_offset, config.max_len)
   else:
-    _, classes = jax.lax.top_k(length_logits, settings.length_beam)            # [B, K]
+    _, classes = jax.lax.top_k(length_logits, settings.length_beam)            # [B, M]
     lengths = lengths_from_classes(classes, src_lengths, config.max_length_offset,
                                    config.max_len)
   return jnp.where(src_lengths > 0, lengths, 0)

@@ -10,7 +10,7 @@ matmuls of a layer (forward, input gradient, weight gradient) run in bfloat16
 with float32 accumulation, and the weight gradient is returned in float32,
 unrounded. In float32 it is exactly the ordinary dot and its autodiff.
 
-Axis legend: K contracted (input features), N output features; `...` any
+Axis legend: X contracted (input features), Y output features; `...` any
 leading axes (batch, length).
 """
 
@@ -26,9 +26,9 @@ from jax import lax
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def dense_dot(x: jax.Array, kernel: jax.Array, kernel_axis: int = 0) -> jax.Array:
-  """`x` `[..., K]` times `kernel` -> float32 `[..., N]`.
+  """`x` `[..., X]` times `kernel` -> float32 `[..., Y]`.
 
-  `kernel` is `[K, N]` (`kernel_axis=0`, a Dense kernel) or `[N, K]`
+  `kernel` is `[X, Y]` (`kernel_axis=0`, a Dense kernel) or `[Y, X]`
   (`kernel_axis=1`: an embedding table `[V, D]` used as the output projection,
   without materialising its transpose). `x` is in the compute dtype; `kernel`
   (float32 parameters) is cast to it for the product, which is accumulated in
@@ -39,7 +39,7 @@ def dense_dot(x: jax.Array, kernel: jax.Array, kernel_axis: int = 0) -> jax.Arra
 
 
 def _dot(x, kernel, kernel_axis):
-  # Contract x's last axis with the kernel's K axis: [..., K] -> [..., N], float32.
+  # Contract x's last axis with the kernel's X axis: [..., X] -> [..., Y], float32.
   return lax.dot_general(x, kernel, (((x.ndim - 1,), (kernel_axis,)), ((), ())),
                          preferred_element_type=jnp.float32)
 
@@ -52,11 +52,11 @@ def _dense_dot_fwd(x, kernel, kernel_axis):
 
 def _dense_dot_bwd(kernel_axis, residuals, grad):
   x, kernel, kernel_dtype = residuals
-  grad = grad.astype(x.dtype)                                              # [..., N]
-  # d x = grad kernel^T: contract N, [..., N] -> [..., K]
+  grad = grad.astype(x.dtype)                                              # [..., Y]
+  # d x = grad kernel^T: contract Y, [..., Y] -> [..., X]
   dx = lax.dot_general(grad, kernel, (((grad.ndim - 1,), (1 - kernel_axis,)), ((), ())),
                        preferred_element_type=jnp.float32)
-  # d kernel = x^T grad ([K, N]) or grad^T x ([N, K]), summed over all leading axes.
+  # d kernel = x^T grad ([X, Y]) or grad^T x ([Y, X]), summed over all leading axes.
   leading = tuple(range(x.ndim - 1))
   pair = (x, grad) if kernel_axis == 0 else (grad, x)
   dkernel = lax.dot_general(*pair, ((leading, leading), ((), ())),
@@ -68,7 +68,7 @@ dense_dot.defvjp(_dense_dot_fwd, _dense_dot_bwd)
 
 
 class Dense(nn.Module):
-  """`nn.Dense` with the same parameters ('kernel' `[K, N]`, 'bias' `[N]`, float32) on `dense_dot`.
+  """`nn.Dense` with the same parameters ('kernel' `[X, Y]`, 'bias' `[Y]`, float32) on `dense_dot`.
 
   The input is cast to `dtype`, the product and the bias are summed in
   float32, and the result is returned in `dtype`, as `nn.Dense(dtype=...)` does.
@@ -81,7 +81,7 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    """`[..., K]` -> `[..., features]`."""
+    """`[..., X]` -> `[..., features]`."""
     kernel = self.param('kernel', self.kernel_init, (x.shape[-1], self.features), jnp.float32)
     y = dense_dot(x.astype(self.dtype), kernel)
     if self.use_bias:

@@ -1,7 +1,7 @@
 """Loss, learning-rate schedule, optimizer and the data-parallel training step.
 
 Axis legend: B batch rows (per device inside a mapped step), S source length,
-T target length, V vocabulary, D devices.
+T target length, V vocabulary, G devices.
 
 One per-device function, `train_step`, holds the whole update; `DataParallel`
 maps it over devices with `jax.shard_map` (a `('data',)` mesh, parameters
@@ -323,7 +323,7 @@ class DataParallel:
     mesh (`P()`); batch rows are split over it (`P('data')`).
   'pmap': state leaves carry a leading axis over this process's devices
     `[D_local, ...]`; this process's rows of a batch are reshaped to
-    `[D_local, B / D, ...]`. The pmap spans the devices of every process.
+    `[G_local, B / G, ...]`. The pmap spans the devices of every process.
 
   Multi-host: every process builds the same global batch (step-indexed, from
   the same seed), keeps its contiguous block of rows (`batching.shard`), and

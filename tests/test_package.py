@@ -1,0 +1,100 @@
+"""The package's shape: short functions, thin programs, and an inference path without training code."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from flax_transformer import DataConfig, ModelConfig, TrainConfig
+from flax_transformer.build import build_model
+from flax_transformer.checkpoint import Checkpoints
+from flax_transformer.run_directory import write_config
+from flax_transformer.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FUNCTION_LINES = 60
+MAX_PROGRAM_LINES = 150
+
+
+def code_lines(function: ast.FunctionDef, lines: list[str]) -> int:
+  """Non-blank, non-comment lines of a function's body, its docstring left out."""
+  body = function.body
+  has_docstring = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                   and isinstance(body[0].value.value, str))
+  if has_docstring and len(body) == 1:
+    return 0
+  first = body[1].lineno if has_docstring else body[0].lineno
+  # Decorators and the signature sit before `first`; the body ends at the function's end.
+  return sum(1 for line in lines[first - 1:function.end_lineno]
+             if line.strip() and not line.strip().startswith('#'))
+
+
+def test_code_lines_counts_the_body_without_docstring_comments_or_blanks():
+  source = 'def f(x):\n  """Doc.\n\n  More."""\n  # why\n  y = x\n\n  return y\n'
+  (function,) = ast.parse(source).body
+  assert code_lines(function, source.splitlines()) == 2
+
+
+def test_no_library_function_is_longer_than_60_lines():
+  too_long = []
+  for path in sorted((ROOT / 'flax_transformer').rglob('*.py')):
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        count = code_lines(node, source.splitlines())
+        if count > MAX_FUNCTION_LINES:
+          too_long.append(f'{path.relative_to(ROOT)}:{node.lineno} {node.name}: {count} lines')
+  assert not too_long, too_long
+
+
+@pytest.mark.parametrize('program', ['train.py', 'decode.py', 'distill.py',
+                                     'flax_transformer/cli/train.py',
+                                     'flax_transformer/cli/decode.py',
+                                     'flax_transformer/cli/distill.py'])
+def test_programs_are_thin(program):
+  assert len((ROOT / program).read_text().splitlines()) < MAX_PROGRAM_LINES
+
+
+def test_every_program_is_an_installed_command():
+  import tomllib
+  scripts = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
+  assert scripts == {f'flax-transformer-{name}': f'flax_transformer.cli.{name}:main'
+                     for name in ('train', 'decode', 'distill')}
+  for name in ('train', 'decode', 'distill'):
+    assert f'from flax_transformer.cli.{name} import main' in (ROOT / f'{name}.py').read_text()
+
+
+@pytest.fixture(scope='module')
+def untrained_run(tmp_path_factory) -> Path:
+  """A run directory holding a tiny model's initial parameters: config, tokenizer, checkpoint."""
+  workdir = tmp_path_factory.mktemp('untrained')
+  tokenizer = Tokenizer.train(['one two three', 'eins zwei drei'] * 20, 40, 'bpe')
+  tokenizer.save(workdir)
+  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size)
+  write_config(workdir, config, TrainConfig.toy(), DataConfig())
+  tokens = jax.numpy.ones((1, 4), jax.numpy.int32)
+  params = build_model(config).init(jax.random.key(0), tokens, tokens)['params']
+  checkpoints = Checkpoints(workdir)
+  checkpoints.save_params(1, jax.device_get(params))
+  checkpoints.close()
+  return workdir
+
+
+def test_decoding_imports_neither_optax_nor_the_training_step(untrained_run):
+  # A fresh interpreter: what the test session imported does not count.
+  script = f'''
+import json, sys
+from flax_transformer.cli.decode import main
+status = main(['--checkpoint', {str(untrained_run)!r}, '--method', 'greedy', 'one two'])
+loaded = [name for name in sys.modules if name.split('.')[0] == 'optax'
+          or name in ('flax_transformer.train_step', 'flax_transformer.training')]
+print(json.dumps({{'status': status, 'loaded': loaded}}))
+'''
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert report == {'status': 0, 'loaded': []}, result.stderr[-2000:]
