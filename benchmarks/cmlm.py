@@ -10,7 +10,7 @@ predict the source length, so every method produces the same number of tokens
 (with a length beam of 3, the other two candidates are 15 and 17 tokens).
 Sentences/s at batch 1 and batch 64, medians of interleaved rounds after
 compilation. Quality is not measured here (random weights).
-Results: benchmarks/results/nat_speed.json.
+Results: benchmarks/results/cmlm_speed.json.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main() -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--quick', action='store_true', help='batch 1 only, 2 rounds')
   parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--output', help='JSON file (default benchmarks/results/nat_speed[_quick].json)')
+  parser.add_argument('--output', help='JSON file (default benchmarks/results/cmlm_speed[_quick].json)')
   args = parser.parse_args()
   rounds = 2 if args.quick else args.rounds
   batches = (1,) if args.quick else (1, 64)
@@ -104,8 +104,8 @@ def main() -> None:
   for r in rows:
     print(f'{r["batch"]:5d} {r["method"]:<26s} {r["median_s"] * 1e3:8.1f} '
           f'{r["sentences_per_s"]:8.1f} {r["speedup_vs_greedy"]:8.2f}x')
-  output = Path(args.output or RESULTS / f'nat_speed{"_quick" if args.quick else ""}.json')
-  common.write_json(output, {'benchmark': 'nat_speed', 'machine': common.machine_info(os.cpu_count()),
+  output = Path(args.output or RESULTS / f'cmlm_speed{"_quick" if args.quick else ""}.json')
+  common.write_json(output, {'benchmark': 'cmlm_speed', 'machine': common.machine_info(os.cpu_count()),
                              'accelerator': common.accelerator_info(), 'length': LENGTH,
                              'rounds': rounds, 'rows': rows})
   print(f'wrote {output}')

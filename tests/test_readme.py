@@ -39,7 +39,7 @@ def toy_run_directory(tmp_path_factory) -> Path:
   directory = tmp_path_factory.mktemp('readme')
   model_config, train_config, data_config = run_preset('toy')
   train_only = datasets.DatasetDict({'train': number_translation()['train']})
-  train(model_config, train_config.replace(steps=40, eval_every=40, checkpoint_every=40),
+  train(model_config, train_config.replace(steps=40, eval_every=40, checkpoint_every=20),
         data_config, directory / 'runs' / 'toy', dataset=train_only,
         print_fn=lambda message: None)
   return directory
