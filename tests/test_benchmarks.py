@@ -152,13 +152,19 @@ def test_a_partial_decode_report_has_the_sections_of_its_groups_only():
   assert "decode steps' matmuls alone" in text and '2x Marian would need' in text
 
 
-def test_every_multi30k_variant_is_a_valid_search():
-  from benchmarks.multi30k import nat_searches, searches
-  from flax_transformer.translate import Search
-  variants = {**nat_searches(), **searches([0.6, 1.5])}
-  assert {'nat-T10-l3', 'nat-T1-fixed', 'nat-T10-fixed', 'greedy', 'beam4-a1.5'} <= set(variants)
-  for name, settings in variants.items():
-    Search(**settings)  # raises ConfigError on a contradictory setting
+def test_every_multi30k_variant_decodes_the_model_kind_it_is_for():
+  from benchmarks.multi30k import mask_predict_searches, searches
+  from flax_transformer.methods import BeamSearch, MaskPredict
+  cmlm_variants, variants = mask_predict_searches(), searches([0.6, 1.5])
+  assert {'mask-predict-T10-l3', 'mask-predict-T1-fixed', 'mask-predict-T10-fixed'} <= set(
+      cmlm_variants)
+  assert cmlm_variants['mask-predict-T10-fixed'] == MaskPredict(iterations=10, length_beam=1,
+                                                                length='fixed')
+  assert variants['beam4-a1.5'] == BeamSearch(beam_size=4, alpha=1.5)
+  for method in cmlm_variants.values():
+    method.check_model(ModelConfig.tiny(kind='cmlm'))
+  for method in variants.values():
+    method.check_model(ModelConfig.tiny())
 
 
 @pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')
