@@ -47,10 +47,9 @@ from flax_transformer.checkpoint import Checkpoints, load_for_inference, read_co
 from flax_transformer.model import Transformer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import TrainState, create_train_state, make_optimizer
+import train as train_cli  # the script at the repository root
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import train as train_cli  # noqa: E402  (the script at the repository root)
 
 STEPS = 4
 SAVE_EVERY = 2

@@ -11,7 +11,6 @@
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import jax
@@ -31,13 +30,11 @@ from flax_transformer.train_step import (DataParallel, create_train_state, lengt
                                          make_optimizer, make_parallel_eval, make_parallel_step,
                                          token_metrics)
 from flax_transformer.translate import Search, Translator
+import decode as decode_cli  # the scripts at the repository root
+import train as train_cli
 from device_workers import run_values, run_worker
 from script_calls import call, error_line
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import decode as decode_cli  # noqa: E402  (the scripts at the repository root)
-import train as train_cli  # noqa: E402
 
 # A random or barely trained model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')

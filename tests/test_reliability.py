@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import datasets
@@ -36,6 +35,8 @@ from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.training import NonFiniteError, train
 from flax_transformer.translate import Translator
+import decode as decode_cli  # the scripts at the repository root
+import train as train_cli
 # Restoring a run directory's training state, as tests/test_interrupt.py compares them.
 from test_interrupt import assert_trees_equal, saved_steps, train_state
 from script_calls import call, error_line
@@ -43,10 +44,6 @@ from script_calls import call, error_line
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import decode as decode_cli  # noqa: E402  (the scripts at the repository root)
-import train as train_cli  # noqa: E402
 
 # The tiny model of tests/test_interrupt.py: one training-step shape per corpus.
 OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',

@@ -17,11 +17,9 @@ from flax_transformer.data import load_parallel
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.toy_task import number_translation
 from flax_transformer.training import train
+import train as train_cli  # the script at the repository root
 
-ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = Path(__file__).resolve().parents[2] / 'shared/data/multi30k'
-sys.path.insert(0, str(ROOT))
-import train as train_cli  # noqa: E402  (the script at the repository root)
 
 # Dropout stays on: exact resume must reproduce the step-folded dropout keys too. One layer
 # each side and a vocabulary that puts every pair in the 8-token bucket keep compiles short.
