@@ -9,7 +9,7 @@ concurrent processes:
               is saved.
   2 term      resumed, and stopped by SIGINT three steps later: exit 130, the
               step reached (the run's total, T) is saved.
-    killed    tests/held_commit.py: checkpoint HELD is written but its commit
+    killed    tests/support/held_commit.py: checkpoint HELD is written but its commit
               (the rename of HELD.orbax-checkpoint-tmp to HELD) waits; the test
               polls for the temporary directory and sends SIGKILL at once. The
               kill lands after the checkpoint's files began to appear and
@@ -236,7 +236,7 @@ def runs(setup):
   killed_dir = base / 'killed'
   held = killed_dir / 'checkpoints' / f'{HELD}.orbax-checkpoint-tmp'
   killed = setup.launch('killed', steps=HELD + SAVE_EVERY,
-                        script=('tests/held_commit.py', str(HELD)))
+                        script=('tests/support/held_commit.py', str(HELD)))
   disk = setup.launch('disk', steps=4 * SAVE_EVERY, script=('-c', LIMITED, 'train.py'))
   process = setup.launch('term', steps=100_000)
   wait_for(lambda: max(logged(term)) >= facts['term_step'] + 3, process, 'three more steps')

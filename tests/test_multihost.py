@@ -8,7 +8,7 @@ row block on the device of the same index, hence the same dropout masks. The
 two runs must agree step by step; the 2-process run's checkpoint, restored
 here (one process, one device) as a resumed run restores it, must hold the
 1-process run's training state; and only process 0 may print or write the
-run's files. tests/multihost_worker.py, a second 2-process job started at the
+run's files. tests/support/multihost_worker.py, a second 2-process job started at the
 same time, covers pmap and the split BLEU decoding.
 
 Tolerances: the runs differ only in how the all-reduce sums the 4 devices'
@@ -165,8 +165,8 @@ def runs(tmp_path_factory):
                                  '--num-processes=2', f'--process-id={i}'), 2)
           for i in range(2)}
   jobs['one process'] = (train(dirs['one']), 4)
-  jobs.update({f'worker {i}': (['tests/multihost_worker.py', f'127.0.0.1:{worker_port}', str(i),
-                                str(dirs['worker'])], 2) for i in range(2)})
+  jobs.update({f'worker {i}': (['tests/support/multihost_worker.py', f'127.0.0.1:{worker_port}',
+                                str(i), str(dirs['worker'])], 2) for i in range(2)})
   outputs = run_together(jobs, root, time.monotonic() + DEADLINE_S)
   return {'dirs': dirs, 'outputs': outputs,
           'errors': {name: (root / f'{name}.err').read_text() for name in outputs}}

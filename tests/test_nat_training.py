@@ -32,8 +32,8 @@ from flax_transformer.train_step import (DataParallel, create_train_state, lengt
 from flax_transformer.translate import Search, Translator
 import decode as decode_cli  # the scripts at the repository root
 import train as train_cli
-from device_workers import run_values, run_worker
-from script_calls import call, error_line
+from support.device_workers import run_values, run_worker
+from support.script_calls import call, error_line
 
 
 # A random or barely trained model's translations run to the output budget, which max_len caps.
