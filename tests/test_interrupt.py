@@ -40,16 +40,12 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
-from flax_transformer.checkpoint import Checkpoints, file_digest, read_config
-from flax_transformer.model import Transformer
+from flax_transformer.checkpoint import file_digest
 from flax_transformer.toy_task import number_translation
-from flax_transformer.train_step import create_train_state, make_optimizer
-# Loopback-only multi-process jobs, as tests/test_multihost.py starts them.
-from test_multihost import free_ports, host_name_is_loopback
+from support.processes import free_ports, host_name_is_loopback
+from support.runs import assert_trees_equal, saved_steps, train_state
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_EVERY = 2
@@ -175,33 +171,6 @@ def logged(workdir: Path) -> dict[int, dict]:
 def last_line(path: Path) -> str:
   """The last line of a log, progress bars' carriage returns counting as line ends."""
   return re.split(r'[\r\n]', path.read_text().strip())[-1]
-
-
-def saved_steps(workdir: Path) -> list[int]:
-  checkpoints = Checkpoints(workdir, read_only=True)
-  try:
-    return checkpoints.steps()
-  finally:
-    checkpoints.close()
-
-
-def train_state(workdir: Path, step: int):
-  """The TrainState saved at `step`, for the model and optimizer of WORKDIR/config.json."""
-  model_config, train_config, _ = read_config(workdir)
-  model = Transformer(model_config)
-  abstract = jax.eval_shape(lambda: create_train_state(
-      model, make_optimizer(train_config, model_config), train_config.seed))
-  checkpoints = Checkpoints(workdir, read_only=True)
-  try:
-    return checkpoints.restore(step, abstract)
-  finally:
-    checkpoints.close()
-
-
-def assert_trees_equal(actual, expected):
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    np.testing.assert_array_equal(a, e)
 
 
 @pytest.fixture(scope='module')

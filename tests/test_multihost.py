@@ -29,7 +29,6 @@ fixture fails. Only loopback is used: the coordinator is bound to 127.0.0.1
 on the address of this machine's host name, which the test checks is loopback.
 """
 
-import ipaddress
 import json
 import os
 import socket
@@ -48,6 +47,7 @@ from flax_transformer.model import Transformer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import TrainState, create_train_state, make_optimizer
 import train as train_cli  # the script at the repository root
+from support.processes import free_ports, host_name_is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,26 +72,6 @@ FINAL_VALUES = tuple(f'{prefix}{name}' for prefix in ('', 'avg_')
 # What process 0 prints for the job: none of it may come from process 1.
 REPORTS = ('data:', 'tokenizer:', 'model:', 'validation loss', 'greedy decoding of')
 TRAIN_VALUES = ('loss', 'ppl', 'accuracy', 'learning_rate', 'grad_norm')
-
-
-def free_ports(count: int) -> list[int]:
-  """Ports the OS has just found free on 127.0.0.1, distinct (all held while choosing)."""
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(('127.0.0.1', 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
-
-
-def host_name_is_loopback() -> bool:
-  """Whether gloo's TCP transport, which listens on the host name's address, stays on loopback."""
-  try:
-    return ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback
-  except OSError:
-    return False
 
 
 def environment(devices: int) -> dict[str, str]:

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from flax_transformer import distill
-from flax_transformer.batching import Batch
 from flax_transformer.checkpoint import Checkpoints, write_config
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import load_parallel
@@ -32,6 +31,7 @@ from flax_transformer.train_step import (DataParallel, create_train_state, lengt
 from flax_transformer.translate import Search, Translator
 import decode as decode_cli  # the scripts at the repository root
 import train as train_cli
+from support.copy_task import PAD, copy_batch
 from support.device_workers import run_values, run_worker
 from support.script_calls import call, error_line
 
@@ -39,26 +39,12 @@ from support.script_calls import call, error_line
 # A random or barely trained model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
 
-PAD, BOS, EOS = 0, 1, 2
 # The model of tests/test_reliability.py: one layer each side, 16 positions.
 OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
            '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
            '--model.max_length_offset=4', '--data.vocab_size=256', '--train.max_tokens=256',
            '--train.warmup_steps=4', '--train.log_every=2', '--train.eval_every=2',
            '--train.checkpoint_every=2']
-
-
-def copy_batch(rng, rows, length, vocab):
-  """Copy rows `x1..xm </s>` of very different lengths (long first), then one all-PAD row."""
-  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
-  for row in range(rows - 1):
-    words = rng.integers(4, vocab, max(1, length - 1 - 2 * row))
-    src[row, :len(words) + 1] = [*words, EOS]
-    tgt_in[row, :len(words) + 1] = [BOS, *words]
-    tgt_out[row, :len(words) + 1] = [*words, EOS]
-  example_ids = np.arange(rows, dtype=np.int32)
-  example_ids[-1] = -1
-  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids)
 
 
 # --- the training step ------------------------------------------------------------------
@@ -72,7 +58,7 @@ from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nat import CMLMTransformer
 from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
                                          make_parallel_eval, make_parallel_step)
-from test_nat_training import copy_batch
+from support.copy_task import copy_batch
 
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 assert jax.device_count() == 2, jax.devices()

@@ -37,8 +37,7 @@ from flax_transformer.training import NonFiniteError, train
 from flax_transformer.translate import Translator
 import decode as decode_cli  # the scripts at the repository root
 import train as train_cli
-# Restoring a run directory's training state, as tests/test_interrupt.py compares them.
-from test_interrupt import assert_trees_equal, saved_steps, train_state
+from support.runs import assert_trees_equal, saved_steps, train_state
 from support.script_calls import call, error_line
 
 # A random model's translations run to the output budget, which max_len caps.
