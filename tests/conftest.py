@@ -10,9 +10,24 @@ Import paths, set here once, before any test file is imported:
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 for path in (TESTS, ROOT):  # ROOT ends up first
   if str(path) in sys.path:
     sys.path.remove(str(path))
   sys.path.insert(0, str(path))
+
+
+# --- data -----------------------------------------------------------------------------
+
+MULTI30K = ROOT.parent / 'shared' / 'data' / 'multi30k'
+
+
+@pytest.fixture(scope='session')
+def multi30k_dir() -> Path:
+  """The Multi30k corpus as <split>.<lang> files beside the checkout; skips the test without it."""
+  if not MULTI30K.is_dir():
+    pytest.skip(f'Multi30k not found at {MULTI30K}')
+  return MULTI30K

@@ -4,7 +4,6 @@ import dataclasses
 import json
 import sys
 import types
-from pathlib import Path
 
 import datasets
 import jax
@@ -18,8 +17,6 @@ from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.toy_task import number_translation
 from flax_transformer.training import train
 import train as train_cli  # the script at the repository root
-
-MULTI30K = Path(__file__).resolve().parents[2] / 'shared/data/multi30k'
 
 # Dropout stays on: exact resume must reproduce the step-folded dropout keys too. One layer
 # each side and a vocabulary that puts every pair in the 8-token bucket keep compiles short.
@@ -111,17 +108,16 @@ def test_full_run_writes_the_run_directory_and_reports(tmp_path, numbers):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f'Multi30k not found at {MULTI30K}')
 @pytest.mark.filterwarnings('ignore:source length .* output capped')  # long test sentences
-def test_short_train_on_multi30k(tmp_path):
-  multi30k = load_parallel(str(MULTI30K), 'en', 'de')
+def test_short_train_on_multi30k(tmp_path, multi30k_dir):
+  multi30k = load_parallel(str(multi30k_dir), 'en', 'de')
   # The whole training split (tokenizer and batches); 16 test sentences to decode.
   subset = datasets.DatasetDict({'train': multi30k['train'],
                                  'test': multi30k['test'].select(range(16))})
   messages = []
   # Two steps: each batch shape compiles once, and Multi30k's buckets give several shapes.
   result = train(MODEL, TRAIN.replace(steps=2, max_tokens=512),
-                 DataConfig(source=str(MULTI30K), vocab_size=1000), tmp_path, dataset=subset,
+                 DataConfig(source=str(multi30k_dir), vocab_size=1000), tmp_path, dataset=subset,
                  print_fn=messages.append)
   text = '\n'.join(messages)
   assert 'train: 29,000 pairs' in text
