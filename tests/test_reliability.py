@@ -1,7 +1,7 @@
 """Failure handling in-process: non-finite steps, messy data, bad options, decode robustness.
 
 train.py and decode.py are called through their `main` here (exit status and
-standard error as a user sees them); tests/test_interrupt.py runs real
+standard error as a user sees them); tests/test_interruption.py runs real
 processes for signals, kill -9 and a full disk. Each case asserts the message
 a user gets and what is left on disk.
 
@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import datasets
@@ -28,7 +27,6 @@ import pytest
 from flax_transformer.batching import Batcher
 from flax_transformer.checkpoint import Checkpoints, write_config
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import Transformer
 from flax_transformer.tokenizer import Tokenizer
@@ -44,7 +42,7 @@ from support.script_calls import call, error_line
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
 
 
-# The tiny model of tests/test_interrupt.py: one training-step shape per corpus.
+# The tiny model of tests/test_interruption.py: one training-step shape per corpus.
 OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
            '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
            '--data.vocab_size=256', '--train.max_tokens=256', '--train.warmup_steps=4',
@@ -367,26 +365,6 @@ def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_pat
 
 
 # --- the pieces -------------------------------------------------------------------------
-
-def test_stop_signals_note_the_first_signal_and_a_second_ctrl_c_stops_at_once():
-  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-  with StopSignals() as stop:
-    assert not stop.requested(1)
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert stop.requested(2) and stop.signal_number == signal.SIGTERM
-    os.kill(os.getpid(), signal.SIGINT)  # after SIGTERM: still the save under way
-    assert stop.signal_number == signal.SIGTERM
-  with StopSignals() as stop:
-    os.kill(os.getpid(), signal.SIGINT)
-    assert stop.requested(1) and stop.signal_number == signal.SIGINT
-    with pytest.raises(KeyboardInterrupt, match='second SIGINT'):
-      os.kill(os.getpid(), signal.SIGINT)
-  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-  stopped = Interrupted(signal.SIGTERM, 7, Path('run/checkpoints/7'))
-  assert stopped.exit_code == 143 and str(stopped) == (
-      'stopped by SIGTERM after step 7; saved run/checkpoints/7. Run the same command again to '
-      'resume from there.')
-
 
 def test_metrics_log_drops_a_line_cut_short_and_names_a_malformed_one(tmp_path):
   path = tmp_path / 'metrics.jsonl'

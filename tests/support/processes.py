@@ -1,4 +1,4 @@
-"""Multi-process JAX jobs on loopback only, as tests/test_multihost.py and tests/test_interrupt.py start them."""
+"""Multi-process JAX jobs on loopback only: tests/test_multihost.py, tests/test_interruption.py."""
 
 import ipaddress
 import socket

@@ -1,4 +1,6 @@
-"""Real train.py processes stopped by SIGTERM, SIGINT, kill -9 in the middle of a save, a full disk.
+"""Stopping training: StopSignals and Interrupted (flax_transformer/interruption.py) in this
+process, and real train.py processes stopped by SIGTERM, SIGINT, kill -9 in the middle of a
+save, a full disk.
 
 One corpus and one set of settings for every process, so that they compile the
 same training step; JAX's persistent compilation cache (a directory of this
@@ -43,6 +45,7 @@ from pathlib import Path
 import pytest
 
 from flax_transformer.checkpoint import file_digest
+from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.toy_task import number_translation
 from support.processes import free_ports, host_name_is_loopback
 from support.runs import assert_trees_equal, saved_steps, train_state
@@ -339,3 +342,25 @@ def test_a_full_disk_stops_training_with_one_clear_line(runs, setup):
   assert max(logged(workdir)) <= 2 * SAVE_EVERY
   assert [p.name for p in (workdir / 'checkpoints').iterdir()] == [
       f'{SAVE_EVERY}.orbax-checkpoint-tmp']
+
+
+# --- StopSignals and Interrupted, in this process ----------------------------------------
+
+def test_stop_signals_note_the_first_signal_and_a_second_ctrl_c_stops_at_once():
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  with StopSignals() as stop:
+    assert not stop.requested(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested(2) and stop.signal_number == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGINT)  # after SIGTERM: still the save under way
+    assert stop.signal_number == signal.SIGTERM
+  with StopSignals() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.requested(1) and stop.signal_number == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt, match='second SIGINT'):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+  stopped = Interrupted(signal.SIGTERM, 7, Path('run/checkpoints/7'))
+  assert stopped.exit_code == 143 and str(stopped) == (
+      'stopped by SIGTERM after step 7; saved run/checkpoints/7. Run the same command again to '
+      'resume from there.')
