@@ -362,16 +362,3 @@ def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_pat
   assert status == 2 and error_line(err, 'decode.py') == (
       f'decode.py: error: --output {tmp_path}/missing/out.txt: cannot write it (No such file or '
       'directory)')
-
-
-# --- the pieces -------------------------------------------------------------------------
-
-def test_metrics_log_drops_a_line_cut_short_and_names_a_malformed_one(tmp_path):
-  path = tmp_path / 'metrics.jsonl'
-  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
-  assert MetricsLog.read(path) == [{'step': 1, 'loss': 2.0}, {'step': 2, 'loss': 1.5}]
-  MetricsLog(path, resume_step=2).close()
-  assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
-  path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-  with pytest.raises(ValueError, match=f'{path}, line 2: not a JSON object'):
-    MetricsLog.read(path)

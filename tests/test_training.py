@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import sys
-import types
 
 import datasets
 import jax
@@ -13,7 +11,6 @@ import pytest
 from flax_transformer.checkpoint import CheckpointError, load_for_inference
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import load_parallel
-from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.toy_task import number_translation
 from flax_transformer.training import train
 import train as train_cli  # the script at the repository root
@@ -124,36 +121,6 @@ def test_short_train_on_multi30k(tmp_path, multi30k_dir):
   assert result.tokenizer.vocab_size == 1000
   assert int(result.state.step) == 2 and np.isfinite(result.scores['loss'])
   assert 'test, greedy decoding of 16 sentences' in text
-
-
-def test_metrics_log_writes_tensorboard_when_installed(tmp_path, monkeypatch):
-  scalars = []
-
-  class SummaryWriter:
-    def __init__(self, logdir):
-      self.logdir = logdir
-
-    def add_scalar(self, name, value, step):
-      scalars.append((name, value, step))
-
-    def close(self):
-      scalars.append('closed')
-
-  monkeypatch.setitem(sys.modules, 'tensorboardX', types.SimpleNamespace(SummaryWriter=SummaryWriter))
-  log = MetricsLog(tmp_path / 'metrics.jsonl', tensorboard_dir=tmp_path / 'tb')
-  log.write(3, {'loss': 1.5, 'val_loss': 2.0})
-  log.close()
-  assert scalars == [('loss', 1.5, 3), ('val_loss', 2.0, 3), 'closed']
-  assert MetricsLog.read(tmp_path / 'metrics.jsonl') == [{'step': 3, 'loss': 1.5, 'val_loss': 2.0}]
-
-
-def test_metrics_log_without_tensorboard_writes_json_lines_only(tmp_path, monkeypatch):
-  monkeypatch.setitem(sys.modules, 'tensorboardX', None)  # import fails
-  log = MetricsLog(tmp_path / 'metrics.jsonl', tensorboard_dir=tmp_path / 'tb')
-  log.write(1, {'loss': 2.5})
-  log.close()
-  assert not (tmp_path / 'tb').exists()
-  assert MetricsLog.read(tmp_path / 'metrics.jsonl') == [{'step': 1, 'loss': 2.5}]
 
 
 # --- train.py ------------------------------------------------------------------------
