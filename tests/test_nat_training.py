@@ -11,7 +11,6 @@
 
 import json
 import re
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -24,13 +23,10 @@ from flax_transformer.data import load_parallel
 from flax_transformer.model import Transformer
 from flax_transformer.nat import CMLMTransformer
 from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import (DataParallel, create_train_state, length_metrics,
                                          make_optimizer, make_parallel_eval, make_parallel_step,
                                          token_metrics)
 from flax_transformer.translate import Search, Translator
-import decode as decode_cli  # the scripts at the repository root
-import train as train_cli
 from support.copy_task import PAD, copy_batch
 from support.device_workers import run_values, run_worker
 from support.script_calls import call, error_line
@@ -38,14 +34,6 @@ from support.script_calls import call, error_line
 
 # A random or barely trained model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
-
-# The model of tests/test_reliability.py: one layer each side, 16 positions.
-OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
-           '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
-           '--model.max_length_offset=4', '--data.vocab_size=256', '--train.max_tokens=256',
-           '--train.warmup_steps=4', '--train.log_every=2', '--train.eval_every=2',
-           '--train.checkpoint_every=2']
-
 
 # --- the training step ------------------------------------------------------------------
 
@@ -176,33 +164,11 @@ def test_cmlm_validation_sums_are_deterministic(copy_task_training):
   assert 7 <= a['tokens'] <= (batches[0].tgt_out != PAD).sum()
 
 
-# --- train.py and decode.py ---------------------------------------------------------------
-
-def write_corpus(directory: Path) -> Path:
-  numbers = number_translation(num_train=64, num_validation=8, num_test=8)
-  stems = {'train': 'train', 'validation': 'val', 'test': 'test'}
-  directory.mkdir(parents=True)
-  for split, stem in stems.items():
-    for column, lang in (('source', 'en'), ('target', 'de')):
-      (directory / f'{stem}.{lang}').write_text(''.join(f'{line}\n'
-                                                        for line in numbers[split][column]))
-  return directory
-
+# --- train.py --objective cmlm (conftest.py's cmlm_run) --------------------------------------
 
 @pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-  return write_corpus(tmp_path_factory.mktemp('data') / 'numbers')
-
-
-@pytest.fixture(scope='module')
-def cmlm_run(tmp_path_factory, corpus):
-  """train.py --objective cmlm for 4 steps with --average-last 2, then resumed to 6."""
-  workdir = tmp_path_factory.mktemp('cmlm') / 'run'
-  first = call(train_cli.main, ['--objective', 'cmlm', *OPTIONS, '--data', corpus, '--steps=4',
-                                '--average-last', '2', '--workdir', workdir])
-  resumed = call(train_cli.main, ['--objective', 'cmlm', *OPTIONS, '--data', corpus,
-                                  '--steps=6', '--workdir', workdir])
-  return {'workdir': workdir, 'first': first, 'resumed': resumed}
+def corpus(numbers_corpus):
+  return numbers_corpus
 
 
 def test_train_cli_cmlm_writes_a_cmlm_run(cmlm_run):
@@ -229,48 +195,6 @@ def test_train_cli_cmlm_resumes(cmlm_run):
   assert status == 0, err
   assert re.search(r'resumed from .*checkpoints/4', out)
   assert sorted(int(p.name) for p in (cmlm_run['workdir'] / 'checkpoints').iterdir()) == [2, 4, 6]
-
-
-def test_decode_cli_method_nat_translates_a_cmlm_run(cmlm_run, tmp_path):
-  workdir = cmlm_run['workdir']
-  source = tmp_path / 'in.en'
-  source.write_text('one hundred\n\ntwenty-two\n')
-  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'nat',
-                                            '--iterations', '4', '--length-beam', '2',
-                                            '--input', source])
-  assert status == 0, err
-  lines = out.split('\n')[:-1]
-  assert len(lines) == 3 and lines[1] == ''
-  translator = Translator.from_checkpoint(workdir)
-  assert lines[::2] == translator.translate(['one hundred', 'twenty-two'], method='nat',
-                                            iterations=4, length_beam=2)
-  # The averaged checkpoints' directory and a fixed length decode too.
-  status, out, err = call(decode_cli.main, ['--checkpoint', workdir / 'average-last2', '--method',
-                                            'nat', '--nat-length', 'fixed', 'one hundred'])
-  assert status == 0 and len(out.split('\n')) == 2, err
-  # Without --method a cmlm checkpoint decodes with mask-predict, the default of its kind,
-  # as Translator.translate does without a method.
-  status, default_out, err = call(decode_cli.main, ['--checkpoint', workdir, 'twenty-two'])
-  assert status == 0, err
-  assert default_out == translator.translate(['twenty-two'])[0] + '\n'
-  assert default_out == translator.translate(['twenty-two'], method='nat')[0] + '\n'
-
-
-@pytest.mark.parametrize('argv, message', [
-    (['--method', 'beam'], "method 'beam' decodes autoregressive models, but this model is "
-                           "model.kind='cmlm'; use method 'nat'"),
-    (['--method', 'greedy'], "method 'greedy' decodes autoregressive models"),
-    (['--method', 'nat', '--max-len', '5'], "max_len only applies to the autoregressive methods"),
-    (['--method', 'beam', '--iterations', '4'],
-     "iterations only apply to method 'nat', not 'beam'"),
-    (['--method', 'nat', '--nat-length', 'fixed', '--length-beam', '3'],
-     "length='fixed' decodes one length per sentence: length_beam must be 1"),
-    (['--method', 'nat', '--iterations', '0'], 'argument --iterations: must be >= 1, got 0'),
-])
-def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
-  status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_run['workdir'], *argv, 'one'])
-  assert status == 2
-  assert message in error_line(err, 'decode.py')
 
 
 # --- model kinds and methods -----------------------------------------------------------------

@@ -13,7 +13,6 @@ Non-finite steps are injected two ways, neither through a test-only hook:
     NaN, as a corrupt batch would.
 """
 
-import json
 import os
 import re
 import shutil
@@ -25,14 +24,11 @@ import numpy as np
 import pytest
 
 from flax_transformer.batching import Batcher
-from flax_transformer.checkpoint import Checkpoints, write_config
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.metrics_log import MetricsLog
-from flax_transformer.model import Transformer
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.training import NonFiniteError, train
-from flax_transformer.translate import Translator
 import decode as decode_cli  # the scripts at the repository root
 import train as train_cli
 from support.runs import assert_trees_equal, saved_steps, train_state
@@ -231,134 +227,3 @@ def test_read_only_workdir_is_refused_before_loading_data(tmp_path):
   workdir.mkdir(mode=0o555)
   status, _, err = call(train_cli.main, ['--workdir', workdir])
   assert status == 1 and 'cannot write the run directory (Permission denied)' in err
-
-
-@pytest.mark.parametrize('argv, expected', [
-    (['--beam-size', '0'], 'decode.py: error: argument --beam-size: must be >= 1, got 0'),
-    (['--batch-size', '0'], 'decode.py: error: argument --batch-size: must be >= 1, got 0'),
-    (['--step', '-3'], 'decode.py: error: argument --step: must be >= 0, got -3'),
-    (['--beams', '4'], 'decode.py: error: unrecognized arguments: --beams'),
-])
-def test_decode_refuses_bad_options_naming_them(argv, expected, tmp_path):
-  status, _, err = call(decode_cli.main, ['--checkpoint', tmp_path, *argv, 'Hallo'])
-  assert status == 2 and expected in err
-
-
-# --- decoding messy input ------------------------------------------------------------
-
-CORPUS = ['Ein Mann fährt Fahrrad.', 'Zwei Hunde spielen im Schnee.', 'Eine Frau liest ein Buch.',
-          'A man rides a bike.', 'Two dogs play in the snow.', 'A woman reads a book.']
-DECODE_MAX_LEN = 32
-
-
-@pytest.fixture(scope='module')
-def decode_run(tmp_path_factory):
-  """A run directory with a random tiny model, and its Translator."""
-  workdir = tmp_path_factory.mktemp('decode')
-  tokenizer = Tokenizer.train(CORPUS, vocab_size=100)
-  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, max_len=DECODE_MAX_LEN,
-                            num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
-  tokens = np.ones((1, 4), np.int32)
-  params = Transformer(config).init(jax.random.key(0), tokens, tokens)['params']
-  tokenizer.save(workdir)
-  write_config(workdir, config, TrainConfig(), DataConfig())
-  checkpoints = Checkpoints(workdir)
-  checkpoints.save_params(1, jax.device_get(params))
-  checkpoints.close()
-  return workdir, Translator(config, params, tokenizer)
-
-
-def test_decode_handles_empty_long_and_unknown_input_line_by_line(decode_run, tmp_path):
-  workdir, translator = decode_run
-  long = ' '.join(['Hund'] * 2000)  # 9,999 characters
-  lines = ['Ein Hund läuft.', '', long + 'e', '☃ 日本語 🙂 Ωμέγα', 'Zwei Männer.', '  ']
-  source, output = tmp_path / 'in.de', tmp_path / 'out.en'
-  # CRLF line ends, as from a Windows editor.
-  source.write_bytes(''.join(f'{line}\r\n' for line in lines).encode())
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
-                                          '--input', source, '--output', output])
-  assert status == 0, err
-  assert len(long + 'e') == 10_000
-  count = len(translator.tokenizer.encode([long + 'e'])[0])
-  assert (f'decode.py: warning: line 3 has {count} subword tokens; the model reads at most '
-          f'{DECODE_MAX_LEN - 1} + EOS: truncated') in err
-  written = output.read_text().split('\n')
-  assert written[-1] == '' and len(written) - 1 == len(lines)  # one line out per line in
-  with pytest.warns(UserWarning, match='sentence 2: .* truncated'):
-    expected = translator.translate(lines, method='greedy')
-  assert written[:-1] == expected
-  assert written[1] == written[5] == '' and all(written[i] for i in (0, 2, 3, 4))
-  assert '<unk>' in translator.tokenizer.decode([translator.tokenizer.encode([lines[3]])[0]])[0]
-
-
-def test_decode_refuses_invalid_utf8_naming_the_line(decode_run, tmp_path):
-  workdir, _ = decode_run
-  source, output = tmp_path / 'in.de', tmp_path / 'out.en'
-  source.write_bytes(b'Ein Hund.\nZwei M\xe4nner.\n')
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--input', source,
-                                          '--output', output])
-  assert status == 2 and not output.exists()
-  assert error_line(err, 'decode.py') == (
-      f'decode.py: error: {source}, line 2: invalid UTF-8 (invalid continuation byte at byte '
-      '16); re-encode the file as UTF-8')
-
-
-def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp_path,
-                                                                 monkeypatch):
-  workdir, translator = decode_run
-  lines = [CORPUS[i % 3] for i in range(10)]
-  calls = []
-  original = Translator.translate_sources
-
-  def fail_second_block(self, *args, **kwargs):
-    calls.append(1)
-    if len(calls) == 2:
-      raise RuntimeError('device lost')
-    return original(self, *args, **kwargs)
-
-  monkeypatch.setattr(Translator, 'translate_sources', fail_second_block)
-  source, output = tmp_path / 'in.de', tmp_path / 'out.en'
-  source.write_text('\n'.join(lines) + '\n')
-  # --batch-size 1: blocks of decode.BATCHES_PER_BLOCK = 8 lines.
-  with pytest.raises(RuntimeError, match='device lost'):
-    call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy', '--batch-size', '1',
-                           '--input', source, '--output', output])
-  monkeypatch.undo()
-  block = decode_cli.BATCHES_PER_BLOCK
-  assert output.read_text().split('\n')[:-1] == translator.translate(lines[:block],
-                                                                     method='greedy')
-
-
-def test_decode_reports_a_full_disk_with_the_lines_written(decode_run):
-  if not Path('/dev/full').exists():
-    pytest.skip('/dev/full (writes fail with ENOSPC) is Linux only')
-  workdir, _ = decode_run
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
-                                          '--output', '/dev/full', 'Ein Hund.'])
-  assert status == 1
-  assert error_line(err, 'decode.py') == (
-      'decode.py: error: writing /dev/full failed (No space left on device); it holds the '
-      'translations of the first 0 lines at most')
-
-
-def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_path):
-  workdir, _ = decode_run
-  other = tmp_path / 'other'
-  shutil.copytree(workdir, other)
-  config = json.loads((other / 'config.json').read_text())
-  config['model']['d_model'] = 64
-  (other / 'config.json').write_text(json.dumps(config))
-  status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
-  assert status == 2
-  assert re.fullmatch(r'decode.py: error: .*/checkpoints/1: .* has shape \(32, 32\), the model '
-                      r'of config.json needs \(64, 64\); the checkpoint belongs to another model',
-                      error_line(err, 'decode.py'))
-  (other / 'tokenizer.json').unlink()
-  status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
-  assert status == 2 and error_line(err, 'decode.py').startswith(
-      f'decode.py: error: {other}/tokenizer.json: no such file')
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--output',
-                                          tmp_path / 'missing' / 'out.txt', 'Ein Hund.'])
-  assert status == 2 and error_line(err, 'decode.py') == (
-      f'decode.py: error: --output {tmp_path}/missing/out.txt: cannot write it (No such file or '
-      'directory)')
