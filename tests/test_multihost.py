@@ -46,7 +46,6 @@ from flax_transformer.checkpoint import Checkpoints, load_for_inference, read_co
 from flax_transformer.model import Transformer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import TrainState, create_train_state, make_optimizer
-import train as train_cli  # the script at the repository root
 from support.processes import free_ports, host_name_is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,21 +285,3 @@ def test_translations_are_split_between_processes(worker):
   assert len(set(reference)) >= 5  # outputs depend on the input: misplaced ones would show
 
 
-@pytest.mark.parametrize('flags, message', [
-    (['--coordinator=node0'], "--coordinator must be HOST:PORT (the address of process 0)"),
-    (['--coordinator=10.0.0.1:1234', '--num-processes=2', '--process-id=2'],
-     '--process-id=2 is outside 0 .. 1 (--num-processes=2)'),
-    (['--num-processes=2', '--process-id=0'], 'need --coordinator (or --distributed)'),
-])
-def test_distributed_flags_are_checked_before_joining(flags, message, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    train_cli.main(flags)
-  assert exit_info.value.code == 2
-  assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize('coordinator, bound', [
-    ('127.0.0.1:1234', '127.0.0.1:1234'), ('localhost:1234', 'localhost:1234'),
-    ('[::1]:1234', '[::1]:1234'), ('10.0.0.1:1234', None), ('node0:1234', None), (None, None)])
-def test_a_loopback_coordinator_listens_on_loopback_only(coordinator, bound):
-  assert train_cli._loopback_bind_address(coordinator) == bound

@@ -9,9 +9,6 @@
   the training targets and copies the other splits byte for byte.
 """
 
-import json
-import re
-
 import jax
 import numpy as np
 import pytest
@@ -31,9 +28,9 @@ from support.copy_task import PAD, copy_batch
 from support.device_workers import run_values, run_worker
 from support.script_calls import call, error_line
 
-
 # A random or barely trained model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
+
 
 # --- the training step ------------------------------------------------------------------
 
@@ -164,37 +161,11 @@ def test_cmlm_validation_sums_are_deterministic(copy_task_training):
   assert 7 <= a['tokens'] <= (batches[0].tgt_out != PAD).sum()
 
 
-# --- train.py --objective cmlm (conftest.py's cmlm_run) --------------------------------------
+# --- the corpus of number words (conftest.py's numbers_corpus) ---------------------------
 
 @pytest.fixture(scope='module')
 def corpus(numbers_corpus):
   return numbers_corpus
-
-
-def test_train_cli_cmlm_writes_a_cmlm_run(cmlm_run):
-  status, out, err = cmlm_run['first']
-  assert status == 0, err
-  workdir = cmlm_run['workdir']
-  config = json.loads((workdir / 'config.json').read_text())
-  assert config['model']['kind'] == 'cmlm' and config['model']['max_length_offset'] == 4
-  assert 'cmlm (non-autoregressive)' in out
-  assert re.search(r'step 4: validation loss [\d.]+, ppl [\d.]+, token accuracy [\d.]+%, '
-                   r'length accuracy [\d.]+%', out)
-  assert 'test, mask-predict decoding (10 iterations, length beam 3) of 8 sentences: BLEU' in out
-  lines = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  train_lines = [line for line in lines if 'loss' in line]
-  assert [line['step'] for line in train_lines][:2] == [2, 4]
-  assert all({'length_loss', 'length_accuracy'} <= set(line) for line in train_lines)
-  assert any('val_length_accuracy' in line for line in lines)
-  assert any('avg_bleu' in line for line in lines)
-  assert (workdir / 'average-last2' / 'checkpoints' / '4').is_dir()
-
-
-def test_train_cli_cmlm_resumes(cmlm_run):
-  status, out, err = cmlm_run['resumed']
-  assert status == 0, err
-  assert re.search(r'resumed from .*checkpoints/4', out)
-  assert sorted(int(p.name) for p in (cmlm_run['workdir'] / 'checkpoints').iterdir()) == [2, 4, 6]
 
 
 # --- model kinds and methods -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""train.py whose checkpoint of one step is written but never committed (tests/test_interruption.py).
+"""train.py whose checkpoint of one step is written but never committed: test_interruption.py.
 
     python tests/support/held_commit.py STEP [train.py options]
 

@@ -1,4 +1,4 @@
-"""What a training run left in its run directory: the checkpoints' steps and training states."""
+"""What a training run left in its run directory: checkpoints, training states, metrics."""
 
 from pathlib import Path
 
@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 from flax_transformer.checkpoint import Checkpoints, read_config
+from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import Transformer
 from flax_transformer.train_step import create_train_state, make_optimizer
 
@@ -35,3 +36,12 @@ def assert_trees_equal(actual, expected):
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
     np.testing.assert_array_equal(a, e)
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+  """WORKDIR/metrics.jsonl as MetricsLog reads it (a line cut short at the end is dropped)."""
+  return MetricsLog.read(workdir / 'metrics.jsonl')
+
+
+def finite(tree) -> bool:
+  return all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(tree))
