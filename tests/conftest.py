@@ -5,12 +5,14 @@ Import paths, set here once, before any test file is imported:
     installed copy), `benchmarks`, and the scripts train.py and decode.py, which
     the tests import as `import train as train_cli`, `import decode as decode_cli`;
   * tests/, for the helpers of tests/support/: `from support.<module> import ...`.
+
+The fixtures below are session-scoped: each is built once, by the first test that
+asks for it, however many files use it. Tests read what they return and leave the
+directories as they found them.
 """
 
 import sys
 from pathlib import Path
-
-import pytest
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -19,8 +21,23 @@ for path in (TESTS, ROOT):  # ROOT ends up first
     sys.path.remove(str(path))
   sys.path.insert(0, str(path))
 
+# After the paths above: this checkout's package and scripts.
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
-# --- data -----------------------------------------------------------------------------
+from flax_transformer.checkpoint import Checkpoints, write_config  # noqa: E402
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from flax_transformer.data import load_parallel  # noqa: E402
+from flax_transformer.model import Transformer  # noqa: E402
+from flax_transformer.tokenizer import Tokenizer  # noqa: E402
+from flax_transformer.toy_task import number_translation  # noqa: E402
+import train as train_cli  # noqa: E402
+from support import random_run as random_run_lib  # noqa: E402
+from support.script_calls import call  # noqa: E402
+
+
+# --- corpora ------------------------------------------------------------------------------
 
 MULTI30K = ROOT.parent / 'shared' / 'data' / 'multi30k'
 
@@ -33,11 +50,14 @@ def multi30k_dir() -> Path:
   return MULTI30K
 
 
-def write_numbers_corpus(directory: Path) -> Path:
-  """Number words, English to German, as train/val/test .en/.de files of 64/8/8 lines."""
-  from flax_transformer.toy_task import number_translation
+@pytest.fixture(scope='session')
+def numbers_corpus(tmp_path_factory) -> Path:
+  """Number words, English to German, as train/val/test .en/.de files of 64/8/8 lines:
+  the corpus of cmlm_run and teacher (test_train_cli, test_decode_cli, test_translate,
+  test_distill)."""
   numbers = number_translation(num_train=64, num_validation=8, num_test=8)
   stems = {'train': 'train', 'validation': 'val', 'test': 'test'}
+  directory = tmp_path_factory.mktemp('data') / 'numbers'
   directory.mkdir(parents=True)
   for split, stem in stems.items():
     for column, lang in (('source', 'en'), ('target', 'de')):
@@ -46,13 +66,7 @@ def write_numbers_corpus(directory: Path) -> Path:
   return directory
 
 
-@pytest.fixture(scope='session')
-def numbers_corpus(tmp_path_factory) -> Path:
-  """The corpus of cmlm_run and teacher."""
-  return write_numbers_corpus(tmp_path_factory.mktemp('data') / 'numbers')
-
-
-# --- run directories ---------------------------------------------------------------------
+# --- run directories ----------------------------------------------------------------------
 
 # The model of tests/test_train_cli.py: one layer each side, 16 positions.
 CMLM_OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
@@ -64,12 +78,11 @@ CMLM_OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encode
 
 @pytest.fixture(scope='session')
 def cmlm_run(tmp_path_factory, numbers_corpus) -> dict:
-  """train.py --objective cmlm for 4 steps with --average-last 2, then resumed to 6.
+  """train.py --objective cmlm for 4 steps with --average-last 2, then resumed to 6
+  (test_train_cli, test_decode_cli, test_translate, test_distill).
 
   {'workdir': the run directory, 'first', 'resumed': each call's (status, stdout, stderr)}.
   """
-  import train as train_cli
-  from support.script_calls import call
   corpus = numbers_corpus
   workdir = tmp_path_factory.mktemp('cmlm') / 'run'
   first = call(train_cli.main, ['--objective', 'cmlm', *CMLM_OPTIONS, '--data', corpus,
@@ -80,8 +93,31 @@ def cmlm_run(tmp_path_factory, numbers_corpus) -> dict:
 
 
 @pytest.fixture(scope='session')
-def random_run(tmp_path_factory):
+def teacher(tmp_path_factory, numbers_corpus) -> Path:
+  """An autoregressive run directory with random parameters (no training needed), on
+  numbers_corpus: the teacher of test_distill, the other model kind of test_translate."""
+  corpus = numbers_corpus
+  workdir = tmp_path_factory.mktemp('teacher') / 'run'
+  dataset = load_parallel(str(corpus), 'en', 'de')
+  tokenizer = Tokenizer.train(list(dataset['train']['source']) + list(dataset['train']['target']),
+                              vocab_size=256)
+  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=1,
+                            num_decoder_layers=1, max_len=16, dropout_rate=0.0)
+  tokens = np.ones((1, 4), np.int32)
+  params = Transformer(config).init(jax.random.key(0), tokens, tokens)['params']
+  # A longer EOS embedding, so that random-weight translations end at different lengths.
+  params['embedding']['embedding'] = params['embedding']['embedding'].at[config.eos_id].multiply(8)
+  workdir.mkdir()
+  tokenizer.save(workdir)
+  write_config(workdir, config, TrainConfig.toy(), DataConfig(source=str(corpus), vocab_size=256))
+  checkpoints = Checkpoints(workdir)
+  checkpoints.save_params(3, jax.device_get(params))
+  checkpoints.close()
+  return workdir
+
+
+@pytest.fixture(scope='session')
+def random_run(tmp_path_factory) -> random_run_lib.RandomRun:
   """support.random_run: a run directory of a random tiny model, its Translator, and its
-  greedy translations of support.random_run.SENTENCES."""
-  from support import random_run
-  return random_run.build(tmp_path_factory.mktemp('run'))
+  greedy translations of support.random_run.SENTENCES (test_translate, test_decode_cli)."""
+  return random_run_lib.build(tmp_path_factory.mktemp('run'))

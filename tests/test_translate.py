@@ -1,4 +1,5 @@
-"""Text-level decoding: Translator (batching, order, truncation, alignment) and Search.
+"""Text-level decoding: Translator (batching, order, truncation, alignment, the model kinds)
+and Search.
 
 decode.py, the command line over Translator, is tests/test_decode_cli.py's.
 """
@@ -6,7 +7,8 @@ decode.py, the command line over Translator, is tests/test_decode_cli.py's.
 import numpy as np
 import pytest
 
-from flax_transformer import ConfigError, Transformer, decoding
+from flax_transformer import ConfigError, ModelConfig, Transformer, decoding
+from flax_transformer.nat import CMLMTransformer
 from flax_transformer.translate import Search, Translator
 from support.random_run import MAX_LEN, SENTENCES
 
@@ -92,6 +94,32 @@ def test_search_settings_are_checked(settings, message):
     Search(**settings)
 
 
+@pytest.mark.parametrize('settings, message', [
+    (dict(method='nat', max_len=5), 'max_len only applies to the autoregressive methods'),
+    (dict(method='greedy', length_beam=1), "length_beam only apply to method 'nat'"),
+    (dict(method='nat', beam_size=2), "beam_size only apply to method 'beam', not 'nat'"),
+    (dict(method='nat', iterations=0), 'iterations must be a positive integer, got 0'),
+])
+def test_search_checks_nat_settings(settings, message):
+  with pytest.raises(ConfigError, match=message):
+    Search(**settings)
+
+
+def test_search_describes_its_decoding():
+  assert Search(method='nat').describe() == ('mask-predict decoding (10 iterations, length '
+                                              'beam 3)')
+  assert Search(method='nat', iterations=4, length_beam=1, nat_length='fixed').describe() == (
+      'mask-predict decoding (4 iterations, fixed length)')
+  assert Search(method='greedy').describe() == 'greedy decoding'
+
+
+def test_search_refuses_a_length_beam_beyond_the_length_classes():
+  config = ModelConfig.tiny(kind='cmlm', max_length_offset=1)
+  Search(method='nat', length_beam=3).check_model(config)
+  with pytest.raises(ConfigError, match=r"length_beam=4 exceeds the model's 3 length classes"):
+    Search(method='nat', length_beam=4).check_model(config)
+
+
 def test_alignment_is_the_cross_attention_of_the_output(translator, config, tokenizer):
   alignment = translator.alignment('Ein Hund spielt.', 'A dog plays.')
   source = tokenizer.encode(['Ein Hund spielt.'])[0] + [config.eos_id]
@@ -108,3 +136,21 @@ def test_alignment_is_the_cross_attention_of_the_output(translator, config, toke
                                       np.array([source])))[0]
   assert decoded.target_tokens == [tokenizer.id_to_token(i) for i in output if i != 0]
   assert decoded.weights.shape[2] == len(decoded.target_tokens)
+
+
+# --- the model kinds: an autoregressive run and a cmlm run (conftest.py) ---------------------
+
+def test_translator_refuses_methods_of_the_other_kind(teacher, cmlm_run):
+  autoregressive = Translator.from_checkpoint(teacher)
+  with pytest.raises(ConfigError, match="method 'nat' decodes cmlm models, but this model is "
+                                        "model.kind='autoregressive'; use method 'beam', "
+                                        "'greedy' or 'sample'"):
+    autoregressive.translate(['one'], method='nat')
+  cmlm = Translator.from_checkpoint(cmlm_run['workdir'])
+  assert isinstance(cmlm.model, CMLMTransformer)
+  for method in ('greedy', 'beam', 'sample'):
+    with pytest.raises(ConfigError, match=f"method '{method}' decodes autoregressive models"):
+      cmlm.translate(['one'], method=method)
+  with pytest.raises(ConfigError, match="alignment needs an autoregressive model; this one is "
+                                        "model.kind='cmlm'"):
+    cmlm.alignment('one')
