@@ -30,10 +30,12 @@ from flax_transformer.checkpoint import Checkpoints, write_config  # noqa: E402
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from flax_transformer.data import load_parallel  # noqa: E402
 from flax_transformer.model import Transformer  # noqa: E402
+from flax_transformer.nat import CMLMTransformer  # noqa: E402
 from flax_transformer.tokenizer import Tokenizer  # noqa: E402
 from flax_transformer.toy_task import number_translation  # noqa: E402
 import train as train_cli  # noqa: E402
 from support import random_run as random_run_lib  # noqa: E402
+from support import tiny_cmlm  # noqa: E402
 from support.script_calls import call  # noqa: E402
 
 
@@ -121,3 +123,22 @@ def random_run(tmp_path_factory) -> random_run_lib.RandomRun:
   """support.random_run: a run directory of a random tiny model, its Translator, and its
   greedy translations of support.random_run.SENTENCES (test_translate, test_decode_cli)."""
   return random_run_lib.build(tmp_path_factory.mktemp('run'))
+
+
+# --- the tiny cmlm model of support.tiny_cmlm ----------------------------------------------
+
+@pytest.fixture(scope='session')
+def cmlm_params():
+  """Initial parameters of CMLMTransformer(tiny_cmlm.CONFIG) (test_cmlm, test_cmlm_decoding)."""
+  model = CMLMTransformer(tiny_cmlm.CONFIG)
+  src = tiny_cmlm.pad_rows(tiny_cmlm.SOURCES)
+  return jax.jit(model.init)(jax.random.key(0), src, src)['params']
+
+
+@pytest.fixture(scope='session')
+def cmlm_copy_params():
+  """Initial parameters of CMLMTransformer(tiny_cmlm.COPY_CONFIG), which copies the source
+  into the decoder's input (test_cmlm, test_cmlm_decoding)."""
+  model = CMLMTransformer(tiny_cmlm.COPY_CONFIG)
+  src = tiny_cmlm.pad_rows(tiny_cmlm.SOURCES)
+  return jax.jit(model.init)(jax.random.key(0), src, src)['params']
