@@ -34,6 +34,7 @@ from flax_transformer.nat import CMLMTransformer  # noqa: E402
 from flax_transformer.tokenizer import Tokenizer  # noqa: E402
 from flax_transformer.toy_task import number_translation  # noqa: E402
 import train as train_cli  # noqa: E402
+from support import checkpointed_run as checkpointed_run_lib  # noqa: E402
 from support import random_run as random_run_lib  # noqa: E402
 from support import tiny_cmlm  # noqa: E402
 from support.script_calls import call  # noqa: E402
@@ -142,3 +143,10 @@ def cmlm_copy_params():
   model = CMLMTransformer(tiny_cmlm.COPY_CONFIG)
   src = tiny_cmlm.pad_rows(tiny_cmlm.SOURCES)
   return jax.jit(model.init)(jax.random.key(0), src, src)['params']
+
+
+@pytest.fixture(scope='session')
+def checkpointed_run(tmp_path_factory) -> checkpointed_run_lib.CheckpointedRun:
+  """support.checkpointed_run: a run directory with checkpoints at steps 2, 4, 6, 8, 10 (the
+  last 3 kept), its tokenizer and training state (test_checkpoint, test_run_directory)."""
+  return checkpointed_run_lib.build(tmp_path_factory.mktemp('run'))
