@@ -6,9 +6,17 @@ Import paths, set here once, before any test file is imported:
     the tests import as `import train as train_cli`, `import decode as decode_cli`;
   * tests/, for the helpers of tests/support/: `from support.<module> import ...`.
 
-The fixtures below are session-scoped: each is built once, by the first test that
-asks for it, however many files use it. Tests read what they return and leave the
-directories as they found them.
+Fixtures, all session-scoped: each is built once, by the first test that asks for it,
+whichever file that test is in. Tests read what they return and leave the directories
+as they found them.
+  multi30k_dir        the Multi30k corpus beside the checkout; skips the test without it
+  numbers_corpus      number words as train/val/test files
+  cmlm_run            train.py --objective cmlm on numbers_corpus, then resumed
+  teacher             an autoregressive run directory of random parameters
+  random_run          support/random_run.py: a random tiny model's run directory
+  checkpointed_run    support/checkpointed_run.py: five checkpoints of a tiny model
+  cmlm_params         the parameters of support/tiny_cmlm.py's model,
+  cmlm_copy_params    and of its uniform-copy variant
 """
 
 import sys
@@ -126,6 +134,13 @@ def random_run(tmp_path_factory) -> random_run_lib.RandomRun:
   return random_run_lib.build(tmp_path_factory.mktemp('run'))
 
 
+@pytest.fixture(scope='session')
+def checkpointed_run(tmp_path_factory) -> checkpointed_run_lib.CheckpointedRun:
+  """support.checkpointed_run: a run directory with checkpoints at steps 2, 4, 6, 8, 10 (the
+  last 3 kept), its tokenizer and training state (test_checkpoint, test_run_directory)."""
+  return checkpointed_run_lib.build(tmp_path_factory.mktemp('run'))
+
+
 # --- the tiny cmlm model of support.tiny_cmlm ----------------------------------------------
 
 @pytest.fixture(scope='session')
@@ -144,9 +159,3 @@ def cmlm_copy_params():
   src = tiny_cmlm.pad_rows(tiny_cmlm.SOURCES)
   return jax.jit(model.init)(jax.random.key(0), src, src)['params']
 
-
-@pytest.fixture(scope='session')
-def checkpointed_run(tmp_path_factory) -> checkpointed_run_lib.CheckpointedRun:
-  """support.checkpointed_run: a run directory with checkpoints at steps 2, 4, 6, 8, 10 (the
-  last 3 kept), its tokenizer and training state (test_checkpoint, test_run_directory)."""
-  return checkpointed_run_lib.build(tmp_path_factory.mktemp('run'))
