@@ -1,7 +1,6 @@
 """encode_corpus and Batcher: exact rows, fixed shapes, the token budget, determinism, resumption."""
 
 import math
-from pathlib import Path
 
 import datasets
 import jax
@@ -13,7 +12,6 @@ from flax_transformer.batching import (Batch, Batcher, default_buckets,
 from flax_transformer.data import DataError, load_parallel
 from flax_transformer.tokenizer import Tokenizer
 
-MULTI30K = Path(__file__).resolve().parents[2] / 'shared/data/multi30k'
 PAD, BOS, EOS = 0, 1, 2
 MAX_LEN = 24
 
@@ -224,9 +222,8 @@ def test_describe(batcher):
   assert line.endswith('of target positions are padding')
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f'Multi30k not found at {MULTI30K}')
-def test_multi30k_end_to_end():
-  ds = load_parallel(str(MULTI30K), 'en', 'de', splits={'validation': 'val'})['validation']
+def test_multi30k_end_to_end(multi30k_dir):
+  ds = load_parallel(str(multi30k_dir), 'en', 'de', splits={'validation': 'val'})['validation']
   tokenizer = Tokenizer.train(ds['source'][:] + ds['target'][:], vocab_size=2000)
   corpus = encode_corpus(ds, tokenizer, max_len=64)
   assert len(corpus) + corpus.num_dropped == 1014

@@ -1,62 +1,35 @@
-"""The run directory: bit-exact round trips, retention, inference loading, averaging, clear errors."""
-
-import json
+"""Checkpoints (orbax): bit-exact round trips, retention, inference loading, averaging, clear
+errors. config.json and the resume checks are tests/test_run_directory.py's."""
 
 import jax
 import numpy as np
 import pytest
 
 from flax_transformer.checkpoint import (CheckpointError, Checkpoints, average_checkpoints,
-                                         check_resumable, load_for_inference, read_config,
-                                         write_config)
-from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+                                         load_for_inference, read_config, write_config)
+from flax_transformer.config import DataConfig
 from flax_transformer.model import Transformer
-from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train_step import create_train_state, make_optimizer
+from support.checkpointed_run import TEXTS, TRAIN_CONFIG, shifted
 
-TEXTS = ['ein kleiner Hund läuft', 'a small dog runs', 'zwei Männer spielen Fußball',
-         'two men play football', 'eine Frau liest ein Buch', 'a woman reads a book']
-# Accumulation and clipping give the optimizer state nested named tuples to restore.
-TRAIN_CONFIG = TrainConfig(steps=10, grad_accum_steps=2, max_grad_norm=1.0, keep_checkpoints=3)
+
+# The run directory of conftest.py's checkpointed_run, which tests/test_run_directory.py shares.
+
+@pytest.fixture(scope='module')
+def tokenizer(checkpointed_run):
+  return checkpointed_run.tokenizer
 
 
 @pytest.fixture(scope='module')
-def tokenizer():
-  return Tokenizer.train(TEXTS, 64)
-
-
-@pytest.fixture(scope='module')
-def setup(tokenizer):
+def setup(checkpointed_run):
   """(model config, optimizer, abstract state, a host state with non-trivial optimizer state)."""
-  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=1,
-                            num_decoder_layers=1)
-  model = Transformer(config)
-  optimizer = make_optimizer(TRAIN_CONFIG, config)
-  abstract = jax.eval_shape(lambda: create_train_state(model, optimizer, seed=0))
-  state = jax.device_get(create_train_state(model, optimizer, seed=0))
-  rng = np.random.default_rng(0)
-  grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(p.dtype), state.params)
-  _, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  return config, optimizer, abstract, state.replace(opt_state=jax.device_get(opt_state))
-
-
-def shifted(state, step):
-  """`state` at `step`, every parameter shifted by `step` so checkpoints differ."""
-  return state.replace(step=np.int32(step), params=jax.tree.map(lambda p: p + step, state.params))
+  return checkpointed_run.setup
 
 
 @pytest.fixture(scope='module')
-def run_dir(tmp_path_factory, setup, tokenizer):
+def run_dir(checkpointed_run):
   """A run directory with checkpoints at steps 2, 4, 6, 8, 10 (the last 3 kept)."""
-  config, _, _, state = setup
-  workdir = tmp_path_factory.mktemp('run')
-  write_config(workdir, config, TRAIN_CONFIG, DataConfig())
-  tokenizer.save(workdir)
-  checkpoints = Checkpoints(workdir, keep=TRAIN_CONFIG.keep_checkpoints)
-  for step in range(2, 11, 2):
-    checkpoints.save(shifted(state, step))
-  checkpoints.close()
-  return workdir
+  return checkpointed_run.run_dir
 
 
 def assert_trees_equal(actual, expected):
@@ -80,11 +53,6 @@ def test_round_trip_is_bit_exact(run_dir, setup):
   checkpoints.close()
   assert_trees_equal(restored, shifted(state, 8))
   assert int(restored.step) == 8
-
-
-def test_config_round_trip(run_dir, setup):
-  config, _, _, _ = setup
-  assert read_config(run_dir) == (config, TRAIN_CONFIG, DataConfig())
 
 
 def test_load_for_inference_latest_and_given_step(run_dir, setup, tokenizer):
@@ -148,32 +116,3 @@ def test_errors_name_the_problem(run_dir, tmp_path, setup, tokenizer):
                                              r'to another model'):
     checkpoints.restore(10, wrong)
   checkpoints.close()
-
-
-def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):
-  (tmp_path / 'config.json').write_text('{"model": {"d_model": 32')
-  with pytest.raises(CheckpointError, match='not a valid run configuration'):
-    read_config(tmp_path)
-  config, _, _, _ = setup
-  content = json.loads((run_dir / 'config.json').read_text())
-  content['model']['vocab_size'] = config.vocab_size + 1
-  other = tmp_path / 'other'
-  other.mkdir()
-  (other / 'config.json').write_text(json.dumps(content))
-  (other / 'checkpoints').symlink_to(run_dir / 'checkpoints')
-  (other / 'tokenizer.json').symlink_to(run_dir / 'tokenizer.json')
-  with pytest.raises(ConfigError, match='model.vocab_size=.* but the tokenizer has'):
-    load_for_inference(other)
-
-
-def test_check_resumable_allows_run_length_changes_only(run_dir, setup):
-  config, _, _, _ = setup
-  check_resumable(run_dir, config, TRAIN_CONFIG.replace(steps=99, log_every=7), DataConfig())
-  with pytest.raises(CheckpointError) as error:
-    check_resumable(run_dir, config.replace(d_model=64), TRAIN_CONFIG.replace(seed=1),
-                    DataConfig(vocab_size=100))
-  message = str(error.value)
-  assert 'model.d_model: saved 32, requested 64' in message
-  assert 'train.seed: saved 0, requested 1' in message
-  assert 'data.vocab_size: saved 8000, requested 100' in message
-  assert '--no-resume' in message

@@ -10,8 +10,6 @@ import pytest
 from flax_transformer import data
 from flax_transformer.data import DataError, describe, load_parallel
 
-MULTI30K = Path(__file__).resolve().parents[2] / 'shared/data/multi30k'
-
 EN = ['A dog runs.', '  Two men talk.  ', 'A child plays.', '', 'Birds fly.']
 DE = ['Ein Hund läuft.', 'Zwei Männer reden.', '   ', 'Nichts.', 'Vögel fliegen.']
 
@@ -210,12 +208,11 @@ def test_hub_failure_explains_offline_use(monkeypatch):
   assert 'local directory of <split>.<lang> files' in message
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f'Multi30k not found at {MULTI30K}')
-def test_multi30k():
-  ds = load_parallel(str(MULTI30K), 'en', 'de')
+def test_multi30k(multi30k_dir):
+  ds = load_parallel(str(multi30k_dir), 'en', 'de')
   assert {name: len(split) for name, split in ds.items()} == {
       'train': 29_000, 'validation': 1_014, 'test': 1_000}
-  with open(MULTI30K / 'val.de', encoding='utf-8') as f:
+  with open(multi30k_dir / 'val.de', encoding='utf-8') as f:
     last_de = f.read().split('\n')[1013]
   assert ds['validation'][1013]['target'] == last_de.strip()
   assert describe(ds).startswith('train: 29,000 pairs (train.en/train.de, 0 dropped')

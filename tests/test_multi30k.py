@@ -1,7 +1,6 @@
 """The Multi30k recipe: the preset end to end on the real corpus, and its evaluation tools."""
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
@@ -16,14 +15,10 @@ from flax_transformer.model import count_params
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.training import train
 
-MULTI30K = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
-
-
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f'Multi30k not found at {MULTI30K}')
 @pytest.mark.filterwarnings('ignore:source length .* output capped')
-def test_preset_trains_on_multi30k(tmp_path):
+def test_preset_trains_on_multi30k(tmp_path, multi30k_dir):
   model_config, train_config, data_config = run_preset('multi30k')
-  corpus = load_parallel(str(MULTI30K), data_config.src_lang, data_config.tgt_lang)
+  corpus = load_parallel(str(multi30k_dir), data_config.src_lang, data_config.tgt_lang)
   # The preset's tokenizer, batches and model on the whole training split; 3 steps, and
   # 16 sentences each to validate on and decode (the full splits take minutes untrained).
   subset = datasets.DatasetDict({'train': corpus['train'],
@@ -32,7 +27,7 @@ def test_preset_trains_on_multi30k(tmp_path):
   messages = []
   result = train(model_config, train_config.replace(steps=3, log_every=1, eval_every=3,
                                                     bleu_every=0, checkpoint_every=3),
-                 data_config.replace(source=str(MULTI30K)), tmp_path, dataset=subset,
+                 data_config.replace(source=str(multi30k_dir)), tmp_path, dataset=subset,
                  print_fn=messages.append)
   text = '\n'.join(messages)
   assert 'train: 29,000 pairs' in text

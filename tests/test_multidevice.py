@@ -14,7 +14,7 @@ the step's global token normalisation must get right.
 import numpy as np
 import pytest
 
-from device_workers import run_values, run_worker
+from support.device_workers import run_values, run_worker
 
 STEPS = 4
 RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')

@@ -8,7 +8,7 @@ row block on the device of the same index, hence the same dropout masks. The
 two runs must agree step by step; the 2-process run's checkpoint, restored
 here (one process, one device) as a resumed run restores it, must hold the
 1-process run's training state; and only process 0 may print or write the
-run's files. tests/multihost_worker.py, a second 2-process job started at the
+run's files. tests/support/multihost_worker.py, a second 2-process job started at the
 same time, covers pmap and the split BLEU decoding.
 
 Tolerances: the runs differ only in how the all-reduce sums the 4 devices'
@@ -29,7 +29,6 @@ fixture fails. Only loopback is used: the coordinator is bound to 127.0.0.1
 on the address of this machine's host name, which the test checks is loopback.
 """
 
-import ipaddress
 import json
 import os
 import socket
@@ -47,10 +46,9 @@ from flax_transformer.checkpoint import Checkpoints, load_for_inference, read_co
 from flax_transformer.model import Transformer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import TrainState, create_train_state, make_optimizer
+from support.processes import free_ports, host_name_is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import train as train_cli  # noqa: E402  (the script at the repository root)
 
 STEPS = 4
 SAVE_EVERY = 2
@@ -73,26 +71,6 @@ FINAL_VALUES = tuple(f'{prefix}{name}' for prefix in ('', 'avg_')
 # What process 0 prints for the job: none of it may come from process 1.
 REPORTS = ('data:', 'tokenizer:', 'model:', 'validation loss', 'greedy decoding of')
 TRAIN_VALUES = ('loss', 'ppl', 'accuracy', 'learning_rate', 'grad_norm')
-
-
-def free_ports(count: int) -> list[int]:
-  """Ports the OS has just found free on 127.0.0.1, distinct (all held while choosing)."""
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(('127.0.0.1', 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
-
-
-def host_name_is_loopback() -> bool:
-  """Whether gloo's TCP transport, which listens on the host name's address, stays on loopback."""
-  try:
-    return ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback
-  except OSError:
-    return False
 
 
 def environment(devices: int) -> dict[str, str]:
@@ -166,8 +144,8 @@ def runs(tmp_path_factory):
                                  '--num-processes=2', f'--process-id={i}'), 2)
           for i in range(2)}
   jobs['one process'] = (train(dirs['one']), 4)
-  jobs.update({f'worker {i}': (['tests/multihost_worker.py', f'127.0.0.1:{worker_port}', str(i),
-                                str(dirs['worker'])], 2) for i in range(2)})
+  jobs.update({f'worker {i}': (['tests/support/multihost_worker.py', f'127.0.0.1:{worker_port}',
+                                str(i), str(dirs['worker'])], 2) for i in range(2)})
   outputs = run_together(jobs, root, time.monotonic() + DEADLINE_S)
   return {'dirs': dirs, 'outputs': outputs,
           'errors': {name: (root / f'{name}.err').read_text() for name in outputs}}
@@ -307,21 +285,3 @@ def test_translations_are_split_between_processes(worker):
   assert len(set(reference)) >= 5  # outputs depend on the input: misplaced ones would show
 
 
-@pytest.mark.parametrize('flags, message', [
-    (['--coordinator=node0'], "--coordinator must be HOST:PORT (the address of process 0)"),
-    (['--coordinator=10.0.0.1:1234', '--num-processes=2', '--process-id=2'],
-     '--process-id=2 is outside 0 .. 1 (--num-processes=2)'),
-    (['--num-processes=2', '--process-id=0'], 'need --coordinator (or --distributed)'),
-])
-def test_distributed_flags_are_checked_before_joining(flags, message, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    train_cli.main(flags)
-  assert exit_info.value.code == 2
-  assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize('coordinator, bound', [
-    ('127.0.0.1:1234', '127.0.0.1:1234'), ('localhost:1234', 'localhost:1234'),
-    ('[::1]:1234', '[::1]:1234'), ('10.0.0.1:1234', None), ('node0:1234', None), (None, None)])
-def test_a_loopback_coordinator_listens_on_loopback_only(coordinator, bound):
-  assert train_cli._loopback_bind_address(coordinator) == bound

@@ -1,15 +1,12 @@
 """The shared subword tokenizer: special ids, exact round trips, <unk>, save/load, model compatibility."""
 
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from flax_transformer import ConfigError, ModelConfig
 from flax_transformer.tokenizer import FILE_NAME, Tokenizer, TokenizerError
-
-MULTI30K = Path(__file__).resolve().parents[2] / 'shared/data/multi30k'
 
 SENTENCES = [
     'A man in an orange hat starring at something.',
@@ -143,10 +140,9 @@ def test_check_compatible(bpe):
     bpe.check_compatible(ModelConfig.tiny(vocab_size=200, eos_id=5))
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f'Multi30k not found at {MULTI30K}')
-def test_multi30k_validation_round_trips():
+def test_multi30k_validation_round_trips(multi30k_dir):
   def lines(name):
-    return (MULTI30K / name).read_text(encoding='utf-8').split('\n')[:-1]
+    return (multi30k_dir / name).read_text(encoding='utf-8').split('\n')[:-1]
   tokenizer = Tokenizer.train(lines('train.en') + lines('train.de'), vocab_size=8000)
   assert tokenizer.vocab_size == 8000
   references = lines('val.en') + lines('val.de')

@@ -1,27 +1,21 @@
-"""The training loop and train.py: exact resume, the run directory it writes, Multi30k, CLI errors."""
+"""The training loop: exact resume, the run directory it writes, skipping non-finite steps,
+Multi30k. train.py, its command line, is tests/test_train_cli.py's."""
 
-import dataclasses
 import json
-import sys
-import types
-from pathlib import Path
+import re
 
 import datasets
 import jax
 import numpy as np
 import pytest
 
+from flax_transformer.batching import Batcher
 from flax_transformer.checkpoint import CheckpointError, load_for_inference
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import load_parallel
-from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.toy_task import number_translation
-from flax_transformer.training import train
-
-ROOT = Path(__file__).resolve().parents[1]
-MULTI30K = Path(__file__).resolve().parents[2] / 'shared/data/multi30k'
-sys.path.insert(0, str(ROOT))
-import train as train_cli  # noqa: E402  (the script at the repository root)
+from flax_transformer.training import NonFiniteError, train
+from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
 
 # Dropout stays on: exact resume must reproduce the step-folded dropout keys too. One layer
 # each side and a vocabulary that puts every pair in the 8-token bucket keep compiles short.
@@ -113,110 +107,65 @@ def test_full_run_writes_the_run_directory_and_reports(tmp_path, numbers):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f'Multi30k not found at {MULTI30K}')
+# Batches holding a token id outside the vocabulary, whose embedding lookup (`jnp.take`
+# fills out-of-range rows with NaN) make that one step's loss NaN, as a corrupt batch would.
+def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_path,
+                                                                         monkeypatch):
+  corrupt = {2, 4}  # batch indices: steps 3 and 5
+  original = Batcher.batch_at
+
+  def batch_at(self, step):
+    batch = original(self, step)
+    if step in corrupt:
+      src = batch.src.copy()
+      src[0, 0] = 10**6  # outside any vocabulary
+      batch = batch.replace(src=src)
+    return batch
+
+  monkeypatch.setattr(Batcher, 'batch_at', batch_at)
+  dataset = datasets.DatasetDict(
+      {'train': number_translation(num_train=200, num_validation=1, num_test=1)['train']})
+  model = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=16)
+  config = TrainConfig(steps=6, max_tokens=256, warmup_steps=4, log_every=1,
+                       checkpoint_every=1)
+  messages = []
+  with pytest.raises(NonFiniteError) as error:
+    train(model, config, DataConfig(vocab_size=256), tmp_path, dataset=dataset,
+          skip_nonfinite=1, print_fn=messages.append)
+  assert error.value.step == 5
+  assert re.fullmatch(
+      r'step 5: the loss or the gradient is not finite \(loss sum nan, gradient norm nan\); its '
+      r'update was not applied; 2 such steps \(3, 5\), more than --skip-nonfinite=1 allows\. '
+      + re.escape(f'Training stopped; the last checkpoint, {tmp_path}/checkpoints/4, holds the '
+                  'last good parameters.') + ' .*', str(error.value))
+  assert any(m.startswith('step 3: the loss or the gradient is not finite') and
+             m.endswith('skipped (1 of at most 1, --skip-nonfinite)') for m in messages)
+  # Step 3 applied no update: its checkpoint holds step 2's parameters and Adam moments.
+  assert saved_steps(tmp_path) == [1, 2, 3, 4]
+  two, three, four = (train_state(tmp_path, step) for step in (2, 3, 4))
+  assert int(three.step) == 3
+  assert_trees_equal((three.params, three.opt_state), (two.params, two.opt_state))
+  # ... and step 4 trained on from there.
+  assert finite(four) and not np.array_equal(jax.tree.leaves(four.params)[0],
+                                             jax.tree.leaves(three.params)[0])
+  lines = {line['step']: line for line in read_metrics(tmp_path)}
+  assert lines[3]['nonfinite_steps'] == 1 and 'loss' not in lines[3]
+  assert np.isfinite(lines[4]['loss']) and 'nonfinite_steps' not in lines[4]
+
+
 @pytest.mark.filterwarnings('ignore:source length .* output capped')  # long test sentences
-def test_short_train_on_multi30k(tmp_path):
-  multi30k = load_parallel(str(MULTI30K), 'en', 'de')
+def test_short_train_on_multi30k(tmp_path, multi30k_dir):
+  multi30k = load_parallel(str(multi30k_dir), 'en', 'de')
   # The whole training split (tokenizer and batches); 16 test sentences to decode.
   subset = datasets.DatasetDict({'train': multi30k['train'],
                                  'test': multi30k['test'].select(range(16))})
   messages = []
   # Two steps: each batch shape compiles once, and Multi30k's buckets give several shapes.
   result = train(MODEL, TRAIN.replace(steps=2, max_tokens=512),
-                 DataConfig(source=str(MULTI30K), vocab_size=1000), tmp_path, dataset=subset,
+                 DataConfig(source=str(multi30k_dir), vocab_size=1000), tmp_path, dataset=subset,
                  print_fn=messages.append)
   text = '\n'.join(messages)
   assert 'train: 29,000 pairs' in text
   assert result.tokenizer.vocab_size == 1000
   assert int(result.state.step) == 2 and np.isfinite(result.scores['loss'])
   assert 'test, greedy decoding of 16 sentences' in text
-
-
-def test_metrics_log_writes_tensorboard_when_installed(tmp_path, monkeypatch):
-  scalars = []
-
-  class SummaryWriter:
-    def __init__(self, logdir):
-      self.logdir = logdir
-
-    def add_scalar(self, name, value, step):
-      scalars.append((name, value, step))
-
-    def close(self):
-      scalars.append('closed')
-
-  monkeypatch.setitem(sys.modules, 'tensorboardX', types.SimpleNamespace(SummaryWriter=SummaryWriter))
-  log = MetricsLog(tmp_path / 'metrics.jsonl', tensorboard_dir=tmp_path / 'tb')
-  log.write(3, {'loss': 1.5, 'val_loss': 2.0})
-  log.close()
-  assert scalars == [('loss', 1.5, 3), ('val_loss', 2.0, 3), 'closed']
-  assert MetricsLog.read(tmp_path / 'metrics.jsonl') == [{'step': 3, 'loss': 1.5, 'val_loss': 2.0}]
-
-
-def test_metrics_log_without_tensorboard_writes_json_lines_only(tmp_path, monkeypatch):
-  monkeypatch.setitem(sys.modules, 'tensorboardX', None)  # import fails
-  log = MetricsLog(tmp_path / 'metrics.jsonl', tensorboard_dir=tmp_path / 'tb')
-  log.write(1, {'loss': 2.5})
-  log.close()
-  assert not (tmp_path / 'tb').exists()
-  assert MetricsLog.read(tmp_path / 'metrics.jsonl') == [{'step': 1, 'loss': 2.5}]
-
-
-# --- train.py ------------------------------------------------------------------------
-
-@pytest.mark.parametrize('argv,message', [
-    (['--bogus'], 'unrecognized arguments: --bogus'),
-    (['--model.d_model=abc'], "model.d_model must be an integer, got 'abc'"),
-    (['--steps', '-1'], 'train.steps must be a positive integer, got -1'),
-    (['--model.num_heads=3'], 'model.d_model=128 is not divisible by model.num_heads=3'),
-    (['--model.activation=tanh'], "model.activation must be one of relu, gelu, got 'tanh'"),
-    (['--train.label_smoothing=1.5'], r'train.label_smoothing must be in [0, 1), got 1.5'),
-    (['--model.vocab_size=100'], 'unrecognized arguments: --model.vocab_size=100'),
-    (['--devices', '0'], "argument --devices: expected a positive integer, got '0'"),
-    (['--preset', 'huge'], "argument --preset: invalid choice: 'huge'"),
-    (['--process-id', '1'], '--num-processes and --process-id need --coordinator'),
-])
-def test_cli_refuses_bad_options_up_front(argv, message, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    train_cli.main(argv)
-  assert exit_info.value.code == 2
-  assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize('argv,message', [
-    (['--data', './nowhere'], 'nowhere: no such file or directory'),
-    (['--devices', '64'], '--devices=64: this process has'),
-])
-def test_cli_reports_run_errors_without_a_traceback(argv, message, tmp_path, monkeypatch, capsys):
-  monkeypatch.chdir(tmp_path)
-  assert train_cli.main([*argv, '--workdir', str(tmp_path / 'run')]) == 1
-  error = capsys.readouterr().err
-  assert message in error and 'Traceback' not in error
-
-
-def test_cli_help_documents_every_setting(capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    train_cli.main(['--help'])
-  assert exit_info.value.code == 0
-  help_text = capsys.readouterr().out
-  for option in ('--model.d_model', '--train.warmup_steps', '--train.grad_accum_steps',
-                 '--data.vocab_size', '--bf16', '--average-last', '--parallel', '--no-resume',
-                 '--coordinator'):
-    assert option in help_text, option
-
-
-def test_cli_describes_every_setting_and_nothing_else():
-  settings = {f'{section}.{field.name}' for section, cls in train_cli.SECTIONS
-              for field in dataclasses.fields(cls)
-              if not (section == 'model' and field.name in train_cli.TOKENIZER_FIELDS)}
-  assert set(train_cli.SETTING_HELP) == settings
-
-
-def test_cli_presets_and_overrides():
-  args = train_cli.build_parser().parse_args(
-      ['--preset', 'multi30k', '--model.d_model=512', '--steps', '10', '--bf16', '--src', 'de',
-       '--tgt', 'en'])
-  model, training, data = train_cli.configs_from_args(args)
-  assert (model.d_model, model.num_encoder_layers, model.dtype) == (512, 3, 'bfloat16')
-  assert (training.steps, training.warmup_steps) == (10, TrainConfig.multi30k().warmup_steps)
-  assert (data.source, data.src_lang, data.tgt_lang) == ('bentrevett/multi30k', 'de', 'en')

@@ -1,83 +1,52 @@
-"""Text-level decoding: Translator (batching, order, truncation, alignment) and decode.py."""
+"""Text-level decoding: Translator (batching, order, truncation, alignment, the model kinds)
+and Search.
 
-import importlib.util
-import re
-from pathlib import Path
+decode.py, the command line over Translator, is tests/test_decode_cli.py's.
+"""
 
-import jax
 import numpy as np
 import pytest
 
 from flax_transformer import ConfigError, ModelConfig, Transformer, decoding
-from flax_transformer.checkpoint import Checkpoints, write_config
-from flax_transformer.config import DataConfig, TrainConfig
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.nat import CMLMTransformer
 from flax_transformer.translate import Search, Translator
-
-CORPUS = ['Ein Mann fährt Fahrrad.', 'Zwei Hunde spielen im Schnee.', 'Eine Frau liest ein Buch.',
-          'Kinder spielen am Strand.', 'Ein Hund läuft über die Wiese.',
-          'A man rides a bike.', 'Two dogs play in the snow.', 'A woman reads a book.']
-# Lengths that need several source widths, and an empty line.
-SENTENCES = ['Ein Hund spielt.', 'Zwei Männer fahren Fahrrad im Schnee am Strand und die Frau '
-             'liest.', '', 'Kinder.', 'Eine Frau läuft über die Wiese im Schnee.']
-MAX_LEN = 64
+from support.random_run import MAX_LEN, SENTENCES
 
 # The tiny model's max_len caps the source + 50 budget of the longest sentences;
 # test_decoding.py checks that warning.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* exceeds model.max_len')
 
 
-def load_decode_script():
-  path = Path(__file__).resolve().parents[1] / 'decode.py'
-  spec = importlib.util.spec_from_file_location('decode_script', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+# The random tiny model of conftest.py's random_run, which tests/test_decode_cli.py shares.
+
+@pytest.fixture(scope='module')
+def tokenizer(random_run):
+  return random_run.tokenizer
 
 
 @pytest.fixture(scope='module')
-def tokenizer():
-  return Tokenizer.train(CORPUS, vocab_size=120)
+def config(random_run):
+  return random_run.config
 
 
 @pytest.fixture(scope='module')
-def config(tokenizer):
-  return ModelConfig.tiny(vocab_size=tokenizer.vocab_size, max_len=MAX_LEN, dropout_rate=0.0)
+def params(random_run):
+  return random_run.params
 
 
 @pytest.fixture(scope='module')
-def params(config):
-  tokens = np.ones((1, 4), np.int32)
-  params = Transformer(config).init(jax.random.key(0), tokens, tokens)['params']
-  # A longer EOS embedding so that random-weight translations end at different lengths.
-  params['embedding']['embedding'] = params['embedding']['embedding'].at[config.eos_id].multiply(10)
-  return params
+def translator(random_run):
+  return random_run.translator
 
 
 @pytest.fixture(scope='module')
-def translator(config, params, tokenizer):
-  return Translator(config, params, tokenizer)
+def run_dir(random_run):
+  return random_run.run_dir
 
 
 @pytest.fixture(scope='module')
-def run_dir(tmp_path_factory, config, params, tokenizer):
-  workdir = tmp_path_factory.mktemp('run')
-  write_config(workdir, config, TrainConfig(), DataConfig())
-  tokenizer.save(workdir)
-  checkpoints = Checkpoints(workdir)
-  checkpoints.save_params(7, jax.device_get(params))
-  checkpoints.close()
-  return workdir
-
-
-@pytest.fixture(scope='module')
-def greedy_translations(translator):
-  return translator.translate(SENTENCES, method='greedy', batch_size=2)
-
-
-@pytest.fixture(scope='module')
-def decode_script():
-  return load_decode_script()
+def greedy_translations(random_run):
+  return random_run.greedy_translations
 
 
 def test_batches_come_back_in_input_order(translator, config, params, tokenizer,
@@ -125,6 +94,32 @@ def test_search_settings_are_checked(settings, message):
     Search(**settings)
 
 
+@pytest.mark.parametrize('settings, message', [
+    (dict(method='nat', max_len=5), 'max_len only applies to the autoregressive methods'),
+    (dict(method='greedy', length_beam=1), "length_beam only apply to method 'nat'"),
+    (dict(method='nat', beam_size=2), "beam_size only apply to method 'beam', not 'nat'"),
+    (dict(method='nat', iterations=0), 'iterations must be a positive integer, got 0'),
+])
+def test_search_checks_nat_settings(settings, message):
+  with pytest.raises(ConfigError, match=message):
+    Search(**settings)
+
+
+def test_search_describes_its_decoding():
+  assert Search(method='nat').describe() == ('mask-predict decoding (10 iterations, length '
+                                              'beam 3)')
+  assert Search(method='nat', iterations=4, length_beam=1, nat_length='fixed').describe() == (
+      'mask-predict decoding (4 iterations, fixed length)')
+  assert Search(method='greedy').describe() == 'greedy decoding'
+
+
+def test_search_refuses_a_length_beam_beyond_the_length_classes():
+  config = ModelConfig.tiny(kind='cmlm', max_length_offset=1)
+  Search(method='nat', length_beam=3).check_model(config)
+  with pytest.raises(ConfigError, match=r"length_beam=4 exceeds the model's 3 length classes"):
+    Search(method='nat', length_beam=4).check_model(config)
+
+
 def test_alignment_is_the_cross_attention_of_the_output(translator, config, tokenizer):
   alignment = translator.alignment('Ein Hund spielt.', 'A dog plays.')
   source = tokenizer.encode(['Ein Hund spielt.'])[0] + [config.eos_id]
@@ -143,64 +138,19 @@ def test_alignment_is_the_cross_attention_of_the_output(translator, config, toke
   assert decoded.weights.shape[2] == len(decoded.target_tokens)
 
 
-# --- decode.py ------------------------------------------------------------------
+# --- the model kinds: an autoregressive run and a cmlm run (conftest.py) ---------------------
 
-
-def test_cli_translates_arguments_to_stdout(decode_script, run_dir, greedy_translations, capsys):
-  status = decode_script.main(['--checkpoint', str(run_dir), '--method', 'greedy',
-                               '--batch-size', '2', *SENTENCES])
-  captured = capsys.readouterr()
-  assert status == 0, captured.err
-  assert captured.out.split('\n')[:-1] == greedy_translations
-
-
-def test_cli_file_to_file_with_reference_scores(decode_script, run_dir, greedy_translations,
-                                                tmp_path, capsys):
-  source, output, reference = tmp_path / 'in.de', tmp_path / 'out.en', tmp_path / 'ref.en'
-  source.write_text('\n'.join(SENTENCES) + '\n')
-  reference.write_text('\n'.join(greedy_translations[:-1] + ['something else']) + '\n')
-  status = decode_script.main(['--checkpoint', str(run_dir), '--method', 'greedy',
-                               '--batch-size', '2', '--input', str(source), '--output', str(output),
-                               '--reference', str(reference)])
-  captured = capsys.readouterr()
-  assert status == 0, captured.err
-  assert output.read_text().split('\n')[:-1] == greedy_translations
-  bleu, chrf = captured.out.strip().split('\n')
-  assert bleu.startswith('BLEU = ') and 'signature: nrefs:1|case:mixed|eff:no|tok:13a' in bleu
-  assert chrf.startswith('chrF2 = ') and 'signature: nrefs:1|case:mixed|eff:yes|nc:6' in chrf
-  assert 0.0 < float(bleu.split()[2]) < 100.0
-
-
-def test_cli_warns_about_overlong_lines(decode_script, run_dir, tokenizer, tmp_path, capsys):
-  source, long = tmp_path / 'long.de', ' '.join(['Hund'] * 80)
-  source.write_text('Ein Hund.\n' + long + '\n')
-  status = decode_script.main(['--checkpoint', str(run_dir), '--method', 'greedy',
-                               '--input', str(source)])
-  captured = capsys.readouterr()
-  assert status == 0
-  count = len(tokenizer.encode([long])[0])
-  assert f'warning: line 2 has {count} subword tokens; the model reads at most {MAX_LEN - 1}' \
-      in captured.err
-  assert len(captured.out.split('\n')) == 3
-
-
-@pytest.mark.parametrize('arguments, message', [
-    (['--checkpoint', '{tmp}/missing', 'Hallo'], 'missing: no such directory'),
-    (['--checkpoint', '{tmp}', 'Hallo'], 'config.json: no such file'),
-    (['--checkpoint', '{run}', '--input', '{tmp}/empty.txt'], 'empty.txt is empty'),
-    (['--checkpoint', '{run}', '--input', '{tmp}/nothing.txt'], 'nothing.txt: no such file'),
-    (['--checkpoint', '{run}', '--max-len', '100', 'Hallo'], r'--max-len must be in \[1, 64\]'),
-    (['--checkpoint', '{run}', '--step', '3', 'Hallo'], r'no checkpoint at step 3 \(have: 7\)'),
-    (['--checkpoint', '{run}', '--temperature', '0.5', 'Hallo'],
-     "temperature only apply to method 'sample'"),
-    (['--checkpoint', '{run}', '--reference', '{tmp}/empty.txt', 'Hallo', 'Welt'],
-     'has 0 lines, the input has 2'),
-])
-def test_cli_errors_are_one_line_messages(decode_script, run_dir, tmp_path, capsys, arguments,
-                                          message):
-  (tmp_path / 'empty.txt').write_text('')
-  arguments = [a.format(tmp=tmp_path, run=run_dir) for a in arguments]
-  assert decode_script.main(arguments) == 2
-  err = capsys.readouterr().err
-  assert err.startswith('decode.py: error: ') and err.count('\n') == 1
-  assert re.search(message, err), err
+def test_translator_refuses_methods_of_the_other_kind(teacher, cmlm_run):
+  autoregressive = Translator.from_checkpoint(teacher)
+  with pytest.raises(ConfigError, match="method 'nat' decodes cmlm models, but this model is "
+                                        "model.kind='autoregressive'; use method 'beam', "
+                                        "'greedy' or 'sample'"):
+    autoregressive.translate(['one'], method='nat')
+  cmlm = Translator.from_checkpoint(cmlm_run['workdir'])
+  assert isinstance(cmlm.model, CMLMTransformer)
+  for method in ('greedy', 'beam', 'sample'):
+    with pytest.raises(ConfigError, match=f"method '{method}' decodes autoregressive models"):
+      cmlm.translate(['one'], method=method)
+  with pytest.raises(ConfigError, match="alignment needs an autoregressive model; this one is "
+                                        "model.kind='cmlm'"):
+    cmlm.alignment('one')

@@ -1,7 +1,7 @@
 """One process of a 2-process JAX job in tests/test_multihost.py: what a train.py run cannot show.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-        python tests/multihost_worker.py 127.0.0.1:PORT PROCESS_ID OUT_DIR
+        python tests/support/multihost_worker.py 127.0.0.1:PORT PROCESS_ID OUT_DIR
 
 The test's train.py runs cover the default path (shard_map). This worker checks,
 on the number-words task, the multi-process pieces they leave out:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_worker(source: str, out: Path, args, device_count: int,
@@ -25,7 +25,7 @@ def run_worker(source: str, out: Path, args, device_count: int,
   flags = f'--xla_force_host_platform_device_count={device_count}'
   if not backend_optimization:
     flags += ' --xla_backend_optimization_level=0'
-  # tests/ on the path too: workers import the tests' helpers.
+  # tests/ on the path too: workers import the helpers of tests/support/.
   env = {**os.environ, 'XLA_FLAGS': flags, 'JAX_PLATFORMS': 'cpu',
          'PYTHONPATH': f'{ROOT}{os.pathsep}{ROOT / "tests"}'}
   done = subprocess.run([sys.executable, '-c', source, str(out), *map(str, args)], env=env,

@@ -1,6 +1,6 @@
-"""train.py whose checkpoint of one step is written but never committed: for tests/test_interrupt.py.
+"""train.py whose checkpoint of one step is written but never committed: test_interruption.py.
 
-    python tests/held_commit.py STEP [train.py options]
+    python tests/support/held_commit.py STEP [train.py options]
 
 orbax writes checkpoint STEP into `checkpoints/STEP.orbax-checkpoint-tmp`, as
 always, and then, where it would rename that directory to `checkpoints/STEP`,
@@ -28,6 +28,6 @@ async def finalize(self):
 
 
 atomicity.AtomicRenameTemporaryPath.finalize = finalize
-script = Path(__file__).resolve().parents[1] / 'train.py'
+script = Path(__file__).resolve().parents[2] / 'train.py'
 sys.argv[0] = str(script)
 runpy.run_path(str(script), run_name='__main__')

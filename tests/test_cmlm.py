@@ -1,35 +1,20 @@
-"""The non-autoregressive model (CMLM) and mask-predict: length classes, the masking of the
-training inputs and its statistics, the loss against NumPy float64, the non-causal yet
-padding-blind decoder, the length and re-masking schedules of decoding, independence of
-batch padding, and a tiny model trained on a copy task decoding it exactly."""
+"""The non-autoregressive model (CMLM, flax_transformer/nat.py): length classes, the masking
+of the training inputs and its statistics, the loss against NumPy float64, the non-causal
+yet padding-blind decoder, and uniform copy of the source into the decoder's input.
+
+Mask-predict, which decodes it, is tests/test_cmlm_decoding.py's.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from flax_transformer import ConfigError, ModelConfig, Transformer, decoding, nat, nat_decoding
+from flax_transformer import ConfigError, nat
 from flax_transformer.batching import Batch
 from flax_transformer.nat import CMLMTransformer, CMLMInputs
-from flax_transformer.nat_decoding import MaskPredictConfig
-
-R = 4
-CONFIG = ModelConfig.tiny(kind='cmlm', max_length_offset=R, dropout_rate=0.0)
-PAD, BOS, EOS = CONFIG.pad_id, CONFIG.bos_id, CONFIG.eos_id
-MASK = CONFIG.vocab_size
-# EOS-terminated sources of different lengths, as the batcher builds them.
-SOURCES = [[5, 9, 12, 7, 2], [30, 2], [4, 8, 15, 16, 23, 42, 11, 2], [6, 6, 6, 2], [40, 41, 2]]
-LENGTH_BEAM = 3
-
-
-def pad_rows(rows, width=None):
-  width = width or max(map(len, rows))
-  return np.array([list(row) + [PAD] * (width - len(row)) for row in rows], np.int32)
-
-
-def source_lengths(src):
-  return (np.asarray(src) != PAD).sum(axis=1)
+from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, MASK, PAD, R, SOURCES, pad_rows,
+                               source_lengths)
 
 
 def log_softmax64(logits):
@@ -38,7 +23,7 @@ def log_softmax64(logits):
   return logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
 
 
-# --- fixtures: one tiny model, each jit compiled once ---------------------------------
+# --- fixtures: support.tiny_cmlm's model, whose parameters conftest.py initialises once --
 
 
 @pytest.fixture(scope='module')
@@ -47,15 +32,8 @@ def model():
 
 
 @pytest.fixture(scope='module')
-def params(model):
-  src = pad_rows(SOURCES)
-  return jax.jit(model.init)(jax.random.key(0), src, src)['params']
-
-
-@pytest.fixture(scope='module')
-def forward(model):
-  apply = jax.jit(lambda params, src, tokens: model.apply({'params': params}, src, tokens))
-  return lambda params, src, tokens: jax.tree.map(np.asarray, apply(params, src, tokens))
+def params(cmlm_params):
+  return cmlm_params
 
 
 @pytest.fixture(scope='module')
@@ -63,22 +41,10 @@ def src():
   return pad_rows(SOURCES)
 
 
-def constant_model(params, token, length_class):
-  """Parameters whose decoder predicts `token` at every position and whose classifier says `length_class`.
-
-  The last post-LN LayerNorm of the decoder gets scale 0 and bias = 100 x the token's
-  embedding row, so every position's output is that vector and the token's log-probability
-  rounds to exactly 0 (every candidate then scores alike); the length head gets a zero
-  kernel and a bias that is 10 at `length_class`.
-  """
-  params = jax.tree.map(lambda x: x, params)
-  norm = params['decoder'][f'layer_{CONFIG.num_decoder_layers - 1}']['ffn_sublayer']['norm']
-  norm['scale'] = jnp.zeros_like(norm['scale'])
-  norm['bias'] = 100.0 * params['embedding']['embedding'][token]
-  head = params['length_head']
-  head['kernel'] = jnp.zeros_like(head['kernel'])
-  head['bias'] = 10.0 * jax.nn.one_hot(length_class, nat.num_length_classes(CONFIG))
-  return params
+@pytest.fixture(scope='module')
+def forward(model):
+  apply = jax.jit(lambda params, src, tokens: model.apply({'params': params}, src, tokens))
+  return lambda params, src, tokens: jax.tree.map(np.asarray, apply(params, src, tokens))
 
 
 # --- length classes ----------------------------------------------------------------------
@@ -292,9 +258,6 @@ def test_extra_pad_columns_change_nothing(forward, params, src, decoder_input):
 
 # --- uniform copy of the source (nat_decoder_input='uniform_copy') ---------------------------
 
-COPY_CONFIG = CONFIG.replace(nat_decoder_input='uniform_copy')
-
-
 def test_uniform_copy_takes_the_source_token_at_the_same_relative_position():
   a, b, c = 10, 11, 12
   src = pad_rows([[a, b, c, EOS], [a, EOS], [a, b, c, EOS], [a, b, c, EOS], [], [a, b, EOS]],
@@ -310,9 +273,9 @@ def test_uniform_copy_takes_the_source_token_at_the_same_relative_position():
 
 
 @pytest.fixture(scope='module')
-def copy_forward():
+def copy_forward(cmlm_copy_params):
   model = CMLMTransformer(COPY_CONFIG)
-  params = jax.jit(model.init)(jax.random.key(0), pad_rows(SOURCES), pad_rows(SOURCES))['params']
+  params = cmlm_copy_params
   apply = jax.jit(lambda src, tokens: model.apply({'params': params}, src, tokens)[0])
   return params, lambda src, tokens: np.asarray(apply(src, tokens))
 
@@ -341,18 +304,6 @@ def test_only_uniform_copy_feeds_the_source_ids_to_the_decoder(config, src, deco
   assert moved > 1e-3 if config.nat_decoder_input == 'uniform_copy' else moved == 0.0
 
 
-def test_uniform_copy_mask_predict_is_independent_of_batch_padding(copy_forward, src):
-  params, _ = copy_forward
-  model = CMLMTransformer(COPY_CONFIG)
-  batch = np.asarray(nat_decoding.mask_predict(model, params, src, iterations=3, length_beam=2))
-  wider = np.asarray(nat_decoding.mask_predict(model, params, np.pad(src, ((0, 0), (0, 5))),
-                                               iterations=3, length_beam=2))
-  np.testing.assert_array_equal(wider[:, :batch.shape[1]], batch)
-  alone = np.asarray(nat_decoding.mask_predict(model, params, src[1:2, :len(SOURCES[1])],
-                                               iterations=3, length_beam=2))[0]
-  np.testing.assert_array_equal(alone, batch[1, :len(alone)])
-
-
 def test_uniform_copy_needs_the_source_ids(copy_forward, src, decoder_input):
   params, _ = copy_forward
   model = CMLMTransformer(COPY_CONFIG)
@@ -364,187 +315,3 @@ def test_uniform_copy_needs_the_source_ids(copy_forward, src, decoder_input):
     CONFIG.replace(nat_decoder_input='copy')
   with pytest.raises(ConfigError, match="'uniform_copy' is for model.kind='cmlm'"):
     CONFIG.replace(kind='autoregressive', nat_decoder_input='uniform_copy')
-
-
-# --- mask-predict -----------------------------------------------------------------------------
-
-
-def decode(model, params, src, **settings):
-  return jax.tree.map(np.asarray, nat_decoding.mask_predict(model, params, src,
-                                                            return_history=True, **settings))
-
-
-def test_one_pass_rows_are_as_long_as_the_predicted_length(model, params, src):
-  token, length_class = 7, R + 1                       # every position 7; lengths = source + 1
-  tokens, history = decode(model, constant_model(params, token, length_class), src, iterations=1,
-                           length_beam=LENGTH_BEAM)
-  lengths = source_lengths(src) + 1
-  # Room for the longest row and its EOS, rounded up to a multiple of 8.
-  width = nat_decoding.canvas_width(lengths.max(), CONFIG.max_len)
-  assert width % nat_decoding.WIDTH_MULTIPLE == 0 and lengths.max() < width
-  assert tokens.shape == (len(SOURCES), width)
-  for row, n in zip(tokens, lengths):
-    np.testing.assert_array_equal(row, [token] * n + [EOS] + [PAD] * (width - n - 1))
-  # All candidates score alike, so the first (the most likely length) wins.
-  np.testing.assert_array_equal(history['chosen'], 0)
-  np.testing.assert_array_equal(history['lengths'][::LENGTH_BEAM], lengths)
-
-
-def test_candidate_lengths_are_the_classifier_top_k(model, params, src):
-  _, history = decode(model, params, src, iterations=1, length_beam=LENGTH_BEAM)
-  _, length_logits = model.apply({'params': params}, src, src)
-  top = np.argsort(-np.asarray(length_logits), axis=1, kind='stable')[:, :LENGTH_BEAM]
-  expected = np.clip(source_lengths(src)[:, None] + top - R, 1, CONFIG.max_len)
-  np.testing.assert_array_equal(history['lengths'].reshape(-1, LENGTH_BEAM), expected)
-  best = history['scores'].argmax(axis=1)
-  np.testing.assert_array_equal(history['chosen'], best)
-
-
-@pytest.mark.parametrize('iterations', [1, 4, 10])
-def test_remasked_counts_follow_the_schedule(model, params, src, iterations):
-  tokens, history = decode(model, params, src, iterations=iterations, length_beam=LENGTH_BEAM)
-  lengths = history['lengths']
-  expected = np.array([lengths * (iterations - t) // iterations for t in range(iterations)])
-  np.testing.assert_array_equal(history['masked_counts'], expected)
-  np.testing.assert_array_equal(history['masked_counts'][0], lengths)
-  canvases = history['tokens']                                    # [I, R, W]
-  assert canvases.shape[:2] == (iterations, len(SOURCES) * LENGTH_BEAM)
-  # Positions that were not re-masked keep their token.
-  changed = (canvases[1:] != canvases[:-1]).sum(axis=2)
-  assert (changed <= history['masked_counts'][1:]).all()
-  inside = np.arange(canvases.shape[2]) < lengths[:, None]
-  assert (canvases[:, ~inside] == PAD).all() and (canvases[:, inside] != PAD).all()
-  # The output is the chosen candidate's last canvas, cut at its first EOS.
-  rows = np.arange(len(SOURCES)) * LENGTH_BEAM + history['chosen']
-  for out, canvas, n in zip(tokens, canvases[-1, rows], lengths[rows]):
-    end = next((i for i in range(n) if canvas[i] == EOS), n)
-    np.testing.assert_array_equal(out[:end], canvas[:end])
-    assert end == len(out) or out[end] == EOS
-    assert (out[end + 1:] == PAD).all()
-
-
-def test_fixed_length_decodes_source_plus_r_positions_cut_at_the_first_eos(model, params):
-  src = pad_rows(SOURCES[:3])
-  lengths = source_lengths(src) + R
-  width = nat_decoding.canvas_width(lengths.max(), CONFIG.max_len)
-  tokens, history = decode(model, constant_model(params, 7, 0), src, iterations=1, length_beam=1,
-                           length='fixed')
-  np.testing.assert_array_equal(history['lengths'], lengths)
-  assert tokens.shape == (3, width)
-  for row, n in zip(tokens, lengths):
-    np.testing.assert_array_equal(row, [7] * n + [EOS] + [PAD] * (width - n - 1))
-  eos_only, _ = decode(model, constant_model(params, EOS, 0), src, iterations=1, length_beam=1,
-                       length='fixed')
-  np.testing.assert_array_equal(eos_only, np.where(np.arange(width) == 0, EOS, PAD)[None]
-                                .repeat(3, 0))
-  # A source within R of model.max_len fills the whole table: no room for EOS, as greedy.
-  long = pad_rows([[5] * (CONFIG.max_len - R + 1) + [EOS]])
-  tokens, history = decode(model, constant_model(params, 7, 0), long, iterations=1,
-                           length_beam=1, length='fixed')
-  assert history['lengths'][0] == CONFIG.max_len and tokens.shape == (1, CONFIG.max_len)
-  assert (tokens == 7).all()
-
-
-def test_canvas_width_leaves_room_for_eos_in_few_buckets():
-  widths = [nat_decoding.canvas_width(n, 128) for n in range(1, 128)]
-  assert all(n < w or w == 128 for n, w in zip(range(1, 128), widths))
-  assert all(w % 8 == 0 for w in widths) and len(set(widths)) == 16
-  assert nat_decoding.canvas_width(13, 128) == 16 and nat_decoding.canvas_width(16, 128) == 24
-
-
-def test_a_sentence_decodes_alike_alone_and_in_any_padded_batch(model, params, src):
-  settings = dict(iterations=4, length_beam=LENGTH_BEAM)
-  batch = nat_decoding.mask_predict(model, params, src, **settings)
-  # Reversed, wider rows, and a batch-padding row in the middle.
-  shuffled = np.pad(src[::-1], ((0, 0), (0, 3)))
-  shuffled = np.insert(shuffled, 2, PAD, axis=0)
-  other = np.asarray(nat_decoding.mask_predict(model, params, shuffled, **settings))
-  assert (other[2] == PAD).all()
-  other = np.delete(other, 2, axis=0)[::-1]
-  np.testing.assert_array_equal(other[:, :batch.shape[1]], batch)
-  assert (other[:, batch.shape[1]:] == PAD).all()
-  for i in (1, 2):                                                 # the shortest and longest alone
-    alone = np.asarray(nat_decoding.mask_predict(model, params, src[i:i + 1, :len(SOURCES[i])],
-                                                 **settings))[0]
-    row = np.asarray(batch[i])
-    np.testing.assert_array_equal(alone, row[:len(alone)])
-    assert (row[len(alone):] == PAD).all()
-
-
-def test_cut_at_eos_keeps_the_tokens_before_the_first_eos():
-  tokens = jnp.array([[10, 11, EOS, 12, PAD, PAD], [10, 11, 12, 13, PAD, PAD],
-                      [10, 11, 12, 13, 14, 15], [EOS, 11, EOS, 12, 13, PAD], [PAD] * 6])
-  lengths = jnp.array([4, 4, 6, 5, 0])
-  np.testing.assert_array_equal(nat_decoding._cut_at_eos(tokens, lengths, CONFIG), [
-      [10, 11, EOS, PAD, PAD, PAD], [10, 11, 12, 13, EOS, PAD], [10, 11, 12, 13, 14, 15],
-      [EOS, PAD, PAD, PAD, PAD, PAD], [PAD] * 6])
-
-
-@pytest.mark.parametrize('settings, message', [
-    (dict(iterations=0), 'iterations must be a positive integer, got 0'),
-    (dict(length_beam=True), 'length_beam must be a positive integer, got True'),
-    (dict(length='auto'), 'length must be one of predict, fixed'),
-    (dict(length='fixed', length_beam=3), 'length_beam must be 1, got 3'),
-])
-def test_bad_settings_name_the_option(settings, message):
-  with pytest.raises(ConfigError, match=message):
-    MaskPredictConfig(**settings)
-
-
-def test_bad_calls_are_refused_before_compiling(model, params, src):
-  with pytest.raises(ConfigError, match=r'length_beam=10 exceeds the 9 length classes'):
-    nat_decoding.mask_predict(model, params, src, length_beam=10)
-  with pytest.raises(TypeError, match='needs a CMLMTransformer'):
-    nat_decoding.mask_predict(Transformer(CONFIG), params, src)
-  with pytest.raises(ValueError, match='outside'):
-    nat_decoding.mask_predict(model, params, src + CONFIG.vocab_size)
-  with pytest.raises(ValueError, match="model.kind='cmlm' decodes with nat_decoding.mask_predict"):
-    decoding.greedy(model, params, src)
-
-
-# --- a trained model ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize('decoder_input, iterations', [('mask', 4), ('uniform_copy', 1)])
-def test_a_model_trained_on_copying_decodes_it_exactly(decoder_input, iterations):
-  """500 Adam steps on the CMLM objective (copy 2..7 tokens) -> mask-predict copies exactly;
-  fed the source itself (uniform copy at the right length), in a single pass."""
-  config = ModelConfig.tiny(kind='cmlm', max_length_offset=2, dropout_rate=0.0, max_len=16,
-                            nat_decoder_input=decoder_input)
-  model = CMLMTransformer(config)
-  rng = np.random.default_rng(0)
-
-  def copy_batch(rows, width=9):
-    lengths = rng.integers(2, 8, rows)
-    words = rng.integers(4, 20, (rows, width))
-    position = np.arange(width)
-    ids = np.where(position < lengths[:, None], words, PAD)
-    ids = np.where(position == lengths[:, None], EOS, ids).astype(np.int32)
-    return ids
-
-  optimizer = optax.adam(3e-3)
-  params = model.init(jax.random.key(0), copy_batch(1), copy_batch(1))['params']
-  opt_state = optimizer.init(params)
-
-  @jax.jit
-  def step(params, opt_state, ids, key):
-    batch = Batch(src=ids, tgt_in=ids, tgt_out=ids, example_ids=jnp.zeros(ids.shape[0]))
-    inputs = nat.cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
-
-    def loss(params):
-      token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens)
-      sums = nat.cmlm_loss_sums(token_logits, length_logits, inputs, config, smoothing=0.0)
-      return sums['loss_sum'] / sums['tokens'] + 0.1 * sums['length_loss_sum'] / sums['sentences']
-
-    updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state)
-    return optax.apply_updates(params, updates), opt_state
-
-  for i in range(500):
-    params, opt_state = step(params, opt_state, copy_batch(64), jax.random.key(i))
-
-  src = copy_batch(200)
-  tokens = np.asarray(nat_decoding.mask_predict(model, params, src, iterations=iterations,
-                                                length_beam=1))
-  expected = np.pad(src, ((0, 0), (0, tokens.shape[1] - src.shape[1])))
-  exact = (tokens == expected).all(axis=1).mean()
-  assert exact >= 0.95, exact

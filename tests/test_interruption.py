@@ -1,4 +1,6 @@
-"""Real train.py processes stopped by SIGTERM, SIGINT, kill -9 in the middle of a save, a full disk.
+"""Stopping training: StopSignals and Interrupted (flax_transformer/interruption.py) in this
+process, and real train.py processes stopped by SIGTERM, SIGINT, kill -9 in the middle of a
+save, a full disk.
 
 One corpus and one set of settings for every process, so that they compile the
 same training step; JAX's persistent compilation cache (a directory of this
@@ -9,7 +11,7 @@ concurrent processes:
               is saved.
   2 term      resumed, and stopped by SIGINT three steps later: exit 130, the
               step reached (the run's total, T) is saved.
-    killed    tests/held_commit.py: checkpoint HELD is written but its commit
+    killed    tests/support/held_commit.py: checkpoint HELD is written but its commit
               (the rename of HELD.orbax-checkpoint-tmp to HELD) waits; the test
               polls for the temporary directory and sends SIGKILL at once. The
               kill lands after the checkpoint's files began to appear and
@@ -40,16 +42,13 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
-from flax_transformer.checkpoint import Checkpoints, file_digest, read_config
-from flax_transformer.model import Transformer
+from flax_transformer.checkpoint import file_digest
+from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.toy_task import number_translation
-from flax_transformer.train_step import create_train_state, make_optimizer
-# Loopback-only multi-process jobs, as tests/test_multihost.py starts them.
-from test_multihost import free_ports, host_name_is_loopback
+from support.processes import free_ports, host_name_is_loopback
+from support.runs import assert_trees_equal, saved_steps, train_state
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_EVERY = 2
@@ -177,33 +176,6 @@ def last_line(path: Path) -> str:
   return re.split(r'[\r\n]', path.read_text().strip())[-1]
 
 
-def saved_steps(workdir: Path) -> list[int]:
-  checkpoints = Checkpoints(workdir, read_only=True)
-  try:
-    return checkpoints.steps()
-  finally:
-    checkpoints.close()
-
-
-def train_state(workdir: Path, step: int):
-  """The TrainState saved at `step`, for the model and optimizer of WORKDIR/config.json."""
-  model_config, train_config, _ = read_config(workdir)
-  model = Transformer(model_config)
-  abstract = jax.eval_shape(lambda: create_train_state(
-      model, make_optimizer(train_config, model_config), train_config.seed))
-  checkpoints = Checkpoints(workdir, read_only=True)
-  try:
-    return checkpoints.restore(step, abstract)
-  finally:
-    checkpoints.close()
-
-
-def assert_trees_equal(actual, expected):
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    np.testing.assert_array_equal(a, e)
-
-
 @pytest.fixture(scope='module')
 def setup(tmp_path_factory):
   setup = Setup(tmp_path_factory.mktemp('interrupt'))
@@ -236,7 +208,7 @@ def runs(setup):
   killed_dir = base / 'killed'
   held = killed_dir / 'checkpoints' / f'{HELD}.orbax-checkpoint-tmp'
   killed = setup.launch('killed', steps=HELD + SAVE_EVERY,
-                        script=('tests/held_commit.py', str(HELD)))
+                        script=('tests/support/held_commit.py', str(HELD)))
   disk = setup.launch('disk', steps=4 * SAVE_EVERY, script=('-c', LIMITED, 'train.py'))
   process = setup.launch('term', steps=100_000)
   wait_for(lambda: max(logged(term)) >= facts['term_step'] + 3, process, 'three more steps')
@@ -370,3 +342,25 @@ def test_a_full_disk_stops_training_with_one_clear_line(runs, setup):
   assert max(logged(workdir)) <= 2 * SAVE_EVERY
   assert [p.name for p in (workdir / 'checkpoints').iterdir()] == [
       f'{SAVE_EVERY}.orbax-checkpoint-tmp']
+
+
+# --- StopSignals and Interrupted, in this process ----------------------------------------
+
+def test_stop_signals_note_the_first_signal_and_a_second_ctrl_c_stops_at_once():
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  with StopSignals() as stop:
+    assert not stop.requested(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested(2) and stop.signal_number == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGINT)  # after SIGTERM: still the save under way
+    assert stop.signal_number == signal.SIGTERM
+  with StopSignals() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.requested(1) and stop.signal_number == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt, match='second SIGINT'):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+  stopped = Interrupted(signal.SIGTERM, 7, Path('run/checkpoints/7'))
+  assert stopped.exit_code == 143 and str(stopped) == (
+      'stopped by SIGTERM after step 7; saved run/checkpoints/7. Run the same command again to '
+      'resume from there.')

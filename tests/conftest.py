@@ -1,0 +1,161 @@
+"""What the test files share: import paths, and the fixtures more than one file needs.
+
+Import paths, set here once, before any test file is imported:
+  * the repository root, first: this checkout's `flax_transformer` (ahead of any
+    installed copy), `benchmarks`, and the scripts train.py and decode.py, which
+    the tests import as `import train as train_cli`, `import decode as decode_cli`;
+  * tests/, for the helpers of tests/support/: `from support.<module> import ...`.
+
+Fixtures, all session-scoped: each is built once, by the first test that asks for it,
+whichever file that test is in. Tests read what they return and leave the directories
+as they found them.
+  multi30k_dir        the Multi30k corpus beside the checkout; skips the test without it
+  numbers_corpus      number words as train/val/test files
+  cmlm_run            train.py --objective cmlm on numbers_corpus, then resumed
+  teacher             an autoregressive run directory of random parameters
+  random_run          support/random_run.py: a random tiny model's run directory
+  checkpointed_run    support/checkpointed_run.py: five checkpoints of a tiny model
+  cmlm_params         the parameters of support/tiny_cmlm.py's model,
+  cmlm_copy_params    and of its uniform-copy variant
+"""
+
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+for path in (TESTS, ROOT):  # ROOT ends up first
+  if str(path) in sys.path:
+    sys.path.remove(str(path))
+  sys.path.insert(0, str(path))
+
+# After the paths above: this checkout's package and scripts.
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from flax_transformer.checkpoint import Checkpoints, write_config  # noqa: E402
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from flax_transformer.data import load_parallel  # noqa: E402
+from flax_transformer.model import Transformer  # noqa: E402
+from flax_transformer.nat import CMLMTransformer  # noqa: E402
+from flax_transformer.tokenizer import Tokenizer  # noqa: E402
+from flax_transformer.toy_task import number_translation  # noqa: E402
+import train as train_cli  # noqa: E402
+from support import checkpointed_run as checkpointed_run_lib  # noqa: E402
+from support import random_run as random_run_lib  # noqa: E402
+from support import tiny_cmlm  # noqa: E402
+from support.script_calls import call  # noqa: E402
+
+
+# --- corpora ------------------------------------------------------------------------------
+
+MULTI30K = ROOT.parent / 'shared' / 'data' / 'multi30k'
+
+
+@pytest.fixture(scope='session')
+def multi30k_dir() -> Path:
+  """The Multi30k corpus as <split>.<lang> files beside the checkout; skips the test without it."""
+  if not MULTI30K.is_dir():
+    pytest.skip(f'Multi30k not found at {MULTI30K}')
+  return MULTI30K
+
+
+@pytest.fixture(scope='session')
+def numbers_corpus(tmp_path_factory) -> Path:
+  """Number words, English to German, as train/val/test .en/.de files of 64/8/8 lines:
+  the corpus of cmlm_run and teacher (test_train_cli, test_decode_cli, test_translate,
+  test_distill)."""
+  numbers = number_translation(num_train=64, num_validation=8, num_test=8)
+  stems = {'train': 'train', 'validation': 'val', 'test': 'test'}
+  directory = tmp_path_factory.mktemp('data') / 'numbers'
+  directory.mkdir(parents=True)
+  for split, stem in stems.items():
+    for column, lang in (('source', 'en'), ('target', 'de')):
+      (directory / f'{stem}.{lang}').write_text(''.join(f'{line}\n'
+                                                        for line in numbers[split][column]))
+  return directory
+
+
+# --- run directories ----------------------------------------------------------------------
+
+# The model of tests/test_train_cli.py: one layer each side, 16 positions.
+CMLM_OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
+                '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
+                '--model.max_length_offset=4', '--data.vocab_size=256', '--train.max_tokens=256',
+                '--train.warmup_steps=4', '--train.log_every=2', '--train.eval_every=2',
+                '--train.checkpoint_every=2']
+
+
+@pytest.fixture(scope='session')
+def cmlm_run(tmp_path_factory, numbers_corpus) -> dict:
+  """train.py --objective cmlm for 4 steps with --average-last 2, then resumed to 6
+  (test_train_cli, test_decode_cli, test_translate, test_distill).
+
+  {'workdir': the run directory, 'first', 'resumed': each call's (status, stdout, stderr)}.
+  """
+  corpus = numbers_corpus
+  workdir = tmp_path_factory.mktemp('cmlm') / 'run'
+  first = call(train_cli.main, ['--objective', 'cmlm', *CMLM_OPTIONS, '--data', corpus,
+                                '--steps=4', '--average-last', '2', '--workdir', workdir])
+  resumed = call(train_cli.main, ['--objective', 'cmlm', *CMLM_OPTIONS, '--data', corpus,
+                                  '--steps=6', '--workdir', workdir])
+  return {'workdir': workdir, 'first': first, 'resumed': resumed}
+
+
+@pytest.fixture(scope='session')
+def teacher(tmp_path_factory, numbers_corpus) -> Path:
+  """An autoregressive run directory with random parameters (no training needed), on
+  numbers_corpus: the teacher of test_distill, the other model kind of test_translate."""
+  corpus = numbers_corpus
+  workdir = tmp_path_factory.mktemp('teacher') / 'run'
+  dataset = load_parallel(str(corpus), 'en', 'de')
+  tokenizer = Tokenizer.train(list(dataset['train']['source']) + list(dataset['train']['target']),
+                              vocab_size=256)
+  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=1,
+                            num_decoder_layers=1, max_len=16, dropout_rate=0.0)
+  tokens = np.ones((1, 4), np.int32)
+  params = Transformer(config).init(jax.random.key(0), tokens, tokens)['params']
+  # A longer EOS embedding, so that random-weight translations end at different lengths.
+  params['embedding']['embedding'] = params['embedding']['embedding'].at[config.eos_id].multiply(8)
+  workdir.mkdir()
+  tokenizer.save(workdir)
+  write_config(workdir, config, TrainConfig.toy(), DataConfig(source=str(corpus), vocab_size=256))
+  checkpoints = Checkpoints(workdir)
+  checkpoints.save_params(3, jax.device_get(params))
+  checkpoints.close()
+  return workdir
+
+
+@pytest.fixture(scope='session')
+def random_run(tmp_path_factory) -> random_run_lib.RandomRun:
+  """support.random_run: a run directory of a random tiny model, its Translator, and its
+  greedy translations of support.random_run.SENTENCES (test_translate, test_decode_cli)."""
+  return random_run_lib.build(tmp_path_factory.mktemp('run'))
+
+
+@pytest.fixture(scope='session')
+def checkpointed_run(tmp_path_factory) -> checkpointed_run_lib.CheckpointedRun:
+  """support.checkpointed_run: a run directory with checkpoints at steps 2, 4, 6, 8, 10 (the
+  last 3 kept), its tokenizer and training state (test_checkpoint, test_run_directory)."""
+  return checkpointed_run_lib.build(tmp_path_factory.mktemp('run'))
+
+
+# --- the tiny cmlm model of support.tiny_cmlm ----------------------------------------------
+
+@pytest.fixture(scope='session')
+def cmlm_params():
+  """Initial parameters of CMLMTransformer(tiny_cmlm.CONFIG) (test_cmlm, test_cmlm_decoding)."""
+  model = CMLMTransformer(tiny_cmlm.CONFIG)
+  src = tiny_cmlm.pad_rows(tiny_cmlm.SOURCES)
+  return jax.jit(model.init)(jax.random.key(0), src, src)['params']
+
+
+@pytest.fixture(scope='session')
+def cmlm_copy_params():
+  """Initial parameters of CMLMTransformer(tiny_cmlm.COPY_CONFIG), which copies the source
+  into the decoder's input (test_cmlm, test_cmlm_decoding)."""
+  model = CMLMTransformer(tiny_cmlm.COPY_CONFIG)
+  src = tiny_cmlm.pad_rows(tiny_cmlm.SOURCES)
+  return jax.jit(model.init)(jax.random.key(0), src, src)['params']
+

@@ -1,0 +1,20 @@
+"""Copy-task batches for the cmlm training step: its tests and the device worker they start."""
+
+import numpy as np
+
+from flax_transformer.batching import Batch
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def copy_batch(rng, rows, length, vocab):
+  """Copy rows `x1..xm </s>` of very different lengths (long first), then one all-PAD row."""
+  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
+  for row in range(rows - 1):
+    words = rng.integers(4, vocab, max(1, length - 1 - 2 * row))
+    src[row, :len(words) + 1] = [*words, EOS]
+    tgt_in[row, :len(words) + 1] = [BOS, *words]
+    tgt_out[row, :len(words) + 1] = [*words, EOS]
+  example_ids = np.arange(rows, dtype=np.int32)
+  example_ids[-1] = -1
+  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids)

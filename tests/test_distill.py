@@ -1,0 +1,90 @@
+"""python -m flax_transformer.distill: the teacher's beam translations become the training
+targets of a cmlm student, the other splits are copied byte for byte, and a teacher or an
+output that cannot serve is refused by name.
+
+The teacher is conftest.py's random autoregressive run directory on the number words of
+numbers_corpus; a cmlm teacher is conftest.py's cmlm_run.
+"""
+
+import pytest
+
+from flax_transformer import distill
+from flax_transformer.data import load_parallel
+from flax_transformer.translate import Translator
+from support.script_calls import call, error_line
+
+# A random model's translations run to the output budget, which max_len caps.
+pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
+
+
+@pytest.fixture(scope='module')
+def corpus(numbers_corpus):
+  return numbers_corpus
+
+
+@pytest.fixture(scope='module')
+def distilled(tmp_path_factory, teacher, corpus):
+  output = tmp_path_factory.mktemp('distilled') / 'numbers-distilled'
+  result = call(distill.main, ['--checkpoint', teacher, '--data', corpus, '--output', output,
+                               '--beam-size', '2', '--batch-size', '16'])
+  return {'output': output, 'result': result}
+
+
+def test_distill_writes_the_teachers_beam_outputs(distilled, teacher, corpus):
+  status, out, err = distilled['result']
+  assert status == 0, err
+  output = distilled['output']
+  assert sorted(p.name for p in output.iterdir()) == ['test.de', 'test.en', 'train.de',
+                                                      'train.en', 'val.de', 'val.en']
+  for name in ('val.en', 'val.de', 'test.en', 'test.de'):
+    assert (output / name).read_bytes() == (corpus / name).read_bytes(), name
+  assert (output / 'train.en').read_bytes() == (corpus / 'train.en').read_bytes()
+  sources = (corpus / 'train.en').read_text().splitlines()
+  expected = Translator.from_checkpoint(teacher).translate(sources, method='beam', beam_size=2,
+                                                           batch_size=16)
+  assert (output / 'train.de').read_text().split('\n')[:-1] == expected
+  assert len(set(expected)) > 1, 'the fixture should give different translations'
+  # What training will read: the pairs whose translation is not empty.
+  loaded = load_parallel(str(output), 'en', 'de')
+  assert list(loaded['train']['target']) == [t for t in expected if t]
+  assert f'wrote {output}: 64 training sources' in out
+  command = out.strip().split('\n')[-1].strip()
+  assert command.startswith(f'python train.py --preset toy --objective cmlm --data {output} '
+                            '--src en --tgt de --model.d_model=32')
+
+
+def test_distill_refuses_a_cmlm_teacher_and_a_used_output(distilled, cmlm_run, teacher, corpus,
+                                                          tmp_path):
+  output = distilled['output']
+  status, _, err = call(distill.main, ['--checkpoint', cmlm_run['workdir'], '--data', corpus,
+                                       '--output', tmp_path / 'out'])
+  assert status == 2
+  assert "holds a cmlm model (model.kind='cmlm'); the teacher must be autoregressive" in \
+      error_line(err, 'distill')
+  assert not (tmp_path / 'out').exists()
+  before = {p.name: p.read_bytes() for p in output.iterdir()}
+  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus,
+                                       '--output', output])
+  assert status == 2
+  assert f'--output {output} exists and is not empty' in error_line(err, 'distill')
+  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus,
+                                       '--output', corpus, '--overwrite'])
+  assert status == 2 and 'an input of the distillation' in error_line(err, 'distill')
+  # --overwrite replaces it (with the same translations: the same teacher and beam).
+  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus, '--output',
+                                       output, '--beam-size', '2', '--batch-size', '16',
+                                       '--overwrite'])
+  assert status == 0, err
+  assert {p.name: p.read_bytes() for p in output.iterdir()} == before
+
+
+def test_distill_refuses_a_teacher_that_only_emits_empty_translations(teacher, corpus, tmp_path,
+                                                                    monkeypatch):
+  monkeypatch.setattr(Translator, 'translate_sources',
+                      lambda self, sources, *args, **kwargs: [''] * len(sources.ids))
+  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus,
+                                       '--output', tmp_path / 'out'])
+  assert status == 2
+  assert 'is empty (it ends each sentence at once), which would leave no training pairs' in \
+      error_line(err, 'distill')
+  assert not (tmp_path / 'out').exists()

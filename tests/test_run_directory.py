@@ -1,0 +1,64 @@
+"""The run directory's own files, beside the checkpoints: config.json written and read back,
+refused when corrupt or when it does not fit the tokenizer, and the resume check that
+compares it with the settings of a new run.
+
+train.py's checks of the tokenizer's digest and of a writable run directory, seen from
+its command line, are tests/test_train_cli.py's.
+"""
+
+import json
+
+import pytest
+
+from flax_transformer.checkpoint import (CheckpointError, check_resumable, load_for_inference,
+                                         read_config)
+from flax_transformer.config import ConfigError, DataConfig
+from support.checkpointed_run import TRAIN_CONFIG
+
+
+# The run directory of conftest.py's checkpointed_run, which tests/test_checkpoint.py shares.
+
+@pytest.fixture(scope='module')
+def setup(checkpointed_run):
+  """(model config, optimizer, abstract state, a host state with non-trivial optimizer state)."""
+  return checkpointed_run.setup
+
+
+@pytest.fixture(scope='module')
+def run_dir(checkpointed_run):
+  """A run directory with checkpoints at steps 2, 4, 6, 8, 10 (the last 3 kept)."""
+  return checkpointed_run.run_dir
+
+
+def test_config_round_trip(run_dir, setup):
+  config, _, _, _ = setup
+  assert read_config(run_dir) == (config, TRAIN_CONFIG, DataConfig())
+
+
+def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):
+  (tmp_path / 'config.json').write_text('{"model": {"d_model": 32')
+  with pytest.raises(CheckpointError, match='not a valid run configuration'):
+    read_config(tmp_path)
+  config, _, _, _ = setup
+  content = json.loads((run_dir / 'config.json').read_text())
+  content['model']['vocab_size'] = config.vocab_size + 1
+  other = tmp_path / 'other'
+  other.mkdir()
+  (other / 'config.json').write_text(json.dumps(content))
+  (other / 'checkpoints').symlink_to(run_dir / 'checkpoints')
+  (other / 'tokenizer.json').symlink_to(run_dir / 'tokenizer.json')
+  with pytest.raises(ConfigError, match='model.vocab_size=.* but the tokenizer has'):
+    load_for_inference(other)
+
+
+def test_check_resumable_allows_run_length_changes_only(run_dir, setup):
+  config, _, _, _ = setup
+  check_resumable(run_dir, config, TRAIN_CONFIG.replace(steps=99, log_every=7), DataConfig())
+  with pytest.raises(CheckpointError) as error:
+    check_resumable(run_dir, config.replace(d_model=64), TRAIN_CONFIG.replace(seed=1),
+                    DataConfig(vocab_size=100))
+  message = str(error.value)
+  assert 'model.d_model: saved 32, requested 64' in message
+  assert 'train.seed: saved 0, requested 1' in message
+  assert 'data.vocab_size: saved 8000, requested 100' in message
+  assert '--no-resume' in message
