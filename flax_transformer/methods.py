@@ -46,8 +46,8 @@ class DecodingMethod:
   def check_model(self, config: ModelConfig) -> None:
     """Raises ConfigError unless this method and its settings can decode a model of `config`."""
     if config.kind != self.model_kind:
-      usable = ' or '.join(repr(cls.name) for cls in METHODS.values()
-                           if cls.model_kind == config.kind)
+      names = [repr(cls.name) for cls in METHODS.values() if cls.model_kind == config.kind]
+      usable = ', '.join(names[:-1]) + ' or ' * (len(names) > 1) + names[-1]
       raise ConfigError(f'method {self.name!r} decodes {self.model_kind} models, but this model '
                         f'is model.kind={config.kind!r}; use method {usable}')
     max_len = getattr(self, 'max_len', None)

@@ -34,11 +34,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from flax_transformer.checkpoint import Checkpoints, write_config  # noqa: E402
+from flax_transformer.checkpoint import Checkpoints
+from flax_transformer.run_directory import write_config  # noqa: E402
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from flax_transformer.data import load_parallel  # noqa: E402
 from flax_transformer.model import Transformer  # noqa: E402
-from flax_transformer.nat import CMLMTransformer  # noqa: E402
+from flax_transformer.cmlm import CMLMTransformer  # noqa: E402
 from flax_transformer.tokenizer import Tokenizer  # noqa: E402
 from flax_transformer.toy_task import number_translation  # noqa: E402
 import train as train_cli  # noqa: E402

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from flax_transformer.checkpoint import (CheckpointError, Checkpoints, average_checkpoints,
-                                         load_for_inference, read_config, write_config)
+                                         load_for_inference)
+from flax_transformer.run_directory import read_config, write_config
 from flax_transformer.config import DataConfig
 from flax_transformer.model import Transformer
 from flax_transformer.train_step import create_train_state, make_optimizer

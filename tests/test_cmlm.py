@@ -1,4 +1,4 @@
-"""The non-autoregressive model (CMLM, flax_transformer/nat.py): length classes, the masking
+"""The non-autoregressive model (CMLM, flax_transformer/cmlm.py): length classes, the masking
 of the training inputs and its statistics, the loss against NumPy float64, the non-causal
 yet padding-blind decoder, and uniform copy of the source into the decoder's input.
 
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import ConfigError, nat
+from flax_transformer import ConfigError, cmlm
 from flax_transformer.batching import Batch
-from flax_transformer.nat import CMLMTransformer, CMLMInputs
+from flax_transformer.cmlm import CMLMTransformer, CMLMInputs
 from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, MASK, PAD, R, SOURCES, pad_rows,
                                source_lengths)
 
@@ -51,10 +51,10 @@ def forward(model):
 
 
 def test_length_classes_are_the_clipped_offset():
-  assert nat.length_classes(np.array([0, 3, 5, 6, 12]), np.array([5, 5, 5, 5, 5]), 2).tolist() \
+  assert cmlm.length_classes(np.array([0, 3, 5, 6, 12]), np.array([5, 5, 5, 5, 5]), 2).tolist() \
       == [0, 0, 2, 3, 4]
   tgt, src = np.meshgrid(np.arange(0, 30), np.arange(1, 20))
-  classes = np.asarray(nat.length_classes(tgt, src, R))
+  classes = np.asarray(cmlm.length_classes(tgt, src, R))
   assert classes.dtype == np.int32
   np.testing.assert_array_equal(classes, np.clip(tgt - src, -R, R) + R)
   assert classes.min() == 0 and classes.max() == 2 * R
@@ -63,10 +63,10 @@ def test_length_classes_are_the_clipped_offset():
 def test_lengths_from_classes_invert_them_within_the_range_and_clip_to_the_table():
   src = np.arange(1, 20)[:, None]
   classes = np.arange(2 * R + 1)[None, :]
-  lengths = np.asarray(nat.lengths_from_classes(classes, src, R, max_len=16))
+  lengths = np.asarray(cmlm.lengths_from_classes(classes, src, R, max_len=16))
   np.testing.assert_array_equal(lengths, np.clip(src + classes - R, 1, 16))
   inside = (src + classes - R >= 1) & (src + classes - R <= 16)
-  back = np.asarray(nat.length_classes(lengths, src, R))
+  back = np.asarray(cmlm.length_classes(lengths, src, R))
   np.testing.assert_array_equal(np.broadcast_to(classes, back.shape)[inside], back[inside])
   assert lengths.min() == 1 and lengths.max() == 16
 
@@ -93,7 +93,7 @@ def training_batch():
 
 @pytest.fixture(scope='module')
 def make_inputs():
-  return jax.jit(nat.cmlm_inputs, static_argnames=('config', 'eos_fill_rate'))
+  return jax.jit(cmlm.cmlm_inputs, static_argnames=('config', 'eos_fill_rate'))
 
 
 @pytest.fixture(scope='module')
@@ -175,7 +175,7 @@ def test_masked_count_is_uniform_and_every_position_equally_likely(training_batc
 
 def test_loss_sums_match_a_float64_reference():
   rng = np.random.default_rng(5)
-  rows, width, vocab, classes = 6, 7, CONFIG.vocab_size, nat.num_length_classes(CONFIG)
+  rows, width, vocab, classes = 6, 7, CONFIG.vocab_size, cmlm.num_length_classes(CONFIG)
   targets = rng.integers(4, vocab, (rows, width)).astype(np.int32)
   targets[:, 5:] = PAD
   targets[1, 2:] = PAD
@@ -187,7 +187,7 @@ def test_loss_sums_match_a_float64_reference():
   token_logits = rng.normal(size=(rows, width, vocab)).astype(np.float32) * 3
   length_logits = rng.normal(size=(rows, classes)).astype(np.float32) * 3
   smoothing = 0.1
-  sums = jax.tree.map(float, nat.cmlm_loss_sums(token_logits, length_logits, inputs, CONFIG,
+  sums = jax.tree.map(float, cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, CONFIG,
                                                 smoothing))
 
   log_p = log_softmax64(token_logits)
@@ -256,14 +256,14 @@ def test_extra_pad_columns_change_nothing(forward, params, src, decoder_input):
   np.testing.assert_allclose(wide_length, length_logits, atol=1e-5)
 
 
-# --- uniform copy of the source (nat_decoder_input='uniform_copy') ---------------------------
+# --- uniform copy of the source (cmlm_decoder_input='uniform_copy') ---------------------------
 
 def test_uniform_copy_takes_the_source_token_at_the_same_relative_position():
   a, b, c = 10, 11, 12
   src = pad_rows([[a, b, c, EOS], [a, EOS], [a, b, c, EOS], [a, b, c, EOS], [], [a, b, EOS]],
                  width=6)
   tokens = pad_rows([[MASK] * 6, [MASK] * 3, [MASK, 20], [], [MASK] * 2, [MASK] * 2], width=7)
-  np.testing.assert_array_equal(nat.uniform_copy(src, tokens, PAD), [
+  np.testing.assert_array_equal(cmlm.uniform_copy(src, tokens, PAD), [
       [a, b, b, c, EOS, EOS, PAD],          # S = 4 over N = 6: round(0, .67, 1.33, 2, 2.67, 3.33)
       [a, EOS, EOS, PAD, PAD, PAD, PAD],    # S = 2 over N = 3: round(0, .67, 1.33)
       [a, c, PAD, PAD, PAD, PAD, PAD],      # S = 4 over N = 2
@@ -284,7 +284,7 @@ def test_uniform_copy_feeds_masked_positions_the_copied_source_tokens(copy_forwa
                                                                        decoder_input):
   params, forward = copy_forward
   assert 'mask_embedding' not in params                     # nothing embeds MASK
-  copied = np.asarray(nat.uniform_copy(src, decoder_input, PAD))
+  copied = np.asarray(cmlm.uniform_copy(src, decoder_input, PAD))
   spelled_out = np.where(decoder_input == MASK, copied, decoder_input)
   np.testing.assert_array_equal(forward(src, decoder_input), forward(src, spelled_out))
 
@@ -295,13 +295,13 @@ def test_only_uniform_copy_feeds_the_source_ids_to_the_decoder(config, src, deco
   model = CMLMTransformer(config)
   params = model.init(jax.random.key(0), src, src)['params']
   memory = model.apply({'params': params}, src, method=CMLMTransformer.encode)
-  src_mask = nat.masks.padding_mask(src, PAD)
+  src_mask = cmlm.masks.padding_mask(src, PAD)
   other_src = np.where(src != PAD, src + 1, PAD)
   logits = [np.asarray(model.apply({'params': params}, decoder_input, memory, src_mask, src=ids,
                                    method=CMLMTransformer.decode_parallel))
             for ids in (src, other_src)]
   moved = np.abs(logits[1] - logits[0]).max()
-  assert moved > 1e-3 if config.nat_decoder_input == 'uniform_copy' else moved == 0.0
+  assert moved > 1e-3 if config.cmlm_decoder_input == 'uniform_copy' else moved == 0.0
 
 
 def test_uniform_copy_needs_the_source_ids(copy_forward, src, decoder_input):
@@ -309,9 +309,9 @@ def test_uniform_copy_needs_the_source_ids(copy_forward, src, decoder_input):
   model = CMLMTransformer(COPY_CONFIG)
   memory = model.apply({'params': params}, src, method=CMLMTransformer.encode)
   with pytest.raises(ValueError, match="'uniform_copy' needs the source ids"):
-    model.apply({'params': params}, decoder_input, memory, nat.masks.padding_mask(src, PAD),
+    model.apply({'params': params}, decoder_input, memory, cmlm.masks.padding_mask(src, PAD),
                 method=CMLMTransformer.decode_parallel)
-  with pytest.raises(ConfigError, match="nat_decoder_input must be 'mask' or 'uniform_copy'"):
-    CONFIG.replace(nat_decoder_input='copy')
+  with pytest.raises(ConfigError, match="cmlm_decoder_input must be 'mask' or 'uniform_copy'"):
+    CONFIG.replace(cmlm_decoder_input='copy')
   with pytest.raises(ConfigError, match="'uniform_copy' is for model.kind='cmlm'"):
-    CONFIG.replace(kind='autoregressive', nat_decoder_input='uniform_copy')
+    CONFIG.replace(kind='autoregressive', cmlm_decoder_input='uniform_copy')

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.nat import CMLMTransformer
+from flax_transformer.cmlm import CMLMTransformer
 from flax_transformer.train_step import (DataParallel, create_train_state, length_metrics,
                                          make_optimizer, make_parallel_eval, make_parallel_step,
                                          token_metrics)
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.nat import CMLMTransformer
+from flax_transformer.cmlm import CMLMTransformer
 from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
                                          make_parallel_eval, make_parallel_step)
 from support.copy_task import copy_batch

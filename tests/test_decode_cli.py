@@ -15,10 +15,12 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer.checkpoint import Checkpoints, write_config
+from flax_transformer.checkpoint import Checkpoints
+from flax_transformer.run_directory import write_config
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
 from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.methods import Greedy, MaskPredict
 from flax_transformer.translate import Translator
 import decode as decode_cli  # the script at the repository root
 from support.random_run import MAX_LEN, SENTENCES
@@ -100,7 +102,7 @@ def test_cli_warns_about_overlong_lines(run_dir, tokenizer, tmp_path, capsys):
     (['--checkpoint', '{tmp}', 'Hallo'], 'config.json: no such file'),
     (['--checkpoint', '{run}', '--input', '{tmp}/empty.txt'], 'empty.txt is empty'),
     (['--checkpoint', '{run}', '--input', '{tmp}/nothing.txt'], 'nothing.txt: no such file'),
-    (['--checkpoint', '{run}', '--max-len', '100', 'Hallo'], r'--max-len must be in \[1, 64\]'),
+    (['--checkpoint', '{run}', '--max-len', '100', 'Hallo'], r'max_len must be in \[1, 64\]'),
     (['--checkpoint', '{run}', '--step', '3', 'Hallo'], r'no checkpoint at step 3 \(have: 7\)'),
     (['--checkpoint', '{run}', '--temperature', '0.5', 'Hallo'],
      "temperature only apply to method 'sample'"),
@@ -157,7 +159,7 @@ def test_decode_handles_empty_long_and_unknown_input_line_by_line(decode_run, tm
   written = output.read_text().split('\n')
   assert written[-1] == '' and len(written) - 1 == len(lines)  # one line out per line in
   with pytest.warns(UserWarning, match='sentence 2: .* truncated'):
-    expected = translator.translate(lines, method='greedy')
+    expected = translator.translate(lines, Greedy())
   assert written[:-1] == expected
   assert written[1] == written[5] == '' and all(written[i] for i in (0, 2, 3, 4))
   assert '<unk>' in translator.tokenizer.decode([translator.tokenizer.encode([lines[3]])[0]])[0]
@@ -198,7 +200,7 @@ def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp
   monkeypatch.undo()
   block = decode_cli.BATCHES_PER_BLOCK
   assert output.read_text().split('\n')[:-1] == translator.translate(lines[:block],
-                                                                     method='greedy')
+                                                                     Greedy())
 
 
 def test_decode_reports_a_full_disk_with_the_lines_written(decode_run):
@@ -238,41 +240,44 @@ def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_pat
 
 # --- a cmlm run: mask-predict (conftest.py's cmlm_run) ------------------------------------
 
-def test_decode_cli_method_nat_translates_a_cmlm_run(cmlm_run, tmp_path):
+def test_decode_cli_method_mask_predict_translates_a_cmlm_run(cmlm_run, tmp_path):
   workdir = cmlm_run['workdir']
   source = tmp_path / 'in.en'
   source.write_text('one hundred\n\ntwenty-two\n')
-  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'nat',
+  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'mask_predict',
                                             '--iterations', '4', '--length-beam', '2',
                                             '--input', source])
   assert status == 0, err
   lines = out.split('\n')[:-1]
   assert len(lines) == 3 and lines[1] == ''
   translator = Translator.from_checkpoint(workdir)
-  assert lines[::2] == translator.translate(['one hundred', 'twenty-two'], method='nat',
-                                            iterations=4, length_beam=2)
+  assert lines[::2] == translator.translate(['one hundred', 'twenty-two'],
+                                            MaskPredict(iterations=4, length_beam=2))
   # The averaged checkpoints' directory and a fixed length decode too.
   status, out, err = call(decode_cli.main, ['--checkpoint', workdir / 'average-last2', '--method',
-                                            'nat', '--nat-length', 'fixed', 'one hundred'])
+                                            'mask_predict', '--length', 'fixed', 'one hundred'])
   assert status == 0 and len(out.split('\n')) == 2, err
   # Without --method a cmlm checkpoint decodes with mask-predict, the default of its kind,
   # as Translator.translate does without a method.
   status, default_out, err = call(decode_cli.main, ['--checkpoint', workdir, 'twenty-two'])
   assert status == 0, err
   assert default_out == translator.translate(['twenty-two'])[0] + '\n'
-  assert default_out == translator.translate(['twenty-two'], method='nat')[0] + '\n'
+  assert default_out == translator.translate(['twenty-two'], MaskPredict())[0] + '\n'
 
 
 @pytest.mark.parametrize('argv, message', [
     (['--method', 'beam'], "method 'beam' decodes autoregressive models, but this model is "
-                           "model.kind='cmlm'; use method 'nat'"),
+                           "model.kind='cmlm'; use method 'mask_predict'"),
     (['--method', 'greedy'], "method 'greedy' decodes autoregressive models"),
-    (['--method', 'nat', '--max-len', '5'], "max_len only applies to the autoregressive methods"),
+    (['--method', 'mask_predict', '--max-len', '5'],
+     "max_len only applies to method 'beam' or 'greedy' or 'sample', not 'mask_predict'"),
     (['--method', 'beam', '--iterations', '4'],
-     "iterations only apply to method 'nat', not 'beam'"),
-    (['--method', 'nat', '--nat-length', 'fixed', '--length-beam', '3'],
+     "iterations only applies to method 'mask_predict', not 'beam'"),
+    (['--method', 'mask_predict', '--length', 'fixed', '--length-beam', '3'],
      "length='fixed' decodes one length per sentence: length_beam must be 1"),
-    (['--method', 'nat', '--iterations', '0'], 'argument --iterations: must be >= 1, got 0'),
+    (['--method', 'mask_predict', '--iterations', '0'],
+     'argument --iterations: must be >= 1, got 0'),
+    (['--method', 'nat'], "method 'nat' is now called 'mask_predict'"),
 ])
 def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
   status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_run['workdir'], *argv, 'one'])

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from flax_transformer.checkpoint import file_digest
+from flax_transformer.run_directory import file_digest
 from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.toy_task import number_translation
 from support.processes import free_ports, host_name_is_loopback

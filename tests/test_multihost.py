@@ -42,7 +42,8 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from flax_transformer.checkpoint import Checkpoints, load_for_inference, read_config
+from flax_transformer.checkpoint import Checkpoints, load_for_inference
+from flax_transformer.run_directory import read_config
 from flax_transformer.model import Transformer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import TrainState, create_train_state, make_optimizer

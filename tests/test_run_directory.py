@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from flax_transformer.checkpoint import (CheckpointError, check_resumable, load_for_inference,
-                                         read_config)
+from flax_transformer.checkpoint import CheckpointError, load_for_inference
+from flax_transformer.run_directory import check_resumable, read_config
 from flax_transformer.config import ConfigError, DataConfig
 from support.checkpointed_run import TRAIN_CONFIG
 

@@ -1,5 +1,5 @@
-"""Text-level decoding: Translator (batching, order, truncation, alignment, the model kinds)
-and Search.
+"""Text-level decoding: Translator (batching, order, truncation, alignment, the model kinds).
+The method values it takes are tests/test_methods.py's.
 
 decode.py, the command line over Translator, is tests/test_decode_cli.py's.
 """
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from flax_transformer import ConfigError, ModelConfig, Transformer, decoding
-from flax_transformer.nat import CMLMTransformer
-from flax_transformer.translate import Search, Translator
+from flax_transformer.cmlm import CMLMTransformer
+from flax_transformer.methods import BeamSearch, Greedy, MaskPredict, Sampling
+from flax_transformer.translate import Translator
 from support.random_run import MAX_LEN, SENTENCES
 
 # The tiny model's max_len caps the source + 50 budget of the longest sentences;
@@ -74,50 +75,12 @@ def test_sources_are_encoded_like_training_and_truncated(translator, tokenizer):
   assert sources.ids[2] is None
   assert sources.truncated == [(1, len(tokenizer.encode([long])[0]))]
   with pytest.warns(UserWarning, match=f'sentence 0: .* exceed model.max_len={MAX_LEN}; truncated'):
-    translator.translate([long], method='greedy')
+    translator.translate([long], Greedy())
 
 
 def test_from_checkpoint_translates_like_the_saved_model(run_dir, greedy_translations):
   loaded = Translator.from_checkpoint(run_dir)
-  assert loaded.translate(SENTENCES, method='greedy', batch_size=2) == greedy_translations
-
-
-@pytest.mark.parametrize('settings, message', [
-    (dict(method='nucleus'), 'method must be one of beam, greedy, sample'),
-    (dict(method='greedy', beam_size=8), "beam_size only apply to method 'beam'"),
-    (dict(method='beam', temperature=0.7, top_p=0.9),
-     "temperature, top_p only apply to method 'sample'"),
-    (dict(method='sample', top_p=1.5), r'top_p must be in \(0, 1\]'),
-])
-def test_search_settings_are_checked(settings, message):
-  with pytest.raises(ConfigError, match=message):
-    Search(**settings)
-
-
-@pytest.mark.parametrize('settings, message', [
-    (dict(method='nat', max_len=5), 'max_len only applies to the autoregressive methods'),
-    (dict(method='greedy', length_beam=1), "length_beam only apply to method 'nat'"),
-    (dict(method='nat', beam_size=2), "beam_size only apply to method 'beam', not 'nat'"),
-    (dict(method='nat', iterations=0), 'iterations must be a positive integer, got 0'),
-])
-def test_search_checks_nat_settings(settings, message):
-  with pytest.raises(ConfigError, match=message):
-    Search(**settings)
-
-
-def test_search_describes_its_decoding():
-  assert Search(method='nat').describe() == ('mask-predict decoding (10 iterations, length '
-                                              'beam 3)')
-  assert Search(method='nat', iterations=4, length_beam=1, nat_length='fixed').describe() == (
-      'mask-predict decoding (4 iterations, fixed length)')
-  assert Search(method='greedy').describe() == 'greedy decoding'
-
-
-def test_search_refuses_a_length_beam_beyond_the_length_classes():
-  config = ModelConfig.tiny(kind='cmlm', max_length_offset=1)
-  Search(method='nat', length_beam=3).check_model(config)
-  with pytest.raises(ConfigError, match=r"length_beam=4 exceeds the model's 3 length classes"):
-    Search(method='nat', length_beam=4).check_model(config)
+  assert loaded.translate(SENTENCES, Greedy(), batch_size=2) == greedy_translations
 
 
 def test_alignment_is_the_cross_attention_of_the_output(translator, config, tokenizer):
@@ -131,7 +94,7 @@ def test_alignment_is_the_cross_attention_of_the_output(translator, config, toke
   np.testing.assert_allclose(alignment.weights.sum(axis=-1), 1.0, rtol=1e-5)
 
   # Without a translation, the one decoded from the same source ids.
-  decoded = translator.alignment('Ein Hund spielt.', search=Search(method='greedy'))
+  decoded = translator.alignment('Ein Hund spielt.', method=Greedy())
   output = np.asarray(decoding.greedy(translator.model, translator.variables,
                                       np.array([source])))[0]
   assert decoded.target_tokens == [tokenizer.id_to_token(i) for i in output if i != 0]
@@ -142,15 +105,17 @@ def test_alignment_is_the_cross_attention_of_the_output(translator, config, toke
 
 def test_translator_refuses_methods_of_the_other_kind(teacher, cmlm_run):
   autoregressive = Translator.from_checkpoint(teacher)
-  with pytest.raises(ConfigError, match="method 'nat' decodes cmlm models, but this model is "
-                                        "model.kind='autoregressive'; use method 'beam', "
-                                        "'greedy' or 'sample'"):
-    autoregressive.translate(['one'], method='nat')
+  with pytest.raises(ConfigError, match="method 'mask_predict' decodes cmlm models, but this "
+                                        "model is model.kind='autoregressive'; use method "
+                                        "'beam', 'greedy' or 'sample'"):
+    autoregressive.translate(['one'], MaskPredict())
   cmlm = Translator.from_checkpoint(cmlm_run['workdir'])
   assert isinstance(cmlm.model, CMLMTransformer)
-  for method in ('greedy', 'beam', 'sample'):
-    with pytest.raises(ConfigError, match=f"method '{method}' decodes autoregressive models"):
-      cmlm.translate(['one'], method=method)
+  for method in (Greedy(), BeamSearch(), Sampling()):
+    with pytest.raises(ConfigError, match=f"method '{method.name}' decodes autoregressive models"):
+      cmlm.translate(['one'], method)
+  with pytest.raises(TypeError, match='method must be a decoding method value'):
+    cmlm.translate(['one'], 'greedy')
   with pytest.raises(ConfigError, match="alignment needs an autoregressive model; this one is "
                                         "model.kind='cmlm'"):
     cmlm.alignment('one')

@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flax_transformer.checkpoint import Checkpoints, write_config
+from flax_transformer.checkpoint import Checkpoints
+from flax_transformer.run_directory import write_config
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
 from flax_transformer.tokenizer import Tokenizer

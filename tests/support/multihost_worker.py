@@ -29,7 +29,8 @@ from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
                                          make_parallel_step)
-from flax_transformer.training import translate_across_processes
+from flax_transformer.evaluation import translate_across_processes
+from flax_transformer.methods import Greedy
 from flax_transformer.translate import Translator
 
 STEPS = 2
@@ -84,7 +85,7 @@ def main(coordinator: str, process_id: int, out_dir: str) -> None:
   sentences = list(numbers['validation']['source']) + ['']
   results['translations'] = np.array(translate_across_processes(translator, sentences,
                                                                 batch_size=DECODE_BATCH))
-  results['reference'] = np.array(translator.translate(sentences, method='greedy',
+  results['reference'] = np.array(translator.translate(sentences, Greedy(),
                                                        batch_size=DECODE_BATCH))
   np.savez(f'{out_dir}/process_{process_id}.npz', **results)
 

@@ -11,7 +11,9 @@ import jax
 import numpy as np
 
 from flax_transformer import ModelConfig, Transformer
-from flax_transformer.checkpoint import Checkpoints, write_config
+from flax_transformer.checkpoint import Checkpoints
+from flax_transformer.methods import Greedy
+from flax_transformer.run_directory import write_config
 from flax_transformer.config import DataConfig, TrainConfig
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.translate import Translator
@@ -50,5 +52,5 @@ def build(workdir: Path) -> RandomRun:
   checkpoints.close()
   return RandomRun(tokenizer=tokenizer, config=config, params=params, translator=translator,
                    run_dir=workdir,
-                   greedy_translations=translator.translate(SENTENCES, method='greedy',
+                   greedy_translations=translator.translate(SENTENCES, Greedy(),
                                                             batch_size=2))

@@ -14,7 +14,7 @@ MASK = CONFIG.vocab_size
 # EOS-terminated sources of different lengths, as the batcher builds them.
 SOURCES = [[5, 9, 12, 7, 2], [30, 2], [4, 8, 15, 16, 23, 42, 11, 2], [6, 6, 6, 2], [40, 41, 2]]
 # The same model fed copies of the source at its masked positions.
-COPY_CONFIG = CONFIG.replace(nat_decoder_input='uniform_copy')
+COPY_CONFIG = CONFIG.replace(cmlm_decoder_input='uniform_copy')
 
 
 def pad_rows(rows, width=None):

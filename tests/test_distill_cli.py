@@ -1,4 +1,4 @@
-"""python -m flax_transformer.distill: the teacher's beam translations become the training
+"""distill.py: the teacher's beam translations become the training
 targets of a cmlm student, the other splits are copied byte for byte, and a teacher or an
 output that cannot serve is refused by name.
 
@@ -8,8 +8,9 @@ numbers_corpus; a cmlm teacher is conftest.py's cmlm_run.
 
 import pytest
 
-from flax_transformer import distill
+import distill as distill_cli  # the program at the repository root
 from flax_transformer.data import load_parallel
+from flax_transformer.methods import BeamSearch
 from flax_transformer.translate import Translator
 from support.script_calls import call, error_line
 
@@ -25,7 +26,7 @@ def corpus(numbers_corpus):
 @pytest.fixture(scope='module')
 def distilled(tmp_path_factory, teacher, corpus):
   output = tmp_path_factory.mktemp('distilled') / 'numbers-distilled'
-  result = call(distill.main, ['--checkpoint', teacher, '--data', corpus, '--output', output,
+  result = call(distill_cli.main, ['--checkpoint', teacher, '--data', corpus, '--output', output,
                                '--beam-size', '2', '--batch-size', '16'])
   return {'output': output, 'result': result}
 
@@ -40,7 +41,7 @@ def test_distill_writes_the_teachers_beam_outputs(distilled, teacher, corpus):
     assert (output / name).read_bytes() == (corpus / name).read_bytes(), name
   assert (output / 'train.en').read_bytes() == (corpus / 'train.en').read_bytes()
   sources = (corpus / 'train.en').read_text().splitlines()
-  expected = Translator.from_checkpoint(teacher).translate(sources, method='beam', beam_size=2,
+  expected = Translator.from_checkpoint(teacher).translate(sources, BeamSearch(beam_size=2),
                                                            batch_size=16)
   assert (output / 'train.de').read_text().split('\n')[:-1] == expected
   assert len(set(expected)) > 1, 'the fixture should give different translations'
@@ -56,22 +57,22 @@ def test_distill_writes_the_teachers_beam_outputs(distilled, teacher, corpus):
 def test_distill_refuses_a_cmlm_teacher_and_a_used_output(distilled, cmlm_run, teacher, corpus,
                                                           tmp_path):
   output = distilled['output']
-  status, _, err = call(distill.main, ['--checkpoint', cmlm_run['workdir'], '--data', corpus,
+  status, _, err = call(distill_cli.main, ['--checkpoint', cmlm_run['workdir'], '--data', corpus,
                                        '--output', tmp_path / 'out'])
   assert status == 2
   assert "holds a cmlm model (model.kind='cmlm'); the teacher must be autoregressive" in \
-      error_line(err, 'distill')
+      error_line(err, 'distill.py')
   assert not (tmp_path / 'out').exists()
   before = {p.name: p.read_bytes() for p in output.iterdir()}
-  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus,
+  status, _, err = call(distill_cli.main, ['--checkpoint', teacher, '--data', corpus,
                                        '--output', output])
   assert status == 2
-  assert f'--output {output} exists and is not empty' in error_line(err, 'distill')
-  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus,
+  assert f'--output {output} exists and is not empty' in error_line(err, 'distill.py')
+  status, _, err = call(distill_cli.main, ['--checkpoint', teacher, '--data', corpus,
                                        '--output', corpus, '--overwrite'])
-  assert status == 2 and 'an input of the distillation' in error_line(err, 'distill')
+  assert status == 2 and 'an input of the distillation' in error_line(err, 'distill.py')
   # --overwrite replaces it (with the same translations: the same teacher and beam).
-  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus, '--output',
+  status, _, err = call(distill_cli.main, ['--checkpoint', teacher, '--data', corpus, '--output',
                                        output, '--beam-size', '2', '--batch-size', '16',
                                        '--overwrite'])
   assert status == 0, err
@@ -82,9 +83,9 @@ def test_distill_refuses_a_teacher_that_only_emits_empty_translations(teacher, c
                                                                     monkeypatch):
   monkeypatch.setattr(Translator, 'translate_sources',
                       lambda self, sources, *args, **kwargs: [''] * len(sources.ids))
-  status, _, err = call(distill.main, ['--checkpoint', teacher, '--data', corpus,
+  status, _, err = call(distill_cli.main, ['--checkpoint', teacher, '--data', corpus,
                                        '--output', tmp_path / 'out'])
   assert status == 2
   assert 'is empty (it ends each sentence at once), which would leave no training pairs' in \
-      error_line(err, 'distill')
+      error_line(err, 'distill.py')
   assert not (tmp_path / 'out').exists()

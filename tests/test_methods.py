@@ -1,0 +1,81 @@
+"""Decoding methods as values (flax_transformer/methods.py): settings checked when made, the
+model kinds they decode, their descriptions, the paper's defaults, and decode.py's names."""
+
+import dataclasses
+
+import pytest
+
+from flax_transformer import ConfigError, ModelConfig, decoding
+from flax_transformer.methods import (METHODS, BeamSearch, Greedy, MaskPredict, Sampling,
+                                      default_method, method_from_name)
+
+
+@pytest.mark.parametrize('make, message', [
+    (lambda: Sampling(top_p=1.5), r'top_p must be in \(0, 1\]'),
+    (lambda: Sampling(temperature=0.0), 'temperature must be > 0'),
+    (lambda: BeamSearch(beam_size=0), 'beam_size must be a positive integer, got 0'),
+    (lambda: BeamSearch(alpha=-1.0), 'beam alpha must be >= 0'),
+    (lambda: Greedy(max_len=0), 'max_len must be a positive integer or None, got 0'),
+    (lambda: MaskPredict(iterations=0), 'iterations must be a positive integer, got 0'),
+    (lambda: MaskPredict(length='fixed'), "length='fixed' decodes one length per sentence"),
+    (lambda: MaskPredict(length='auto'), 'length must be one of predict, fixed'),
+])
+def test_settings_are_checked_when_a_method_is_made(make, message):
+  with pytest.raises(ConfigError, match=message):
+    make()
+
+
+@pytest.mark.parametrize('name, settings, message', [
+    ('nucleus', {}, 'method must be one of beam, greedy, sample, mask_predict'),
+    ('nat', {}, "method 'nat' is now called 'mask_predict'"),
+    ('greedy', dict(beam_size=8), "beam_size only applies to method 'beam', not 'greedy'"),
+    ('beam', dict(temperature=0.7), "temperature only applies to method 'sample', not 'beam'"),
+    ('mask_predict', dict(max_len=5),
+     "max_len only applies to method 'beam' or 'greedy' or 'sample', not 'mask_predict'"),
+    ('greedy', dict(length_beam=1), "length_beam only applies to method 'mask_predict'"),
+])
+def test_a_method_by_name_refuses_settings_of_another(name, settings, message):
+  with pytest.raises(ConfigError, match=message):
+    method_from_name(name, **settings)
+
+
+def test_a_method_by_name_is_the_value_with_those_settings():
+  assert method_from_name('beam', alpha=1.0) == BeamSearch(beam_size=4, alpha=1.0)
+  assert method_from_name('sample', top_p=0.9, seed=3) == Sampling(top_p=0.9, seed=3)
+  assert method_from_name('mask_predict', iterations=4) == MaskPredict(iterations=4)
+  assert set(METHODS) == {'beam', 'greedy', 'sample', 'mask_predict'}
+
+
+def test_the_papers_defaults_are_written_once():
+  beam = decoding.BeamConfig()
+  assert (BeamSearch().beam_size, BeamSearch().alpha) == (beam.beam_size, beam.alpha) == (4, 0.6)
+  search_defaults = {f.name: f.default for f in dataclasses.fields(decoding.BeamConfig)}
+  assert decoding.beam_search.__kwdefaults__['beam_size'] == search_defaults['beam_size']
+  assert decoding.beam_search.__kwdefaults__['alpha'] == search_defaults['alpha']
+
+
+def test_methods_describe_their_decoding():
+  assert MaskPredict().describe() == 'mask-predict decoding (10 iterations, length beam 3)'
+  assert MaskPredict(iterations=4, length_beam=1, length='fixed').describe() == (
+      'mask-predict decoding (4 iterations, fixed length)')
+  assert Greedy().describe() == 'greedy decoding'
+  assert BeamSearch().describe() == 'beam search (beam 4, alpha 0.6)'
+  assert Sampling(top_k=5).describe() == 'sampling (temperature 1.0, top-k 5, top-p 1.0, seed 0)'
+
+
+def test_each_model_kind_has_its_default_method():
+  assert default_method(ModelConfig.tiny()) == BeamSearch()
+  assert default_method(ModelConfig.tiny(), autoregressive=Greedy()) == Greedy()
+  assert default_method(ModelConfig.tiny(kind='cmlm')) == MaskPredict()
+  # The length beam never exceeds the model's length classes: one class when the offset is 0.
+  assert default_method(ModelConfig.tiny(kind='cmlm', max_length_offset=0)) == MaskPredict(
+      length_beam=1)
+
+
+def test_check_model_refuses_a_length_beam_beyond_the_length_classes_and_long_outputs():
+  config = ModelConfig.tiny(kind='cmlm', max_length_offset=1)
+  MaskPredict(length_beam=3).check_model(config)
+  with pytest.raises(ConfigError, match=r"length_beam=4 exceeds the model's 3 length classes"):
+    MaskPredict(length_beam=4).check_model(config)
+  with pytest.raises(ConfigError, match=r'max_len must be in \[1, 64\]'):
+    Greedy(max_len=65).check_model(ModelConfig.tiny())
