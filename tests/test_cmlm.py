@@ -311,7 +311,7 @@ def test_uniform_copy_needs_the_source_ids(copy_forward, src, decoder_input):
   with pytest.raises(ValueError, match="'uniform_copy' needs the source ids"):
     model.apply({'params': params}, decoder_input, memory, cmlm.masks.padding_mask(src, PAD),
                 method=CMLMTransformer.decode_parallel)
-  with pytest.raises(ConfigError, match="cmlm_decoder_input must be 'mask' or 'uniform_copy'"):
+  with pytest.raises(ConfigError, match='cmlm_decoder_input must be one of mask, uniform_copy'):
     CONFIG.replace(cmlm_decoder_input='copy')
   with pytest.raises(ConfigError, match="'uniform_copy' is for model.kind='cmlm'"):
     CONFIG.replace(kind='autoregressive', cmlm_decoder_input='uniform_copy')
