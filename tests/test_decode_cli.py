@@ -22,7 +22,7 @@ from flax_transformer.model import Transformer
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.methods import Greedy, MaskPredict
 from flax_transformer.translate import Translator
-import decode as decode_cli  # the script at the repository root
+from flax_transformer.cli import decode as decode_cli  # decode.py's program
 from support.random_run import MAX_LEN, SENTENCES
 from support.script_calls import call, error_line
 
@@ -105,7 +105,7 @@ def test_cli_warns_about_overlong_lines(run_dir, tokenizer, tmp_path, capsys):
     (['--checkpoint', '{run}', '--max-len', '100', 'Hallo'], r'max_len must be in \[1, 64\]'),
     (['--checkpoint', '{run}', '--step', '3', 'Hallo'], r'no checkpoint at step 3 \(have: 7\)'),
     (['--checkpoint', '{run}', '--temperature', '0.5', 'Hallo'],
-     "temperature only apply to method 'sample'"),
+     "temperature only applies to method 'sample'"),
     (['--checkpoint', '{run}', '--reference', '{tmp}/empty.txt', 'Hallo', 'Welt'],
      'has 0 lines, the input has 2'),
 ])

@@ -21,8 +21,8 @@ from flax_transformer import distributed
 from flax_transformer.config import SECTIONS, ModelConfig, TrainConfig
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.toy_task import number_translation
-import decode as decode_cli  # the scripts at the repository root
-import train as train_cli
+from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
+from flax_transformer.cli import train as train_cli
 from support.runs import finite, read_metrics, saved_steps, train_state
 from support.script_calls import call, error_line, usage_error
 
