@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -184,7 +184,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   run = _open_run(model_config, train_config, data_config, RunDirectory(workdir), dataset,
                   devices, parallel, resume, print_fn)
   loop = TrainingLoop(run, skip_nonfinite)
-  state, start = _initial_state(run, parallel)
+  state, start = _initial_state(run, loop, parallel)
   run.log = (MetricsLog(run.directory.metrics_file, resume_step=start,
                         tensorboard_dir=run.directory.tensorboard_dir)
              if run.directory.is_main else None)
@@ -267,11 +267,9 @@ def _local_devices(count: int | None) -> list[jax.Device] | None:
 
 # --- stage 2: the initial state ---------------------------------------------------------------
 
-def _initial_state(run: _Run, parallel: str) -> tuple[TrainState, int]:
+def _initial_state(run: _Run, loop: TrainingLoop, parallel: str) -> tuple[TrainState, int]:
   """The replicated state to train from and its step: the latest checkpoint's, or fresh."""
-  model = build_model(run.model_config)
-  optimizer = make_optimizer(run.train_config, run.model_config)
-  seed = run.train_config.seed
+  model, optimizer, seed = loop.model, loop.optimizer, run.train_config.seed
   abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, seed))
   start = run.checkpoints.latest_step()
   if start is None:
@@ -326,10 +324,11 @@ class TrainingLoop:
   def __init__(self, run: _Run, skip_nonfinite: int):
     self.run = run
     self.skip_nonfinite = skip_nonfinite
-    model, config = build_model(run.model_config), run.train_config
-    optimizer = make_optimizer(config, run.model_config)
-    self.step_fn = make_parallel_step(model, optimizer, config, run.data_parallel)
-    self.eval_fn = make_parallel_eval(model, config, run.data_parallel)
+    config = run.train_config
+    self.model = build_model(run.model_config)
+    self.optimizer = make_optimizer(config, run.model_config)
+    self.step_fn = make_parallel_step(self.model, self.optimizer, config, run.data_parallel)
+    self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
     corpus = encode_corpus(run.dataset['train'], run.tokenizer, run.model_config.max_len)
     self.batcher = Batcher(corpus, config.max_tokens, config.seed,
                            row_multiple=run.data_parallel.num_devices)

@@ -33,7 +33,7 @@ from flax_transformer.build import build_model
 from flax_transformer.checkpoint import load_for_inference
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.methods import BeamSearch, DecodingMethod, default_method
-from flax_transformer.model import Transformer, attention_weights
+from flax_transformer.model import attention_weights
 from flax_transformer.tokenizer import Tokenizer
 
 # Source widths are rounded up to a multiple of this, so a corpus compiles a few shapes.

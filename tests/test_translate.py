@@ -7,7 +7,7 @@ decode.py, the command line over Translator, is tests/test_decode_cli.py's.
 import numpy as np
 import pytest
 
-from flax_transformer import ConfigError, ModelConfig, Transformer, decoding
+from flax_transformer import ConfigError, Transformer, decoding
 from flax_transformer.cmlm import CMLMTransformer
 from flax_transformer.methods import BeamSearch, Greedy, MaskPredict, Sampling
 from flax_transformer.translate import Translator
