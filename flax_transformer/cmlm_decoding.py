@@ -10,7 +10,9 @@ The steps, all in one jit-compiled program:
 
 1. Encode the source once; the length classifier's top-M classes give M
    candidate lengths N per sentence (`length='predict'`), or each sentence gets
-   N = min(source length + O, model.max_len) (`length='fixed'`, M = 1).
+   N = min(source length + O, model.max_len) (`length='fixed'`, M = 1). A length
+   adjustment (`length_ratio`, `length_offset`; `adjust_lengths`) then lengthens
+   or shortens every candidate, like FastSpeech's speed control.
 2. Each candidate is a row of the canvas `[R, W]`: N MASKs, then PAD (which no
    position attends to). W is the longest candidate plus one (room for its EOS),
    rounded up to a multiple of 8 and capped at model.max_len: the lengths come
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import flax
@@ -59,10 +62,16 @@ class MaskPredictConfig:
   length_beam: M >= 1 candidate lengths per sentence, the classifier's top M.
   length: 'predict' (the classifier) or 'fixed' (min(source length + O,
     model.max_len) positions, the output cut at the first EOS; needs M = 1).
+  length_ratio, length_offset: each candidate length N becomes
+    clip(round(length_ratio * N) + length_offset, 1, model.max_len) (`adjust_lengths`):
+    ratio > 0 scales, an integer offset adds tokens. With length='fixed' they
+    resize the canvas, which bounds the output (still cut at the first EOS).
   """
   iterations: int = 10
   length_beam: int = 3
   length: Literal['predict', 'fixed'] = 'predict'
+  length_ratio: float = 1.0
+  length_offset: int = 0
 
   def __post_init__(self):
     for name in ('iterations', 'length_beam'):
@@ -75,6 +84,12 @@ class MaskPredictConfig:
     if self.length == 'fixed' and self.length_beam != 1:
       raise ConfigError(f"mask-predict length='fixed' decodes one length per sentence: "
                         f'length_beam must be 1, got {self.length_beam}')
+    ratio, offset = self.length_ratio, self.length_offset
+    if (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio)
+        or ratio <= 0):
+      raise ConfigError(f'mask-predict length_ratio must be a finite number > 0, got {ratio!r}')
+    if isinstance(offset, bool) or not isinstance(offset, int):
+      raise ConfigError(f'mask-predict length_offset must be an integer, got {offset!r}')
 
 
 @flax.struct.dataclass
@@ -93,6 +108,8 @@ def mask_predict(model: CMLMTransformer, params, src, *,
                  iterations: int = MaskPredictConfig.iterations,
                  length_beam: int = MaskPredictConfig.length_beam,
                  length: Literal['predict', 'fixed'] = MaskPredictConfig.length,
+                 length_ratio: float = MaskPredictConfig.length_ratio,
+                 length_offset: int = MaskPredictConfig.length_offset,
                  return_history: bool = False):
   """Non-autoregressive decoding with iterative refinement (see the module docstring).
 
@@ -100,14 +117,14 @@ def mask_predict(model: CMLMTransformer, params, src, *,
     model: the `CMLMTransformer` (only its config is used).
     params: the parameter dict, or the full variables `{'params': ...}`.
     src: int source ids `[B, S]` (numpy or jax), PAD-padded, EOS-terminated.
-    iterations, length_beam, length: see `MaskPredictConfig`.
+    iterations, length_beam, length, length_ratio, length_offset: see `MaskPredictConfig`.
     return_history: also return the per-iteration record.
 
   Returns:
     int32 tokens `[B, W]`, W = `canvas_width(longest candidate, model.max_len)`; with `return_history`,
     `(tokens, history)` where history holds, for the R = B * M candidate rows
     (sentence b's candidates are rows b * M .. b * M + M - 1):
-      'lengths': int32 `[R]`, each candidate's N (0 for batch padding);
+      'lengths': int32 `[R]`, each candidate's N, adjusted (0 for batch padding);
       'masked_counts': int32 `[I, R]`, positions (re-)masked at each iteration
         (N at iteration 0, then floor(N (I - t) / I));
       'tokens': int32 `[I, R, W]`, the canvas after each iteration;
@@ -117,7 +134,8 @@ def mask_predict(model: CMLMTransformer, params, src, *,
   if not isinstance(model, CMLMTransformer):
     raise TypeError(f"mask_predict needs a CMLMTransformer (model.kind='cmlm'), "
                     f'got {type(model).__name__}')
-  settings = MaskPredictConfig(iterations=iterations, length_beam=length_beam, length=length)
+  settings = MaskPredictConfig(iterations=iterations, length_beam=length_beam, length=length,
+                               length_ratio=length_ratio, length_offset=length_offset)
   config = model.config
   if settings.length_beam > num_length_classes(config):
     raise ConfigError(f'mask-predict length_beam={settings.length_beam} exceeds the '
@@ -128,7 +146,9 @@ def mask_predict(model: CMLMTransformer, params, src, *,
   variables = decoding.as_variables(params)
   memory, lengths = _encode(config, variables, src, settings)
   width = canvas_width(int(jnp.max(lengths, initial=0)), config.max_len)
-  tokens, history = _refine(config, variables, src, memory, lengths, settings, width)
+  # The adjustment is in `lengths` already: without it, refining compiles once per width.
+  plain = dataclasses.replace(settings, length_ratio=1.0, length_offset=0)
+  tokens, history = _refine(config, variables, src, memory, lengths, plain, width)
   return (tokens, history) if return_history else tokens
 
 
@@ -216,7 +236,8 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
 
 def _candidate_lengths(length_logits: jax.Array, src: jax.Array, config: ModelConfig,
                        settings: MaskPredictConfig) -> jax.Array:
-  """int32 `[B, M]`: the top-M predicted lengths, or the fixed one; 0 for all-PAD sources."""
+  """int32 `[B, M]`: the top-M predicted lengths, or the fixed one, adjusted; 0 for all-PAD
+  sources."""
   src_lengths = jnp.sum(src != config.pad_id, axis=1, dtype=jnp.int32)[:, None]  # [B, 1]
   if settings.length == 'fixed':
     lengths = jnp.minimum(src_lengths + config.max_length_offset, config.max_len)
@@ -224,7 +245,20 @@ def _candidate_lengths(length_logits: jax.Array, src: jax.Array, config: ModelCo
     _, classes = jax.lax.top_k(length_logits, settings.length_beam)            # [B, M]
     lengths = lengths_from_classes(classes, src_lengths, config.max_length_offset,
                                    config.max_len)
+  lengths = adjust_lengths(lengths, settings.length_ratio, settings.length_offset, config.max_len)
   return jnp.where(src_lengths > 0, lengths, 0)
+
+
+def adjust_lengths(lengths: jax.Array, ratio: float, offset: int, max_len: int) -> jax.Array:
+  """Lengths N (int, any shape) -> clip(round(ratio * N) + offset, 1, max_len), int32.
+
+  Halves round up. For N = 10, max_len 16: ratio 0.5 -> 5; offset 2 -> 12; ratio 1.25 with
+  offset -1 -> 12 (12.5 rounds to 13); ratio 2 -> 16 (clipped); offset -20 -> 1.
+  """
+  # Rounded and clipped in float32, where every length is an exact integer: a huge ratio or
+  # offset saturates at the ends instead of wrapping around int32.
+  rounded = jnp.floor(jnp.asarray(lengths, jnp.float32) * ratio + 0.5)
+  return jnp.clip(rounded + offset, 1, max_len).astype(jnp.int32)
 
 
 def _lowest(scores: jax.Array, in_row: jax.Array, count: jax.Array) -> jax.Array:

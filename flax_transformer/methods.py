@@ -13,7 +13,8 @@ defaults it shares: the paper's beam 4 and alpha 0.6 are written once, in
 
 Autoregressive methods take `max_len`, the output tokens per sentence (None:
 source length + 50, capped at model.max_len); mask-predict's output length is
-the one its length classifier predicts.
+the one its length classifier predicts, scaled by `length_ratio` and shifted by
+`length_offset` (`MaskPredict(length_ratio=0.8)`: about 20% shorter output).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ class MaskPredict(DecodingMethod):
   `iterations` refinement passes over the `length_beam` most probable lengths
   (length 'predict'), or over one canvas of source length +
   model.max_length_offset tokens cut at the first EOS (length 'fixed',
-  length_beam 1).
+  length_beam 1). Each length N is then adjusted to round(length_ratio * N) +
+  length_offset, clipped to [1, model.max_len] (with length 'fixed': the canvas).
   """
 
   name: ClassVar[str] = 'mask_predict'
@@ -144,10 +146,16 @@ class MaskPredict(DecodingMethod):
   iterations: int = cmlm_decoding.MaskPredictConfig.iterations
   length_beam: int = cmlm_decoding.MaskPredictConfig.length_beam
   length: Literal['predict', 'fixed'] = cmlm_decoding.MaskPredictConfig.length
+  length_ratio: float = cmlm_decoding.MaskPredictConfig.length_ratio
+  length_offset: int = cmlm_decoding.MaskPredictConfig.length_offset
 
   def __post_init__(self):
-    cmlm_decoding.MaskPredictConfig(iterations=self.iterations, length_beam=self.length_beam,
-                                    length=self.length)
+    self.settings()
+
+  def settings(self) -> cmlm_decoding.MaskPredictConfig:
+    """The functional API's settings (checked when made)."""
+    return cmlm_decoding.MaskPredictConfig(**{field.name: getattr(self, field.name)
+                                              for field in dataclasses.fields(self)})
 
   def check_model(self, config: ModelConfig) -> None:
     super().check_model(config)
@@ -158,14 +166,15 @@ class MaskPredict(DecodingMethod):
                         f'{config.max_length_offset})')
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    return np.asarray(cmlm_decoding.mask_predict(
-        model, params, src, iterations=self.iterations, length_beam=self.length_beam,
-        length=self.length))
+    return np.asarray(cmlm_decoding.mask_predict(model, params, src,
+                                                 **dataclasses.asdict(self.settings())))
 
   def describe(self) -> str:
-    if self.length == 'fixed':
-      return f'mask-predict decoding ({self.iterations} iterations, fixed length)'
-    return f'mask-predict decoding ({self.iterations} iterations, length beam {self.length_beam})'
+    parts = [f'{self.iterations} iterations',
+             'fixed length' if self.length == 'fixed' else f'length beam {self.length_beam}']
+    if self.length_ratio != 1 or self.length_offset:
+      parts.append(f'lengths x {self.length_ratio} {self.length_offset:+d}')
+    return f'mask-predict decoding ({", ".join(parts)})'
 
 
 # decode.py's --method names.

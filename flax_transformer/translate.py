@@ -3,7 +3,9 @@
     translator = Translator.from_checkpoint('runs/multi30k', average_last=5)
     translator.translate(['Ein Mann fährt Fahrrad.'])                 # beam 4, alpha 0.6
     translator.translate(sentences, Sampling(top_p=0.9, seed=1))
-    Translator.from_checkpoint('runs/cmlm').translate(sentences)     # mask-predict
+    cmlm = Translator.from_checkpoint('runs/cmlm')
+    cmlm.translate(sentences)                                        # mask-predict
+    cmlm.translate(sentences, MaskPredict(length_offset=2))          # 2 tokens longer
     alignment = translator.alignment('Ein Mann fährt Fahrrad.')      # cross-attention, for plots
 
 Sources are tokenized as in training (subwords + EOS) and truncated to
@@ -14,7 +16,9 @@ order. Empty (or all-space) sentences translate to '' without decoding.
 
 A method is a value from `methods` (`BeamSearch()`, `Greedy()`, `Sampling(...)`,
 `MaskPredict(...)`); None means the model's `methods.default_method`. A method
-that cannot decode the checkpoint's `model.kind` is a ConfigError.
+that cannot decode the checkpoint's `model.kind` is a ConfigError. A cmlm
+model's output length is controlled by the method value: `MaskPredict`'s
+`length_ratio` scales each predicted length and `length_offset` adds to it.
 """
 
 from __future__ import annotations

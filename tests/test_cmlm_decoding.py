@@ -13,6 +13,7 @@ from flax_transformer import ConfigError, ModelConfig, Transformer, cmlm, cmlm_d
 from flax_transformer.batching import Batch
 from flax_transformer.cmlm import CMLMTransformer
 from flax_transformer.cmlm_decoding import MaskPredictConfig
+from flax_transformer.methods import MaskPredict
 from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, PAD, R, SOURCES, pad_rows,
                                source_lengths)
 
@@ -139,6 +140,68 @@ def test_fixed_length_decodes_source_plus_r_positions_cut_at_the_first_eos(model
   assert (tokens == 7).all()
 
 
+# --- length control: length_ratio and length_offset ---------------------------------------
+
+
+def test_adjust_lengths_rounds_halves_up_and_clips_to_the_table():
+  lengths = np.arange(0, 70)
+  for ratio, offset in [(1.0, 0), (0.5, 0), (1.0, 2), (1.25, -1), (0.3, 5), (2.0, 0), (1.0, -80),
+                        (1e30, 0), (1e-30, 0)]:
+    expected = np.clip(np.floor(lengths.astype(np.float64) * ratio + 0.5) + offset, 1, 64)
+    got = np.asarray(cmlm_decoding.adjust_lengths(jnp.asarray(lengths), ratio, offset, 64))
+    np.testing.assert_array_equal(got, expected, err_msg=f'ratio {ratio}, offset {offset}')
+    assert got.dtype == np.int32
+
+
+@pytest.mark.parametrize('adjustment, adjust', [
+    (dict(length_offset=2), lambda n: n + 2),
+    (dict(length_ratio=0.5), lambda n: np.floor(n * 0.5 + 0.5)),
+    (dict(length_ratio=1.5, length_offset=-1), lambda n: np.floor(n * 1.5 + 0.5) - 1),
+    (dict(length_offset=-100), lambda n: 1 + 0 * n),                     # clipped to 1
+    (dict(length_offset=100), lambda n: CONFIG.max_len + 0 * n),         # clipped to max_len
+])
+def test_length_adjustment_moves_every_candidate_and_the_output(model, params, src, adjustment,
+                                                                 adjust):
+  # Lengths source + 1 (class R + 1), then source + 0 and source - 4 (the tied classes 0, 1
+  # after it: top_k keeps the lower index first).
+  constant = constant_model(params, 7, R + 1)
+  tokens, history = decode(model, constant, src, iterations=1, length_beam=LENGTH_BEAM,
+                           **adjustment)
+  n = source_lengths(src)[:, None]
+  predicted = np.clip(n + np.array([R + 1, 0, 1]) - R, 1, CONFIG.max_len)   # [B, M]
+  expected = np.clip(adjust(predicted), 1, CONFIG.max_len).astype(np.int32)
+  np.testing.assert_array_equal(history['lengths'].reshape(-1, LENGTH_BEAM), expected)
+  # Every candidate scores alike, so the first wins: its N tokens, EOS unless N = max_len.
+  np.testing.assert_array_equal(history['chosen'], 0)
+  for row, length in zip(tokens, expected[:, 0]):
+    ending = [EOS] if length < CONFIG.max_len else []
+    np.testing.assert_array_equal(row[:length + len(ending)], [7] * length + ending)
+    assert (row[length + len(ending):] == PAD).all()
+
+
+def test_the_method_value_passes_its_length_adjustment_on(model, params, src):
+  constant = constant_model(params, 7, R + 1)
+  settings = dict(iterations=1, length_beam=LENGTH_BEAM, length_offset=2)
+  np.testing.assert_array_equal(MaskPredict(**settings).run(model, constant, src),
+                                decode(model, constant, src, **settings)[0])
+
+
+def test_length_adjustment_resizes_the_fixed_canvas(model, params):
+  src = pad_rows(SOURCES[:3])
+  canvas = source_lengths(src) + R
+  for adjustment, expected in [(dict(length_offset=2), canvas + 2),
+                               (dict(length_ratio=0.5), np.floor(canvas * 0.5 + 0.5))]:
+    tokens, history = decode(model, constant_model(params, 7, 0), src, iterations=1,
+                             length_beam=1, length='fixed', **adjustment)
+    np.testing.assert_array_equal(history['lengths'], expected)
+    for row, length in zip(tokens, expected.astype(int)):
+      np.testing.assert_array_equal(row[:length + 1], [7] * length + [EOS])
+  # The output is still cut at the model's first EOS, whatever the canvas.
+  eos_only, _ = decode(model, constant_model(params, EOS, 0), src, iterations=1, length_beam=1,
+                       length='fixed', length_offset=2)
+  assert (eos_only[:, 0] == EOS).all() and (eos_only[:, 1:] == PAD).all()
+
+
 def test_canvas_width_leaves_room_for_eos_in_few_buckets():
   widths = [cmlm_decoding.canvas_width(n, 128) for n in range(1, 128)]
   assert all(n < w or w == 128 for n, w in zip(range(1, 128), widths))
@@ -179,6 +242,9 @@ def test_cut_at_eos_keeps_the_tokens_before_the_first_eos():
     (dict(length_beam=True), 'length_beam must be a positive integer, got True'),
     (dict(length='auto'), 'length must be one of predict, fixed'),
     (dict(length='fixed', length_beam=3), 'length_beam must be 1, got 3'),
+    (dict(length_ratio=0), 'length_ratio must be a finite number > 0, got 0'),
+    (dict(length_ratio=float('inf')), 'length_ratio must be a finite number > 0, got inf'),
+    (dict(length_offset=1.5), 'length_offset must be an integer, got 1.5'),
 ])
 def test_bad_settings_name_the_option(settings, message):
   with pytest.raises(ConfigError, match=message):

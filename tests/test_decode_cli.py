@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from flax_transformer import cmlm_decoding
 from flax_transformer.checkpoint import Checkpoints
 from flax_transformer.run_directory import write_config
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
@@ -265,6 +266,26 @@ def test_decode_cli_method_mask_predict_translates_a_cmlm_run(cmlm_run, tmp_path
   assert default_out == translator.translate(['twenty-two'], MaskPredict())[0] + '\n'
 
 
+def test_decode_cli_length_options_reach_mask_predict(cmlm_run, monkeypatch):
+  workdir = cmlm_run['workdir']
+  sentences = ['one hundred', 'twenty-two', 'three thousand four hundred']
+  translator = Translator.from_checkpoint(workdir)
+  calls, mask_predict = [], cmlm_decoding.mask_predict
+
+  def recorded(*args, **settings):
+    calls.append((settings['length_ratio'], settings['length_offset']))
+    return mask_predict(*args, **settings)
+
+  monkeypatch.setattr(cmlm_decoding, 'mask_predict', recorded)
+  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'mask_predict',
+                                            '--iterations', '2', '--length-ratio', '1.5',
+                                            '--length-offset=-1', *sentences])
+  assert status == 0, err
+  assert calls == [(1.5, -1)]
+  assert out.split('\n')[:-1] == translator.translate(
+      sentences, MaskPredict(iterations=2, length_ratio=1.5, length_offset=-1))
+
+
 @pytest.mark.parametrize('argv, message', [
     (['--method', 'beam'], "method 'beam' decodes autoregressive models, but this model is "
                            "model.kind='cmlm'; use method 'mask_predict'"),
@@ -278,6 +299,9 @@ def test_decode_cli_method_mask_predict_translates_a_cmlm_run(cmlm_run, tmp_path
     (['--method', 'mask_predict', '--iterations', '0'],
      'argument --iterations: must be >= 1, got 0'),
     (['--method', 'nat'], "method 'nat' is now called 'mask_predict'"),
+    (['--method', 'beam', '--length-offset', '2'],
+     "length_offset only applies to method 'mask_predict', not 'beam'"),
+    (['--length-ratio', '0'], 'length_ratio must be a finite number > 0, got 0.0'),
 ])
 def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
   status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_run['workdir'], *argv, 'one'])

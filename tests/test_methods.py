@@ -19,6 +19,8 @@ from flax_transformer.methods import (METHODS, BeamSearch, Greedy, MaskPredict, 
     (lambda: MaskPredict(iterations=0), 'iterations must be a positive integer, got 0'),
     (lambda: MaskPredict(length='fixed'), "length='fixed' decodes one length per sentence"),
     (lambda: MaskPredict(length='auto'), 'length must be one of predict, fixed'),
+    (lambda: MaskPredict(length_ratio=-0.5), 'length_ratio must be a finite number > 0'),
+    (lambda: MaskPredict(length_offset='2'), "length_offset must be an integer, got '2'"),
 ])
 def test_settings_are_checked_when_a_method_is_made(make, message):
   with pytest.raises(ConfigError, match=message):
@@ -33,6 +35,7 @@ def test_settings_are_checked_when_a_method_is_made(make, message):
     ('mask_predict', dict(max_len=5),
      "max_len only applies to method 'beam' or 'greedy' or 'sample', not 'mask_predict'"),
     ('greedy', dict(length_beam=1), "length_beam only applies to method 'mask_predict'"),
+    ('beam', dict(length_ratio=0.8), "length_ratio only applies to method 'mask_predict'"),
 ])
 def test_a_method_by_name_refuses_settings_of_another(name, settings, message):
   with pytest.raises(ConfigError, match=message):
@@ -58,6 +61,8 @@ def test_methods_describe_their_decoding():
   assert MaskPredict().describe() == 'mask-predict decoding (10 iterations, length beam 3)'
   assert MaskPredict(iterations=4, length_beam=1, length='fixed').describe() == (
       'mask-predict decoding (4 iterations, fixed length)')
+  assert MaskPredict(length_ratio=0.8, length_offset=2).describe() == (
+      'mask-predict decoding (10 iterations, length beam 3, lengths x 0.8 +2)')
   assert Greedy().describe() == 'greedy decoding'
   assert BeamSearch().describe() == 'beam search (beam 4, alpha 0.6)'
   assert Sampling(top_k=5).describe() == 'sampling (temperature 1.0, top-k 5, top-p 1.0, seed 0)'

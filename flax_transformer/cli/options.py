@@ -69,7 +69,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
 
 # Options that set a field of the decoding method, named as the field.
 METHOD_SETTINGS = ('beam_size', 'alpha', 'temperature', 'top_k', 'top_p', 'seed', 'iterations',
-                   'length_beam', 'length', 'max_len')
+                   'length_beam', 'length', 'length_ratio', 'length_offset', 'max_len')
 
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +95,11 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
       f'best kept (default {MaskPredict.length_beam}; 1 with --length fixed)')
   add('--length', choices=('predict', 'fixed'), help='mask_predict: predict the length '
       "(default), or decode source length + the model's max_length_offset, cut at the first EOS")
+  add('--length-ratio', type=float, metavar='X', help='mask_predict: multiply each length '
+      '(predicted, or with --length fixed the canvas) by X > 0 and round (default 1)')
+  add('--length-offset', type=int, metavar='N', help='mask_predict: add N tokens (may be '
+      "negative) to each length after --length-ratio; lengths stay in [1, the model's max_len] "
+      '(default 0)')
   add('--max-len', type=int, help='beam, greedy, sample: output tokens per sentence (default: '
       "source length + 50, at most the model's max_len)")
   add('--nat-length', help=argparse.SUPPRESS)
