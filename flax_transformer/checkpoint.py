@@ -31,8 +31,9 @@ from jax.experimental import multihost_utils
 
 from flax_transformer.build import abstract_params
 from flax_transformer.config import ModelConfig
-from flax_transformer.run_directory import (CHECKPOINT_DIR, CONFIG_FILE, CheckpointError,
-                                            WriteError, check_tokenizer, read_config)
+from flax_transformer.run_directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE,
+                                            TENSORBOARD_DIR, CheckpointError, WriteError,
+                                            check_tokenizer, read_config)
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.tokenizer import Tokenizer
 
@@ -196,6 +197,36 @@ def _host_target(tree):
   return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree)
 
 
+# A run directory's own entries, which an output inside it must not replace.
+_RUN_ENTRIES = frozenset({CONFIG_FILE, TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE,
+                          TENSORBOARD_DIR})
+# What averaging writes: an existing output holding only these is an earlier average.
+_AVERAGE_ENTRIES = frozenset({CONFIG_FILE, TOKENIZER_FILE, CHECKPOINT_DIR})
+
+
+def _check_output(workdir: Path, output: Path) -> None:
+  """Refuses an output whose replacement would delete the run or anything else.
+
+  Paths are compared resolved (symlinks followed): WORKDIR/average-last5 is fine;
+  WORKDIR itself, a directory above it, or WORKDIR/checkpoints/... are not.
+  """
+  run, target = workdir.resolve(), output.resolve()
+  if target == run or target in run.parents:
+    raise CheckpointError(f'averaging output {output} would replace the run directory '
+                          f'{workdir}; choose another directory (default: '
+                          f'{workdir}/average-lastK)')
+  if run in target.parents and target.relative_to(run).parts[0] in _RUN_ENTRIES:
+    part = run / target.relative_to(run).parts[0]
+    raise CheckpointError(f'averaging output {output} would replace {part}, part of the run '
+                          f'{workdir}; choose another directory')
+  if target.exists() and not target.is_dir():
+    raise CheckpointError(f'averaging output {output} is a file; give a directory')
+  if target.is_dir() and not {entry.name for entry in target.iterdir()} <= _AVERAGE_ENTRIES:
+    raise CheckpointError(f'averaging output {output} holds other files than an earlier '
+                          'average (config.json, tokenizer.json, checkpoints/); choose another '
+                          'directory')
+
+
 def _open_run(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]:
   workdir = Path(workdir)
   if not workdir.is_dir():
@@ -275,7 +306,9 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
   The output (default WORKDIR/average-last{K}) gets WORKDIR's config.json and
   tokenizer.json and one checkpoint, numbered as the latest averaged step,
   holding only 'params': `load_for_inference(output)` and decode.py read it; it
-  cannot be resumed for training. An existing output directory is replaced.
+  cannot be resumed for training. An existing output directory is replaced if it
+  is empty or an earlier average; an output that is the run directory, holds it,
+  or is part of it (checkpoints/, config.json, ...) is refused (`_check_output`).
   With several processes, every process calls this (as it calls the training
   step). Returns the output directory.
   """
@@ -283,6 +316,7 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
     raise CheckpointError(f'average_last must be >= 1, got {last_k}')
   workdir = Path(workdir)
   output = Path(output) if output is not None else workdir / f'average-last{last_k}'
+  _check_output(workdir, output)
   model_config, checkpoints, steps = _open_run(workdir)
   try:
     selected = _select_steps(steps, None, last_k, checkpoints.directory)

@@ -1,6 +1,9 @@
 """Checkpoints (orbax): bit-exact round trips, retention, inference loading, averaging, clear
 errors. config.json and the resume checks are tests/test_run_directory.py's."""
 
+import re
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -92,6 +95,35 @@ def test_average_checkpoints_writes_a_loadable_run_directory(run_dir, setup):
   # Averaging again replaces the output rather than adding to it.
   assert average_checkpoints(run_dir, 2) == run_dir / 'average-last2'
   assert Checkpoints(run_dir / 'average-last2').steps() == [10]
+
+
+def test_averaging_refuses_an_output_that_would_delete_the_run(run_dir, tmp_path):
+  run = tmp_path / 'run'
+  shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns('average-last*'))
+  (run / 'metrics.jsonl').write_text('{}\n')
+  (tmp_path / 'link').symlink_to(run)
+  (tmp_path / 'notes').mkdir()
+  (tmp_path / 'notes' / 'todo.txt').write_text('keep me')
+  files = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob('*'))
+  for output, message in [
+      (run, f'averaging output {run} would replace the run directory {run}'),
+      (tmp_path / 'link', 'would replace the run directory'),          # the run, by a symlink
+      (run / '..', 'would replace the run directory'),                 # holds the run
+      (tmp_path, 'would replace the run directory'),
+      (run / 'checkpoints', f'would replace {run / "checkpoints"}, part of the run'),
+      (tmp_path / 'link' / 'checkpoints' / '10', 'part of the run'),
+      (run / 'metrics.jsonl', f'would replace {run / "metrics.jsonl"}, part of the run'),
+      (tmp_path / 'notes', 'holds other files than an earlier average'),
+      (tmp_path / 'notes' / 'todo.txt', 'is a file; give a directory'),
+  ]:
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+      average_checkpoints(run, 2, output=output)
+  assert sorted(path.relative_to(tmp_path) for path in tmp_path.rglob('*')) == files
+  # Beside the run or inside it under a new name, and again over that earlier average: fine.
+  for output in (tmp_path / 'averaged', run / 'mine', tmp_path / 'averaged'):
+    assert average_checkpoints(run, 2, output=output) == output
+    assert Checkpoints(output).steps() == [10]
+  assert Checkpoints(run).steps() == [6, 8, 10]
 
 
 def test_errors_name_the_problem(run_dir, tmp_path, setup, tokenizer):
