@@ -260,9 +260,17 @@ class DataConfig:
                                   "model.vocab_size becomes the trained tokenizer's size, which "
                                   'a small corpus may leave below this')
   tokenizer: Literal['bpe', 'unigram'] = setting('bpe', 'subword model of the tokenizer')
+  valid_split: str | None = setting(None, 'file stem (or Hub split) to validate on; none: the '
+                                          'first of val, valid, validation, dev')
+  test_split: str | None = setting(None, 'file stem (or Hub split) to test on, e.g. '
+                                         "test_2016_flickr; none: 'test', or the only test* one")
 
   def __post_init__(self):
     _check_fields(self, 'data', positive_ints=('vocab_size',))
+    for name in ('valid_split', 'test_split'):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f'data.{name} must be a non-empty string or None, got {value!r}')
     for name in ('source', 'src_lang', 'tgt_lang'):
       value = getattr(self, name)
       if not isinstance(value, str) or not value:

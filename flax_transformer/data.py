@@ -41,7 +41,8 @@ class DataError(ValueError):
 
 
 def load_parallel(source: str, src_lang: str, tgt_lang: str,
-                  splits: Mapping[str, str] | None = None) -> datasets.DatasetDict:
+                  splits: Mapping[str, str] | None = None, *, valid_split: str | None = None,
+                  test_split: str | None = None) -> datasets.DatasetDict:
   """Loads a parallel corpus as {split: Dataset with 'source' and 'target' strings}.
 
   Args:
@@ -56,6 +57,10 @@ def load_parallel(source: str, src_lang: str, tgt_lang: str,
       val, valid, validation, dev as 'validation'; 'test', or the only stem that
       starts with 'test', as 'test'. A single table file is one split, named by
       the same rules from its stem, 'train' when none applies.
+    valid_split, test_split: the stem (or Hub split) discovery takes as
+      'validation' or 'test' instead of the rules above (DataConfig's
+      `data.valid_split`, `data.test_split`), e.g. test_split='test_2017_flickr' in a
+      directory of several test sets; not with `splits`.
 
   Returns:
     DatasetDict keyed by our split names. Each split's `info.description` says
@@ -68,25 +73,31 @@ def load_parallel(source: str, src_lang: str, tgt_lang: str,
   if src_lang == tgt_lang:
     raise DataError(f'source and target language are both {src_lang!r}; '
                     'pass two different languages')
+  preferred = {name: stem for name, stem in (('validation', valid_split), ('test', test_split))
+               if stem is not None}
+  if splits is not None and preferred:
+    raise DataError(f'give either splits={dict(splits)} or valid_split/test_split '
+                    f'(got {preferred}), not both')
   path = Path(source).expanduser()
   if path.is_dir():
     if _stems(path, f'.{src_lang}') or _stems(path, f'.{tgt_lang}'):
-      return _load_text_dir(path, src_lang, tgt_lang, splits)
-    return _load_table_dir(path, src_lang, tgt_lang, splits)
+      return _load_text_dir(path, src_lang, tgt_lang, splits, preferred)
+    return _load_table_dir(path, src_lang, tgt_lang, splits, preferred)
   if path.is_file():
     if path.suffix not in TABLE_FORMATS:
       raise DataError(f'{path}: cannot read a {path.suffix or "suffix-less"} file on its own; '
                       f'point the source at the directory holding <split>.{src_lang} and '
                       f'<split>.{tgt_lang}, or use one of {sorted(TABLE_FORMATS)}')
-    if splits is not None:
-      raise DataError(f'{path} is a single file, so it is one split and `splits` cannot '
-                      f'select from it (got {dict(splits)}); point the source at a directory')
+    if splits is not None or preferred:
+      raise DataError(f'{path} is a single file, so it is one split and splits cannot be '
+                      f'selected from it (got {dict(splits or preferred)}); point the source '
+                      'at a directory')
     discovered = _discover({path.stem: path}, path.parent)
     name = next((ours for ours, stem in discovered.items() if stem == path.stem), 'train')
     return _load_tables({name: path}, src_lang, tgt_lang)
   if not _HUB_ID.match(source):
     raise DataError(f'{source}: no such file or directory ({path.resolve()})')
-  return _load_hub(source, src_lang, tgt_lang, splits)
+  return _load_hub(source, src_lang, tgt_lang, splits, preferred)
 
 
 def describe(ds: datasets.DatasetDict) -> str:
@@ -106,8 +117,14 @@ def _stems(directory: Path, suffix: str) -> list[str]:
   return sorted(p.name[:-len(suffix)] for p in directory.glob(f'*{suffix}') if p.is_file())
 
 
-def _discover(stems: Mapping[str, object], where: Path | str) -> dict[str, str]:
-  """Our split name -> stem for the stems that follow the naming rules."""
+# The DataConfig setting that picks each discovered split, for messages.
+_SPLIT_SETTINGS = {'validation': 'valid_split', 'test': 'test_split'}
+
+
+def _discover(stems: Mapping[str, object], where: Path | str,
+              preferred: Mapping[str, str] | None = None) -> dict[str, str]:
+  """Our split name -> stem for the stems that follow the naming rules, or are `preferred`."""
+  preferred = preferred or {}
   found = {}
   if 'train' in stems:
     found['train'] = 'train'
@@ -115,19 +132,25 @@ def _discover(stems: Mapping[str, object], where: Path | str) -> dict[str, str]:
   if validation:
     found['validation'] = validation[0]
   tests = ['test'] if 'test' in stems else sorted(s for s in stems if s.startswith('test'))
-  if len(tests) > 1:
-    raise DataError(f'{where}: several test sets {tests}; choose one with '
-                    f"splits={{'test': {tests[0]!r}, ...}} (--data.splits)")
+  if len(tests) > 1 and 'test' not in preferred:
+    raise DataError(f'{where}: several test sets {tests}; choose one with data.test_split '
+                    f'(train.py --data.test_split={tests[0]})')
   if tests:
     found['test'] = tests[0]
+  for name, stem in preferred.items():
+    if stem not in stems:
+      raise DataError(f'{where}: data.{_SPLIT_SETTINGS[name]}={stem!r} names no split '
+                      f'(found {sorted(stems)})')
+    found[name] = stem
   return found
 
 
 def _select(available: Mapping[str, object], splits: Mapping[str, str] | None,
-            where: Path | str, what: str) -> dict[str, str]:
-  """Our split name -> stem, from `splits` or by discovery; never empty."""
+            preferred: Mapping[str, str], where: Path | str, what: str) -> dict[str, str]:
+  """Our split name -> stem, from `splits` or by discovery (which takes the `preferred` stem
+  for 'validation' or 'test'); never empty."""
   if splits is None:
-    chosen = _discover(available, where)
+    chosen = _discover(available, where, preferred)
     if not chosen:
       raise DataError(f'{where}: found no train/val/valid/validation/dev/test* {what} '
                       f'(found {sorted(available) or "nothing"}); name them with `splits`')
@@ -139,9 +162,10 @@ def _select(available: Mapping[str, object], splits: Mapping[str, str] | None,
 
 
 def _load_text_dir(directory: Path, src_lang: str, tgt_lang: str,
-                   splits: Mapping[str, str] | None) -> datasets.DatasetDict:
+                   splits: Mapping[str, str] | None, preferred: Mapping[str, str]
+                   ) -> datasets.DatasetDict:
   stems = set(_stems(directory, f'.{src_lang}')) | set(_stems(directory, f'.{tgt_lang}'))
-  chosen = _select(stems, splits, directory, f'files <stem>.{src_lang}/<stem>.{tgt_lang}')
+  chosen = _select(stems, splits, preferred, directory, f'files <stem>.{src_lang}/<stem>.{tgt_lang}')
   for stem in chosen.values():
     for lang in (src_lang, tgt_lang):
       if not (directory / f'{stem}.{lang}').is_file():
@@ -184,7 +208,8 @@ def split_lines(data: bytes, where: str) -> list[str]:
 
 
 def _load_table_dir(directory: Path, src_lang: str, tgt_lang: str,
-                    splits: Mapping[str, str] | None) -> datasets.DatasetDict:
+                    splits: Mapping[str, str] | None, preferred: Mapping[str, str]
+                    ) -> datasets.DatasetDict:
   files: dict[str, Path] = {}
   for path in sorted(directory.iterdir()):
     if path.is_file() and path.suffix in TABLE_FORMATS:
@@ -196,7 +221,7 @@ def _load_table_dir(directory: Path, src_lang: str, tgt_lang: str,
     found = sorted(p.name for p in directory.iterdir())[:10]
     raise DataError(f'{directory}: found neither <split>.{src_lang}/<split>.{tgt_lang} text '
                     f'pairs nor {"/".join(sorted(TABLE_FORMATS))} files (found {found})')
-  chosen = _select(files, splits, directory, f'{"/".join(sorted(TABLE_FORMATS))} files')
+  chosen = _select(files, splits, preferred, directory, f'{"/".join(sorted(TABLE_FORMATS))} files')
   return _load_tables({name: files[stem] for name, stem in chosen.items()}, src_lang, tgt_lang)
 
 
@@ -216,7 +241,8 @@ def _load_tables(files: Mapping[str, Path], src_lang: str,
 
 
 def _load_hub(source: str, src_lang: str, tgt_lang: str,
-              splits: Mapping[str, str] | None) -> datasets.DatasetDict:
+              splits: Mapping[str, str] | None, preferred: Mapping[str, str]
+              ) -> datasets.DatasetDict:
   name, _, config = source.partition(':')
   try:
     hub = datasets.load_dataset(name, config or None)
@@ -227,7 +253,7 @@ def _load_hub(source: str, src_lang: str, tgt_lang: str,
         f'{config or None!r}) failed: {type(error).__name__}: {error}. Offline? Point the source at a '
         'local directory of <split>.<lang> files, or set HF_DATASETS_OFFLINE=1 to use a '
         'copy already in the Hugging Face cache') from error
-  chosen = _select(hub, splits, source, 'splits')
+  chosen = _select(hub, splits, preferred, source, 'splits')
   result = {}
   for ours, theirs in chosen.items():
     pairs = _pair_columns(hub[theirs], src_lang, tgt_lang, f'{source} split {theirs!r}')

@@ -121,7 +121,8 @@ def load_data(data_config: DataConfig) -> datasets.DatasetDict:
   """The parallel text of `data_config`: the toy task, or `data.load_parallel`."""
   if data_config.source == 'toy':
     return number_translation()
-  return load_parallel(data_config.source, data_config.src_lang, data_config.tgt_lang)
+  return load_parallel(data_config.source, data_config.src_lang, data_config.tgt_lang,
+                       valid_split=data_config.valid_split, test_split=data_config.test_split)
 
 
 def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
@@ -144,6 +145,10 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
                       'it or average fewer')
   if not isinstance(skip_nonfinite, int) or skip_nonfinite < 0:
     raise ConfigError(f'--skip-nonfinite must be a non-negative integer, got {skip_nonfinite!r}')
+  picked = [f'data.{name}' for name in ('valid_split', 'test_split') if getattr(data_config, name)]
+  if data_config.source == 'toy' and picked:
+    raise ConfigError(f'{picked[0]} picks a split of a data directory or Hub dataset; the toy '
+                      'task (data.source=toy) has its own')
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,

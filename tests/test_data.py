@@ -106,6 +106,35 @@ def test_several_test_sets_need_a_choice(tmp_path):
   assert list(ds) == ['train', 'test']
 
 
+@pytest.fixture
+def multi30k_layout(tmp_path):
+  """The official Multi30k release's stems: four test sets, told apart by their content."""
+  for stem in ('train', 'val', 'test_2016_flickr', 'test_2017_flickr', 'test_2017_mscoco',
+               'test_2018_flickr'):
+    write_pair(tmp_path, stem, [f'{stem} en'], [f'{stem} de'])
+  write_pair(tmp_path, 'dev', ['dev en'], ['dev de'])
+  return tmp_path
+
+
+def test_valid_split_and_test_split_pick_among_several(multi30k_layout):
+  with pytest.raises(DataError, match=r"several test sets \['test_2016_flickr', .*\]; choose one "
+                     r'with data.test_split \(train.py --data.test_split=test_2016_flickr\)'):
+    load_parallel(str(multi30k_layout), 'en', 'de')
+  ds = load_parallel(str(multi30k_layout), 'en', 'de', test_split='test_2017_mscoco')
+  assert list(ds) == ['train', 'validation', 'test']
+  assert ds['test']['source'][:] == ['test_2017_mscoco en']
+  assert ds['validation']['source'][:] == ['val en']               # discovered: val before dev
+  ds = load_parallel(str(multi30k_layout), 'en', 'de', valid_split='dev',
+                     test_split='test_2018_flickr')
+  assert (ds['validation']['target'][:], ds['test']['target'][:]) == (['dev de'],
+                                                                     ['test_2018_flickr de'])
+  with pytest.raises(DataError, match=r"data.test_split='test_2019' names no split \(found "
+                                      r"\['dev', 'test_2016_flickr'"):
+    load_parallel(str(multi30k_layout), 'en', 'de', test_split='test_2019')
+  with pytest.raises(DataError, match='give either splits=.* or valid_split/test_split'):
+    load_parallel(str(multi30k_layout), 'en', 'de', splits={'train': 'train'}, test_split='test')
+
+
 def test_no_recognised_split(tmp_path):
   write_pair(tmp_path, 'corpus', ['a'], ['b'])
   with pytest.raises(DataError, match=r"found no train/val/.* \(found \['corpus'\]\)"):

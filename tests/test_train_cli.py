@@ -21,6 +21,7 @@ from flax_transformer import distributed
 from flax_transformer.config import SECTIONS, ModelConfig, TrainConfig
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.toy_task import number_translation
+from flax_transformer.training import load_data
 from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
 from flax_transformer.cli import train as train_cli
 from support.runs import finite, read_metrics, saved_steps, train_state
@@ -125,11 +126,30 @@ def test_cli_presets_and_overrides():
     (['--skip-nonfinite', '-1'], "argument --skip-nonfinite: expected a non-negative integer, "
                                  "got '-1'"),
     (['--steps', '0'], 'train.steps must be a positive integer, got 0'),
+    (['--data.test_split=test_2017'], 'data.test_split picks a split of a data directory or Hub '
+                                      'dataset; the toy task (data.source=toy) has its own'),
 ])
 def test_train_refuses_settings_that_cannot_make_a_run(argv, expected, tmp_path):
   status, _, err = call(train_cli.main, [*argv, '--workdir', tmp_path / 'run'])
   assert status == 2 and expected in err
   assert not (tmp_path / 'run').exists()  # refused before anything was written
+
+
+def test_data_split_options_pick_one_of_several_test_sets(tmp_path):
+  data = tmp_path / 'multi30k'
+  data.mkdir()
+  for stem in ('train', 'val', 'dev', 'test_2016_flickr', 'test_2017_mscoco'):
+    (data / f'{stem}.en').write_text(f'{stem} en\n')
+    (data / f'{stem}.de').write_text(f'{stem} de\n')
+  status, _, err = call(train_cli.main, ['--data', data, '--workdir', tmp_path / 'run'])
+  assert status == 1 and error_line(err, 'train.py') == (
+      f"train.py: error: {data}: several test sets ['test_2016_flickr', 'test_2017_mscoco']; "
+      'choose one with data.test_split (train.py --data.test_split=test_2016_flickr)')
+  args = train_cli.build_parser().parse_args(['--data', str(data), '--data.valid_split=dev',
+                                              '--data.test_split=test_2017_mscoco'])
+  dataset = load_data(train_cli.configs_from_args(args)[2])
+  assert dataset['validation']['source'][:] == ['dev en']
+  assert dataset['test']['source'][:] == ['test_2017_mscoco en']
 
 
 def test_unwritable_workdir_is_refused_before_loading_data(tmp_path):
