@@ -155,6 +155,15 @@ def make_optimizer(train_config: TrainConfig, model_config: ModelConfig
   return optimizer
 
 
+def schedule_count(opt_state) -> jax.Array:
+  """The update count the optimizer's schedule reads for its next update: updates applied,
+  not steps taken (a skipped non-finite step applies none; with grad_accum_steps K, one
+  per K steps), so learning_rate is the rate the update used."""
+  (count,) = [value for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, 'count')
+              if path[-1].tuple_name == 'ScaleByScheduleState']
+  return count
+
+
 def create_train_state(model: Transformer, optimizer: optax.GradientTransformation, seed: int
                        ) -> TrainState:
   """Fresh parameters from `seed` (Flax initialisers) and the optimizer's initial state.
@@ -239,9 +248,8 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
 
   params, opt_state = lax.cond(finite, apply_update, lambda params, opt_state: (params, opt_state),
                                state.params, state.opt_state)
-  update_count = state.step // train_config.grad_accum_steps
   metrics = {**sums, 'grad_norm': grad_norm,
-             'learning_rate': make_schedule(train_config, config)(update_count),
+             'learning_rate': make_schedule(train_config, config)(schedule_count(state.opt_state)),
              'nonfinite': 1.0 - finite.astype(jnp.float32)}
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics

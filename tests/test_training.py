@@ -14,6 +14,7 @@ from flax_transformer.checkpoint import CheckpointError, load_for_inference
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import load_parallel
 from flax_transformer.toy_task import number_translation
+from flax_transformer.train_step import transformer_schedule
 from flax_transformer.training import NonFiniteError, train
 from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
 
@@ -151,6 +152,13 @@ def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_p
   lines = {line['step']: line for line in read_metrics(tmp_path)}
   assert lines[3]['nonfinite_steps'] == 1 and 'loss' not in lines[3]
   assert np.isfinite(lines[4]['loss']) and 'nonfinite_steps' not in lines[4]
+  # The logged rate is the one the update used: the schedule at the optimizer's count of
+  # applied updates (step 4 is the third), not at the step.
+  schedule = transformer_schedule(model.d_model, config.warmup_steps, config.lr_scale)
+  for step, updates_before in ((2, 1), (4, 2)):
+    np.testing.assert_allclose(lines[step]['learning_rate'], float(schedule(updates_before)),
+                               rtol=1e-6)
+  assert not np.isclose(lines[4]['learning_rate'], float(schedule(3)), rtol=1e-3)
 
 
 @pytest.mark.filterwarnings('ignore:source length .* output capped')  # long test sentences
