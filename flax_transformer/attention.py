@@ -1,16 +1,21 @@
-"""Scaled dot-product attention (a pure function) and the multi-head module.
+"""Scaled dot-product attention (a pure function), its banded form, and the multi-head module.
 
 Axis legend for the einsums in this module:
-  B batch, T query length, S key length, N heads, H head dim, D model dim.
+  B batch, T query length, S key length, N heads, H head dim, D model dim;
+  banded attention: C blocks of W positions, each attending to K = (2 or 3) * W keys.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from flax_transformer import masks
 from flax_transformer.dropout import Dropout
 from flax_transformer.matmul import Dense
 
@@ -69,6 +74,137 @@ def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
   (8x slower for beam search's 4 x 128 attention, 1.8x at training's 32 x 32).
   """
   return jnp.einsum('BNTS,BNSH->BNTH', weights.astype(v.dtype), v).transpose(0, 2, 1, 3)
+
+
+def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, radius: int, *,
+                     causal: bool = False, key_padding: jax.Array | None = None) -> jax.Array:
+  """Restricted self-attention (paper §4) that computes only the band: O(T r) scores, not T^2.
+
+  Equals `scaled_dot_product_attention(q, k, v, masks.Band(key_padding, 0, radius,
+  causal).dense(T))`: query i attends to keys |i - j| <= radius (and j <= i when
+  causal) that key_padding allows. The sequence is cut into C blocks of
+  W = max(radius, 1) positions (zero-padded to C * W); block c's queries score
+  only blocks c - 1, c, c + 1 (causal: c - 1, c), where every key within the
+  radius lies, and the exact mask is applied inside them.
+
+  Args:
+    q, k, v: `[B, T, N, H]` (self-attention: as many keys as queries).
+    radius: r >= 0.
+    causal: also hide keys after the query (a decoder).
+    key_padding: bool `[B, T]`, True where a key may be attended; None: all.
+
+  Returns:
+    out `[B, T, N, H]`; a query with no visible key gets zeros, as in the full form.
+  """
+  band = masks.Band(key_padding=key_padding, radius=radius, causal=causal)
+  return _banded_attention(q, _heads_first(k), _heads_first(v), band)
+
+
+def _banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
+                      weights_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+  """`banded_attention` with keys and values `[B, N, T, H]`; weights_fn transforms the block
+  weights `[B, N, C, W, K]` (attention dropout) before they weigh the values."""
+  length, width = q.shape[1], max(band.radius, 1)
+  neighbours = (-1, 0) if band.causal else (-1, 0, 1)
+  blocks = -(-length // width)
+  q_blocks = jnp.pad(q, ((0, 0), (0, blocks * width - length), (0, 0), (0, 0)))
+  q_blocks = q_blocks.reshape(q.shape[0], blocks, width, *q.shape[2:])          # [B, C, W, N, H]
+  q_blocks = q_blocks * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+  k_blocks = _neighbour_blocks(k, 2, width, blocks, neighbours)                  # [B, N, C, K, H]
+  logits = jnp.einsum('BCWNH,BNCKH->BNCWK', q_blocks, k_blocks,
+                      preferred_element_type=jnp.float32)
+  mask = jnp.asarray(_band_positions(length, band.radius, width, blocks, neighbours, band.causal))
+  if band.key_padding is not None:
+    padding = _neighbour_blocks(band.key_padding, 1, width, blocks, neighbours)  # [B, C, K]
+    mask = mask & padding[:, None, :, None, :]                                   # [B, 1, C, W, K]
+  # finite, not -inf: a fully masked row must give zeros, not NaN
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  weights = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+  if weights_fn is not None:
+    weights = weights_fn(weights)
+  v_blocks = _neighbour_blocks(v, 2, width, blocks, neighbours)                  # [B, N, C, K, H]
+  out = jnp.einsum('BNCWK,BNCKH->BNCWH', weights.astype(v.dtype), v_blocks)
+  out = out.reshape(*out.shape[:2], blocks * width, out.shape[-1])               # [B, N, C * W, H]
+  return out.transpose(0, 2, 1, 3)[:, :length]
+
+
+def _neighbour_blocks(x: jax.Array, axis: int, width: int, blocks: int,
+                      neighbours: tuple[int, ...]) -> jax.Array:
+  """For each block c of `width` positions on `axis`, blocks c + o for o in neighbours, side by side.
+
+  x `[..., T, ...]` -> `[..., C, K, ...]` with K = len(neighbours) * width;
+  positions outside 0..T-1 are zeros (False).
+  """
+  length = x.shape[axis]
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (width, (blocks + 1) * width - length)                             # [.., (C + 2) W, ..]
+  x = jnp.pad(x, pad)
+  shape = (*x.shape[:axis], blocks, width, *x.shape[axis + 1:])
+  windows = [jax.lax.slice_in_dim(x, (1 + o) * width, (1 + o + blocks) * width, axis=axis)
+             .reshape(shape) for o in neighbours]
+  return jnp.concatenate(windows, axis=axis + 1)
+
+
+def _band_positions(length: int, radius: int, width: int, blocks: int,
+                    neighbours: tuple[int, ...], causal: bool) -> np.ndarray:
+  """bool `[C, W, K]`: query c * W + a may see the k-th key of its neighbour blocks."""
+  query = (np.arange(blocks)[:, None] * width + np.arange(width)[None, :])[:, :, None]  # [C, W, 1]
+  key = np.concatenate([(np.arange(blocks)[:, None] + o) * width + np.arange(width)[None, :]
+                        for o in neighbours], axis=1)[:, None, :]                     # [C, 1, K]
+  visible = (np.abs(query - key) <= radius) & (key >= 0) & (key < length)
+  return visible & (key <= query) if causal else visible
+
+
+def _band_is_worth_it(length: int, band: masks.Band) -> bool:
+  """Whether a whole sequence of `length` takes the banded path: when it spans more than the
+  K = (2 or 3) * max(r, 1) keys a block attends to; shorter, the full masked scores are no bigger."""
+  return length > (2 if band.causal else 3) * max(band.radius, 1)
+
+
+def _cached_band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
+                           weights_fn: Callable[[jax.Array], jax.Array] | None = None
+                           ) -> jax.Array:
+  """T queries at positions offset.. against a cache of S slots `[B, N, S, H]`, with r + T < S.
+
+  Only keys offset - r .. offset + T - 1 can be visible, so attention reads a
+  dynamic_slice of r + T slots instead of the whole cache.
+  """
+  window, slots = band.radius + q.shape[1], k.shape[2]
+  start = jnp.clip(band.offset - band.radius, 0, slots - window)
+  k, v = (jax.lax.dynamic_slice_in_dim(x, start, window, axis=2) for x in (k, v))
+  query_pos = band.offset + jnp.arange(q.shape[1])[:, None]                     # [T, 1]
+  key_pos = start + jnp.arange(window)[None, :]                                 # [1, r + T]
+  mask = (jnp.abs(query_pos - key_pos) <= band.radius) & ((key_pos <= query_pos) | (not band.causal))
+  mask = mask[None, None]
+  if band.key_padding is not None:
+    padding = jax.lax.dynamic_slice_in_dim(band.key_padding, start, window, axis=1)
+    mask = mask & padding[:, None, None, :]
+  return _masked_attention(q, k, v, mask, weights_fn)
+
+
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                      weights_fn: Callable[[jax.Array], jax.Array] | None = None,
+                      keys_transposed: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`_attention`, then weights_fn on the weights `[B, N, T, S]` and the output recomputed."""
+  out, weights = _attention(q, k, v, mask, keys_transposed)
+  if weights_fn is not None:
+    out = _weighted_values(weights_fn(weights), v)
+  return out, weights
+
+
+def _band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
+                    weights_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+  """Attention under a `masks.Band`, by the cheapest exact path; keys and values `[B, N, S, H]`.
+
+  A whole sequence (T == S) takes `_banded_attention` when `_band_is_worth_it`,
+  a cached step (T < S) the r + T slots around it; otherwise the full masked form.
+  """
+  length, slots = q.shape[1], k.shape[2]
+  if length == slots and _band_is_worth_it(length, band):
+    return _banded_attention(q, k, v, band, weights_fn)
+  if length < slots and band.radius + length < slots:
+    return _cached_band_attention(q, k, v, band, weights_fn)[0]
+  return _masked_attention(q, k, v, band.dense(length, slots), weights_fn)[0]
 
 
 def _write_beam_blocks(buf: jax.Array, x: jax.Array, index: jax.Array | int, slot_axis: int
@@ -163,21 +299,30 @@ class MultiHeadAttention(nn.Module):
     return KVCache(k=_write_beam_blocks(cache.k, new.k.transpose(0, 1, 3, 2), index, slot_axis=3),
                    v=_write_beam_blocks(cache.v, new.v, index, slot_axis=2), beams=cache.beams)
 
-  def __call__(self, inputs_q: jax.Array, kv: KVCache, mask: jax.Array | None,
+  def __call__(self, inputs_q: jax.Array, kv: KVCache, mask: jax.Array | masks.Band | None,
                deterministic: bool = True) -> jax.Array:
     """Attends from `inputs_q` `[B, T, D]` to `kv`; returns `[B, T, D]`.
+
+    mask: bool broadcastable to `[B, N, T, S]`, or a `masks.Band` (self-attention
+    with a plain cache): then only the band is computed (`_band_attention`).
 
     The attention weights `[B, N, T, S]` are sown into the 'intermediates'
     collection (free unless the caller asks for it as mutable); see
     `flax_transformer.model.attention_weights`.
     """
     q = self._split_heads(self.query(inputs_q))                      # [B, T, N, H]
-    out, weights = _attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask,
-                              keys_transposed=kv.beams > 1)
-    self.sow('intermediates', 'attention_weights', weights)
+    k, v = kv.k.astype(q.dtype), kv.v.astype(q.dtype)
+    weights_fn = None
     if self.attention_dropout_rate > 0.0 and not deterministic:
-      # Dropout on the weights needs them explicitly: recompute the output.
-      weights = self.weights_dropout(weights, deterministic=False)
-      out = _weighted_values(weights.astype(q.dtype), kv.v.astype(q.dtype))
+      # Dropout on the weights needs them explicitly: the output is computed after it.
+      weights_fn = lambda weights: self.weights_dropout(weights, deterministic=False)
+    if isinstance(mask, masks.Band) and not self.is_mutable_collection('intermediates'):
+      out = _band_attention(q, k, v, mask, weights_fn)
+    else:
+      # Asked for the weights `[B, N, T, S]`, a Band is materialized: they are that big anyway.
+      if isinstance(mask, masks.Band):
+        mask = mask.dense(q.shape[1], k.shape[2])
+      out, weights = _masked_attention(q, k, v, mask, weights_fn, keys_transposed=kv.beams > 1)
+      self.sow('intermediates', 'attention_weights', weights)
     out = out.reshape(*out.shape[:-2], self.d_model)                 # [B, T, D]
     return self.out(out)

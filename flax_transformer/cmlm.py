@@ -129,8 +129,7 @@ class CMLMTransformer(Transformer):
       tokens = jnp.where(tokens == mask_id(self.config),
                          uniform_copy(src, tokens, self.config.pad_id), tokens)
     # Padding mask only: every position sees the whole row (and the restricted window, if set).
-    self_mask = masks.combine(masks.padding_mask(tokens, self.config.pad_id),
-                              self._self_attention_mask(tokens.shape[1]))
+    self_mask = self._self_attention_mask(tokens, causal=False)
     y, _ = self.decoder(self._embed(tokens, 'target', 0, train), cross_kv, self_mask, src_mask,
                         train)
     return self._logits(y)

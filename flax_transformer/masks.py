@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import flax
 import jax
 import jax.numpy as jnp
 
@@ -68,6 +69,11 @@ def local_mask(length: int, radius: int, kv_length: int | None = None,
   Compose with `causal_mask` for a decoder (then i sees i - radius .. i).
   `kv_length` and `offset` mean what they mean in `causal_mask`.
 
+  The radius r is a distance: an encoder position sees a window of 2r + 1 keys,
+  a decoder position r + 1. The paper's Table 1 counts "a neighborhood of size
+  r" (the window itself), so its r is our 2r + 1 (encoder) or r + 1 (decoder);
+  either way the cost is O(r n d) (`attention.banded_attention`).
+
   Returns:
     bool `[1, 1, T, S]`. For length 4, radius 1:
       1 1 0 0
@@ -77,6 +83,31 @@ def local_mask(length: int, radius: int, kv_length: int | None = None,
   """
   query_pos, key_pos = _positions(length, kv_length, offset)
   return (jnp.abs(query_pos - key_pos) <= radius)[None, None]
+
+
+@flax.struct.dataclass
+class Band:
+  """A restricted-attention mask kept as a rule, never as a `[T, S]` array.
+
+  Key j is visible to query i iff |i - j| <= radius (`local_mask`), j <= i when
+  causal, and key_padding[b, j]. Attention given a Band computes only the band,
+  O(r n) scores (`attention.banded_attention`); `dense` is the same mask as a
+  bool array.
+
+  key_padding: bool `[B, S]`, True where a key may be attended; None: all.
+  offset: absolute position of the first query: 0 for a whole sequence, the
+    decoding position for a cached step (then S is the cache length). May be traced.
+  """
+  key_padding: jax.Array | None = None
+  offset: jax.Array | int = 0
+  radius: int = flax.struct.field(pytree_node=False, default=0)
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def dense(self, length: int, kv_length: int | None = None) -> jax.Array:
+    """The mask as bool `[B or 1, 1, T, S]` for T = length queries and S = kv_length keys."""
+    return combine(local_mask(length, self.radius, kv_length, self.offset),
+                   causal_mask(length, kv_length, self.offset) if self.causal else None,
+                   None if self.key_padding is None else self.key_padding[:, None, None, :])
 
 
 def beam_history_mask(history: jax.Array, position: jax.Array | int) -> jax.Array:

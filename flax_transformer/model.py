@@ -159,19 +159,24 @@ class Transformer(nn.Module):
       raise ValueError(f'{what} length {tokens.shape[1]} exceeds model.max_len='
                        f'{self.config.max_len}; truncate the input or raise max_len')
 
-  def _self_attention_mask(self, length: int, kv_length: int | None = None,
-                           offset: jax.Array | int = 0) -> jax.Array | None:
-    """The optional restricted-attention window (§4), or None."""
-    radius = self.config.attention_radius
-    return None if radius is None else masks.local_mask(length, radius, kv_length, offset)
+  def _self_attention_mask(self, tokens: jax.Array, causal: bool) -> jax.Array | masks.Band:
+    """The self-attention mask of ids `[B, L]`: PAD keys hidden, look-ahead too when causal.
+
+    With `attention_radius` set, a `masks.Band` that adds the window (§4):
+    attention then computes only the band, O(r L) scores per layer.
+    """
+    c = self.config
+    if c.attention_radius is not None:
+      return masks.Band(key_padding=tokens != c.pad_id, radius=c.attention_radius, causal=causal)
+    return masks.combine(masks.padding_mask(tokens, c.pad_id),
+                         masks.causal_mask(tokens.shape[1]) if causal else None)
 
   # --- the public methods -------------------------------------------------
 
   def encode(self, src: jax.Array, train: bool = False) -> jax.Array:
     """Source ids `[B, S]` -> memory `[B, S, D]`."""
     self._check_length(src, 'source')
-    src_mask = masks.padding_mask(src, self.config.pad_id)                     # [B, 1, 1, S]
-    mask = masks.combine(src_mask, self._self_attention_mask(src.shape[1]))
+    mask = self._self_attention_mask(src, causal=False)                        # [B, 1, 1, S]
     return self.encoder(self._embed(src, 'source', 0, train), mask, train)
 
   def decode(self, tgt_in: jax.Array, memory: jax.Array, src_mask: jax.Array,
@@ -185,9 +190,7 @@ class Transformer(nn.Module):
       train: dropout on.
     """
     self._check_length(tgt_in, 'target')
-    length = tgt_in.shape[1]
-    self_mask = masks.combine(masks.padding_mask(tgt_in, self.config.pad_id),
-                              masks.causal_mask(length), self._self_attention_mask(length))
+    self_mask = self._self_attention_mask(tgt_in, causal=True)
     y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train), self.decoder.cross_kv(memory),
                         self_mask, src_mask, train)
     return self._logits(y)
@@ -214,9 +217,10 @@ class Transformer(nn.Module):
     so the logits equal those of `decode` on the same prefix. `position` may be
     traced (a `lax.scan` counter); the caller keeps position + T <= cache.max_len.
     """
-    length, max_len = tokens.shape[1], cache.max_len
-    self_mask = masks.combine(masks.causal_mask(length, max_len, position),
-                              self._self_attention_mask(length, max_len, position))
+    radius = self.config.attention_radius
+    # With a radius, attention reads only the r + T cache slots that can be visible.
+    self_mask = (masks.causal_mask(tokens.shape[1], cache.max_len, position) if radius is None
+                 else masks.Band(offset=position, radius=radius, causal=True))
     y, self_kv = self.decoder(self._embed(tokens, 'target', position, False), cache.cross_kv,
                               self_mask, cache.src_mask, False, cache.self_kv, position)
     return self._logits(y), cache.replace(self_kv=self_kv)
@@ -245,7 +249,10 @@ class Transformer(nn.Module):
     max_len = cache.max_len
     own_block = jnp.broadcast_to(jnp.arange(beams, dtype=jnp.int32), (batch, beams))
     history = jax.lax.dynamic_update_index_in_dim(cache.history, own_block, position, axis=2)
-    window = self._self_attention_mask(1, max_len, position)                   # [1, 1, 1, L] or None
+    radius = self.config.attention_radius
+    # The restricted window stays a mask here: each beam's keys lie scattered over the K blocks
+    # of the pooled cache, so no slice holds one beam's last r + 1 of them.
+    window = None if radius is None else masks.local_mask(1, radius, max_len, position)  # [1, 1, 1, L]
     self_mask = masks.combine(masks.beam_history_mask(history, position),
                               None if window is None else jnp.tile(window, (1, 1, 1, beams)))
     x = self._embed(tokens.reshape(batch * beams, 1), 'target', position, False)
