@@ -9,7 +9,9 @@
 # the utilisation to mean something. "float32" is JAX's default matmul precision, which uses
 # TF32 tensor cores on Ampere and newer, in the step and in the peak alike. Runs in about
 # 5 minutes on an H100 (most of it compilation; compile times are in the table).
-# Results: benchmarks/results/train_step_gpu.json and train_step_gpu_32rows.json.
+# Then Table 1's complexity per layer: one attention layer, full against banded (radius 64), for
+# n = 128 .. 16,384 (benchmarks/complexity.py; about a minute).
+# Results: benchmarks/results/train_step_gpu.json, train_step_gpu_32rows.json, complexity_gpu.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,3 +39,4 @@ run() {
 }
 run --shape 768x32x32 --output benchmarks/results/train_step_gpu.json
 run --shape 32x32x32 --output benchmarks/results/train_step_gpu_32rows.json
+python3 -m benchmarks.complexity --output benchmarks/results/complexity_gpu.json

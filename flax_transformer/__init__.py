@@ -11,6 +11,7 @@ Axis legend, the same letters in every module's shapes and einsums:
   I  refinement iterations    O  cmlm's max_length_offset   G  devices
   P  processes                X  a dense layer's input features (contracted)
   Y  a dense layer's output features
+  U  blocks of banded attention, J  positions in a block, E  keys a block scores
 
 The public names below are the API; `Translator`, the decoding methods and
 `build_model` load on first use, so that importing the package stays light.

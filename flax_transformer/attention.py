@@ -2,7 +2,7 @@
 
 Axis legend for the einsums in this module:
   B batch, T query length, S key length, N heads, H head dim, D model dim;
-  banded attention: C blocks of W positions, each attending to K = (2 or 3) * W keys.
+  banded attention: U blocks of J positions, each scoring E = (2 or 3) * J keys.
 """
 
 from __future__ import annotations
@@ -80,12 +80,13 @@ def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, radius: int, *,
                      causal: bool = False, key_padding: jax.Array | None = None) -> jax.Array:
   """Restricted self-attention (paper §4) that computes only the band: O(T r) scores, not T^2.
 
-  Equals `scaled_dot_product_attention(q, k, v, masks.Band(key_padding, 0, radius,
-  causal).dense(T))`: query i attends to keys |i - j| <= radius (and j <= i when
-  causal) that key_padding allows. The sequence is cut into C blocks of
-  W = max(radius, 1) positions (zero-padded to C * W); block c's queries score
-  only blocks c - 1, c, c + 1 (causal: c - 1, c), where every key within the
-  radius lies, and the exact mask is applied inside them.
+  Equals `scaled_dot_product_attention(q, k, v, band.dense(T))` for `band =
+  masks.Band(key_padding, radius=radius, causal=causal)`: query i attends to
+  keys |i - j| <= radius (and j <= i when causal) that key_padding allows. The
+  sequence is cut into U blocks of J = max(radius, 1) positions (zero-padded to
+  U * J); block u's queries score only blocks u - 1, u, u + 1 (causal: u - 1, u),
+  E = 3J (2J) keys, where every key within the radius lies, and the exact mask
+  is applied inside them.
 
   Args:
     q, k, v: `[B, T, N, H]` (self-attention: as many keys as queries).
@@ -103,41 +104,41 @@ def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, radius: int, *,
 def _banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
                       weights_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
   """`banded_attention` with keys and values `[B, N, T, H]`; weights_fn transforms the block
-  weights `[B, N, C, W, K]` (attention dropout) before they weigh the values."""
+  weights `[B, N, U, J, E]` (attention dropout) before they weigh the values."""
   length, width = q.shape[1], max(band.radius, 1)
   neighbours = (-1, 0) if band.causal else (-1, 0, 1)
   blocks = -(-length // width)
   q_blocks = jnp.pad(q, ((0, 0), (0, blocks * width - length), (0, 0), (0, 0)))
-  q_blocks = q_blocks.reshape(q.shape[0], blocks, width, *q.shape[2:])          # [B, C, W, N, H]
+  q_blocks = q_blocks.reshape(q.shape[0], blocks, width, *q.shape[2:])          # [B, U, J, N, H]
   q_blocks = q_blocks * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-  k_blocks = _neighbour_blocks(k, 2, width, blocks, neighbours)                  # [B, N, C, K, H]
-  logits = jnp.einsum('BCWNH,BNCKH->BNCWK', q_blocks, k_blocks,
+  k_blocks = _neighbour_blocks(k, 2, width, blocks, neighbours)                  # [B, N, U, E, H]
+  logits = jnp.einsum('BUJNH,BNUEH->BNUJE', q_blocks, k_blocks,
                       preferred_element_type=jnp.float32)
   mask = jnp.asarray(_band_positions(length, band.radius, width, blocks, neighbours, band.causal))
   if band.key_padding is not None:
-    padding = _neighbour_blocks(band.key_padding, 1, width, blocks, neighbours)  # [B, C, K]
-    mask = mask & padding[:, None, :, None, :]                                   # [B, 1, C, W, K]
+    padding = _neighbour_blocks(band.key_padding, 1, width, blocks, neighbours)  # [B, U, E]
+    mask = mask & padding[:, None, :, None, :]                                   # [B, 1, U, J, E]
   # finite, not -inf: a fully masked row must give zeros, not NaN
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   weights = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
   if weights_fn is not None:
     weights = weights_fn(weights)
-  v_blocks = _neighbour_blocks(v, 2, width, blocks, neighbours)                  # [B, N, C, K, H]
-  out = jnp.einsum('BNCWK,BNCKH->BNCWH', weights.astype(v.dtype), v_blocks)
-  out = out.reshape(*out.shape[:2], blocks * width, out.shape[-1])               # [B, N, C * W, H]
+  v_blocks = _neighbour_blocks(v, 2, width, blocks, neighbours)                  # [B, N, U, E, H]
+  out = jnp.einsum('BNUJE,BNUEH->BNUJH', weights.astype(v.dtype), v_blocks)
+  out = out.reshape(*out.shape[:2], blocks * width, out.shape[-1])               # [B, N, U * J, H]
   return out.transpose(0, 2, 1, 3)[:, :length]
 
 
 def _neighbour_blocks(x: jax.Array, axis: int, width: int, blocks: int,
                       neighbours: tuple[int, ...]) -> jax.Array:
-  """For each block c of `width` positions on `axis`, blocks c + o for o in neighbours, side by side.
+  """For each block u of `width` positions on `axis`, blocks u + o for o in neighbours, side by side.
 
-  x `[..., T, ...]` -> `[..., C, K, ...]` with K = len(neighbours) * width;
+  x `[..., T, ...]` -> `[..., U, E, ...]` with E = len(neighbours) * width;
   positions outside 0..T-1 are zeros (False).
   """
   length = x.shape[axis]
   pad = [(0, 0)] * x.ndim
-  pad[axis] = (width, (blocks + 1) * width - length)                             # [.., (C + 2) W, ..]
+  pad[axis] = (width, (blocks + 1) * width - length)                             # [.., (U + 2) J, ..]
   x = jnp.pad(x, pad)
   shape = (*x.shape[:axis], blocks, width, *x.shape[axis + 1:])
   windows = [jax.lax.slice_in_dim(x, (1 + o) * width, (1 + o + blocks) * width, axis=axis)
@@ -147,23 +148,23 @@ def _neighbour_blocks(x: jax.Array, axis: int, width: int, blocks: int,
 
 def _band_positions(length: int, radius: int, width: int, blocks: int,
                     neighbours: tuple[int, ...], causal: bool) -> np.ndarray:
-  """bool `[C, W, K]`: query c * W + a may see the k-th key of its neighbour blocks."""
-  query = (np.arange(blocks)[:, None] * width + np.arange(width)[None, :])[:, :, None]  # [C, W, 1]
+  """bool `[U, J, E]`: query u * J + a may see the e-th key of its neighbour blocks."""
+  query = (np.arange(blocks)[:, None] * width + np.arange(width)[None, :])[:, :, None]  # [U, J, 1]
   key = np.concatenate([(np.arange(blocks)[:, None] + o) * width + np.arange(width)[None, :]
-                        for o in neighbours], axis=1)[:, None, :]                     # [C, 1, K]
+                        for o in neighbours], axis=1)[:, None, :]                     # [U, 1, E]
   visible = (np.abs(query - key) <= radius) & (key >= 0) & (key < length)
   return visible & (key <= query) if causal else visible
 
 
 def _band_is_worth_it(length: int, band: masks.Band) -> bool:
   """Whether a whole sequence of `length` takes the banded path: when it spans more than the
-  K = (2 or 3) * max(r, 1) keys a block attends to; shorter, the full masked scores are no bigger."""
+  E = (2 or 3) * max(r, 1) keys a block attends to; shorter, the full masked scores are no bigger."""
   return length > (2 if band.causal else 3) * max(band.radius, 1)
 
 
 def _cached_band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
                            weights_fn: Callable[[jax.Array], jax.Array] | None = None
-                           ) -> jax.Array:
+                           ) -> tuple[jax.Array, jax.Array]:
   """T queries at positions offset.. against a cache of S slots `[B, N, S, H]`, with r + T < S.
 
   Only keys offset - r .. offset + T - 1 can be visible, so attention reads a

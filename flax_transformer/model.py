@@ -244,14 +244,16 @@ class Transformer(nn.Module):
     and to the sentence's source. Returns float32 logits `[B, K, V]`, beam k's
     equal to `decode_step`'s on the tokens of its history, and the cache with
     the new keys written into each beam's own block.
+
+    With `attention_radius` set, the window stays a mask over all K * L slots
+    (unlike `decode_step`, which slices the r + 1 slots it can see): a beam's
+    keys lie scattered over the K beam blocks, so no slice holds its last r + 1.
     """
     batch, beams = tokens.shape
     max_len = cache.max_len
     own_block = jnp.broadcast_to(jnp.arange(beams, dtype=jnp.int32), (batch, beams))
     history = jax.lax.dynamic_update_index_in_dim(cache.history, own_block, position, axis=2)
     radius = self.config.attention_radius
-    # The restricted window stays a mask here: each beam's keys lie scattered over the K blocks
-    # of the pooled cache, so no slice holds one beam's last r + 1 of them.
     window = None if radius is None else masks.local_mask(1, radius, max_len, position)  # [1, 1, 1, L]
     self_mask = masks.combine(masks.beam_history_mask(history, position),
                               None if window is None else jnp.tile(window, (1, 1, 1, beams)))

@@ -196,3 +196,18 @@ def test_peer_step_starts_at_the_uniform_loss_and_learns():
   losses = [step.step() for _ in range(20)]
   assert abs(losses[0] - math.log(config.vocab_size)) < 1.0
   assert losses[-1] < losses[0] - 0.5
+
+
+def test_complexity_exponents_recover_the_growth_of_synthetic_rows():
+  """benchmarks/complexity.py's fit: times ~ n^2 and bytes ~ n give slopes 2 and 1; small n left out."""
+  from benchmarks.complexity import exponents
+  rows = [{'length': n, **{name: {'median_s': 3e-9 * n ** 2, 'min_s': 2e-9 * n ** 2,
+                                  'cpu_median_s': 5e-9 * n ** 2, 'bytes': 40 * n}
+                           for name in ('full', 'full_masked', 'banded')}}
+          for n in (128, 1024, 2048, 4096)]
+  rows[0]['banded']['median_s'] = 1.0   # below fit_from: must not count
+  fitted = exponents(rows, fit_from=1024)
+  assert fitted['banded']['time'] == pytest.approx(2.0, abs=1e-9)
+  assert fitted['full']['time_of_min'] == fitted['full']['cpu_time'] == pytest.approx(2.0, abs=1e-9)
+  assert fitted['full']['memory'] == pytest.approx(1.0, abs=1e-9)
+  assert (fitted['full']['paper'], fitted['banded']['paper']) == (2.0, 1.0)

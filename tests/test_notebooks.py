@@ -172,6 +172,9 @@ def test_attention_and_masks(executed):
   assert facts['leak_mask_every_layer'] < 1e-5
   assert facts['leak_mask_first_layer_only'] > 1e-2
   assert facts['local_max_visible_keys'] == 5
+  # Output 0 of a radius-2 encoder depends on input j iff layers >= ceil(j / 2), by gradients.
+  assert facts['path_length_is_ceil_j_over_r'] is True
+  assert facts['full_attention_reaches_all_in_one_layer'] is True
 
 
 def test_positional_encoding(executed):
