@@ -12,7 +12,7 @@ import pytest
 
 from flax_transformer.checkpoint import CheckpointError, load_for_inference
 from flax_transformer.run_directory import check_resumable, read_config
-from flax_transformer.config import ConfigError, DataConfig
+from flax_transformer.config import DataConfig
 from support.checkpointed_run import TRAIN_CONFIG
 
 
@@ -47,7 +47,11 @@ def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):
   (other / 'config.json').write_text(json.dumps(content))
   (other / 'checkpoints').symlink_to(run_dir / 'checkpoints')
   (other / 'tokenizer.json').symlink_to(run_dir / 'tokenizer.json')
-  with pytest.raises(ConfigError, match='model.vocab_size=.* but the tokenizer has'):
+  # Not "set model.vocab_size": the checkpoints hold the run's own vocabulary.
+  with pytest.raises(CheckpointError, match=r'other/tokenizer.json does not belong to this run: it '
+                     rf'has vocab_size {config.vocab_size}, the model in .*other/config.json and '
+                     rf"its checkpoints were trained with {config.vocab_size + 1}. Put the run's "
+                     'own tokenizer.json back, or start a new run'):
     load_for_inference(other)
 
 
