@@ -54,6 +54,7 @@ __all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'WriteError',
 
 # In each step's directory: {path relative to it: SHA-256} of the files orbax wrote.
 DIGESTS_FILE = 'sha256sums.json'
+_PARAMS_OF_CONFIG = 'parameters of the model in config.json'
 # At most this many differing arrays are named when a checkpoint does not fit the model.
 _SHOWN_DIFFERENCES = 3
 
@@ -178,7 +179,7 @@ class Checkpoints:
   def restore_params(self, step: int, abstract_params) -> Any:
     """The parameters saved at `step`, as numpy arrays shaped like `abstract_params`."""
     items = {'params': abstract_params}
-    return self._restore(step, items, 'parameters of the model in config.json')['params']
+    return self._restore(step, items, _PARAMS_OF_CONFIG)['params']
 
   def _restore(self, step: int, abstract_items: dict[str, Any], what: str) -> dict[str, Any]:
     """The named items saved at `step`: files checked, then layout, then read."""
@@ -222,24 +223,26 @@ class Checkpoints:
                                 'file written (its SHA-256 differs from the one recorded in '
                                 f'{DIGESTS_FILE})', step, path)
 
-  def check_layers(self, step: int, config: ModelConfig) -> None:
+  def check_layers(self, step: int, config: ModelConfig, what: str) -> None:
     """Raises CheckpointError if `step` saves other numbers of layers than `config` has.
 
-    Read from the metadata alone: cheaper than the model's abstract parameters,
-    which trace every layer of a config.json that asks for thousands.
+    Read from the metadata alone, with the missing (or extra) layers named after
+    the saved layer_0: cheaper than the model's abstract parameters, which trace
+    every layer of a config.json that asks for thousands.
     """
     where = self.directory / str(step)
     self.verify(step)
-    names = _shapes_by_name(_item_metadata(where, 'params', step))
-    for side in ('encoder', 'decoder'):
-      saved = len({name.split('/')[1] for name in names
-                   if re.match(rf'{side}/layer_\d+/', name)})
-      wanted = getattr(config, f'num_{side}_layers')
-      if saved != wanted:
-        raise CheckpointError(f'{where} does not hold parameters of the model in config.json: it '
-                              f'saves {saved} {side} layers, config.json asks for {wanted} '
-                              f'(model.num_{side}_layers). The checkpoint belongs to another '
-                              'model: use the config.json it was written with')
+    saved = _shapes_by_name(_item_metadata(where, 'params', step))
+    needed = {}
+    for name, shape in saved.items():
+      side, layer, rest = (name.split('/', 2) + ['', ''])[:3]
+      if side not in ('encoder', 'decoder') or not re.fullmatch(r'layer_\d+', layer):
+        needed[name] = shape
+      elif layer == 'layer_0':
+        for index in range(getattr(config, f'num_{side}_layers')):
+          needed[f'{side}/layer_{index}/{rest}'] = shape
+    if len(needed) != len(saved) or needed.keys() != saved.keys():
+      _check_layout(saved, needed, where, what, shaped=False)
 
   def set_aside(self, step: int) -> Path:
     """Moves checkpoint `step` to checkpoints/damaged-<step> (process 0); returns that path."""
@@ -305,9 +308,13 @@ def _shapes_by_name(tree) -> dict[str, tuple[int, ...]]:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _check_layout(metadata, abstract, where: Path, what: str) -> None:
-  """Raises CheckpointError naming the first arrays whose names or shapes differ."""
-  saved, needed = _shapes_by_name(metadata), _shapes_by_name(abstract)
+def _check_layout(metadata, abstract, where: Path, what: str, shaped: bool = True) -> None:
+  """Raises CheckpointError naming the first arrays whose names or shapes differ.
+
+  `metadata` and `abstract` are trees of arrays, or (shaped=False) their `_shapes_by_name`.
+  """
+  saved, needed = ((_shapes_by_name(metadata), _shapes_by_name(abstract)) if shaped
+                   else (metadata, abstract))
   differences = []
   for name in sorted(set(saved) | set(needed)):
     if name not in saved:
@@ -423,7 +430,8 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
     tokenizer = Tokenizer.load(workdir)
     check_tokenizer_fits(workdir, tokenizer)
     selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)
-    checkpoints.check_layers(selected[-1], model_config)  # before tracing thousands of layers
+    # Before tracing the layers of a config.json that asks for thousands.
+    checkpoints.check_layers(selected[-1], model_config, _PARAMS_OF_CONFIG)
     target = abstract_params(model_config)
     if average_last:
       params = _mean_params(checkpoints, selected, target)

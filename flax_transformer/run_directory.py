@@ -204,6 +204,17 @@ def clear_run(workdir: str | Path) -> None:
       shutil.rmtree(directory)
 
 
+def _remove_if_unused(workdir: Path) -> None:
+  """Removes WORKDIR if it holds nothing but the lock file and an empty checkpoints/."""
+  checkpoints = workdir / CHECKPOINT_DIR
+  if set(os.listdir(workdir)) <= {LOCK_FILE, CHECKPOINT_DIR} and (
+      not checkpoints.exists() or (checkpoints.is_dir() and not any(checkpoints.iterdir()))):
+    if checkpoints.exists():
+      checkpoints.rmdir()
+    (workdir / LOCK_FILE).unlink(missing_ok=True)
+    workdir.rmdir()
+
+
 class RunDirectory:
   """A training run's directory, prepared stage by stage (see the module docstring).
 
@@ -243,9 +254,8 @@ class RunDirectory:
         lock.acquire()
       yield
     except BaseException:
-      if created and self.is_main and set(os.listdir(self.path)) <= {LOCK_FILE}:
-        (self.path / LOCK_FILE).unlink(missing_ok=True)
-        self.path.rmdir()
+      if created and self.is_main:
+        _remove_if_unused(self.path)
       raise
     finally:
       if lock is not None:
