@@ -161,8 +161,8 @@ class Checkpoints:
     previous = (f'the previous checkpoint, {self.directory / str(max(kept))}, is intact' if kept
                 else 'no earlier checkpoint exists')
     return WriteError(f'{self.directory / str(step)}: the checkpoint could not be written '
-                      f'({type(error).__name__}: {error}); {previous}. Free disk space or fix '
-                      'the permissions, then run again to resume')
+                      f'({type(error).__name__}: {_short(error)}); {previous}. Free disk space or '
+                      'fix the permissions, then run again to resume')
 
   def restore(self, step: int, abstract_state):
     """The TrainState saved at `step`, as numpy arrays shaped like `abstract_state`.
@@ -344,9 +344,9 @@ def _damaged(where: Path, step: int, error: Exception) -> DamagedCheckpoint:
 
 
 def _short(error: Exception) -> str:
-  """The end of a tensorstore message, after its (long) spec and file names."""
+  """The end of a tensorstore message, after its (long) spec and file names: the cause."""
   text = str(error).splitlines()[0] if str(error) else type(error).__name__
-  text = re.sub(r'^.*local file "[^"]*": ', '', text)
+  text = re.sub(r'^.*"[^"]*": ', '', text)  # after the last quoted name (file, array, spec)
   return text if len(text) <= 160 else text[:157] + '...'
 
 

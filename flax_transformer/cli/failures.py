@@ -23,9 +23,9 @@ No Python traceback reaches the user unless `--debug` is given or the
 environment sets FLAX_TRANSFORMER_DEBUG=1: then the traceback comes first, and
 the line and the status are the same. Without it, what the checkpoint library
 prints from its own threads after a failed write (tensorstore's callbacks into
-orbax's closed event loop, reported through `sys.unraisablehook`) and orbax's
-warnings (absl logging) are silenced while the program runs, so the program's
-line comes alone.
+orbax's closed event loop, reported through `sys.unraisablehook`) and what
+orbax logs (absl logging: each failed write thread's traceback, warnings) are
+silenced while the program runs, so the program's line comes alone.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _quiet_libraries(debug: bool) -> Iterator[None]:
   hook, absl_logger = sys.unraisablehook, logging.getLogger('absl')
   level = absl_logger.level
   sys.unraisablehook = lambda unraisable: None
-  absl_logger.setLevel(logging.ERROR)
+  absl_logger.setLevel(logging.CRITICAL + 1)  # orbax logs each failed write thread's traceback
   try:
     yield
   finally:
