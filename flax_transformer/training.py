@@ -41,6 +41,16 @@ Failures, and what they leave on disk:
     refused before the data is loaded.
   * Killed at any moment (kill -9): every checkpoint on disk is complete, and
     running again resumes from the latest one.
+  * A second run on the same WORKDIR is refused (`run_lock.RunDirectoryInUse`,
+    naming the holder's pid and host) before anything in WORKDIR is cleared or
+    written; the lock dies with its process.
+  * A damaged checkpoint (a file changed, missing or unreadable) is moved to
+    checkpoints/damaged-<step> and the run resumes from the newest intact one,
+    saying which it skipped; config.json is rewritten only once a checkpoint is
+    restored. One of another model (config.json does not fit its arrays) stops
+    the run with CheckpointError.
+  * A model too large for the machine's memory is refused by `check_settings`
+    (`sizes.check_fits`) before the data is loaded.
 
 Multi-host: run the same command on every host after `jax.distributed.initialize()`
 (train.py --distributed). Every process builds each step's global batch from the
