@@ -266,3 +266,12 @@ def test_a_bad_data_option_leaves_no_empty_run_directory(tmp_path):
                                          tmp_path / 'new' / 'run'])
   assert status == 1 and 'Traceback' not in err and error_line(err, 'train.py')
   assert not (tmp_path / 'new' / 'run').exists()
+
+
+def test_debug_adds_the_traceback_to_a_known_failure_too(tmp_path):
+  argv = ['--checkpoint', tmp_path / 'missing', 'ein Hund']
+  line = f'decode.py: error: {tmp_path}/missing: no such directory\n'
+  assert call(decode_cli.main, argv) == (2, '', line)
+  status, _, err = call(decode_cli.main, [*argv, '--debug'])
+  assert status == 2 and err.startswith('Traceback') and 'CheckpointError' in err
+  assert err.endswith(line)

@@ -94,8 +94,7 @@ def _main(argv: Sequence[str] | None) -> int:
     method.check_model(translator.config)
     output = text_io.open_output(args.output)
   except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
-    print(f'decode.py: error: {error}', file=sys.stderr)
-    return 2
+    raise Failure(str(error), 2) from error  # one line; its traceback with --debug
   return _translate(translator, method, sentences, references, output, args, show_progress)
 
 
