@@ -70,7 +70,8 @@ def check_fits(config: ModelConfig, max_tokens: int | None = None, training: boo
   what = 'parameters, gradients and Adam state' if training else 'parameters'
   raise ConfigError(
       f'the model is too large for this machine: about {params:,} parameters ({_gib(needed[0])} '
-      f'for {what}) and {_gib(needed[1])} of activations for one batch of {tokens:,} tokens, '
+      f'for {what}) and {_gib(needed[1])} of activations for one batch of {tokens:,} tokens and '
+      f'the positional table of max_len rows, '
       f'{_gib(sum(needed))} in all, more than its {_gib(memory)} of memory (model.d_model='
       f'{config.d_model}, d_ff={config.d_ff}, num_encoder_layers={config.num_encoder_layers}, '
       f'num_decoder_layers={config.num_decoder_layers}, max_len={config.max_len}, vocab_size='
