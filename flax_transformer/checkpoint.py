@@ -8,6 +8,15 @@ directory whose one checkpoint holds the mean of the last 5 parameter sets, so
 decoding reads it like any other. The rest of the run directory (config.json,
 tokenizer.json) is `run_directory.py`'s.
 
+Damage: once a save is known to be complete, the SHA-256 of each of its files
+is recorded in `<step>/sha256sums.json`; a restore checks them, then compares
+the saved arrays' names and shapes (orbax's metadata) with the model's before
+reading any array. A file that changed, is missing or cannot be read raises
+`DamagedCheckpoint` naming the step and the file; arrays that do not fit the
+model of config.json raise `CheckpointError` listing the first differences.
+Training resumes from the newest intact checkpoint and moves damaged ones to
+`checkpoints/damaged-<step>` (`set_aside`), outside orbax's step listing.
+
 Crash safety: orbax writes each checkpoint to `<step>.orbax-checkpoint-tmp` and
 renames it when complete, so a process killed at any moment leaves every
 checkpoint either absent or complete. A training run's `Checkpoints` deletes
@@ -19,6 +28,8 @@ without them.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,12 +44,32 @@ from flax_transformer.build import abstract_params
 from flax_transformer.config import ModelConfig
 from flax_transformer.run_directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE,
                                             TENSORBOARD_DIR, CheckpointError, WriteError,
-                                            check_tokenizer, read_config)
+                                            check_tokenizer, check_tokenizer_fits, file_digest,
+                                            read_config)
+from flax_transformer.sizes import check_fits
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.tokenizer import Tokenizer
 
-__all__ = ['CheckpointError', 'Checkpoints', 'WriteError', 'average_checkpoints',
-           'load_for_inference']
+__all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'WriteError',
+           'average_checkpoints', 'load_for_inference']
+
+# In each step's directory: {path relative to it: SHA-256} of the files orbax wrote.
+DIGESTS_FILE = 'sha256sums.json'
+_PARAMS_OF_CONFIG = 'parameters of the model in config.json'
+# At most this many differing arrays are named when a checkpoint does not fit the model.
+_SHOWN_DIFFERENCES = 3
+
+
+class DamagedCheckpoint(CheckpointError):
+  """A checkpoint's files cannot be read or changed after they were written.
+
+  step: the checkpoint's step; file: the damaged file (or item directory).
+  """
+
+  def __init__(self, message: str, step: int, file: Path):
+    super().__init__(message)
+    self.step = step
+    self.file = file
 
 
 class Checkpoints:
@@ -110,16 +141,29 @@ class Checkpoints:
     step, self._unconfirmed_step = self._unconfirmed_step, None
     try:
       self._manager.wait_until_finished()
+      if jax.process_index() == 0:
+        self._record_digests(step)
     except _WRITE_ERRORS as error:
       raise self._write_error(step, error) from error
+
+  def _record_digests(self, step: int) -> None:
+    """Writes <step>/sha256sums.json for the complete checkpoint at `step`."""
+    directory = self.directory / str(step)
+    if not directory.is_dir():  # already deleted by max_to_keep
+      return
+    digests = {str(path.relative_to(directory)): file_digest(path)
+               for path in sorted(directory.rglob('*')) if path.is_file()}
+    temporary = directory / f'.{DIGESTS_FILE}.tmp'
+    temporary.write_text(json.dumps(digests, indent=0))
+    temporary.replace(directory / DIGESTS_FILE)
 
   def _write_error(self, step: int, error: Exception) -> WriteError:
     kept = [s for s in self._manager.all_steps() if s != step]
     previous = (f'the previous checkpoint, {self.directory / str(max(kept))}, is intact' if kept
                 else 'no earlier checkpoint exists')
     return WriteError(f'{self.directory / str(step)}: the checkpoint could not be written '
-                      f'({type(error).__name__}: {error}); {previous}. Free disk space or fix '
-                      'the permissions, then run again to resume')
+                      f'({type(error).__name__}: {_short(error)}); {previous}. Free disk space or '
+                      'fix the permissions, then run again to resume')
 
   def restore(self, step: int, abstract_state):
     """The TrainState saved at `step`, as numpy arrays shaped like `abstract_state`.
@@ -136,21 +180,83 @@ class Checkpoints:
   def restore_params(self, step: int, abstract_params) -> Any:
     """The parameters saved at `step`, as numpy arrays shaped like `abstract_params`."""
     items = {'params': abstract_params}
-    return self._restore(step, items, 'parameters of the model in config.json')['params']
+    return self._restore(step, items, _PARAMS_OF_CONFIG)['params']
 
   def _restore(self, step: int, abstract_items: dict[str, Any], what: str) -> dict[str, Any]:
-    """The named items saved at `step`, checked against their abstract shapes."""
+    """The named items saved at `step`: files checked, then layout, then read."""
     self._check_step(step)
     where = self.directory / str(step)
+    self.verify(step)
+    for name, tree in abstract_items.items():
+      _check_layout(_item_metadata(where, name, step), tree, where, what)
     args = {name: ocp.args.StandardRestore(_host_target(tree))
             for name, tree in abstract_items.items()}
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-    except (ValueError, KeyError, FileNotFoundError) as error:
-      raise CheckpointError(f'{where} does not hold {what} ({error})') from error
+    except (ValueError, KeyError, OSError, RuntimeError) as error:
+      # The names and shapes fit (checked above): what cannot be read is damaged.
+      raise _damaged(where, step, error) from error
     restored = {name: restored[name] for name in abstract_items}
     _check_shapes(restored, abstract_items, where)
     return restored
+
+  def verify(self, step: int) -> None:
+    """Raises DamagedCheckpoint if a file of `step` differs from its recorded SHA-256.
+
+    A checkpoint without recorded digests (its process was killed before the save
+    was confirmed, or an older run) is not checked here.
+    """
+    where = self.directory / str(step)
+    try:
+      digests = json.loads((where / DIGESTS_FILE).read_text())
+    except FileNotFoundError:
+      return
+    except (OSError, ValueError) as error:
+      raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} cannot '
+                              f'be read ({error})', step, where / DIGESTS_FILE) from error
+    for name, digest in digests.items():
+      path = where / name
+      if not path.is_file():
+        raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} is missing',
+                                step, path)
+      if file_digest(path) != digest:
+        raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} is not the '
+                                'file written (its SHA-256 differs from the one recorded in '
+                                f'{DIGESTS_FILE})', step, path)
+
+  def check_layers(self, step: int, config: ModelConfig, what: str) -> None:
+    """Raises CheckpointError if `step` saves other numbers of layers than `config` has.
+
+    Read from the metadata alone, with the missing (or extra) layers named after
+    the saved layer_0: cheaper than the model's abstract parameters, which trace
+    every layer of a config.json that asks for thousands.
+    """
+    where = self.directory / str(step)
+    self.verify(step)
+    saved = _shapes_by_name(_item_metadata(where, 'params', step))
+    needed = {}
+    for name, shape in saved.items():
+      side, layer, rest = (name.split('/', 2) + ['', ''])[:3]
+      if side not in ('encoder', 'decoder') or not re.fullmatch(r'layer_\d+', layer):
+        needed[name] = shape
+      elif layer == 'layer_0':
+        for index in range(getattr(config, f'num_{side}_layers')):
+          needed[f'{side}/layer_{index}/{rest}'] = shape
+    if len(needed) != len(saved) or needed.keys() != saved.keys():
+      _check_layout(saved, needed, where, what, shaped=False)
+
+  def set_aside(self, step: int) -> Path:
+    """Moves checkpoint `step` to checkpoints/damaged-<step> (process 0); returns that path."""
+    aside = self.directory / f'damaged-{step}'
+    suffix = 1
+    while aside.exists():
+      suffix += 1
+      aside = self.directory / f'damaged-{step}-{suffix}'
+    if jax.process_index() == 0:
+      (self.directory / str(step)).rename(aside)
+    multihost_utils.sync_global_devices(f'checkpoint {step} set aside')
+    self._manager.reload()
+    return aside
 
   def save_params(self, step: int, params) -> None:
     self._save(step, ocp.args.Composite(params=ocp.args.StandardSave(params)))
@@ -178,6 +284,71 @@ class Checkpoints:
 # What orbax and tensorstore raise when a file cannot be written: OSError from Python's own
 # file operations, ValueError (tensorstore's status codes) or RuntimeError from the rest.
 _WRITE_ERRORS = (OSError, ValueError, RuntimeError)
+
+
+def _item_metadata(where: Path, item: str, step: int):
+  """orbax's metadata (names, shapes, dtypes) of an item, read without its arrays."""
+  try:
+    return ocp.StandardCheckpointHandler().metadata(where / item)
+  except (ValueError, KeyError, OSError, TypeError) as error:
+    raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {item}/_METADATA cannot '
+                            f'be read ({_short(error)})', step, where / item / '_METADATA'
+                            ) from error
+
+
+def _key_name(entry) -> str:
+  for attribute in ('key', 'name', 'idx'):
+    if hasattr(entry, attribute):
+      return str(getattr(entry, attribute))
+  return str(entry)
+
+
+def _shapes_by_name(tree) -> dict[str, tuple[int, ...]]:
+  """{'encoder/layer_0/.../kernel': shape}; namedtuples and dicts alike (orbax saves dicts)."""
+  return {'/'.join(map(_key_name, path)): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_layout(metadata, abstract, where: Path, what: str, shaped: bool = True) -> None:
+  """Raises CheckpointError naming the first arrays whose names or shapes differ.
+
+  `metadata` and `abstract` are trees of arrays, or (shaped=False) their `_shapes_by_name`.
+  """
+  saved, needed = ((_shapes_by_name(metadata), _shapes_by_name(abstract)) if shaped
+                   else (metadata, abstract))
+  differences = []
+  for name in sorted(set(saved) | set(needed)):
+    if name not in saved:
+      differences.append(f'{name} {needed[name]} is not saved')
+    elif name not in needed:
+      differences.append(f'{name} {saved[name]} is saved but not in the model')
+    elif saved[name] != needed[name]:
+      differences.append(f'{name} is saved as {saved[name]}, the model needs {needed[name]}')
+  if differences:
+    shown = '; '.join(differences[:_SHOWN_DIFFERENCES])
+    more = (f' (and {len(differences) - _SHOWN_DIFFERENCES} more)'
+            if len(differences) > _SHOWN_DIFFERENCES else '')
+    raise CheckpointError(f'{where} does not hold {what}: {len(differences)} arrays differ, '
+                          f'{shown}{more}. The checkpoint belongs to another model: use the '
+                          'config.json it was written with')
+
+
+def _damaged(where: Path, step: int, error: Exception) -> DamagedCheckpoint:
+  """A failed read as DamagedCheckpoint naming the array and item directory tensorstore names."""
+  text = str(error)
+  array = re.search(r'Error reading "([^"/]+)', text)
+  item = re.search(r'local file "([^"]+)"', text)
+  file = Path(item.group(1)) if item else where
+  name = f'the array {array.group(1)} in {file}' if array else str(file)
+  return DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} cannot be read '
+                           f'({_short(error)})', step, file)
+
+
+def _short(error: Exception) -> str:
+  """The end of a tensorstore message, after its (long) spec and file names: the cause."""
+  text = str(error).splitlines()[0] if str(error) else type(error).__name__
+  text = re.sub(r'^.*"[^"]*": ', '', text)  # after the last quoted name (file, array, spec)
+  return text if len(text) <= 160 else text[:157] + '...'
 
 
 def _check_shapes(restored, abstract, where: Path) -> None:
@@ -232,6 +403,7 @@ def _open_run(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]
   if not workdir.is_dir():
     raise CheckpointError(f'{workdir}: no such directory')
   model_config, _, _ = read_config(workdir)
+  check_fits(model_config, training=False)
   if not (workdir / CHECKPOINT_DIR).is_dir():
     raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: no such directory; the run saved no '
                           'checkpoint yet')
@@ -287,9 +459,11 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
   try:
     check_tokenizer(workdir)
     tokenizer = Tokenizer.load(workdir)
-    tokenizer.check_compatible(model_config)
-    target = abstract_params(model_config)
+    check_tokenizer_fits(workdir, tokenizer)
     selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)
+    # Before tracing the layers of a config.json that asks for thousands.
+    checkpoints.check_layers(selected[-1], model_config, _PARAMS_OF_CONFIG)
+    target = abstract_params(model_config)
     if average_last:
       params = _mean_params(checkpoints, selected, target)
     else:

@@ -6,11 +6,12 @@
     WORKDIR/checkpoints/     orbax checkpoints, one directory per step (checkpoint.py)
     WORKDIR/metrics.jsonl    one JSON object per logged step (metrics_log.py)
 
-`RunDirectory` is what training asks of it: `prepare` (a writable directory,
-cleared for a fresh run), `tokenizer` (the saved one, or one trained on the
-data and saved), and `record_settings` (refuse settings that differ from the
-saved run's, then write config.json). Decoding only reads: `read_config` and
-`check_tokenizer`.
+`RunDirectory` is what training asks of it: `locked` (the directory created,
+writable and locked against a second writer for the whole run: run_lock.py),
+`prepare` (cleared for a fresh run), `tokenizer` (the saved one, or one trained
+on the data and saved), `check_settings` (refuse settings that differ from the
+saved run's) and `write_settings` (config.json, once the checkpoint is
+restored). Decoding only reads: `read_config` and `check_tokenizer`.
 
 Crash safety: config.json and tokenizer.json are written to a temporary file
 and renamed over the old one, so a process killed at any moment leaves each
@@ -19,17 +20,19 @@ either as it was or complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
 from jax.experimental import multihost_utils
 
+from flax_transformer.run_lock import LOCK_FILE, RunLock
 from flax_transformer.config import SECTIONS, ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.tokenizer import Tokenizer
@@ -126,6 +129,26 @@ def check_tokenizer(workdir: str | Path) -> None:
         'run in another --workdir (or with --no-resume)')
 
 
+def check_tokenizer_fits(workdir: str | Path, tokenizer: Tokenizer) -> None:
+  """Raises CheckpointError unless `tokenizer` has the vocabulary of config.json's model.
+
+  Without a recorded digest (older runs, or one deleted) `check_tokenizer` cannot
+  tell another tokenizer; a different size or special ids can. Changing
+  model.vocab_size would not help: the checkpoints hold the run's own vocabulary.
+  """
+  model_config = read_config(workdir)[0]
+  sizes = [(name, getattr(model_config, name), value) for name, value in (
+      ('vocab_size', tokenizer.vocab_size), ('pad_id', tokenizer.pad_id),
+      ('bos_id', tokenizer.bos_id), ('eos_id', tokenizer.eos_id), ('unk_id', tokenizer.unk_id))]
+  for name, saved, actual in sizes:
+    if saved != actual:
+      raise CheckpointError(
+          f'{Path(workdir) / TOKENIZER_FILE} does not belong to this run: it has {name} {actual}, '
+          f'the model in {Path(workdir) / CONFIG_FILE} and its checkpoints were trained with '
+          f'{saved}. Put the run\'s own tokenizer.json back, or start a new run in another '
+          '--workdir (or with --no-resume)')
+
+
 def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
   """Reads WORKDIR/config.json back into the three configs."""
   path = Path(workdir) / CONFIG_FILE
@@ -181,6 +204,17 @@ def clear_run(workdir: str | Path) -> None:
       shutil.rmtree(directory)
 
 
+def _remove_if_unused(workdir: Path) -> None:
+  """Removes WORKDIR if it holds nothing but the lock file and an empty checkpoints/."""
+  checkpoints = workdir / CHECKPOINT_DIR
+  if set(os.listdir(workdir)) <= {LOCK_FILE, CHECKPOINT_DIR} and (
+      not checkpoints.exists() or (checkpoints.is_dir() and not any(checkpoints.iterdir()))):
+    if checkpoints.exists():
+      checkpoints.rmdir()
+    (workdir / LOCK_FILE).unlink(missing_ok=True)
+    workdir.rmdir()
+
+
 class RunDirectory:
   """A training run's directory, prepared stage by stage (see the module docstring).
 
@@ -203,6 +237,29 @@ class RunDirectory:
   def check_writable(self) -> None:
     """Raises WriteError now, rather than at the first save hours later."""
     ensure_writable(self.path)
+
+  @contextlib.contextmanager
+  def locked(self) -> Iterator[None]:
+    """Creates WORKDIR, checks it is writable and holds its lock (process 0) for the block.
+
+    Taken before anything in WORKDIR is cleared or written. A WORKDIR this run
+    created is removed again if the run fails before writing anything in it
+    (a bad --data leaves no empty run directory behind).
+    """
+    created = not self.path.exists()
+    self.check_writable()
+    lock = RunLock(self.path) if self.is_main else None
+    try:
+      if lock is not None:
+        lock.acquire()
+      yield
+    except BaseException:
+      if created and self.is_main:
+        _remove_if_unused(self.path)
+      raise
+    finally:
+      if lock is not None:
+        lock.release()
 
   def prepare(self, resume: bool) -> None:
     """Without `resume`, deletes the previous run's files first."""
@@ -235,18 +292,24 @@ class RunDirectory:
           f'{path}')
     multihost_utils.sync_global_devices('tokenizer ready')
     tokenizer = Tokenizer.load(self.path)
+    if has_checkpoints and (self.path / CONFIG_FILE).is_file():
+      check_tokenizer_fits(self.path, tokenizer)
     if not trained:
       say(f'tokenizer: {path} ({tokenizer.vocab_size:,} tokens)')
     return tokenizer
 
-  def record_settings(self, model_config: ModelConfig, train_config: TrainConfig,
-                      data_config: DataConfig) -> None:
-    """Refuses settings that differ from the saved run's (CheckpointError), then writes them.
+  def check_settings(self, model_config: ModelConfig, train_config: TrainConfig,
+                     data_config: DataConfig) -> None:
+    """Refuses settings that differ from the saved run's (CheckpointError).
 
     Checked also before the first checkpoint: the saved tokenizer belongs to the
     saved settings.
     """
     if (self.path / CONFIG_FILE).is_file():
       check_resumable(self.path, model_config, train_config, data_config)
+
+  def write_settings(self, model_config: ModelConfig, train_config: TrainConfig,
+                     data_config: DataConfig) -> None:
+    """Writes config.json (process 0); called once the checkpoint to resume is restored."""
     if self.is_main:
       write_config(self.path, model_config, train_config, data_config)

@@ -41,6 +41,16 @@ Failures, and what they leave on disk:
     refused before the data is loaded.
   * Killed at any moment (kill -9): every checkpoint on disk is complete, and
     running again resumes from the latest one.
+  * A second run on the same WORKDIR is refused (`run_lock.RunDirectoryInUse`,
+    naming the holder's pid and host) before anything in WORKDIR is cleared or
+    written; the lock dies with its process.
+  * A damaged checkpoint (a file changed, missing or unreadable) is moved to
+    checkpoints/damaged-<step> and the run resumes from the newest intact one,
+    saying which it skipped; config.json is rewritten only once a checkpoint is
+    restored. One of another model (config.json does not fit its arrays) stops
+    the run with CheckpointError.
+  * A model too large for the machine's memory is refused by `check_settings`
+    (`sizes.check_fits`) before the data is loaded.
 
 Multi-host: run the same command on every host after `jax.distributed.initialize()`
 (train.py --distributed). Every process builds each step's global batch from the
@@ -68,7 +78,8 @@ from tqdm.auto import tqdm
 
 from flax_transformer.batching import Batcher, encode_corpus
 from flax_transformer.build import build_model
-from flax_transformer.checkpoint import Checkpoints, WriteError, average_checkpoints, load_for_inference
+from flax_transformer.checkpoint import (Checkpoints, DamagedCheckpoint, WriteError,
+                                         average_checkpoints, load_for_inference)
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import DataError, describe, load_parallel
 from flax_transformer.evaluation import translation_scores
@@ -77,6 +88,7 @@ from flax_transformer.methods import Greedy, default_method
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import count_params
 from flax_transformer.run_directory import RunDirectory
+from flax_transformer.sizes import check_fits
 from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
@@ -149,6 +161,8 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
   if data_config.source == 'toy' and picked:
     raise ConfigError(f'{picked[0]} picks a split of a data directory or Hub dataset; the toy '
                       'task (data.source=toy) has its own')
+  # The tokenizer has at most data.vocab_size tokens.
+  check_fits(model_config.replace(vocab_size=data_config.vocab_size), train_config.max_tokens)
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
@@ -186,25 +200,28 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
       data, or run directory, before training starts.
   """
   check_settings(model_config, train_config, data_config, average_last, skip_nonfinite)
-  run = _open_run(model_config, train_config, data_config, RunDirectory(workdir), dataset,
-                  devices, parallel, resume, print_fn)
-  loop = TrainingLoop(run, skip_nonfinite)
-  state, start = _initial_state(run, loop, parallel)
-  run.log = (MetricsLog(run.directory.metrics_file, resume_step=start,
-                        tensorboard_dir=run.directory.tensorboard_dir)
-             if run.directory.is_main else None)
-  try:
-    state = loop.train_from(state, start)
-    if start >= train_config.steps:
-      run.say(f'{run.directory.path} is already trained to step {start} '
-              f'(train.steps={train_config.steps}); evaluating it')
-      loop.validate(start, state.params)
-    final_state = run.data_parallel.unreplicate(state)
-    _final_scores(run, final_state, average_last)
-  finally:
-    if run.log is not None:
-      run.log.close()
-  return TrainResult(workdir=run.directory.path, model_config=run.model_config,
+  directory = RunDirectory(workdir)
+  with directory.locked():
+    run = _open_run(model_config, train_config, data_config, directory, dataset, devices,
+                    parallel, resume, print_fn)
+    loop = TrainingLoop(run, skip_nonfinite)
+    state, start = _initial_state(run, loop, parallel)
+    # Only now, with the checkpoint restored, is anything of the run directory rewritten.
+    directory.write_settings(run.model_config, train_config, data_config)
+    run.log = (MetricsLog(directory.metrics_file, resume_step=start,
+                          tensorboard_dir=directory.tensorboard_dir) if directory.is_main else None)
+    try:
+      state = loop.train_from(state, start)
+      if start >= train_config.steps:
+        run.say(f'{directory.path} is already trained to step {start} '
+                f'(train.steps={train_config.steps}); evaluating it')
+        loop.validate(start, state.params)
+      final_state = run.data_parallel.unreplicate(state)
+      _final_scores(run, final_state, average_last)
+    finally:
+      if run.log is not None:
+        run.log.close()
+  return TrainResult(workdir=directory.path, model_config=run.model_config,
                      tokenizer=run.tokenizer, state=final_state, scores=run.scores)
 
 
@@ -237,7 +254,6 @@ def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config:
               print_fn: Callable[[str], None]) -> _Run:
   """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
   say = print_fn if directory.is_main else (lambda message: None)
-  directory.check_writable()
   data_parallel = DataParallel(_local_devices(devices), mode=parallel)
   dataset = load_data(data_config) if dataset is None else dataset
   if 'train' not in dataset:
@@ -249,7 +265,7 @@ def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config:
                                   has_checkpoints=checkpoints.latest_step() is not None, say=say)
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
-  directory.record_settings(model_config, train_config, data_config)
+  directory.check_settings(model_config, train_config, data_config)
   return _Run(directory=directory, model_config=model_config, train_config=train_config,
               dataset=dataset, tokenizer=tokenizer, data_parallel=data_parallel,
               checkpoints=checkpoints, say=say)
@@ -276,11 +292,11 @@ def _initial_state(run: _Run, loop: TrainingLoop, parallel: str) -> tuple[TrainS
   """The replicated state to train from and its step: the latest checkpoint's, or fresh."""
   model, optimizer, seed = loop.model, loop.optimizer, run.train_config.seed
   abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, seed))
-  start = run.checkpoints.latest_step()
-  if start is None:
+  restored = _restore_latest_intact(run, abstract_state)
+  if restored is None:
     state, start = create_train_state(model, optimizer, seed), 0
   else:
-    state = run.checkpoints.restore(start, abstract_state)
+    state, start = restored
     run.say(f'resumed from {run.checkpoints.directory / str(start)}')
   processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
   kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
@@ -288,6 +304,26 @@ def _initial_state(run: _Run, loop: TrainingLoop, parallel: str) -> tuple[TrainS
           f'{run.model_config.dtype} compute; {run.data_parallel.num_devices} device(s)'
           f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}')
   return run.data_parallel.replicate(state), start
+
+
+def _restore_latest_intact(run: _Run, abstract_state) -> tuple[TrainState, int] | None:
+  """The newest checkpoint that can be read, and its step; None when there is none.
+
+  Damaged ones (files changed, missing or unreadable) are moved aside, saying so;
+  a checkpoint of another model (CheckpointError) stops the run.
+  """
+  skipped = []
+  for step in reversed(run.checkpoints.steps()):
+    try:
+      return run.checkpoints.restore(step, abstract_state), step
+    except DamagedCheckpoint as error:
+      aside = run.checkpoints.set_aside(step)
+      skipped.append(step)
+      run.say(f'skipped checkpoint {step}: {error}; moved it to {aside}')
+  if skipped:
+    run.say(f'no intact checkpoint left (skipped {", ".join(map(str, skipped))}): training '
+            'starts afresh from step 0')
+  return None
 
 
 # --- stage 3: the loop ------------------------------------------------------------------------

@@ -195,11 +195,16 @@ def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp
   source, output = tmp_path / 'in.de', tmp_path / 'out.en'
   source.write_text('\n'.join(lines) + '\n')
   # --batch-size 1: blocks of decode.BATCHES_PER_BLOCK = 8 lines.
-  with pytest.raises(RuntimeError, match='device lost'):
-    call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy', '--batch-size', '1',
-                           '--input', source, '--output', output])
+  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
+                                          '--batch-size', '1', '--input', source, '--output', output])
   monkeypatch.undo()
   block = decode_cli.BATCHES_PER_BLOCK
+  # One line, no traceback (unless --debug), naming what is in the output.
+  assert status == 1 and 'Traceback' not in err
+  assert error_line(err, 'decode.py') == (
+      f'decode.py: error: failed after {block} lines, whose translations are in {output}: '
+      'RuntimeError: device lost (unexpected; --debug or FLAX_TRANSFORMER_DEBUG=1 shows the '
+      'traceback)')
   assert output.read_text().split('\n')[:-1] == translator.translate(lines[:block],
                                                                      Greedy())
 
@@ -225,9 +230,10 @@ def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_pat
   (other / 'config.json').write_text(json.dumps(config))
   status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
   assert status == 2
-  assert re.fullmatch(r'decode.py: error: .*/checkpoints/1: .* has shape \(32, 32\), the model '
-                      r'of config.json needs \(64, 64\); the checkpoint belongs to another model',
-                      error_line(err, 'decode.py'))
+  assert re.fullmatch(r'decode.py: error: .*/checkpoints/1 does not hold parameters of the model '
+                      r'in config.json: \d+ arrays differ, .* is saved as \(32, 32\), the model '
+                      r'needs \(64, 64\); .* The checkpoint belongs to another model: use the '
+                      r'config.json it was written with', error_line(err, 'decode.py'))
   (other / 'tokenizer.json').unlink()
   status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
   assert status == 2 and error_line(err, 'decode.py').startswith(

@@ -1,19 +1,25 @@
 """The run directory's own files, beside the checkpoints: config.json written and read back,
 refused when corrupt or when it does not fit the tokenizer, and the resume check that
-compares it with the settings of a new run.
+compares it with the settings of a new run; the lock that keeps a second writer out
+(run_lock.py), held by a real process and killed with SIGKILL.
 
 train.py's checks of the tokenizer's digest and of a writable run directory, seen from
 its command line, are tests/test_train_cli.py's.
 """
 
 import json
+import os
+import signal
+import socket
 
 import pytest
 
 from flax_transformer.checkpoint import CheckpointError, load_for_inference
 from flax_transformer.run_directory import check_resumable, read_config
-from flax_transformer.config import ConfigError, DataConfig
+from flax_transformer.config import DataConfig
+from flax_transformer.run_lock import LOCK_FILE, RunDirectoryInUse, RunLock
 from support.checkpointed_run import TRAIN_CONFIG
+from support.lock_holder import lock_holder
 
 
 # The run directory of conftest.py's checkpointed_run, which tests/test_checkpoint.py shares.
@@ -47,7 +53,11 @@ def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):
   (other / 'config.json').write_text(json.dumps(content))
   (other / 'checkpoints').symlink_to(run_dir / 'checkpoints')
   (other / 'tokenizer.json').symlink_to(run_dir / 'tokenizer.json')
-  with pytest.raises(ConfigError, match='model.vocab_size=.* but the tokenizer has'):
+  # Not "set model.vocab_size": the checkpoints hold the run's own vocabulary.
+  with pytest.raises(CheckpointError, match=r'other/tokenizer.json does not belong to this run: it '
+                     rf'has vocab_size {config.vocab_size}, the model in .*other/config.json and '
+                     rf"its checkpoints were trained with {config.vocab_size + 1}. Put the run's "
+                     'own tokenizer.json back, or start a new run'):
     load_for_inference(other)
 
 
@@ -62,3 +72,25 @@ def test_check_resumable_allows_run_length_changes_only(run_dir, setup):
   assert 'train.seed: saved 0, requested 1' in message
   assert 'data.vocab_size: saved 8000, requested 100' in message
   assert '--no-resume' in message
+
+
+# --- the run directory's lock (run_lock.py) ------------------------------------------------
+
+def test_a_second_writer_is_refused_naming_the_holder_and_kill_9_leaves_no_stale_lock(tmp_path):
+  workdir = tmp_path / 'run'
+  with lock_holder(workdir) as holder:
+    with pytest.raises(RunDirectoryInUse) as error:
+      RunLock(workdir).acquire()
+    assert str(error.value).startswith(
+        f'{workdir}: another training run is writing this run directory (pid {holder.pid} on '
+        f'host {socket.gethostname()} since ')
+    assert str(error.value).endswith('wait for it to end or stop it, or choose another --workdir')
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+  # The kernel released the dead process's lock; the file names the new holder.
+  with RunLock(workdir):
+    assert json.loads((workdir / LOCK_FILE).read_text())['pid'] == os.getpid()
+    with pytest.raises(RunDirectoryInUse, match=f'pid {os.getpid()} on host'):
+      RunLock(workdir).acquire()  # another open file of the same process is refused too
+  with RunLock(workdir):  # released at the end of the block
+    pass

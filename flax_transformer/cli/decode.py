@@ -14,7 +14,7 @@ a warning naming it. --reference prints sacreBLEU's BLEU and chrF with their
 signatures. A failure part way keeps the translations already written and says
 how many. Exit status: 0; 2 for bad arguments, input or checkpoint (one line,
 before any translation); 1 when writing fails or anything unexpected happens
-part way; 130 on Ctrl-C.
+part way; 130 on Ctrl-C, 143 on SIGTERM; --debug adds the traceback.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from flax_transformer.cli.failures import Failure, add_debug_option, one_line, run_program
 from flax_transformer.cli.options import add_method_options, method_settings
 
 # Sentences read, sorted and decoded together; their translations are written before the next
@@ -52,6 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add('--reference', type=Path, help='reference translations, one per line: print BLEU and chrF')
   add('--batch-size', type=int, default=64, help='sentences per batch')
   add_method_options(parser)
+  add_debug_option(parser)
   args = parser.parse_args(argv)
   if args.nat_length is not None:
     parser.error('--nat-length is now called --length')
@@ -65,6 +67,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """The program; failures: one line and a status (cli/failures.py)."""
+  return run_program('decode.py', lambda: _main(argv), argv, lambda error: None)
+
+
+def _main(argv: Sequence[str] | None) -> int:
   args = parse_args(argv)
   # Imported here so that --help and argument errors answer at once.
   from flax_transformer.checkpoint import CheckpointError
@@ -87,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     method.check_model(translator.config)
     output = text_io.open_output(args.output)
   except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
-    print(f'decode.py: error: {error}', file=sys.stderr)
-    return 2
+    raise Failure(str(error), 2) from error  # one line; its traceback with --debug
   return _translate(translator, method, sentences, references, output, args, show_progress)
 
 
@@ -122,10 +128,9 @@ def _translate(translator, method, sentences, references, output, args, show_pro
     print(f'decode.py: interrupted; {destination} holds the translations of the first '
           f'{len(translations)} lines', file=sys.stderr)
     return 128 + signal.SIGINT
-  except BaseException:
-    print(f'decode.py: failed after {len(translations)} lines, whose translations are in '
-          f'{destination}:', file=sys.stderr)
-    raise
+  except Exception as error:
+    raise Failure(f'failed after {len(translations)} lines, whose translations are in '
+                  f'{destination}: {one_line(error)}', 1) from error
   finally:
     if output is not sys.stdout and not output.closed:
       with contextlib.suppress(OSError):  # after an error: what failed is reported already

@@ -9,21 +9,21 @@ Every setting of ModelConfig, TrainConfig and DataConfig is an option `--model.N
 `--train.NAME=VALUE`, `--data.NAME=VALUE` over the preset's values (`--help` lists them). A
 run directory that holds checkpoints is resumed exactly, unless `--no-resume` is given.
 
-Exit status: 0 trained and evaluated; 1 an error in the data, the run directory or a write
-(one line; the checkpoints written stay); 2 a bad option or setting, refused before any work;
-3 a step's loss or gradient was not finite (more than --skip-nonfinite times; the checkpoints
-on disk are those saved before it); 130 SIGINT, 143 SIGTERM: the step reached was saved
-first (after a second Ctrl-C, or before training started, nothing new is saved).
+Exit status: 0 trained and evaluated; 1 an error in the data, the run directory (another
+run writing it, a checkpoint of another model) or a write, or anything unexpected (one line;
+the checkpoints written stay); 2 a bad option or setting (a model too large for the memory
+included), refused before any work; 3 a step's loss or gradient was not finite (more than
+--skip-nonfinite times; the checkpoints on disk are those saved before it); 130 SIGINT, 143
+SIGTERM: the step reached was saved first (after a second Ctrl-C, or before training started,
+nothing new is saved). --debug adds the traceback (table: flax_transformer/cli/failures.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import sys
 from pathlib import Path
 
+from flax_transformer.cli.failures import add_debug_option, run_program, train_failure
 from flax_transformer.cli.options import add_setting_options, configs_from_args, nonnegative_int, positive_int
 from flax_transformer.config import RUN_PRESETS, ConfigError
 
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help='how many processes take part (with --coordinator)')
   hosts.add_argument('--process-id', type=int, metavar='I',
                      help="this process's index, 0 .. N-1 (with --coordinator)")
+  add_debug_option(run)
   add_setting_options(parser)
   return parser
 
@@ -86,24 +87,12 @@ def _start_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                  '--num-processes N and --process-id I')
 
 
-def _report_failed_write(message: str, as_program: bool) -> None:
-  """Prints `message` as a line of its own; as a program, the last line printed.
-
-  After a failed write, orbax (0.12) leaves tensorstore's threads printing "Event loop
-  is closed" tracebacks until the process ends, maybe part way through a line: the
-  message goes out whole, and a program then discards what those threads print.
-  """
-  real_stderr = sys.stderr
-  if as_program:
-    sys.stderr = open(os.devnull, 'w')  # traceback printing looks up sys.stderr each time
-  real_stderr.write(f'\n{message}\n')
-  real_stderr.flush()
-  if as_program:  # ... and a traceback already part printed holds the file descriptor.
-    os.dup2(sys.stderr.fileno(), real_stderr.fileno())
-
-
 def main(argv: list[str] | None = None) -> int:
-  """The program; argv None reads sys.argv and runs as the process's program."""
+  """The program; argv None reads sys.argv. Failures: one line and a status (cli/failures.py)."""
+  return run_program('train.py', lambda: _main(argv), argv, train_failure)
+
+
+def _main(argv: list[str] | None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
@@ -113,33 +102,13 @@ def main(argv: list[str] | None = None) -> int:
   _start_hosts(parser, args)
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
-  from flax_transformer.checkpoint import CheckpointError, WriteError
-  from flax_transformer.data import DataError
-  from flax_transformer.interruption import Interrupted
-  from flax_transformer.tokenizer import TokenizerError
-  from flax_transformer.training import NonFiniteError, check_settings, train
+  from flax_transformer.training import check_settings, train
 
   try:
     check_settings(*configs, args.average_last, args.skip_nonfinite)
   except ConfigError as error:
     parser.error(str(error))
-  workdir = args.workdir or Path('runs') / args.preset
-  try:
-    train(*configs, workdir, devices=args.devices, parallel=args.parallel, resume=args.resume,
-          average_last=args.average_last, skip_nonfinite=args.skip_nonfinite)
-  except WriteError as error:  # a full disk or an unwritable --workdir; names the path
-    _report_failed_write(f'train.py: error: {error}', as_program=argv is None)
-    return 1
-  except (CheckpointError, ConfigError, DataError, TokenizerError, OSError,
-          NonFiniteError) as error:
-    print(f'train.py: error: {error}', file=sys.stderr)
-    return 3 if isinstance(error, NonFiniteError) else 1
-  except Interrupted as stop:
-    print(f'train.py: {stop}', file=sys.stderr)
-    return stop.exit_code
-  except KeyboardInterrupt:
-    # A second Ctrl-C, or one outside the training loop (loading, final evaluation).
-    print(f'train.py: interrupted by SIGINT, nothing more saved; the checkpoints in {workdir} '
-          'are complete: run the same command to resume from the latest', file=sys.stderr)
-    return 128 + signal.SIGINT
+  train(*configs, args.workdir or Path('runs') / args.preset, devices=args.devices,
+        parallel=args.parallel, resume=args.resume, average_last=args.average_last,
+        skip_nonfinite=args.skip_nonfinite)
   return 0

@@ -1,0 +1,177 @@
+"""How train.py and decode.py fail: one line on standard error and a documented exit status.
+
+    def main(argv=None):
+      return run_program('train.py', lambda: _main(argv), argv, train_failure)
+
+Exit status of the programs:
+
+  status  train.py                                  decode.py
+  0       trained and evaluated                     translated
+  1       an error in the data, the run directory   writing the output failed, or anything
+          (in use by another run, a checkpoint of   unexpected part way (the translations
+          another model, a foreign tokenizer), a    written stay)
+          write (full disk), or anything unexpected
+  2       a bad option or setting, refused before   bad arguments, input or checkpoint (missing,
+          any work (a model too large for the       damaged, another model, too large for the
+          machine's memory included)                machine, a foreign tokenizer), before any
+                                                    translation
+  3       a step's loss or gradient not finite      -
+  130     SIGINT (Ctrl-C)                           SIGINT (Ctrl-C)
+  143     SIGTERM                                   SIGTERM
+
+No Python traceback reaches the user unless `--debug` is given or the
+environment sets FLAX_TRANSFORMER_DEBUG=1: then the traceback comes first, and
+the line and the status are the same. Without it, what the checkpoint library
+prints from its own threads after a failed write (tensorstore's callbacks into
+orbax's closed event loop, reported through `sys.unraisablehook`) and what
+orbax logs (absl logging: each failed write thread's traceback, warnings) are
+silenced while the program runs, so the program's line comes alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+
+DEBUG_ENVIRONMENT = 'FLAX_TRANSFORMER_DEBUG'
+# Characters of an unexpected error's message shown in its one line.
+_MESSAGE_CHARS = 300
+
+
+class Failure(Exception):
+  """A failure the program reports as `message` (its one line, less the program's name)."""
+
+  def __init__(self, message: str, exit_code: int):
+    super().__init__(message)
+    self.exit_code = exit_code
+
+
+class Terminated(BaseException):
+  """SIGTERM outside the training steps (which stop at a step boundary and save first).
+
+  A BaseException, as KeyboardInterrupt: no `except Exception` on the way swallows it.
+  """
+
+
+def add_debug_option(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument('--debug', action='store_true',
+                      help=f'print the Python traceback of a failure (also: {DEBUG_ENVIRONMENT}=1)')
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+  return '--debug' in argv or os.environ.get(DEBUG_ENVIRONMENT, '') not in ('', '0')
+
+
+def run_program(script: str, body: Callable[[], int], argv: Sequence[str] | None,
+                report: Callable[[BaseException], tuple[str, int] | None]) -> int:
+  """`body()`'s status; a failure becomes one line 'SCRIPT: ...' and its status.
+
+  `report(error)` words the program's own failures as (line, status), or None
+  for the generic wording. SystemExit (argparse's usage errors) passes through.
+  """
+  argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+  debug = debug_requested(argv)
+  # Under jax.distributed, SIGTERM belongs to JAX's preemption service.
+  distributed = any(a.startswith(('--distributed', '--coordinator')) for a in argv)
+  with _quiet_libraries(debug), _sigterm_raises(not distributed):
+    try:
+      return body()
+    except (Exception, KeyboardInterrupt, Terminated) as error:
+      if debug:
+        traceback.print_exc()
+      line, status = report(error) or describe(error)
+      sys.stdout.flush()
+      print(f'{script}: {line}', file=sys.stderr, flush=True)
+      return status
+
+
+def describe(error: BaseException) -> tuple[str, int]:
+  """The generic (line, status) of a failure no program words itself."""
+  if isinstance(error, Failure):
+    return f'error: {error}', error.exit_code
+  if isinstance(error, KeyboardInterrupt):
+    return 'interrupted by SIGINT', 128 + signal.SIGINT
+  if isinstance(error, Terminated):
+    return 'stopped by SIGTERM', 128 + signal.SIGTERM
+  return f'error: {one_line(error)}', 1
+
+
+def one_line(error: BaseException) -> str:
+  """'TypeName: first line of the message', shortened, with where to find the rest."""
+  text = str(error).strip().splitlines()
+  text = f'{type(error).__name__}: {text[0] if text else "(no message)"}'
+  if len(text) > _MESSAGE_CHARS:
+    text = text[:_MESSAGE_CHARS - 3] + '...'
+  return f'{text} (unexpected; --debug or {DEBUG_ENVIRONMENT}=1 shows the traceback)'
+
+
+def train_failure(error: BaseException) -> tuple[str, int] | None:
+  """train.py's wording and status of a failure (see the table in the module docstring)."""
+  from flax_transformer.interruption import Interrupted
+  from flax_transformer.training import NonFiniteError
+  if isinstance(error, Interrupted):
+    return str(error), error.exit_code
+  if isinstance(error, NonFiniteError):
+    return f'error: {error}', 3
+  if isinstance(error, KeyboardInterrupt):
+    return ('interrupted by SIGINT, nothing more saved; the checkpoints on disk are complete: '
+            'run the same command to resume from the latest'), 128 + signal.SIGINT
+  if isinstance(error, Terminated):
+    return ('stopped by SIGTERM outside the training steps (while loading, or in the final '
+            'evaluation); nothing new was saved: run the same command to resume from the latest '
+            'checkpoint, if any'), 128 + signal.SIGTERM
+  if isinstance(error, MemoryError):
+    return 'error: out of memory; choose a smaller model or train.max_tokens', 1
+  if isinstance(error, _run_errors()):
+    return f'error: {error}', 1
+  return None
+
+
+def _run_errors() -> tuple[type[Exception], ...]:
+  """The errors train.py reports with their own message (they name the problem)."""
+  from flax_transformer.checkpoint import CheckpointError, WriteError
+  from flax_transformer.config import ConfigError
+  from flax_transformer.data import DataError
+  from flax_transformer.run_lock import RunDirectoryInUse
+  from flax_transformer.tokenizer import TokenizerError
+  return (CheckpointError, WriteError, ConfigError, DataError, TokenizerError, RunDirectoryInUse,
+          OSError)
+
+
+@contextlib.contextmanager
+def _quiet_libraries(debug: bool) -> Iterator[None]:
+  """Silences tracebacks of the library's threads and its warnings, unless debugging."""
+  if debug:
+    yield
+    return
+  hook, absl_logger = sys.unraisablehook, logging.getLogger('absl')
+  level = absl_logger.level
+  sys.unraisablehook = lambda unraisable: None
+  absl_logger.setLevel(logging.CRITICAL + 1)  # orbax logs each failed write thread's traceback
+  try:
+    yield
+  finally:
+    sys.unraisablehook = hook
+    absl_logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _sigterm_raises(enabled: bool) -> Iterator[None]:
+  """SIGTERM raises Terminated, so that it is reported; StopSignals takes over while training."""
+  if not enabled or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  def terminate(number, frame):
+    raise Terminated()
+  previous = signal.signal(signal.SIGTERM, terminate)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)

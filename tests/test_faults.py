@@ -1,0 +1,277 @@
+"""Faults a user meets, each answered by one line and a documented status (cli/failures.py),
+or recovered from, saying so: a second writer, damaged checkpoints, a config.json that does
+not fit the saved arrays, absurd sizes, a foreign tokenizer, a failure with and without
+--debug, SIGTERM before training, a bad --data.
+
+The run directories are copies (shutil.copytree) of conftest.py's session runs: cmlm_run
+(train.py --objective cmlm, checkpoints 2, 4, 6) and checkpointed_run (checkpoints 6, 8, 10
+of a tiny model), so that only the resumed run trains. The lock's own tests, with a killed
+holder, are tests/test_run_directory.py's.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from conftest import CMLM_OPTIONS
+from flax_transformer import training
+from flax_transformer.checkpoint import (DIGESTS_FILE, Checkpoints, CheckpointError,
+                                         DamagedCheckpoint)
+from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
+from flax_transformer.cli import train as train_cli
+from flax_transformer.config import ModelConfig
+from flax_transformer.build import abstract_params
+from flax_transformer.model import count_params
+from flax_transformer.sizes import check_fits, parameter_count
+from flax_transformer.tokenizer import Tokenizer
+from support.lock_holder import lock_holder
+from support.runs import saved_steps
+from support.script_calls import call, error_line, usage_error
+
+pytestmark = [
+    pytest.mark.filterwarnings('ignore:source length .* output capped'),
+    # A failed read leaves tensorstore's threads calling into orbax's closed event loop;
+    # train.py and decode.py silence them (cli/failures.py), tests of the library see them.
+    pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')]
+
+
+def params_file(workdir: Path, step: int) -> Path:
+  """The largest array file of the parameters saved at `step` (their kernels)."""
+  files = (workdir / 'checkpoints' / str(step) / 'params' / 'ocdbt.process_0' / 'd').iterdir()
+  return max(files, key=lambda path: path.stat().st_size)
+
+
+def truncate(path: Path) -> None:
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def zero_fill(path: Path) -> None:
+  path.write_bytes(bytes(path.stat().st_size))
+
+
+def cmlm_train(corpus: Path, workdir: Path, *extra) -> tuple[int, str, str]:
+  return call(train_cli.main, ['--objective', 'cmlm', *CMLM_OPTIONS, '--data', corpus,
+                               '--workdir', workdir, *extra])
+
+
+@pytest.fixture
+def cmlm_copy(cmlm_run, tmp_path) -> Path:
+  workdir = tmp_path / 'run'
+  shutil.copytree(cmlm_run['workdir'], workdir)
+  return workdir
+
+
+@pytest.fixture
+def tiny_copy(checkpointed_run, tmp_path) -> Path:
+  workdir = tmp_path / 'tiny'
+  shutil.copytree(checkpointed_run.run_dir, workdir)
+  return workdir
+
+
+def edit_config(workdir: Path, **model) -> None:
+  content = json.loads((workdir / 'config.json').read_text())
+  content['model'].update(model)
+  (workdir / 'config.json').write_text(json.dumps(content))
+
+
+# --- two writers -----------------------------------------------------------------------------
+
+def test_a_second_train_py_on_a_run_directory_is_refused_naming_the_first(tmp_path):
+  workdir = tmp_path / 'run'
+  with lock_holder(workdir) as holder:
+    status, _, err = call(train_cli.main, ['--workdir', workdir, '--steps=1'])
+  assert status == 1 and 'Traceback' not in err
+  line = error_line(err, 'train.py')
+  assert line.startswith(f'train.py: error: {workdir}: another training run is writing this run '
+                         f'directory (pid {holder.pid} on host {socket.gethostname()} since ')
+  assert sorted(os.listdir(workdir)) == ['run.lock']  # refused before anything was written
+
+
+# --- damaged checkpoints -----------------------------------------------------------------------
+
+def test_resume_skips_damaged_checkpoints_and_decode_names_the_file(cmlm_copy, numbers_corpus):
+  workdir = cmlm_copy
+  truncated, zeroed = params_file(workdir, 6), params_file(workdir, 4)
+  truncate(truncated)
+  zero_fill(zeroed)
+  truncated_size = truncated.stat().st_size
+  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, 'one'])
+  assert status == 2 and 'Traceback' not in err
+  assert error_line(err, 'decode.py') == (
+      f'decode.py: error: {workdir}/checkpoints/6: damaged checkpoint (step 6): '
+      f'{truncated.relative_to(workdir / "checkpoints" / "6")} is not the file written (its '
+      f'SHA-256 differs from the one recorded in {DIGESTS_FILE})')
+  config_before = (workdir / 'config.json').read_text()
+
+  status, out, err = cmlm_train(numbers_corpus, workdir, '--steps=4')
+  assert status == 0, err
+  skipped = [line for line in out.splitlines() if line.startswith('skipped checkpoint')]
+  assert len(skipped) == 2
+  assert skipped[0].startswith(f'skipped checkpoint 6: {workdir}/checkpoints/6: damaged '
+                               'checkpoint (step 6): params/')
+  assert skipped[0].endswith(f'; moved it to {workdir}/checkpoints/damaged-6')
+  assert skipped[1].startswith('skipped checkpoint 4: ')
+  assert f'resumed from {workdir}/checkpoints/2' in out
+  # Retrained from the intact step 2; the damaged ones kept aside, byte for byte.
+  assert saved_steps(workdir) == [2, 4]
+  aside = workdir / 'checkpoints' / 'damaged-6' / truncated.relative_to(workdir / 'checkpoints'
+                                                                       / '6')
+  assert aside.stat().st_size == truncated_size
+  assert (workdir / 'checkpoints' / 'damaged-4').is_dir()
+  assert json.loads((workdir / 'config.json').read_text())['train']['steps'] == 4
+  assert json.loads(config_before)['train']['steps'] == 6
+
+
+@pytest.mark.parametrize('damage', [truncate, zero_fill])
+def test_unreadable_arrays_without_recorded_digests_are_damage_not_mismatch(tiny_copy, damage):
+  # A checkpoint whose process was killed before its digests were recorded: orbax's read fails.
+  (tiny_copy / 'checkpoints' / '10' / DIGESTS_FILE).unlink()
+  damage(params_file(tiny_copy, 10))
+  checkpoints = Checkpoints(tiny_copy, read_only=True)
+  config = json.loads((tiny_copy / 'config.json').read_text())['model']
+  with pytest.raises(DamagedCheckpoint) as error:
+    checkpoints.restore_params(10, abstract_params(ModelConfig(**config)))
+  checkpoints.close()
+  assert error.value.step == 10
+  assert re.fullmatch(rf'{tiny_copy}/checkpoints/10: damaged checkpoint \(step 10\): the array '
+                      rf'[\w.]+ in {tiny_copy}/checkpoints/10/params cannot be read \([^\n]+\)',
+                      str(error.value)), str(error.value)
+  assert len(str(error.value)) < 400  # not tensorstore's spec
+
+
+def test_nothing_is_rewritten_when_the_restore_fails(cmlm_copy, numbers_corpus, monkeypatch):
+  before = {name: (cmlm_copy / name).read_bytes() for name in ('config.json', 'metrics.jsonl')}
+
+  def refuse(self, step, abstract_state):
+    raise CheckpointError(f'checkpoint {step} refused by the test')
+
+  monkeypatch.setattr(Checkpoints, 'restore', refuse)
+  status, _, err = cmlm_train(numbers_corpus, cmlm_copy, '--steps=8')
+  assert status == 1 and error_line(err, 'train.py') == (
+      'train.py: error: checkpoint 6 refused by the test')
+  assert {name: (cmlm_copy / name).read_bytes() for name in before} == before
+
+
+# --- config.json against the saved arrays ---------------------------------------------------
+
+@pytest.mark.parametrize('layers', [3, 1000])
+def test_a_config_that_does_not_fit_the_arrays_is_one_line_naming_the_first(tiny_copy, layers):
+  edit_config(tiny_copy, num_encoder_layers=layers)
+  status, _, err = call(decode_cli.main, ['--checkpoint', tiny_copy, 'ein Hund'])
+  count = 15 * (layers - 1)  # each encoder layer of the tiny model has 15 arrays
+  assert status == 2 and err.count('\n') == 1
+  assert err == (
+      f'decode.py: error: {tiny_copy}/checkpoints/10 does not hold parameters of the model in '
+      f'config.json: {count} arrays differ, encoder/layer_1/ffn/wi/bias (64,) is not saved; '
+      'encoder/layer_1/ffn/wi/kernel (32, 64) is not saved; encoder/layer_1/ffn/wo/bias (32,) is '
+      f'not saved (and {count - 3} more). The checkpoint belongs to another model: use the '
+      'config.json it was written with\n')
+
+
+# --- sizes ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('option', ['--model.d_ff=1000000000000', '--model.max_len=1000000000',
+                                    '--model.num_encoder_layers=1000000'])
+def test_absurd_sizes_are_refused_before_allocation(option, tmp_path):
+  err = usage_error(train_cli.main, [option, '--model.d_model=512', '--workdir',
+                                     str(tmp_path / 'r')])
+  assert re.search(r'train.py: error: the model is too large for this machine: about [\d,]+ '
+                   r'parameters \([\d,.]+ GiB for parameters, gradients and Adam state\) and '
+                   r'[\d,.]+ GiB of activations for one batch of [\d,]+ tokens', err), err
+  assert not (tmp_path / 'r').exists()
+
+
+def test_decode_refuses_a_config_json_too_large_for_the_machine(tiny_copy):
+  edit_config(tiny_copy, max_len=10 ** 9, d_model=512)
+  status, _, err = call(decode_cli.main, ['--checkpoint', tiny_copy, 'ein Hund'])
+  assert status == 2 and err.count('\n') == 1
+  assert err.startswith('decode.py: error: the model is too large for this machine: about ')
+
+
+def test_the_size_estimate_is_a_close_lower_bound_and_admits_the_presets():
+  for config in (ModelConfig.tiny(vocab_size=100), ModelConfig.tiny(share_embeddings=False),
+                 ModelConfig(vocab_size=1000, d_model=64, num_heads=4, d_ff=96)):
+    actual = count_params(abstract_params(config))
+    assert 0.9 * actual <= parameter_count(config) <= actual
+  base = ModelConfig(vocab_size=37_000)  # the paper's base model: 63M parameters
+  check_fits(base, max_tokens=25_000, memory=16 * 2 ** 30)
+  with pytest.raises(Exception, match=r'more than its 1.0 GiB of memory'):
+    check_fits(base, max_tokens=25_000, memory=2 ** 30)
+
+
+# --- a tokenizer swapped in --------------------------------------------------------------------
+
+def test_a_foreign_tokenizer_without_a_digest_is_named_as_such(cmlm_copy, numbers_corpus):
+  content = json.loads((cmlm_copy / 'config.json').read_text())
+  del content['tokenizer_sha256']
+  (cmlm_copy / 'config.json').write_text(json.dumps(content))
+  other = Tokenizer.train(['ein kleiner Hund', 'a small dog'], 40)
+  other.save(cmlm_copy)
+  expected = (f'{cmlm_copy}/tokenizer.json does not belong to this run: it has vocab_size '
+              f'{other.vocab_size}, the model in {cmlm_copy}/config.json and its checkpoints were '
+              f'trained with {content["model"]["vocab_size"]}. Put the run\'s own tokenizer.json '
+              'back, or start a new run in another --workdir (or with --no-resume)')
+  status, _, err = cmlm_train(numbers_corpus, cmlm_copy, '--steps=8')
+  assert status == 1 and error_line(err, 'train.py') == f'train.py: error: {expected}'
+  status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_copy, 'one'])
+  assert status == 2 and error_line(err, 'decode.py') == f'decode.py: error: {expected}'
+
+
+# --- one line, unless --debug ------------------------------------------------------------------
+
+def test_an_unexpected_failure_is_one_line_and_debug_adds_the_traceback(tiny_copy, monkeypatch):
+  from flax_transformer.translate import Translator
+
+  def broken(*args, **kwargs):
+    raise RuntimeError('device lost\nmore detail')
+
+  monkeypatch.setattr(Translator, 'from_checkpoint', broken)
+  argv = ['--checkpoint', tiny_copy, 'ein Hund']
+  line = ('decode.py: error: RuntimeError: device lost (unexpected; --debug or '
+          'FLAX_TRANSFORMER_DEBUG=1 shows the traceback)\n')
+  assert call(decode_cli.main, argv) == (1, '', line)
+  status, _, err = call(decode_cli.main, [*argv, '--debug'])
+  assert status == 1 and err.startswith('Traceback') and err.endswith(line)
+  monkeypatch.setenv('FLAX_TRANSFORMER_DEBUG', '1')
+  status, _, err = call(decode_cli.main, argv)
+  assert status == 1 and 'Traceback' in err and err.endswith(line)
+
+
+# --- SIGTERM before training; a bad --data -----------------------------------------------------
+
+def test_sigterm_before_the_first_step_says_so_and_leaves_no_run_directory(tmp_path, monkeypatch):
+  def terminated_while_loading(data_config):
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
+    raise AssertionError('SIGTERM did not stop the run')
+
+  monkeypatch.setattr(training, 'load_data', terminated_while_loading)
+  status, _, err = call(train_cli.main, ['--workdir', tmp_path / 'run', '--steps=1'])
+  assert status == 143 and err == (
+      'train.py: stopped by SIGTERM outside the training steps (while loading, or in the final '
+      'evaluation); nothing new was saved: run the same command to resume from the latest '
+      'checkpoint, if any\n')
+  assert not (tmp_path / 'run').exists()
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the program's handler is gone
+
+
+def test_a_bad_data_option_leaves_no_empty_run_directory(tmp_path):
+  (tmp_path / 'corpus').mkdir()
+  status, _, err = call(train_cli.main, ['--data', tmp_path / 'corpus', '--workdir',
+                                         tmp_path / 'new' / 'run'])
+  assert status == 1 and 'Traceback' not in err and error_line(err, 'train.py')
+  assert not (tmp_path / 'new' / 'run').exists()
+
+
+def test_debug_adds_the_traceback_to_a_known_failure_too(tmp_path):
+  argv = ['--checkpoint', tmp_path / 'missing', 'ein Hund']
+  line = f'decode.py: error: {tmp_path}/missing: no such directory\n'
+  assert call(decode_cli.main, argv) == (2, '', line)
+  status, _, err = call(decode_cli.main, [*argv, '--debug'])
+  assert status == 2 and err.startswith('Traceback') and 'CheckpointError' in err
+  assert err.endswith(line)
