@@ -51,6 +51,17 @@ def random_inputs(length, seed=0):
   return q, k, v, cotangent, key_padding
 
 
+def test_band_as_a_dense_mask():
+  """Radius 1, causal, the last key PAD; and one cached query at position 2 of 5 slots."""
+  band = masks.Band(key_padding=jnp.array([[True, True, True, False]]), radius=1, causal=True)
+  np.testing.assert_array_equal(band.dense(4)[0, 0], [[1, 0, 0, 0],
+                                                      [1, 1, 0, 0],
+                                                      [0, 1, 1, 0],
+                                                      [0, 0, 1, 0]])
+  step = masks.Band(offset=2, radius=1, causal=True)
+  np.testing.assert_array_equal(step.dense(1, 5)[0, 0], [[0, 1, 1, 0, 0]])
+
+
 @pytest.mark.parametrize('length,radius,causal', CASES)
 def test_band_equals_masked_attention_and_float64_reference(length, radius, causal):
   q, k, v, cotangent, key_padding = random_inputs(length)
