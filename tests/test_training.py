@@ -200,14 +200,14 @@ def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_p
 @pytest.mark.filterwarnings('ignore:source length .* output capped')  # long test sentences
 def test_short_train_on_multi30k(tmp_path, multi30k_dir):
   multi30k = load_parallel(str(multi30k_dir), 'en', 'de')
-  # The whole training split (tokenizer and batches); 64 validation and 16 test sentences.
+  # The whole training split (tokenizer and batches); 16 validation and 16 test sentences.
   subset = datasets.DatasetDict({'train': multi30k['train'],
-                                 'validation': multi30k['validation'].select(range(64)),
+                                 'validation': multi30k['validation'].select(range(16)),
                                  'test': multi30k['test'].select(range(16))})
   messages = []
-  # Six steps: enough to learn the frequent words; each batch shape compiles once, and
+  # Four steps: enough to learn the frequent words; each batch shape compiles once, and
   # Multi30k's buckets give several shapes.
-  steps = 6
+  steps = 4
   result = train(MODEL, TRAIN.replace(steps=steps, max_tokens=512, log_every=1, eval_every=steps),
                  DataConfig(source=str(multi30k_dir), vocab_size=1000), tmp_path, dataset=subset,
                  print_fn=messages.append)
@@ -217,9 +217,9 @@ def test_short_train_on_multi30k(tmp_path, multi30k_dir):
   assert vocab == 1000 and int(result.state.step) == steps
   lines = metrics_lines(tmp_path)
   losses = [line['loss'] for line in lines if 'loss' in line]
-  # From a random start (about uniform, or worse) to clearly below uniform prediction: after 6
-  # steps the training loss had dropped by 1.4 nats, validation perplexity was 392 of 1000.
-  assert len(losses) == steps and losses[-1] < losses[0] - 0.8, losses
+  # From a random start (about uniform, or worse) to clearly below uniform prediction: after 4
+  # steps the training loss had dropped by 0.9 nats, validation perplexity was 448 of 1000.
+  assert len(losses) == steps and losses[-1] < losses[0] - 0.5, losses
   (validation,) = [line for line in lines if 'val_ppl' in line]
   assert validation['val_ppl'] < 0.6 * vocab, validation
   assert 'test, greedy decoding of 16 sentences' in text
