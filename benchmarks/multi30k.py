@@ -102,7 +102,9 @@ def evaluate(args) -> dict:
   src, tgt = data_config.get('src_lang', 'en'), data_config.get('tgt_lang', 'de')
   if not Path(args.data).exists():
     raise SystemExit(f'{args.data}: no Multi30k directory there (pass --data DIR)')
-  dataset = load_parallel(str(args.data), src, tgt)
+  # The validation and test sets the run chose (data.valid_split, data.test_split), if it did.
+  dataset = load_parallel(str(args.data), src, tgt, valid_split=data_config.get('valid_split'),
+                          test_split=data_config.get('test_split'))
   splits = {name: (list(dataset[name]['source']), list(dataset[name]['target']))
             for name in ('validation', 'test')}
   cmlm = config.get('model', {}).get('kind') == 'cmlm'

@@ -8,14 +8,18 @@ import datasets
 import jax
 import numpy as np
 import pytest
+import sacrebleu
 
 from flax_transformer.batching import Batcher
 from flax_transformer.checkpoint import CheckpointError, load_for_inference
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import load_parallel
+from flax_transformer.evaluation import translation_scores
 from flax_transformer.toy_task import number_translation
 from flax_transformer.train_step import transformer_schedule
+from flax_transformer.methods import Greedy
 from flax_transformer.training import NonFiniteError, train
+from flax_transformer.translate import Translator
 from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
 
 # Dropout stays on: exact resume must reproduce the step-folded dropout keys too. One layer
@@ -94,10 +98,21 @@ def test_full_run_writes_the_run_directory_and_reports(tmp_path, numbers):
   lines = metrics_lines(tmp_path)
   assert [line['step'] for line in lines if 'loss' in line] == [2, 4, 6, 8]
   assert [line['step'] for line in lines if 'val_loss' in line] == [4, 8]
-  final = [line for line in lines if 'bleu' in line]
-  assert len(final) == 1 and final[0]['step'] == 8
-  assert 0 <= final[0]['exact_match'] <= 1 and 0 <= final[0]['chrf'] <= 100
-  assert any('avg_bleu' in line for line in lines)
+  (final,) = [line for line in lines if 'bleu' in line]
+  (averaged,) = [line for line in lines if 'avg_bleu' in line]
+  assert final['step'] == averaged['step'] == 8
+  final.update(averaged)
+  # The scores are those of the test split decoded again, greedily, from the saved run and
+  # from its average, and scored here.
+  sources, references = list(numbers['test']['source']), list(numbers['test']['target'])
+  for prefix, workdir in (('', tmp_path), ('avg_', tmp_path / 'average-last2')):
+    hypotheses = Translator.from_checkpoint(workdir).translate(sources, Greedy())
+    assert final[f'{prefix}exact_match'] == np.mean([h == r for h, r in zip(hypotheses,
+                                                                            references)])
+    assert final[f'{prefix}chrf'] == pytest.approx(
+        sacrebleu.corpus_chrf(hypotheses, [references]).score, abs=1e-9)
+    assert final[f'{prefix}bleu'] == pytest.approx(
+        sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
   assert 'test, greedy decoding of 24 sentences: BLEU' in text
   assert 'nrefs:1|case:mixed|eff:no|tok:13a' in text  # the sacreBLEU signature
   assert text.count('reference: ') == 5
@@ -106,6 +121,27 @@ def test_full_run_writes_the_run_directory_and_reports(tmp_path, numbers):
   assert config == result.model_config
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(result.state.params)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_translation_scores_are_sacrebleus_and_the_share_of_exact_matches():
+  # The full run above decodes only empty strings after 8 steps; here the outputs are known.
+  references = ['ein Hund läuft über die Wiese', 'zwei Katzen schlafen auf dem Sofa',
+                'der alte Mann liest eine Zeitung', 'ein Kind spielt im Garten']
+  hypotheses = ['ein Hund läuft über die Wiese', 'zwei Hunde schlafen auf dem Sofa',
+                'der alte Mann liest eine Zeitung', 'ein Kind spielt']
+
+  class KnownOutputs:
+    def translate(self, sentences, method, batch_size):
+      return [hypotheses[int(sentence)] for sentence in sentences]
+
+  split = datasets.Dataset.from_dict({'source': ['0', '1', '2', '3'], 'target': references})
+  values, report = translation_scores(KnownOutputs(), split, Greedy())
+  assert values['exact_match'] == 0.5
+  assert values['bleu'] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+  assert values['chrf'] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [references]).score)
+  assert 0 < values['bleu'] < 100 and 0 < values['chrf'] < 100
+  assert ('reference: zwei Katzen schlafen auf dem Sofa\n  output:    zwei Hunde schlafen auf '
+          'dem Sofa') in report['samples']
 
 
 # Batches holding a token id outside the vocabulary, whose embedding lookup (`jnp.take`
@@ -164,16 +200,26 @@ def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_p
 @pytest.mark.filterwarnings('ignore:source length .* output capped')  # long test sentences
 def test_short_train_on_multi30k(tmp_path, multi30k_dir):
   multi30k = load_parallel(str(multi30k_dir), 'en', 'de')
-  # The whole training split (tokenizer and batches); 16 test sentences to decode.
+  # The whole training split (tokenizer and batches); 16 validation and 16 test sentences.
   subset = datasets.DatasetDict({'train': multi30k['train'],
+                                 'validation': multi30k['validation'].select(range(16)),
                                  'test': multi30k['test'].select(range(16))})
   messages = []
-  # Two steps: each batch shape compiles once, and Multi30k's buckets give several shapes.
-  result = train(MODEL, TRAIN.replace(steps=2, max_tokens=512),
+  # Four steps: enough to learn the frequent words; each batch shape compiles once, and
+  # Multi30k's buckets give several shapes.
+  steps = 4
+  result = train(MODEL, TRAIN.replace(steps=steps, max_tokens=512, log_every=1, eval_every=steps),
                  DataConfig(source=str(multi30k_dir), vocab_size=1000), tmp_path, dataset=subset,
                  print_fn=messages.append)
   text = '\n'.join(messages)
   assert 'train: 29,000 pairs' in text
-  assert result.tokenizer.vocab_size == 1000
-  assert int(result.state.step) == 2 and np.isfinite(result.scores['loss'])
+  vocab = result.tokenizer.vocab_size
+  assert vocab == 1000 and int(result.state.step) == steps
+  lines = metrics_lines(tmp_path)
+  losses = [line['loss'] for line in lines if 'loss' in line]
+  # From a random start (about uniform, or worse) to clearly below uniform prediction: after 4
+  # steps the training loss had dropped by 0.9 nats, validation perplexity was 448 of 1000.
+  assert len(losses) == steps and losses[-1] < losses[0] - 0.5, losses
+  (validation,) = [line for line in lines if 'val_ppl' in line]
+  assert validation['val_ppl'] < 0.6 * vocab, validation
   assert 'test, greedy decoding of 16 sentences' in text
