@@ -125,6 +125,9 @@ class Transformer(nn.Module):
       self.target_embedding = embed('target_embedding')
       self.output_projection = Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
                                      kernel_init=nn.initializers.xavier_uniform())
+    if c.logits_bias:
+      self.logits_bias = self.param('logits_bias', nn.initializers.zeros_init(), (c.vocab_size,),
+                                    jnp.float32)
     self.embedding_dropout = Dropout(c.dropout_rate)
     self.encoder = Encoder(c)
     self.decoder = Decoder(c)
@@ -141,16 +144,18 @@ class Transformer(nn.Module):
     # Gather float32 rows, then cast: nn.Embed would cast the whole [V, D] table first.
     x = jnp.take(table.embedding, tokens, axis=0).astype(c.compute_dtype)
     x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
-    positions = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(c.max_len, c.d_model),
+    positions = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(c.max_len, c.d_model, c.positions),
                                              offset, tokens.shape[1])
     return self.embedding_dropout(x + positions.astype(x.dtype), deterministic=not train)
 
   def _logits(self, y: jax.Array) -> jax.Array:
-    """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]`."""
+    """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]` (+ the logits bias, if any)."""
     if self.config.share_embeddings:
       # Against the table `[V, D]` itself (kernel_axis=1); products accumulate in float32.
-      return dense_dot(y.astype(self.config.compute_dtype), self.embedding.embedding, 1)
-    return self.output_projection(y).astype(jnp.float32)
+      logits = dense_dot(y.astype(self.config.compute_dtype), self.embedding.embedding, 1)
+    else:
+      logits = self.output_projection(y).astype(jnp.float32)
+    return logits + self.logits_bias if self.config.logits_bias else logits
 
   def _check_length(self, tokens: jax.Array, what: str):
     if tokens.ndim != 2:
@@ -164,6 +169,17 @@ class Transformer(nn.Module):
     """The optional restricted-attention window (§4), or None."""
     radius = self.config.attention_radius
     return None if radius is None else masks.local_mask(length, radius, kv_length, offset)
+
+  def _target_padding_mask(self, tgt_in: jax.Array) -> jax.Array:
+    """`masks.padding_mask` of the decoder input `[B, T]`, bool `[B, 1, 1, T]`.
+
+    A decoder that starts from PAD (bos_id == pad_id, as Marian's) must still see
+    its start token at position 0.
+    """
+    mask = masks.padding_mask(tgt_in, self.config.pad_id)
+    if self.config.bos_id == self.config.pad_id:
+      mask = mask.at[..., 0].set(True)
+    return mask
 
   # --- the public methods -------------------------------------------------
 
@@ -186,8 +202,8 @@ class Transformer(nn.Module):
     """
     self._check_length(tgt_in, 'target')
     length = tgt_in.shape[1]
-    self_mask = masks.combine(masks.padding_mask(tgt_in, self.config.pad_id),
-                              masks.causal_mask(length), self._self_attention_mask(length))
+    self_mask = masks.combine(self._target_padding_mask(tgt_in), masks.causal_mask(length),
+                              self._self_attention_mask(length))
     y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train), self.decoder.cross_kv(memory),
                         self_mask, src_mask, train)
     return self._logits(y)
