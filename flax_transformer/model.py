@@ -178,7 +178,7 @@ class Transformer(nn.Module):
     """
     mask = masks.padding_mask(tgt_in, self.config.pad_id)
     if self.config.bos_id == self.config.pad_id:
-      mask = mask.at[..., 0].set(True)
+      mask = mask | (jnp.arange(tgt_in.shape[1]) == 0)
     return mask
 
   # --- the public methods -------------------------------------------------
