@@ -42,8 +42,11 @@ REQUIRED = {'model_type': 'marian', 'normalize_before': False, 'add_final_layer_
             'activation_dropout': 0.0, 'encoder_layerdrop': 0.0, 'decoder_layerdrop': 0.0}
 
 
-class PretrainedError(ValueError):
-  """A directory is not a Marian model this library can load; the message says why."""
+class PretrainedError(ConfigError):
+  """A directory is not a Marian model this library can load; the message says why.
+
+  A ConfigError: the programs report it as they report a bad setting, in one line.
+  """
 
 
 def _require(module: str):
@@ -133,7 +136,8 @@ class MarianTokenizer:
         elif token != self.pad_id:
           pieces.append(self._pieces[token])
       texts.append(' '.join(w for w in words + [self._target.decode_pieces(pieces)] if w))
-    return texts
+    # As transformers: a piece the sentencepiece model lacks keeps its '▁', which becomes a space.
+    return [' '.join(text.replace('▁', ' ').split()) for text in texts]
 
   def id_to_token(self, token_id: int) -> str:
     return self._pieces[int(token_id)]

@@ -127,6 +127,11 @@ class Tokenizer:
     encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
     return [encoding.ids for encoding in encodings]
 
+  def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
+    """Target-side ids: the same as `encode`, the vocabulary being shared (a Marian tokenizer's
+    sides have their own subword models)."""
+    return self.encode(texts)
+
   def decode(self, ids: Sequence[Sequence[int]] | np.ndarray) -> list[str]:
     """Texts from rows of ids, e.g. model output `[B, T]`.
 
