@@ -34,7 +34,7 @@ from flax_transformer.config import ModelConfig
 from flax_transformer.run_directory import (CHECKPOINT_DIR, CONFIG_FILE, CheckpointError,
                                             WriteError, check_tokenizer, read_config)
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ['CheckpointError', 'Checkpoints', 'WriteError', 'average_checkpoints',
            'load_for_inference']
@@ -255,7 +255,7 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
   model_config, checkpoints, steps = _open_run(workdir)
   try:
     check_tokenizer(workdir)
-    tokenizer = Tokenizer.load(workdir)
+    tokenizer = load_tokenizer(workdir)
     tokenizer.check_compatible(model_config)
     target = abstract_params(model_config)
     selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)

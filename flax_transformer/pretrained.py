@@ -59,9 +59,13 @@ def _require(module: str):
 
 
 def is_marian_directory(directory: str | Path) -> bool:
-  """Whether `directory` looks like a Hugging Face Marian model (config.json + source.spm)."""
-  directory = Path(directory)
-  return (directory / 'config.json').is_file() and (directory / 'source.spm').is_file()
+  """Whether `directory` holds a Hugging Face model: a config.json with a model_type (a run
+  directory's config.json, even a fine-tuned Marian's, has sections model/train/data)."""
+  path = Path(directory) / 'config.json'
+  try:
+    return 'model_type' in json.loads(path.read_text())
+  except (OSError, ValueError):
+    return False
 
 
 class MarianTokenizer:
@@ -330,3 +334,30 @@ def _check_shapes(params: dict, config: ModelConfig) -> None:
       name = jax.tree_util.keystr(path)
       got = actual[path].shape if path in actual else 'missing'
       raise PretrainedError(f'{WEIGHTS_FILE}: parameter {name} should be {shape.shape}, got {got}')
+
+
+# Model settings a fine-tuning run may change: how it trains, not what it computes.
+FINE_TUNING_CHANGES = frozenset({'dropout_rate', 'attention_dropout_rate', 'dtype'})
+
+
+def fine_tuning_config(directory: str | Path, overrides: dict[str, str]) -> ModelConfig:
+  """The Marian model's config with train.py's `--model.NAME=VALUE` overrides applied.
+
+  An override of another setting is refused unless it repeats the model's value:
+  the architecture and the vocabulary come from the checkpoint.
+  """
+  from flax_transformer.config import parse_overrides
+  directory = Path(directory)
+  if not is_marian_directory(directory):
+    raise PretrainedError(f'--init-from {directory}: not a Hugging Face Marian directory (it '
+                          'needs config.json with a model_type, model.safetensors, source.spm, '
+                          'target.spm, vocab.json)')
+  pretrained = marian_config(json.loads((directory / 'config.json').read_text()))
+  config = parse_overrides(pretrained, 'model', overrides)
+  for name in overrides:
+    if name not in FINE_TUNING_CHANGES and getattr(config, name) != getattr(pretrained, name):
+      raise ConfigError(f'--model.{name}={overrides[name]} contradicts the model in {directory} '
+                        f'({name}={getattr(pretrained, name)}); fine-tuning takes the '
+                        f'architecture from --init-from (it may change '
+                        f'{", ".join(sorted(FINE_TUNING_CHANGES))})')
+  return config

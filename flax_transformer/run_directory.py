@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from flax_transformer.config import SECTIONS, ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 CONFIG_FILE = 'config.json'
 # config.json's key for the SHA-256 of tokenizer.json.
@@ -220,6 +220,10 @@ class RunDirectory:
     file half-written and skip the barrier that the others wait at.
     """
     path = self.path / TOKENIZER_FILE
+    if (self.path / 'source.spm').is_file():  # a pretrained Marian model's, copied by --init-from
+      tokenizer = load_tokenizer(self.path)
+      say(f'tokenizer: {self.path} (Marian, {tokenizer.vocab_size:,} tokens)')
+      return tokenizer
     if has_checkpoints and not path.is_file():
       raise CheckpointError(f'{self.path} has checkpoints but no {TOKENIZER_FILE}; the token ids '
                             'in them mean nothing without it')

@@ -164,3 +164,11 @@ class Tokenizer:
         raise ConfigError(f'model.{name}={getattr(config, name)} but the tokenizer uses '
                           f'{getattr(self, name)}; set model.{name}={getattr(self, name)}')
 
+
+def load_tokenizer(directory: str | Path):
+  """The tokenizer saved in a run directory: tokenizer.json, or a fine-tuned Marian model's
+  source.spm, target.spm and vocab.json (`pretrained.MarianTokenizer`)."""
+  if (Path(directory) / 'source.spm').is_file():
+    from flax_transformer.pretrained import MarianTokenizer
+    return MarianTokenizer(directory)
+  return Tokenizer.load(directory)

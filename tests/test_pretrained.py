@@ -199,3 +199,54 @@ def test_a_field_that_cannot_map_is_refused_by_name(field, value, marian_dir):
   marian_config(hf)  # maps as it is
   with pytest.raises(PretrainedError, match=rf'^config.json: .*\b{field}='):
     marian_config({**hf, field: value})
+
+
+# --- fine-tuning with train.py --init-from ------------------------------------------------
+
+FINE_TUNING = ['--train.max_tokens=256', '--train.warmup_steps=2', '--train.log_every=1',
+               '--train.eval_every=2', '--train.checkpoint_every=2', '--model.dropout_rate=0']
+
+
+def test_train_py_fine_tunes_a_marian_model_into_a_run_that_decodes(marian_dir, loaded,
+                                                                     tmp_path):
+  from benchmarks.marian import SAMPLE_TEXT
+  import train as train_cli  # noqa: F401 -- the program, as the CLI tests import it
+  from flax_transformer.cli import train as train_program
+
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  # A training split only: no validation or BLEU passes to compile.
+  (corpus / 'train.en').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[0::2]))
+  (corpus / 'train.de').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[1::2]))
+  workdir = tmp_path / 'run'
+  status, out, err = call(train_program.main, ['--init-from', marian_dir, '--data', corpus,
+                                               '--workdir', workdir, '--steps', 2, *FINE_TUNING])
+  assert status == 0, err
+  assert f'fine-tuning {marian_dir}' in out
+  config, params, _ = loaded
+  translator = Translator.from_checkpoint(workdir)
+  assert translator.config == config.replace(dropout_rate=0.0)
+  assert {p.name for p in workdir.iterdir()} >= {'source.spm', 'target.spm', 'vocab.json'}
+  # Training started from the pretrained values: Adam's first update moves a parameter by at
+  # most its learning rate, the second by at most sqrt(sum a_i^2 / b_i) times it (Cauchy-Schwarz
+  # on the bias-corrected moments, weights a of the first and b of the second); the rates are
+  # d^-0.5 * min(n^-0.5, n * warmup^-1.5), n = 1, 2.
+  rates = [32 ** -0.5 * min(n ** -0.5, n * 2 ** -1.5) for n in (1, 2)]
+  b1, b2 = 0.9, 0.98
+  a, b = np.array([b1, 1]) * (1 - b1) / (1 - b1 ** 2), np.array([b2, 1]) * (1 - b2) / (1 - b2 ** 2)
+  bound = rates[0] + rates[1] * np.sqrt(np.sum(a ** 2 / b))
+  moved = np.abs(np.asarray(translator.variables['params']['embedding']['embedding'])
+                 - params['embedding']['embedding'])
+  assert 0.9 * bound < moved.max() <= bound * (1 + 1e-5)
+  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
+                                            '--max-len', NEW_TOKENS, SENTENCES[0]])
+  assert status == 0 and out.splitlines() == translator.translate(SENTENCES[:1],
+                                                                  Greedy(max_len=NEW_TOKENS))
+
+
+def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(marian_dir):
+  from flax_transformer.cli import train as train_program
+  from support.script_calls import usage_error
+
+  err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
+  assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err

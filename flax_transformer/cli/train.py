@@ -3,6 +3,7 @@
     python train.py                                   # the offline default: the toy task
     python train.py --preset multi30k --data ../shared/data/multi30k --workdir runs/multi30k
     python train.py --objective cmlm                  # a non-autoregressive model (mask-predict)
+    python train.py --init-from opus-mt-en-de --data DIR  # fine-tune a Marian model
     python train.py --coordinator HOST:PORT --num-processes N --process-id I ...  # multi-host
 
 Every setting of ModelConfig, TrainConfig and DataConfig is an option `--model.NAME=VALUE`,
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
   workdir = args.workdir or Path('runs') / args.preset
   try:
     train(*configs, workdir, devices=args.devices, parallel=args.parallel, resume=args.resume,
-          average_last=args.average_last, skip_nonfinite=args.skip_nonfinite)
+          average_last=args.average_last, skip_nonfinite=args.skip_nonfinite,
+          init_from=args.init_from)
   except WriteError as error:  # a full disk or an unwritable --workdir; names the path
     _report_failed_write(f'train.py: error: {error}', as_program=argv is None)
     return 1
