@@ -210,7 +210,6 @@ FINE_TUNING = ['--train.max_tokens=256', '--train.warmup_steps=2', '--train.log_
 def test_train_py_fine_tunes_a_marian_model_into_a_run_that_decodes(marian_dir, loaded,
                                                                      tmp_path):
   from benchmarks.marian import SAMPLE_TEXT
-  import train as train_cli  # noqa: F401 -- the program, as the CLI tests import it
   from flax_transformer.cli import train as train_program
 
   corpus = tmp_path / 'corpus'
