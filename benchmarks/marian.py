@@ -75,7 +75,7 @@ def _train_spm(texts, vocab_size: int):
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model,
                                  vocab_size=vocab_size, hard_vocab_limit=False,
-                                 character_coverage=1.0, minloglevel=2)
+                                 character_coverage=1.0, num_threads=1, minloglevel=2)
   return model.getvalue()
 
 
@@ -100,7 +100,9 @@ def make_marian_directory(directory: str | Path, shape: MarianShape = MarianShap
   """Writes a random Marian model and its tokenizer files into `directory`; returns it."""
   import torch
   from transformers import MarianConfig, MarianMTModel
+  from transformers.utils import logging
 
+  logging.disable_progress_bar()  # save_pretrained's bar: noise in tests and notebook outputs
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   source, target = _train_spm(SAMPLE_TEXT[0::2], 200), _train_spm(SAMPLE_TEXT[1::2], 200)
