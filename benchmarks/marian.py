@@ -149,7 +149,7 @@ class Setting:
   shape: MarianShape
 
 
-FULL = Setting(batch=8, source_len=16, new_tokens=32, rounds=3, shape=BASE)
+FULL = Setting(batch=8, source_len=16, new_tokens=32, rounds=5, shape=BASE)
 QUICK = Setting(batch=4, source_len=16, new_tokens=16, rounds=3,
                 shape=dataclasses.replace(BASE, layers=2, vocab_size=8000))
 METHODS = {'greedy': 1, 'beam4': 4}
