@@ -79,6 +79,7 @@ class EncodedCorpus:
   example_ids: int64 `[N]` the row of each pair in the encoded dataset.
   max_len: the longest sequence allowed, EOS (or BOS) included.
   num_dropped: pairs of the dataset left out because a side exceeded `max_len`.
+  pad_id, bos_id: the tokenizer's, for the batches (a Marian tokenizer's differ from ours).
   """
   src_ids: np.ndarray
   src_offsets: np.ndarray
@@ -87,6 +88,8 @@ class EncodedCorpus:
   example_ids: np.ndarray
   max_len: int
   num_dropped: int
+  pad_id: int = PAD_ID
+  bos_id: int = BOS_ID
 
   def __len__(self) -> int:
     return len(self.example_ids)
@@ -127,23 +130,24 @@ def encode_corpus(dataset: datasets.Dataset, tokenizer: Tokenizer, max_len: int)
                           tqdm(chunks, desc='encode', unit='chunk', leave=False,
                                total=math.ceil(len(dataset) / _ENCODE_CHUNK))):
     for row, src, tgt in zip(itertools.count(start), tokenizer.encode(chunk['source']),
-                             tokenizer.encode(chunk['target'])):
+                             tokenizer.encode_target(chunk['target'])):
       if len(src) < max_len and len(tgt) < max_len:
         src_rows.append(src)
         tgt_rows.append(tgt)
         kept.append(row)
-  src_ids, src_offsets = _flatten_with_eos(src_rows)
-  tgt_ids, tgt_offsets = _flatten_with_eos(tgt_rows)
+  src_ids, src_offsets = _flatten_with_eos(src_rows, tokenizer.eos_id)
+  tgt_ids, tgt_offsets = _flatten_with_eos(tgt_rows, tokenizer.eos_id)
   return EncodedCorpus(src_ids=src_ids, src_offsets=src_offsets, tgt_ids=tgt_ids,
                        tgt_offsets=tgt_offsets, example_ids=np.asarray(kept, np.int64),
-                       max_len=max_len, num_dropped=len(dataset) - len(kept))
+                       max_len=max_len, num_dropped=len(dataset) - len(kept),
+                       pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id)
 
 
-def _flatten_with_eos(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def _flatten_with_eos(rows: list[list[int]], eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
   """(int32 ids with EOS after each row, int64 `[len(rows) + 1]` offsets)."""
   offsets = np.zeros(len(rows) + 1, np.int64)
   np.cumsum([len(row) + 1 for row in rows], out=offsets[1:])
-  ids = np.fromiter(itertools.chain.from_iterable(row + [EOS_ID] for row in rows),
+  ids = np.fromiter(itertools.chain.from_iterable(row + [eos_id] for row in rows),
                     np.int32, count=offsets[-1])
   return ids, offsets
 
@@ -259,15 +263,16 @@ class Batcher:
 
   def _build(self, bucket: int, pairs: np.ndarray) -> Batch:
     rows, length = self.rows[bucket], self.length_buckets[bucket]
-    src = np.full((rows, length), PAD_ID, np.int32)
-    tgt_in = np.full((rows, length), PAD_ID, np.int32)
-    tgt_out = np.full((rows, length), PAD_ID, np.int32)
+    pad = self.corpus.pad_id
+    src = np.full((rows, length), pad, np.int32)
+    tgt_in = np.full((rows, length), pad, np.int32)
+    tgt_out = np.full((rows, length), pad, np.int32)
     example_ids = np.full((rows,), -1, np.int32)
     for row, pair in enumerate(pairs):
       source, target = self.corpus.source(pair), self.corpus.target(pair)
       src[row, :len(source)] = source
       tgt_out[row, :len(target)] = target
-      tgt_in[row, 0] = BOS_ID
+      tgt_in[row, 0] = self.corpus.bos_id
       tgt_in[row, 1:len(target)] = target[:-1]  # the target without its EOS
       example_ids[row] = self.corpus.example_ids[pair]
     return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids)

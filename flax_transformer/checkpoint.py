@@ -48,7 +48,7 @@ from flax_transformer.run_directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS
                                             read_config)
 from flax_transformer.sizes import check_fits
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'WriteError',
            'average_checkpoints', 'load_for_inference']
@@ -458,7 +458,7 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
   model_config, checkpoints, steps = _open_run(workdir)
   try:
     check_tokenizer(workdir)
-    tokenizer = Tokenizer.load(workdir)
+    tokenizer = load_tokenizer(workdir)
     check_tokenizer_fits(workdir, tokenizer)
     selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)
     # Before tracing the layers of a config.json that asks for thousands.

@@ -90,11 +90,18 @@ class ModelConfig:
                                                'none)')
   max_len: int = setting(256, 'longest source or target in tokens, EOS included: the length of '
                               'the positional table (longer training pairs are dropped)')
-  activation: Literal['relu', 'gelu'] = setting('relu', 'feed-forward activation')
+  activation: Literal['relu', 'gelu', 'silu'] = setting(
+      'relu', 'feed-forward activation (silu: x * sigmoid(x), which Marian calls swish)')
   norm_placement: Literal['post', 'pre'] = setting(
       'post', 'post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))')
   share_embeddings: bool = setting(True, 'one embedding matrix for source, target and the '
                                          'pre-softmax projection (paper §3.4; true/false)')
+  positions: Literal['interleaved', 'concatenated'] = setting(
+      'interleaved', "positional table's layout: sin and cos of each wavelength side by side (the "
+      "paper) or every sin first, then every cos (Marian)")
+  logits_bias: bool = setting(False, 'a learned bias on the output logits (Marian: '
+                                     'final_logits_bias; true/false)')
+  layer_norm_epsilon: float = setting(1e-6, 'epsilon of every LayerNorm (Marian: 1e-5)')
   attention_radius: int | None = setting(None, 'restricted self-attention (paper §4): each '
                                                'position sees positions within this distance; '
                                                'none: unrestricted')
@@ -110,7 +117,8 @@ class ModelConfig:
       'mask', 'cmlm: a MASKed position is fed the MASK embedding (mask) or the source token at '
       'the same relative position, round(j * S / N) (uniform_copy, Gu et al. 2018)')
   pad_id: int = setting(0, 'PAD id (set from the tokenizer)')
-  bos_id: int = setting(1, 'BOS id (set from the tokenizer)')
+  bos_id: int = setting(1, "BOS id, the decoder's start token (set from the tokenizer; may equal "
+                          'pad_id, as in Marian, whose decoder starts from PAD)')
   eos_id: int = setting(2, 'EOS id (set from the tokenizer)')
   unk_id: int = setting(3, 'UNK id (set from the tokenizer)')
 
@@ -122,6 +130,7 @@ class ModelConfig:
                   positive_ints=('vocab_size', 'd_model', 'num_heads', 'num_encoder_layers',
                                  'num_decoder_layers', 'd_ff', 'max_len'),
                   nonnegative_ints=('max_length_offset',),
+                  positive_floats=('layer_norm_epsilon',),
                   unit_floats=('dropout_rate', 'attention_dropout_rate'))
     if self.d_model % self.num_heads:
       raise ConfigError(f'model.d_model={self.d_model} is not divisible by model.num_heads='
@@ -133,8 +142,13 @@ class ModelConfig:
       raise ConfigError(f'model.attention_radius must be >= 0 or None, got {self.attention_radius!r}')
     special = {'pad_id': self.pad_id, 'bos_id': self.bos_id, 'eos_id': self.eos_id,
                'unk_id': self.unk_id}
-    if len(set(special.values())) != len(special):
-      raise ConfigError(f'special token ids must be distinct, got {special}')
+    # BOS may be PAD (a decoder that starts from PAD); the others must differ.
+    ids = [self.pad_id, self.eos_id, self.unk_id] + [self.bos_id] * (self.bos_id != self.pad_id)
+    if len(set(ids)) != len(ids):
+      raise ConfigError(f'special token ids must be distinct (bos_id may equal pad_id), got {special}')
+    if self.bos_id == self.pad_id and self.kind != 'autoregressive':
+      raise ConfigError(f'model.bos_id equal to model.pad_id is for autoregressive models, not '
+                        f'model.kind={self.kind!r}')
     for name, value in special.items():
       if not 0 <= value < self.vocab_size:
         raise ConfigError(f'model.{name}={value} is outside the vocabulary '

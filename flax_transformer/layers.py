@@ -20,21 +20,21 @@ from flax_transformer.config import ModelConfig
 from flax_transformer.dropout import Dropout
 from flax_transformer.matmul import Dense
 
-LAYER_NORM_EPSILON = 1e-6
 
-
-def sinusoidal_positions(length: int, d_model: int) -> jax.Array:
+def sinusoidal_positions(length: int, d_model: int, layout: str = 'interleaved') -> jax.Array:
   """The paper's positional encoding (§3.5), float32 `[length, d_model]`.
 
   PE(pos, 2i) = sin(pos / 10000^(2i / d_model)) and
-  PE(pos, 2i + 1) = cos(pos / 10000^(2i / d_model)): sine and cosine interleave
-  along the feature axis, each pair sharing one wavelength.
+  PE(pos, 2i + 1) = cos(pos / 10000^(2i / d_model)): with layout 'interleaved'
+  sine and cosine alternate along the feature axis, each pair sharing one
+  wavelength; with 'concatenated' (Marian's) the ceil(D/2) sines come first,
+  then the floor(D/2) cosines of the same wavelengths.
   """
-  return jnp.asarray(_sinusoid_table(length, d_model))
+  return jnp.asarray(_sinusoid_table(length, d_model, layout))
 
 
 @functools.lru_cache(maxsize=16)
-def _sinusoid_table(length: int, d_model: int) -> np.ndarray:
+def _sinusoid_table(length: int, d_model: int, layout: str) -> np.ndarray:
   """`sinusoidal_positions` as a read-only NumPy float32 table.
 
   A constant, so computed in float64 and rounded once: float32 angles put the
@@ -43,8 +43,12 @@ def _sinusoid_table(length: int, d_model: int) -> np.ndarray:
   position = np.arange(length, dtype=np.float64)[:, None]                   # [L, 1]
   two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]               # [1, ceil(D/2)]
   angle = position / np.power(10_000.0, two_i / d_model)                    # [L, ceil(D/2)]
-  table = np.stack([np.sin(angle), np.cos(angle)], axis=-1)                 # [L, ceil(D/2), 2]
-  table = table.reshape(length, -1)[:, :d_model].astype(np.float32)
+  if layout == 'concatenated':
+    table = np.concatenate([np.sin(angle), np.cos(angle)[:, :d_model // 2]], axis=-1)
+  else:
+    table = np.stack([np.sin(angle), np.cos(angle)], axis=-1)               # [L, ceil(D/2), 2]
+    table = table.reshape(length, -1)[:, :d_model]
+  table = table.astype(np.float32)
   table.flags.writeable = False
   return table
 
@@ -58,7 +62,7 @@ class FeedForward(nn.Module):
     c = self.config
     dense = lambda features, name: Dense(features, dtype=c.compute_dtype, name=name,
                                          kernel_init=nn.initializers.xavier_uniform())
-    activation = nn.relu if c.activation == 'relu' else nn.gelu
+    activation = {'relu': nn.relu, 'gelu': nn.gelu, 'silu': nn.silu}[c.activation]
     return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))
 
 
@@ -74,7 +78,7 @@ class Sublayer(nn.Module):
   config: ModelConfig
 
   def setup(self):
-    self.norm = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=self.config.compute_dtype)
+    self.norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype)
     self.dropout = Dropout(self.config.dropout_rate)
 
   def normalize_input(self, x: jax.Array) -> jax.Array:
@@ -165,8 +169,8 @@ class Encoder(nn.Module):
     for i in range(self.config.num_encoder_layers):
       x = EncoderBlock(self.config, name=f'layer_{i}')(x, mask, train)
     if self.config.norm_placement == 'pre':
-      x = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=self.config.compute_dtype,
-                       name='final_norm')(x)
+      x = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon,
+                       dtype=self.config.compute_dtype, name='final_norm')(x)
     return x
 
 
@@ -178,7 +182,7 @@ class Decoder(nn.Module):
     self.layers = [DecoderBlock(self.config, name=f'layer_{i}')
                    for i in range(self.config.num_decoder_layers)]
     if self.config.norm_placement == 'pre':
-      self.final_norm = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, dtype=self.config.compute_dtype)
+      self.final_norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype)
 
   def cross_kv(self, memory: jax.Array) -> tuple[KVCache, ...]:
     """Every layer's cross-attention keys and values of the memory `[B, S, D]`."""

@@ -125,6 +125,9 @@ class Transformer(nn.Module):
       self.target_embedding = embed('target_embedding')
       self.output_projection = Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
                                      kernel_init=nn.initializers.xavier_uniform())
+    if c.logits_bias:
+      self.logits_bias = self.param('logits_bias', nn.initializers.zeros_init(), (c.vocab_size,),
+                                    jnp.float32)
     self.embedding_dropout = Dropout(c.dropout_rate)
     self.encoder = Encoder(c)
     self.decoder = Decoder(c)
@@ -141,16 +144,18 @@ class Transformer(nn.Module):
     # Gather float32 rows, then cast: nn.Embed would cast the whole [V, D] table first.
     x = jnp.take(table.embedding, tokens, axis=0).astype(c.compute_dtype)
     x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
-    positions = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(c.max_len, c.d_model),
+    positions = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(c.max_len, c.d_model, c.positions),
                                              offset, tokens.shape[1])
     return self.embedding_dropout(x + positions.astype(x.dtype), deterministic=not train)
 
   def _logits(self, y: jax.Array) -> jax.Array:
-    """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]`."""
+    """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]` (+ the logits bias, if any)."""
     if self.config.share_embeddings:
       # Against the table `[V, D]` itself (kernel_axis=1); products accumulate in float32.
-      return dense_dot(y.astype(self.config.compute_dtype), self.embedding.embedding, 1)
-    return self.output_projection(y).astype(jnp.float32)
+      logits = dense_dot(y.astype(self.config.compute_dtype), self.embedding.embedding, 1)
+    else:
+      logits = self.output_projection(y).astype(jnp.float32)
+    return logits + self.logits_bias if self.config.logits_bias else logits
 
   def _check_length(self, tokens: jax.Array, what: str):
     if tokens.ndim != 2:
@@ -166,10 +171,22 @@ class Transformer(nn.Module):
     attention then computes only the band, O(r L) scores per layer.
     """
     c = self.config
+    visible = self._visible_keys(tokens, causal)                               # [B, L]
     if c.attention_radius is not None:
-      return masks.Band(key_padding=tokens != c.pad_id, radius=c.attention_radius, causal=causal)
-    return masks.combine(masks.padding_mask(tokens, c.pad_id),
+      return masks.Band(key_padding=visible, radius=c.attention_radius, causal=causal)
+    return masks.combine(visible[:, None, None, :],
                          masks.causal_mask(tokens.shape[1]) if causal else None)
+
+  def _visible_keys(self, tokens: jax.Array, causal: bool) -> jax.Array:
+    """bool `[B, L]`: the non-PAD positions of ids `[B, L]`.
+
+    A decoder (causal) that starts from PAD (bos_id == pad_id, as Marian's) must
+    still see its start token at position 0.
+    """
+    visible = tokens != self.config.pad_id
+    if causal and self.config.bos_id == self.config.pad_id:
+      visible = visible | (jnp.arange(tokens.shape[1]) == 0)
+    return visible
 
   # --- the public methods -------------------------------------------------
 

@@ -35,9 +35,11 @@ from jax.experimental import multihost_utils
 from flax_transformer.run_lock import LOCK_FILE, RunLock
 from flax_transformer.config import SECTIONS, ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 CONFIG_FILE = 'config.json'
+# A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
+MARIAN_TOKENIZER_FILES = ('source.spm', 'target.spm', 'vocab.json')
 # config.json's key for the SHA-256 of tokenizer.json.
 TOKENIZER_DIGEST = 'tokenizer_sha256'
 CHECKPOINT_DIR = 'checkpoints'
@@ -196,7 +198,7 @@ def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> 
 def clear_run(workdir: str | Path) -> None:
   """Deletes what a previous run wrote to `workdir`, and nothing else."""
   workdir = Path(workdir)
-  for name in (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE):
+  for name in (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, *MARIAN_TOKENIZER_FILES):
     (workdir / name).unlink(missing_ok=True)
   for directory in [workdir / CHECKPOINT_DIR, workdir / TENSORBOARD_DIR,
                     *workdir.glob('average-last*')]:
@@ -277,6 +279,10 @@ class RunDirectory:
     file half-written and skip the barrier that the others wait at.
     """
     path = self.path / TOKENIZER_FILE
+    if (self.path / MARIAN_TOKENIZER_FILES[0]).is_file():  # a Marian model's, copied by --init-from
+      tokenizer = load_tokenizer(self.path)
+      say(f'tokenizer: {self.path} (Marian, {tokenizer.vocab_size:,} tokens)')
+      return tokenizer
     if has_checkpoints and not path.is_file():
       raise CheckpointError(f'{self.path} has checkpoints but no {TOKENIZER_FILE}; the token ids '
                             'in them mean nothing without it')

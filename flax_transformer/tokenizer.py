@@ -127,6 +127,11 @@ class Tokenizer:
     encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
     return [encoding.ids for encoding in encodings]
 
+  def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
+    """Target-side ids: the same as `encode`, the vocabulary being shared (a Marian tokenizer's
+    sides have their own subword models)."""
+    return self.encode(texts)
+
   def decode(self, ids: Sequence[Sequence[int]] | np.ndarray) -> list[str]:
     """Texts from rows of ids, e.g. model output `[B, T]`.
 
@@ -159,3 +164,11 @@ class Tokenizer:
         raise ConfigError(f'model.{name}={getattr(config, name)} but the tokenizer uses '
                           f'{getattr(self, name)}; set model.{name}={getattr(self, name)}')
 
+
+def load_tokenizer(directory: str | Path):
+  """The tokenizer saved in a run directory: tokenizer.json, or a fine-tuned Marian model's
+  source.spm, target.spm and vocab.json (`pretrained.MarianTokenizer`)."""
+  if (Path(directory) / 'source.spm').is_file():
+    from flax_transformer.pretrained import MarianTokenizer
+    return MarianTokenizer(directory)
+  return Tokenizer.load(directory)

@@ -73,6 +73,7 @@ from pathlib import Path
 
 import datasets
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -87,6 +88,7 @@ from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.methods import Greedy, default_method
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import count_params
+from flax_transformer.pretrained import load_marian
 from flax_transformer.run_directory import RunDirectory
 from flax_transformer.sizes import check_fits
 from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -168,7 +170,7 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
           workdir: str | Path, *, dataset: datasets.DatasetDict | None = None,
           devices: int | None = None, parallel: str = 'shard_map', resume: bool = True,
-          average_last: int = 0, skip_nonfinite: int = 0,
+          average_last: int = 0, skip_nonfinite: int = 0, init_from: str | Path | None = None,
           print_fn: Callable[[str], None] = print) -> TrainResult:
   """Trains (or resumes) a run in `workdir`; see the module docstring.
 
@@ -188,6 +190,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     skip_nonfinite: how many steps with a non-finite loss or gradient to skip
       (their updates are not applied) before stopping; 0 stops at the first.
       Counted afresh by each call, so a resumed run may skip as many again.
+    init_from: a Hugging Face Marian directory to fine-tune: a fresh run starts
+      from its parameters and copies its tokenizer into WORKDIR; model_config must
+      be its config (`pretrained.fine_tuning_config`).
     print_fn: where process 0's messages go.
 
   Raises:
@@ -203,7 +208,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   directory = RunDirectory(workdir)
   with directory.locked():
     run = _open_run(model_config, train_config, data_config, directory, dataset, devices,
-                    parallel, resume, print_fn)
+                    parallel, resume, print_fn, init_from)
     loop = TrainingLoop(run, skip_nonfinite)
     state, start = _initial_state(run, loop, parallel)
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
@@ -240,6 +245,7 @@ class _Run:
   say: Callable[[str], None]
   log: MetricsLog | None = None
   scores: dict[str, float] = dataclasses.field(default_factory=dict)
+  pretrained_params: dict | None = None  # --init-from's, for a run without checkpoints
 
   def record(self, step: int, values: dict[str, float]) -> None:
     """Keeps `values` as the latest scores and logs them at `step` (process 0)."""
@@ -251,7 +257,7 @@ class _Run:
 def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
               directory: RunDirectory, dataset: datasets.DatasetDict | None,
               devices: int | None, parallel: str, resume: bool,
-              print_fn: Callable[[str], None]) -> _Run:
+              print_fn: Callable[[str], None], init_from: str | Path | None = None) -> _Run:
   """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
   say = print_fn if directory.is_main else (lambda message: None)
   data_parallel = DataParallel(_local_devices(devices), mode=parallel)
@@ -261,6 +267,12 @@ def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config:
   say(f'data: {describe(dataset)}')
   directory.prepare(resume)
   checkpoints = Checkpoints(directory.path, keep=train_config.keep_checkpoints)
+  pretrained_params = None
+  if init_from is not None and checkpoints.latest_step() is None:
+    _, pretrained_params, marian_tokenizer = load_marian(init_from)
+    if directory.is_main:
+      marian_tokenizer.save(directory.path)
+    say(f'fine-tuning {init_from}')
   tokenizer = directory.tokenizer(dataset['train'], data_config,
                                   has_checkpoints=checkpoints.latest_step() is not None, say=say)
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
@@ -268,7 +280,7 @@ def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config:
   directory.check_settings(model_config, train_config, data_config)
   return _Run(directory=directory, model_config=model_config, train_config=train_config,
               dataset=dataset, tokenizer=tokenizer, data_parallel=data_parallel,
-              checkpoints=checkpoints, say=say)
+              checkpoints=checkpoints, say=say, pretrained_params=pretrained_params)
 
 
 def _local_devices(count: int | None) -> list[jax.Device] | None:
@@ -295,6 +307,8 @@ def _initial_state(run: _Run, loop: TrainingLoop, parallel: str) -> tuple[TrainS
   restored = _restore_latest_intact(run, abstract_state)
   if restored is None:
     state, start = create_train_state(model, optimizer, seed), 0
+    if run.pretrained_params is not None:  # Adam's moments start at zero either way
+      state = state.replace(params=jax.tree.map(jnp.asarray, run.pretrained_params))
   else:
     state, start = restored
     run.say(f'resumed from {run.checkpoints.directory / str(start)}')

@@ -1,6 +1,7 @@
 """Text in, text out: a run directory's model, parameters and tokenizer behind one call.
 
     translator = Translator.from_checkpoint('runs/multi30k', average_last=5)
+    translator = Translator.from_pretrained('opus-mt-en-de')        # a Hugging Face Marian model
     translator.translate(['Ein Mann fährt Fahrrad.'])                 # beam 4, alpha 0.6
     translator.translate(sentences, Sampling(top_p=0.9, seed=1))
     cmlm = Translator.from_checkpoint('runs/cmlm')
@@ -90,6 +91,24 @@ class Translator:
     mean of the last `average_last` checkpoints up to it (the paper averages 5).
     """
     return cls(*load_for_inference(workdir, step=step, average_last=average_last))
+
+  @classmethod
+  def from_pretrained(cls, directory: str | Path) -> Translator:
+    """Loads a Hugging Face Marian directory (see `pretrained.load_marian`)."""
+    from flax_transformer.pretrained import load_marian
+    return cls(*load_marian(directory))
+
+  @classmethod
+  def from_directory(cls, directory: str | Path, step: int | None = None,
+                     average_last: int = 0) -> Translator:
+    """A run directory (`from_checkpoint`) or a Marian directory (`from_pretrained`), by its files."""
+    from flax_transformer.pretrained import is_marian_directory
+    if not is_marian_directory(directory):
+      return cls.from_checkpoint(directory, step=step, average_last=average_last)
+    if step is not None or average_last:
+      raise ConfigError(f'{directory} is a pretrained Marian model, which has one set of '
+                        'parameters: step and average_last apply to run directories')
+    return cls.from_pretrained(directory)
 
   def encode(self, sentences: Sequence[str]) -> Sources:
     """Subwords + EOS per sentence, cut to model.max_len tokens (see `Sources`)."""
@@ -183,7 +202,7 @@ class Translator:
       output = method.run(self.model, self.variables, src)[0]
       output = output[output != self.tokenizer.pad_id]
     else:
-      output = np.array(self.tokenizer.encode([translation])[0] + [self.tokenizer.eos_id])
+      output = np.array(self.tokenizer.encode_target([translation])[0] + [self.tokenizer.eos_id])
     output = output[:self.config.max_len]
     tgt_in = np.concatenate([[self.tokenizer.bos_id], output[:-1]])[None].astype(np.int32)
     weights = self._attention_weights(self.variables, src, tgt_in)

@@ -95,6 +95,17 @@ def test_sinusoidal_positions_match_the_formula(length, d_model):
                              rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize('d_model', [16, 7])
+def test_concatenated_positions_put_every_sine_before_every_cosine(d_model):
+  # Marian's layout: columns j < ceil(D/2) are sin(pos / 10000^(2j/D)), the rest the cosines.
+  length, half = 50, -(-d_model // 2)
+  table = np.asarray(sinusoidal_positions(length, d_model, 'concatenated'), np.float64)
+  angle = np.arange(length)[:, None] / np.power(10000.0, 2 * np.arange(half)[None, :] / d_model)
+  assert table.shape == (length, d_model)
+  np.testing.assert_allclose(table[:, :half], np.sin(angle), atol=2e-5)
+  np.testing.assert_allclose(table[:, half:], np.cos(angle[:, :d_model // 2]), atol=2e-5)
+
+
 def test_self_attention_is_permutation_equivariant_without_positions_only():
   d_model, length = 16, 6
   x = jax.random.normal(jax.random.key(1), (1, length, d_model))

@@ -18,9 +18,12 @@ MAX_LEN = 24
 
 class Letters:
   """A stand-in tokenizer, one id per letter ('a' -> 4, ...), so lengths are known exactly."""
+  pad_id, bos_id, eos_id = Tokenizer.pad_id, Tokenizer.bos_id, Tokenizer.eos_id
 
   def encode(self, texts):
     return [[4 + ord(c) - ord('a') for c in text] for text in texts]
+
+  encode_target = encode
 
 
 def letters(ids):

@@ -194,3 +194,25 @@ def test_presets_follow_table_3():
   assert (big.num_encoder_layers, big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (
       6, 1024, 4096, 16, 0.3)
   assert base.head_dim == 64 and big.head_dim == 64
+
+
+def test_a_decoder_may_start_from_pad_but_other_special_ids_stay_distinct():
+  # Marian's decoder starts from PAD: bos_id == pad_id is allowed, for autoregressive models only.
+  assert ModelConfig.tiny(bos_id=0).bos_id == ModelConfig.tiny().pad_id
+  with pytest.raises(ConfigError, match='special token ids must be distinct'):
+    ModelConfig.tiny(eos_id=0)
+  with pytest.raises(ConfigError, match="model.bos_id equal to model.pad_id is for autoregressive"):
+    ModelConfig.tiny(bos_id=0, kind='cmlm')
+
+
+def test_a_decoder_starting_from_pad_sees_its_start_token():
+  # With bos_id == pad_id the first query must attend to position 0 (not a fully masked row),
+  # so the logits there depend on the source; the paper's config is unchanged.
+  config = ModelConfig.tiny(bos_id=0, dropout_rate=0.0, logits_bias=True)
+  model = Transformer(config)
+  src = jnp.array([[5, 6, 7, 2], [8, 9, 2, 0]])
+  tgt_in = jnp.zeros((2, 1), jnp.int32)                                  # the start token: PAD
+  variables = model.init(jax.random.key(0), src, tgt_in)
+  weights = attention_weights(model, variables, src, tgt_in)['decoder/layer_0/self_attention']
+  np.testing.assert_allclose(np.asarray(weights)[:, :, 0, 0], 1.0, atol=1e-6)
+  assert variables['params']['logits_bias'].shape == (config.vocab_size,)

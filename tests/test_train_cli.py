@@ -55,7 +55,7 @@ def write_corpus(directory: Path, en: list[str], de: list[str]) -> Path:
     (['--model.d_model=abc'], "model.d_model must be an integer, got 'abc'"),
     (['--steps', '-1'], 'train.steps must be a positive integer, got -1'),
     (['--model.num_heads=3'], 'model.d_model=128 is not divisible by model.num_heads=3'),
-    (['--model.activation=tanh'], "model.activation must be one of relu, gelu, got 'tanh'"),
+    (['--model.activation=tanh'], "model.activation must be one of relu, gelu, silu, got 'tanh'"),
     (['--train.label_smoothing=1.5'], r'train.label_smoothing must be in [0, 1), got 1.5'),
     (['--model.vocab_size=100'], 'unrecognized arguments: --model.vocab_size=100'),
     (['--devices', '0'], "argument --devices: expected a positive integer, got '0'"),

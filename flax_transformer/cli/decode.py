@@ -5,6 +5,7 @@
         --input test.de --output test.hyp.en --reference test.en
     cat test.de | python decode.py --checkpoint runs/multi30k --method greedy
     python decode.py --checkpoint runs/cmlm --method mask_predict --iterations 10 --length-beam 3
+    python decode.py --checkpoint opus-mt-en-de "The cat sat on the mat."   # a Marian model
 
 One sentence per line in (UTF-8, split at '\\n' only, as training reads its data),
 one translation per line out, in input order, written block by block; a progress
@@ -44,7 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add = parser.add_argument
   add('sentences', nargs='*', help='sentences to translate (else --input or stdin)')
   add('--checkpoint', required=True, type=Path,
-      help='run directory written by train.py (config.json, tokenizer.json, checkpoints/)')
+      help='run directory written by train.py (config.json, tokenizer.json, checkpoints/), or '
+      'a Hugging Face Marian directory (config.json, model.safetensors, source.spm, ...)')
   add('--step', type=int, help='checkpoint step to load (default: the latest)')
   add('--average-last', type=int, default=0, metavar='K',
       help='average the parameters of the last K checkpoints (paper: 5)')
@@ -88,8 +90,8 @@ def _main(argv: Sequence[str] | None) -> int:
                   if args.reference is not None else None)
     # A named method's settings are refused before the checkpoint loads.
     method = method_from_name(args.method, **settings) if args.method else None
-    translator = Translator.from_checkpoint(args.checkpoint, step=args.step,
-                                            average_last=args.average_last)
+    translator = Translator.from_directory(args.checkpoint, step=args.step,
+                                           average_last=args.average_last)
     method = method or method_from_name(default_method(translator.config).name, **settings)
     method.check_model(translator.config)
     output = text_io.open_output(args.output)

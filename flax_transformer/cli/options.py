@@ -32,6 +32,11 @@ def add_setting_options(parser: argparse.ArgumentParser) -> None:
                               'decodes with mask-predict, as decode.py --method mask_predict)')
   shortcuts.add_argument('--bf16', dest='model.dtype', action='store_const', const='bfloat16',
                          help='= --model.dtype=bfloat16')
+  shortcuts.add_argument('--init-from', type=Path, metavar='DIR',
+                         help='fine-tune a Hugging Face Marian model (config.json, '
+                              'model.safetensors, source.spm, target.spm, vocab.json): its '
+                              'architecture, tokenizer and parameters; --model options may only '
+                              'change dropout_rate, attention_dropout_rate and dtype')
   presets = {name: run_preset(name) for name in RUN_PRESETS}
   for index, (section, cls) in enumerate(SECTIONS.items()):
     group = parser.add_argument_group(f'{section} settings (value per preset: '
@@ -59,6 +64,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     assignments = {name.split('.', 1)[1]: value for name, value in vars(args).items()
                    if name.startswith(f'{section}.') and value is not None}
     configs[index] = parse_overrides(configs[index], section, assignments)
+    if section == 'model' and getattr(args, 'init_from', None) is not None:
+      from flax_transformer.pretrained import fine_tuning_config
+      configs[index] = fine_tuning_config(args.init_from, assignments)
   model_config, train_config, data_config = configs
   source = Path(data_config.source).expanduser()
   if data_config.source != 'toy' and source.exists():

@@ -3,6 +3,7 @@
     python train.py                                   # the offline default: the toy task
     python train.py --preset multi30k --data ../shared/data/multi30k --workdir runs/multi30k
     python train.py --objective cmlm                  # a non-autoregressive model (mask-predict)
+    python train.py --init-from opus-mt-en-de --data DIR  # fine-tune a Marian model
     python train.py --coordinator HOST:PORT --num-processes N --process-id I ...  # multi-host
 
 Every setting of ModelConfig, TrainConfig and DataConfig is an option `--model.NAME=VALUE`,
@@ -110,5 +111,5 @@ def _main(argv: list[str] | None) -> int:
     parser.error(str(error))
   train(*configs, args.workdir or Path('runs') / args.preset, devices=args.devices,
         parallel=args.parallel, resume=args.resume, average_last=args.average_last,
-        skip_nonfinite=args.skip_nonfinite)
+        skip_nonfinite=args.skip_nonfinite, init_from=args.init_from)
   return 0

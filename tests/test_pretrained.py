@@ -1,0 +1,251 @@
+"""A Marian model imported from transformers computes what transformers computes.
+
+The reference is transformers' own `MarianMTModel` (PyTorch), built with random
+weights by `benchmarks.marian.make_marian_directory` and saved with
+`save_pretrained`, beside sentencepiece models trained on the spot: nothing is
+downloaded. Skipped without torch, transformers and sentencepiece
+(`pip install -e .[pretrained-test]`).
+"""
+
+import copy
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch', reason='needs torch: pip install -e .[pretrained-test]')
+transformers = pytest.importorskip('transformers',
+                                   reason='needs transformers: pip install -e .[pretrained-test]')
+pytest.importorskip('sentencepiece', reason='needs sentencepiece: pip install -e .[pretrained]')
+pytest.importorskip('safetensors', reason='needs safetensors: pip install -e .[pretrained]')
+
+from benchmarks.marian import MarianShape, make_marian_directory  # noqa: E402
+from flax_transformer import decoding  # noqa: E402
+from flax_transformer.build import build_model  # noqa: E402
+from flax_transformer.cli import decode as decode_cli  # noqa: E402
+from flax_transformer.config import ConfigError  # noqa: E402
+from flax_transformer.methods import Greedy  # noqa: E402
+from flax_transformer.pretrained import PretrainedError, load_marian, marian_config  # noqa: E402
+from flax_transformer.translate import Translator  # noqa: E402
+from support.script_calls import call  # noqa: E402
+
+SENTENCES = ['The animal did not cross the street because it was too tired.', 'A man',
+             'She sings a song about the sea.', 'Several people are sitting on a bench.']
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope='module')
+def marian_dir(tmp_path_factory):
+  return make_marian_directory(tmp_path_factory.mktemp('marian') / 'tiny')
+
+
+@pytest.fixture(scope='module')
+def loaded(marian_dir):
+  return load_marian(marian_dir)
+
+
+@pytest.fixture(scope='module')
+def reference(marian_dir):
+  return transformers.MarianMTModel.from_pretrained(marian_dir).eval()
+
+
+def _pad(rows, pad_id, start=()):
+  rows = [list(start) + list(row) for row in rows]
+  width = max(map(len, rows))
+  return np.array([row + [pad_id] * (width - len(row)) for row in rows], np.int32)
+
+
+def _sources(tokenizer):
+  """The SENTENCES as a PAD-padded, EOS-terminated batch `[B, S]`."""
+  return _pad([ids + [tokenizer.eos_id] for ids in tokenizer.encode(SENTENCES)], tokenizer.pad_id)
+
+
+def _generate(model, src, pad_id, **settings):
+  """transformers' output tokens `[B, NEW_TOKENS]` without the start token, PAD-padded."""
+  with torch.no_grad():
+    out = model.generate(input_ids=torch.tensor(src), attention_mask=torch.tensor(src != pad_id),
+                         max_new_tokens=NEW_TOKENS, do_sample=False, forced_eos_token_id=None,
+                         bad_words_ids=[[pad_id]], **settings).numpy()[:, 1:]
+  return np.pad(out, ((0, 0), (0, NEW_TOKENS - out.shape[1])), constant_values=pad_id)
+
+
+@pytest.mark.parametrize('shared', [True, False], ids=['shared', 'separate_embeddings'])
+def test_logits_equal_transformers_on_padded_batches(shared, marian_dir, loaded, tmp_path):
+  directory = marian_dir if shared else make_marian_directory(
+      tmp_path, MarianShape(share_encoder_decoder_embeddings=False), seed=1)
+  config, params, tokenizer = loaded if shared else load_marian(directory)
+  assert config.share_embeddings == shared
+  src = _sources(tokenizer)
+  tgt_in = _pad(tokenizer.encode_target(SENTENCES[::-1]), tokenizer.pad_id, [tokenizer.pad_id])
+  # transformers in float64: its own float32 run is 1.4e-5 from this, ours 8e-6.
+  model = transformers.MarianMTModel.from_pretrained(directory).eval().double()
+  with torch.no_grad():
+    expected = model(input_ids=torch.tensor(src), attention_mask=torch.tensor(src != config.pad_id),
+                     decoder_input_ids=torch.tensor(tgt_in)).logits.numpy()
+  logits = np.asarray(build_model(config).apply({'params': params}, src, tgt_in))
+  # Positions after a target's end differ by design: ours mask PAD keys there, transformers'
+  # (without a decoder_attention_mask) attend to them; nothing reads those logits.
+  real = (tgt_in != config.pad_id) | (np.arange(tgt_in.shape[1]) == 0)
+  assert real.sum() < real.size and np.abs(expected).max() > 1.0
+  np.testing.assert_allclose(logits[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
+def _boost_eos(params, reference, eos_id, boost):
+  """Both models with `boost` added to EOS's logit bias: a random model then ends some rows early."""
+  params = {**params, 'logits_bias': params['logits_bias'].copy()}
+  params['logits_bias'][eos_id] += boost
+  reference = copy.deepcopy(reference)
+  with torch.no_grad():
+    reference.final_logits_bias[0, eos_id] += boost
+  return params, reference
+
+
+def test_greedy_equals_generate(loaded, reference):
+  config, params, tokenizer = loaded
+  src = _sources(tokenizer)
+  for boost in (0.0, 3.0):
+    boosted, model = _boost_eos(params, reference, config.eos_id, boost)
+    tokens = np.asarray(decoding.greedy(build_model(config), boosted, src, max_len=NEW_TOKENS))
+    np.testing.assert_array_equal(tokens, _generate(model, src, config.pad_id, num_beams=1))
+  # With the boost, some rows end with EOS and some run to the limit: both endings compared.
+  ended = (tokens == config.eos_id).any(axis=1)
+  assert ended.any() and not ended.all()
+
+
+def test_beam_search_equals_generate_when_every_hypothesis_runs_to_the_limit(loaded, reference):
+  # alpha 0 and length_penalty 0 both rank by the sum of log-probabilities.
+  config, params, tokenizer = loaded
+  src = _sources(tokenizer)
+  tokens, _ = decoding.beam_search(build_model(config), params, src, beam_size=4, alpha=0.0,
+                                   max_len=NEW_TOKENS, min_len=NEW_TOKENS)
+  expected = _generate(reference, src, config.pad_id, num_beams=4, length_penalty=0.0,
+                       min_new_tokens=NEW_TOKENS)
+  np.testing.assert_array_equal(np.asarray(tokens), expected)
+
+
+def _log_probability(config, params, src, tokens):
+  """Sum of log P(token | prefix) over each row's tokens up to its EOS, `[B]`, in float64."""
+  tgt_in = np.concatenate([np.full((len(tokens), 1), config.pad_id), tokens[:, :-1]], axis=1)
+  logits = np.asarray(build_model(config).apply({'params': params}, src, tgt_in), np.float64)
+  logits[..., config.pad_id] = -np.inf  # neither search emits PAD
+  log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                              ) - logits.max(-1, keepdims=True)
+  picked = np.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
+  return np.where(tokens != config.pad_id, picked, 0.0).sum(axis=1)
+
+
+def test_beam_search_finds_hypotheses_at_least_as_probable_as_generate(loaded, reference):
+  # Where hypotheses may end: transformers keeps a hypothesis ending in EOS only if it ranks
+  # among the best beam_size of the 2 * beam_size candidates; ours keeps every one of the 2K,
+  # so it can find a more probable, shorter translation (docs/pretrained.md).
+  config, params, tokenizer = loaded
+  src = _sources(tokenizer)
+  tokens, _ = decoding.beam_search(build_model(config), params, src, beam_size=4, alpha=0.0,
+                                   max_len=NEW_TOKENS)
+  expected = _generate(reference, src, config.pad_id, num_beams=4, length_penalty=0.0)
+  ours = _log_probability(config, params, src, np.asarray(tokens))
+  theirs = _log_probability(config, params, src, expected)
+  assert np.all(ours >= theirs - 1e-4)
+  same = (np.asarray(tokens) == expected).all(axis=1)
+  assert same.any()
+
+
+def test_translator_and_decode_py_translate_a_marian_directory(marian_dir, loaded, reference):
+  config, _, tokenizer = loaded
+  translator = Translator.from_pretrained(marian_dir)
+  translations = translator.translate(SENTENCES, Greedy(max_len=NEW_TOKENS))
+  expected = transformers.MarianTokenizer.from_pretrained(marian_dir).batch_decode(
+      _generate(reference, _sources(tokenizer), config.pad_id, num_beams=1),
+      skip_special_tokens=True)
+  assert translations == expected and any(translations)
+  status, out, err = call(decode_cli.main, ['--checkpoint', marian_dir, '--method', 'greedy',
+                                            '--max-len', NEW_TOKENS, *SENTENCES])
+  assert status == 0, err
+  assert out.splitlines() == translations
+  with pytest.raises(ConfigError, match='step and average_last apply to run directories'):
+    Translator.from_directory(marian_dir, average_last=2)
+
+
+def test_the_tokenizer_reads_sentencepiece_pieces_through_vocab_json(loaded, marian_dir):
+  _, _, tokenizer = loaded
+  vocab = json.loads((marian_dir / 'vocab.json').read_text())
+  text = 'Ein Mann fährt mit dem Fahrrad.'
+  ids = tokenizer.encode_target([text])[0]
+  assert tokenizer.decode([ids + [tokenizer.eos_id, 5, 6]]) == [text]
+  assert [tokenizer.id_to_token(i) for i in ids] == [
+      piece if piece in vocab else '<unk>' for piece in
+      __import__('sentencepiece').SentencePieceProcessor(
+          model_file=str(marian_dir / 'target.spm')).encode(text, out_type=str)]
+  assert tokenizer.encode(['☃'])[0][-1] == tokenizer.unk_id  # no piece of vocab.json
+  assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (len(vocab) - 1,) * 2 + (0,)
+
+
+def test_a_pytorch_pickle_is_refused_with_how_to_convert(marian_dir, tmp_path):
+  for name in ('config.json', 'source.spm', 'target.spm', 'vocab.json'):
+    shutil.copy(marian_dir / name, tmp_path / name)
+  (tmp_path / 'pytorch_model.bin').write_bytes(b'not read')
+  with pytest.raises(PretrainedError, match=r'pickles are not read.*save_pretrained\(.*'
+                                            r'safe_serialization=True\)'):
+    load_marian(tmp_path)
+
+
+@pytest.mark.parametrize('field, value', [
+    ('normalize_before', True), ('add_final_layer_norm', True), ('scale_embedding', False),
+    ('static_position_embeddings', False), ('activation_function', 'gelu'),
+    ('decoder_vocab_size', 7), ('decoder_ffn_dim', 32)])
+def test_a_field_that_cannot_map_is_refused_by_name(field, value, marian_dir):
+  hf = json.loads((marian_dir / 'config.json').read_text())
+  marian_config(hf)  # maps as it is
+  with pytest.raises(PretrainedError, match=rf'^config.json: .*\b{field}='):
+    marian_config({**hf, field: value})
+
+
+# --- fine-tuning with train.py --init-from ------------------------------------------------
+
+FINE_TUNING = ['--train.max_tokens=256', '--train.warmup_steps=2', '--train.log_every=1',
+               '--train.eval_every=2', '--train.checkpoint_every=2', '--model.dropout_rate=0']
+
+
+def test_train_py_fine_tunes_a_marian_model_into_a_run_that_decodes(marian_dir, loaded,
+                                                                     tmp_path):
+  from benchmarks.marian import SAMPLE_TEXT
+  from flax_transformer.cli import train as train_program
+
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  # A training split only: no validation or BLEU passes to compile.
+  (corpus / 'train.en').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[0::2]))
+  (corpus / 'train.de').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[1::2]))
+  workdir = tmp_path / 'run'
+  status, out, err = call(train_program.main, ['--init-from', marian_dir, '--data', corpus,
+                                               '--workdir', workdir, '--steps', 2, *FINE_TUNING])
+  assert status == 0, err
+  assert f'fine-tuning {marian_dir}' in out
+  config, params, _ = loaded
+  translator = Translator.from_checkpoint(workdir)
+  assert translator.config == config.replace(dropout_rate=0.0)
+  assert {p.name for p in workdir.iterdir()} >= {'source.spm', 'target.spm', 'vocab.json'}
+  # Training started from the pretrained values: Adam's first update moves a parameter by at
+  # most its learning rate, the second by at most sqrt(sum a_i^2 / b_i) times it (Cauchy-Schwarz
+  # on the bias-corrected moments, weights a of the first and b of the second); the rates are
+  # d^-0.5 * min(n^-0.5, n * warmup^-1.5), n = 1, 2.
+  rates = [32 ** -0.5 * min(n ** -0.5, n * 2 ** -1.5) for n in (1, 2)]
+  b1, b2 = 0.9, 0.98
+  a, b = np.array([b1, 1]) * (1 - b1) / (1 - b1 ** 2), np.array([b2, 1]) * (1 - b2) / (1 - b2 ** 2)
+  bound = rates[0] + rates[1] * np.sqrt(np.sum(a ** 2 / b))
+  moved = np.abs(np.asarray(translator.variables['params']['embedding']['embedding'])
+                 - params['embedding']['embedding'])
+  assert 0.9 * bound < moved.max() <= bound * (1 + 1e-5)
+  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
+                                            '--max-len', NEW_TOKENS, SENTENCES[0]])
+  assert status == 0 and out.splitlines() == translator.translate(SENTENCES[:1],
+                                                                  Greedy(max_len=NEW_TOKENS))
+
+
+def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(marian_dir):
+  from flax_transformer.cli import train as train_program
+  from support.script_calls import usage_error
+
+  err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
+  assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err
