@@ -66,6 +66,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from flax_transformer import scheduled_sampling
 from flax_transformer.batching import Batcher, encode_corpus
 from flax_transformer.build import build_model
 from flax_transformer.checkpoint import Checkpoints, WriteError, average_checkpoints, load_for_inference
@@ -144,6 +145,7 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
                       'it or average fewer')
   if not isinstance(skip_nonfinite, int) or skip_nonfinite < 0:
     raise ConfigError(f'--skip-nonfinite must be a non-negative integer, got {skip_nonfinite!r}')
+  scheduled_sampling.check_model(model_config, train_config)
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
