@@ -285,8 +285,8 @@ def _check_scheduled_sampling(config: TrainConfig) -> None:
             'inverse_sigmoid': (k >= 1, 'k >= 1')}
   valid, rule = ranges.get(schedule, (True, ''))
   if not valid:
-    raise ConfigError(f'train.scheduled_sampling={schedule!r} needs {rule}; got '
-                      + ', '.join(f'train.scheduled_sampling_{n}={v!r}' for n, v in numbers.items()))
+    values = ', '.join(f'train.scheduled_sampling_{n}={v!r}' for n, v in numbers.items())
+    raise ConfigError(f'train.scheduled_sampling={schedule!r} needs {rule}; got {values}')
 
 
 @dataclasses.dataclass(frozen=True)
