@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
+from flax_transformer.model import Transformer
 
 _COIN, _SAMPLE = 0, 1  # the two streams of a row's key
 
@@ -68,7 +69,10 @@ def predict(logits: jax.Array, keys: jax.Array, choice: str) -> jax.Array:
   """
   if choice == 'argmax':
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  sample = lambda key, row: jax.random.categorical(jax.random.fold_in(key, _SAMPLE), row)
+
+  def sample(key, row_logits):                                      # [T, V] -> [T]
+    return jax.random.categorical(jax.random.fold_in(key, _SAMPLE), row_logits)
+
   return jax.vmap(sample)(keys, logits.astype(jnp.float32)).astype(jnp.int32)
 
 
@@ -83,14 +87,17 @@ def mix_decoder_inputs(gold_in: jax.Array, predictions: jax.Array,
   probability `use_prediction_prob` (row b's coins from keys[b]), else stays gold.
   """
   shifted = jnp.concatenate([gold_in[:, :1], predictions[:, :-1]], axis=1)   # [B, T]
-  coin = lambda key: jax.random.bernoulli(jax.random.fold_in(key, _COIN), use_prediction_prob,
-                                          gold_in.shape[1:])
-  use = jax.vmap(coin)(keys)                                                  # [B, T]
+
+  def coins(key):                                                             # -> bool [T]
+    return jax.random.bernoulli(jax.random.fold_in(key, _COIN), use_prediction_prob,
+                                gold_in.shape[1:])
+
+  use = jax.vmap(coins)(keys)                                                 # [B, T]
   use = use & (gold_in != pad_id) & (jnp.arange(gold_in.shape[1]) > 0)
   return jnp.where(use, shifted, gold_in)
 
 
-def scheduled_inputs(model, params, src: jax.Array, gold_in: jax.Array, step: jax.Array,
+def scheduled_inputs(model: Transformer, params, src: jax.Array, gold_in: jax.Array, step: jax.Array,
                      key: jax.Array, first_row: jax.Array | int, train_config: TrainConfig
                      ) -> jax.Array:
   """The mixed decoder input [B, T] of one step's rows (src [B, S], gold_in [B, T]).
