@@ -15,13 +15,16 @@ run is evaluated at the same step), on validation and test_2016:
   count as wrong). The gap between them is how much the model's own mistakes
   cost it.
 
-Results: benchmarks/results/scheduled_sampling.json.
+Results: benchmarks/results/scheduled_sampling.json, one entry per run and step
+(`WORKDIR@STEP`): a run evaluated again replaces its entry and leaves the
+others, so runs can be evaluated as each finishes.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -126,18 +129,19 @@ def main() -> None:
   splits = {name: (list(dataset[name]['source'])[:args.sentences],
                    list(dataset[name]['target'])[:args.sentences])
             for name in ('validation', 'test')}
-  runs = {}
+  output = Path(args.output)
+  runs = json.loads(output.read_text())['runs'] if output.is_file() else {}
   for workdir in map(Path, args.workdirs):
     train_config = read_config(workdir)[1]
     step = args.step or Checkpoints(workdir, read_only=True).latest_step()
-    runs[str(workdir)] = {
+    runs[f'{workdir}@{step}'] = {
         'scheduled_sampling': {name: value for name, value in vars(train_config).items()
                                if name.startswith('scheduled_sampling')},
         'evaluated_step': step, **training_summary(workdir),
+        'machine': common.machine_info(os.cpu_count()),
         'scores': evaluate_run(workdir, step, splits)}
-  result = {'benchmark': 'scheduled_sampling', 'machine': common.machine_info(os.cpu_count()),
-            'runs': runs}
-  print(f'wrote {common.write_json(Path(args.output), result)}')
+  result = {'benchmark': 'scheduled_sampling', 'runs': runs}
+  print(f'wrote {common.write_json(output, result)}')
 
 
 if __name__ == '__main__':

@@ -279,3 +279,16 @@ def test_two_devices_train_like_one(device_runs, run):
     for name, value in reference.items():
       np.testing.assert_allclose(values[name], value, rtol=rtol, atol=atol,
                                  err_msg=f'{kind} {name}')
+
+
+def test_free_running_accuracy_counts_reference_positions():
+  """benchmarks/scheduled_sampling.py's mismatch measure: position-wise matches over the
+  reference's positions; a short output loses the positions it does not reach, a long one gains
+  nothing from its extra tokens."""
+  from benchmarks.scheduled_sampling import positionwise_correct
+  reference = np.array([5, 6, 7, EOS])
+  assert positionwise_correct(np.array([5, 6, 7, EOS, PAD, PAD]), reference) == 4
+  assert positionwise_correct(np.array([5, 7, 7, EOS]), reference) == 3
+  assert positionwise_correct(np.array([5, EOS]), reference) == 1
+  assert positionwise_correct(np.array([6, 7, EOS, PAD]), reference) == 0   # shifted: all wrong
+  assert positionwise_correct(np.array([5, 6, 7, 8, 9, EOS]), reference) == 3
