@@ -222,6 +222,21 @@ class TrainConfig:
   eos_fill_rate: float = setting(0.1, 'cmlm: fraction of target rows whose PAD positions are '
                                       'filled with EOS while training, for fixed-length '
                                       'decoding')
+  scheduled_sampling: Literal['off', 'linear', 'exponential', 'inverse_sigmoid'] = setting(
+      'off', 'off: teacher forcing (the paper); else scheduled sampling (Mihaylova & Martins '
+      '2019): a second decoder pass fed, per token, the first pass prediction with probability '
+      '1 - eps_i, where eps_i, the gold-token probability at step i, decays as in Bengio et al. '
+      '2015: linear min(1, max(eps, k - c*i)), exponential k^i, inverse_sigmoid k/(k + exp(i/k))')
+  scheduled_sampling_k: float = setting(1.0, 'scheduled sampling: k of the decay (linear: the '
+                                             'start, > 1 holds eps_i at 1 for (k - 1) / c steps; '
+                                             'exponential: 0 < k <= 1; inverse_sigmoid: k >= 1)')
+  scheduled_sampling_c: float = setting(1e-4, 'scheduled sampling, linear: the decrease of the '
+                                              'gold-token probability per step')
+  scheduled_sampling_eps: float = setting(0.0, 'scheduled sampling, linear: the lowest '
+                                               'gold-token probability, in [0, 1]')
+  scheduled_sampling_choice: Literal['argmax', 'sample'] = setting(
+      'argmax', "scheduled sampling: the first pass's prediction is its argmax, or a token "
+      'sampled from its softmax')
 
   # Fields a resumed run may change: they say how long and how chattily to train, not how.
   RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
@@ -236,6 +251,7 @@ class TrainConfig:
         positive_floats=('lr_scale', 'adam_eps', 'max_grad_norm'),
         nonnegative_floats=('length_loss_weight', 'weight_decay'),
         unit_floats=('adam_b1', 'adam_b2', 'label_smoothing', 'eos_fill_rate'))
+    _check_scheduled_sampling(self)
 
   def replace(self, **overrides) -> TrainConfig:
     return dataclasses.replace(self, **overrides)
@@ -259,6 +275,32 @@ class TrainConfig:
     defaults = dict(steps=400, max_tokens=2048, warmup_steps=200, log_every=50,
                     eval_every=200, checkpoint_every=200)
     return cls(**{**defaults, **overrides})
+
+
+def _check_scheduled_sampling(config: TrainConfig) -> None:
+  """Raises ConfigError naming the train.scheduled_sampling_* setting that is out of range for
+  the chosen schedule, or that the schedule does not read."""
+  schedule, k = config.scheduled_sampling, config.scheduled_sampling_k
+  defaults = TrainConfig.__dataclass_fields__
+  unread = {'off': ('k', 'c', 'eps', 'choice'), 'linear': (),
+            'exponential': ('c', 'eps'), 'inverse_sigmoid': ('c', 'eps')}[schedule]
+  for name in unread:
+    field = f'scheduled_sampling_{name}'
+    if getattr(config, field) != defaults[field].default:
+      raise ConfigError(f'train.{field}={getattr(config, field)!r} is not read with '
+                        f'train.scheduled_sampling={schedule!r}')
+  numbers = {name: getattr(config, f'scheduled_sampling_{name}') for name in ('k', 'c', 'eps')}
+  for name, value in numbers.items():
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f'train.scheduled_sampling_{name} must be a number, got {value!r}')
+  ranges = {'linear': (k >= 0 and numbers['c'] >= 0 and 0 <= numbers['eps'] <= 1,
+                       'k >= 0, c >= 0 and 0 <= eps <= 1'),
+            'exponential': (0 < k <= 1, '0 < k <= 1'),
+            'inverse_sigmoid': (k >= 1, 'k >= 1')}
+  valid, rule = ranges.get(schedule, (True, ''))
+  if not valid:
+    values = ', '.join(f'train.scheduled_sampling_{n}={v!r}' for n, v in numbers.items())
+    raise ConfigError(f'train.scheduled_sampling={schedule!r} needs {rule}; got {values}')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_transformer import cmlm
+from flax_transformer import cmlm, scheduled_sampling
 from flax_transformer.batching import Batch, shard
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.losses import label_smoothed_cross_entropy, loss_sums, token_losses
@@ -40,7 +40,7 @@ from flax_transformer.model import Transformer
 AXIS = 'data'  # the mapped device axis, in both shard_map and pmap
 
 # Independent random streams derived from TrainConfig.seed.
-_INIT_STREAM, _DROPOUT_STREAM, _MASK_STREAM = 0, 1, 2
+_INIT_STREAM, _DROPOUT_STREAM, _MASK_STREAM, _SCHEDULED_SAMPLING_STREAM = 0, 1, 2, 3
 # cmlm validation masks come from this seed, not the run's: every evaluation of every run
 # masks the same positions, so validation losses compare across steps and runs.
 _EVAL_MASK_SEED = 0
@@ -201,7 +201,8 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   Dropout keys: seed -> fold in the step -> fold in the device index, so every
   step and device draws fresh masks and a resumed run draws the same ones.
   cmlm token masks: seed -> fold in the step -> fold in the row's index in the
-  global batch, so a row is masked alike whichever device holds it.
+  global batch, so a row is masked alike whichever device holds it. Scheduled
+  sampling's choices (`scheduled_sampling`) come from the seed, step and row alike.
 
   Args:
     state: replicated TrainState.
@@ -222,6 +223,7 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
     sentences, and target_tokens (all non-PAD target positions, for throughput).
   """
   config = model.config
+  scheduled_sampling.check_model(config, train_config)
   seed_key = jax.random.key(train_config.seed)
   dropout_key = jax.random.fold_in(seed_key, _DROPOUT_STREAM)
   dropout_key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step),
@@ -230,6 +232,8 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
     mask_key = jax.random.fold_in(jax.random.fold_in(seed_key, _MASK_STREAM), state.step)
     loss_fn = _cmlm_loss_fn(model, batch, mask_key, dropout_key, train_config)
   else:
+    if train_config.scheduled_sampling != 'off':
+      batch = _with_scheduled_sampling(model, state, batch, seed_key, train_config)
     loss_fn = _autoregressive_loss_fn(model, batch, dropout_key, train_config)
 
   # Per-device parameters, so that grad gives this device's gradient and the psum
@@ -268,6 +272,17 @@ def _autoregressive_loss_fn(model: Transformer, batch: Batch, dropout_key: jax.A
     return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
 
   return loss_fn
+
+
+def _with_scheduled_sampling(model: Transformer, state: TrainState, batch: Batch,
+                             seed_key: jax.Array, train_config: TrainConfig) -> Batch:
+  """`batch` whose tgt_in [B, T] is the scheduled-sampling mix of gold and first-pass tokens;
+  tgt_out stays gold. Row keys: seed -> stream -> step -> the row's index in the global batch."""
+  key = jax.random.fold_in(jax.random.fold_in(seed_key, _SCHEDULED_SAMPLING_STREAM), state.step)
+  first_row = lax.axis_index(AXIS) * batch.src.shape[0]
+  mixed = scheduled_sampling.scheduled_inputs(model, state.params, batch.src, batch.tgt_in,
+                                              state.step, key, first_row, train_config)
+  return batch.replace(tgt_in=mixed)
 
 
 def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Array,

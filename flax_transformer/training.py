@@ -77,6 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from flax_transformer import scheduled_sampling
 from flax_transformer.batching import Batcher, encode_corpus
 from flax_transformer.build import build_model
 from flax_transformer.checkpoint import (Checkpoints, DamagedCheckpoint, WriteError,
@@ -165,6 +166,7 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
                       'task (data.source=toy) has its own')
   # The tokenizer has at most data.vocab_size tokens.
   check_fits(model_config.replace(vocab_size=data_config.vocab_size), train_config.max_tokens)
+  scheduled_sampling.check_model(model_config, train_config)
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
