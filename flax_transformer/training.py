@@ -141,8 +141,12 @@ def load_data(data_config: DataConfig) -> datasets.DatasetDict:
 
 
 def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
-                   average_last: int = 0, skip_nonfinite: int = 0) -> None:
+                   average_last: int = 0, skip_nonfinite: int = 0, pretrained: bool = False
+                   ) -> None:
   """Raises ConfigError for settings that are each valid but cannot make a run together.
+
+  pretrained: the model config comes from a pretrained model (`--init-from`), with
+  its own vocabulary, rather than from a tokenizer trained on the data.
 
   Checked before any data is loaded, rather than found out later (the vocabulary
   when the tokenizer is trained, the averaging after the last step).
@@ -165,7 +169,8 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
     raise ConfigError(f'{picked[0]} picks a split of a data directory or Hub dataset; the toy '
                       'task (data.source=toy) has its own')
   # The tokenizer has at most data.vocab_size tokens.
-  check_fits(model_config.replace(vocab_size=data_config.vocab_size), train_config.max_tokens)
+  check_fits(model_config if pretrained else model_config.replace(vocab_size=data_config.vocab_size),
+             train_config.max_tokens)
   scheduled_sampling.check_model(model_config, train_config)
 
 
@@ -206,7 +211,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     ConfigError, DataError, TokenizerError, CheckpointError: bad settings,
       data, or run directory, before training starts.
   """
-  check_settings(model_config, train_config, data_config, average_last, skip_nonfinite)
+  check_settings(model_config, train_config, data_config, average_last, skip_nonfinite,
+                 pretrained=init_from is not None)
   directory = RunDirectory(workdir)
   with directory.locked():
     run = _open_run(model_config, train_config, data_config, directory, dataset, devices,

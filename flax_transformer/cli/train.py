@@ -106,7 +106,8 @@ def _main(argv: list[str] | None) -> int:
   from flax_transformer.training import check_settings, train
 
   try:
-    check_settings(*configs, args.average_last, args.skip_nonfinite)
+    check_settings(*configs, args.average_last, args.skip_nonfinite,
+                   pretrained=args.init_from is not None)
   except ConfigError as error:
     parser.error(str(error))
   train(*configs, args.workdir or Path('runs') / args.preset, devices=args.devices,
