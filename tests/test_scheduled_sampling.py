@@ -14,13 +14,13 @@ import pytest
 from flax import traverse_util
 
 from flax_transformer import scheduled_sampling as ss
-from flax_transformer.batching import Batch
 from flax_transformer.config import (ConfigError, DataConfig, ModelConfig, TrainConfig,
                                      parse_overrides)
 from flax_transformer.model import Transformer
 from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
                                          make_parallel_step)
 from flax_transformer.training import check_settings
+from support.copy_task import random_copy_batch
 from support.device_workers import run_values, run_worker
 
 PAD, BOS, EOS = 0, 1, 2
@@ -156,15 +156,8 @@ def test_command_line_settings_and_cmlm_refusal():
 # --- the training step --------------------------------------------------------------------
 
 def copy_batch(seed, rows=8, length=12):
-  """Copy-task rows of random lengths, PAD after: `<s> x1..xm` / `x1..xm </s>`."""
-  rng = np.random.default_rng(seed)
-  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
-  for row in range(rows):
-    words = rng.integers(4, CONFIG.vocab_size, rng.integers(2, length))
-    src[row, :len(words) + 1] = [*words, EOS]
-    tgt_in[row, :len(words) + 1] = [BOS, *words]
-    tgt_out[row, :len(words) + 1] = [*words, EOS]
-  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
+  """Copy-task rows of 2 to `length` - 1 words, PAD after."""
+  return random_copy_batch(np.random.default_rng(seed), rows, length, CONFIG.vocab_size, min_words=2)
 
 
 # Gold probability 1 - i clipped to [0, 1]: step 0 is teacher forcing (p = 0), step 1 feeds only

@@ -17,6 +17,7 @@ from flax_transformer.model import Transformer
 from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
                                          label_smoothed_cross_entropy, make_optimizer,
                                          make_parallel_step, token_metrics, transformer_schedule)
+from support.copy_task import random_copy_batch
 
 PAD, BOS, EOS = 0, 1, 2
 # One layer each side: the step's behaviour does not depend on depth, and compiles halve.
@@ -34,19 +35,6 @@ def reference_smoothed_ce(logits, targets, eps, pad_id):
   per_token = -(q * log_p).sum(-1)
   weights = targets != pad_id
   return (per_token * weights).sum(), weights.sum()
-
-
-def copy_batch(rng, rows, length, vocab=CONFIG.vocab_size):
-  """Copy task rows `x1..xm </s>` -> `<s> x1..xm` / `x1..xm </s>`, random m, PAD after."""
-  src = np.zeros((rows, length), np.int32)
-  tgt_in = np.zeros((rows, length), np.int32)
-  tgt_out = np.zeros((rows, length), np.int32)
-  for row in range(rows):
-    words = rng.integers(4, vocab, rng.integers(1, length))
-    src[row, :len(words) + 1] = [*words, EOS]
-    tgt_out[row, :len(words) + 1] = [*words, EOS]
-    tgt_in[row, :len(words) + 1] = [BOS, *words]
-  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
 
 
 def concat(a: Batch, b: Batch) -> Batch:
@@ -174,7 +162,7 @@ def copy_run(single, setup):
   rng = np.random.default_rng(0)
   history = []
   for _ in range(TRAIN_CONFIG.steps):
-    state, metrics = step(state, single.shard_batch(copy_batch(rng, ROWS, LENGTH, WORDS)))
+    state, metrics = step(state, single.shard_batch(random_copy_batch(rng, ROWS, LENGTH, WORDS)))
     history.append(metrics)
   return single.unreplicate(history), single.unreplicate(state)
 
@@ -193,7 +181,7 @@ def test_step_metrics_and_counter(copy_run, setup):
   history, state = copy_run
   model, _, _, initial = setup
   first = history[0]
-  batch = copy_batch(np.random.default_rng(0), ROWS, LENGTH, WORDS)  # the first batch again
+  batch = random_copy_batch(np.random.default_rng(0), ROWS, LENGTH, WORDS)  # the first batch again
   assert float(first['tokens']) == float(batch.num_tokens)
   # correct: the target tokens the initial model ranks first, counted here in NumPy.
   logits = np.asarray(model.apply({'params': initial.params}, batch.src, batch.tgt_in))
@@ -213,7 +201,7 @@ def test_step_metrics_and_counter(copy_run, setup):
 def test_step_loss_equals_float64_reference(single, setup):
   """With dropout 0 the step's summed loss is the reference loss of the model it starts from."""
   model, _, step, initial = setup
-  batch = copy_batch(np.random.default_rng(5), ROWS, LENGTH, WORDS)
+  batch = random_copy_batch(np.random.default_rng(5), ROWS, LENGTH, WORDS)
   logits = model.apply({'params': initial.params}, batch.src, batch.tgt_in)
   want_loss, want_tokens = reference_smoothed_ce(logits, batch.tgt_out, 0.1, PAD)
   _, metrics = step(single.replicate(initial), single.shard_batch(batch))
@@ -230,7 +218,7 @@ def test_gradient_accumulation_equals_one_large_batch(single, setup):
   """
   model, optimizer, step, initial = setup
   rng = np.random.default_rng(7)
-  first, second = (copy_batch(rng, ROWS // 2, LENGTH, WORDS) for _ in range(2))
+  first, second = (random_copy_batch(rng, ROWS // 2, LENGTH, WORDS) for _ in range(2))
   second = second.replace(tgt_in=first.tgt_in, tgt_out=first.tgt_out)  # same token count
   state, _ = step(single.replicate(initial), single.shard_batch(concat(first, second)))
   one_batch = flat(single.unreplicate(state).params)
@@ -279,7 +267,7 @@ def test_bfloat16_compute_keeps_float32_parameters_and_loss(single, setup):
   _, optimizer, _, initial = setup
   config = CONFIG.replace(dtype='bfloat16')
   step = make_parallel_step(Transformer(config), optimizer, TRAIN_CONFIG, single)
-  batch = copy_batch(np.random.default_rng(2), ROWS, LENGTH, WORDS)
+  batch = random_copy_batch(np.random.default_rng(2), ROWS, LENGTH, WORDS)
   state, metrics = step(single.replicate(initial), single.shard_batch(batch))
   state, metrics = single.unreplicate(state), single.unreplicate(metrics)
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))

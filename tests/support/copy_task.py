@@ -1,4 +1,4 @@
-"""Copy-task batches for the cmlm training step: its tests and the device worker they start."""
+"""Copy-task batches for the training-step tests and the device workers they start."""
 
 import numpy as np
 
@@ -18,3 +18,14 @@ def copy_batch(rng, rows, length, vocab):
   example_ids = np.arange(rows, dtype=np.int32)
   example_ids[-1] = -1
   return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids)
+
+
+def random_copy_batch(rng, rows, length, vocab, min_words=1):
+  """Copy rows `x1..xm </s>` -> `<s> x1..xm` / `x1..xm </s>`, m drawn from [min_words, length), PAD after."""
+  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
+  for row in range(rows):
+    words = rng.integers(4, vocab, rng.integers(min_words, length))
+    src[row, :len(words) + 1] = [*words, EOS]
+    tgt_in[row, :len(words) + 1] = [BOS, *words]
+    tgt_out[row, :len(words) + 1] = [*words, EOS]
+  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
