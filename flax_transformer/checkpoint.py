@@ -101,6 +101,9 @@ class Checkpoints:
                        f'({error.strerror or error})') from error
     self._unconfirmed_step: int | None = None  # a save not yet known to have succeeded
     self._closed = False
+    # Steps whose files matched their digests: a complete checkpoint does not change under
+    # us, so decoding's layer check and its restore hash the files once, not twice.
+    self._verified: set[int] = set()
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -204,8 +207,10 @@ class Checkpoints:
     """Raises DamagedCheckpoint if a file of `step` differs from its recorded SHA-256.
 
     A checkpoint without recorded digests (its process was killed before the save
-    was confirmed, or an older run) is not checked here.
+    was confirmed, or an older run) is not checked here. Each step is hashed once.
     """
+    if step in self._verified:
+      return
     where = self.directory / str(step)
     try:
       digests = json.loads((where / DIGESTS_FILE).read_text())
@@ -223,6 +228,7 @@ class Checkpoints:
         raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} is not the '
                                 'file written (its SHA-256 differs from the one recorded in '
                                 f'{DIGESTS_FILE})', step, path)
+    self._verified.add(step)
 
   def check_layers(self, step: int, config: ModelConfig, what: str) -> None:
     """Raises CheckpointError if `step` saves other numbers of layers than `config` has.
@@ -254,6 +260,7 @@ class Checkpoints:
       aside = self.directory / f'damaged-{step}-{suffix}'
     if jax.process_index() == 0:
       (self.directory / str(step)).rename(aside)
+    self._verified.discard(step)  # a later save may write this step afresh
     multihost_utils.sync_global_devices(f'checkpoint {step} set aside')
     self._manager.reload()
     return aside
