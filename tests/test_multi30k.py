@@ -52,6 +52,21 @@ def test_score_lowercases_only_the_lowercased_variant():
   assert 'lc' in result['signatures']['bleu_lc'] and 'mixed' in result['signatures']['bleu']
 
 
+def test_moses_line_scores_moses_tokens_lowercased():
+  # Moses keeps "z.B." whole where 13a splits it into "z . B ."; both sides match either way,
+  # but a hypothesis that splits it itself only matches the reference under 13a.
+  references = ['Ein Hund, z.B. ein Pudel, springt.']
+  hypotheses = ['ein hund, z. b. ein pudel, springt.']
+  result = multi30k.score(hypotheses, references, 'de')
+  assert multi30k.moses_tokenize(references, 'de') == ['Ein Hund , z.B. ein Pudel , springt .']
+  assert result['bleu_lc'] == pytest.approx(100.0)
+  assert result['bleu_moses_lc'] < 60.0
+  assert multi30k.score(references, references, 'de')['bleu_moses_lc'] == pytest.approx(100.0)
+  signature = result['signatures']['bleu_moses_lc']
+  assert 'sacremoses de' in signature and 'tok:none' in signature and 'lc' in signature
+  assert 'bleu_moses_lc' not in multi30k.score(hypotheses, references)
+
+
 def test_plot_writes_a_small_png(tmp_path):
   lines = []
   for step in range(50, 1001, 50):
