@@ -297,15 +297,22 @@ class MultiHeadAttention(nn.Module):
     return [self._split_heads(part) for part in jnp.split(y, len(names), axis=-1)]
 
   def project_kv(self, inputs_kv: jax.Array) -> KVCache:
-    """Keys and values `[B, N, S, H]` of `inputs_kv` `[B, S, D]` (one fused [D, 2D] product)."""
-    k, v = self._fused(inputs_kv, ('key', 'value'))
-    return KVCache(k=_heads_first(k), v=_heads_first(v))
+    """Keys and values `[B, N, S, H]` of `inputs_kv` `[B, S, D]`."""
+    return KVCache(k=_heads_first(self._split_heads(self.key(inputs_kv))),
+                   v=_heads_first(self._split_heads(self.value(inputs_kv))))
 
-  def project_qkv(self, inputs: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Self-attention's queries `[B, T, N, H]` and keys and values `[B, N, T, H]` of `inputs`
-    `[B, T, D]`, from one fused [D, 3D] product; the queries go to `attend`."""
-    q, k, v = self._fused(inputs, ('query', 'key', 'value'))
-    return q, KVCache(k=_heads_first(k), v=_heads_first(v))
+  def project_qkv(self, inputs: jax.Array, fuse: bool = False) -> tuple[jax.Array, KVCache]:
+    """Self-attention's queries `[B, T, N, H]` (for `attend`) and keys and values `[B, N, T, H]`
+    of `inputs` `[B, T, D]`.
+
+    fuse: one [D, 3D] product (`_fused`) rather than three [D, D]. It pays on a
+    decoding step's few rows (greedy 1.05x faster, base model, 32 rows), not on
+    training's 1024 (float32 step 1.03x slower, bfloat16 even; see benchmarks/ab.py).
+    """
+    if fuse:
+      q, k, v = self._fused(inputs, ('query', 'key', 'value'))
+      return q, KVCache(k=_heads_first(k), v=_heads_first(v))
+    return self._split_heads(self.query(inputs)), self.project_kv(inputs)
 
   def extend_cache(self, inputs: jax.Array, cache: KVCache, index: jax.Array | int) -> KVCache:
     """Writes the keys and values of `inputs` `[B, T, D]` into the cache at position `index`

@@ -148,7 +148,8 @@ class DecoderBlock(nn.Module):
     """
     deterministic = not train
     h = self.self_attention_sublayer.normalize_input(y)
-    q, kv = self.self_attention.project_qkv(h)
+    # Fused on a decoding step's few rows only (see project_qkv).
+    q, kv = self.self_attention.project_qkv(h, fuse=cache is not None)
     if cache is not None:
       kv = cache = self.self_attention.write_cache(kv, cache, cache_index)
     y = self.self_attention_sublayer(y, self.self_attention.attend(q, kv, self_mask, deterministic),

@@ -138,15 +138,16 @@ def reference_multi_head(params, x, memory, heads):
   return attend(x, x), attend(x, memory)
 
 
-def test_fused_projections_match_separate_float64_products():
-  # project_qkv's one [D, 3D] product and project_kv's [D, 2D] against three and two products.
+@pytest.mark.parametrize('fuse', [True, False])
+def test_projections_match_separate_float64_products(fuse):
+  # project_qkv's one [D, 3D] product (fuse) or three against three float64 products.
   d_model, heads = 32, 4
   x = jax.random.normal(jax.random.key(1), (2, 5, d_model))
   memory = jax.random.normal(jax.random.key(2), (2, 7, d_model))
   layer = MultiHeadAttention(num_heads=heads, d_model=d_model)
 
   def both(m, x, memory):
-    q, kv = m.project_qkv(x)
+    q, kv = m.project_qkv(x, fuse)
     return m.attend(q, kv, None), m(x, m.project_kv(memory), None)
 
   params = layer.init(jax.random.key(0), x, memory, method=both)
@@ -166,7 +167,7 @@ def test_fused_projections_give_each_kernel_its_own_gradient():
   d_model, heads = 16, 2
   x = jax.random.normal(jax.random.key(1), (2, 3, d_model))
   layer = MultiHeadAttention(num_heads=heads, d_model=d_model)
-  project = lambda m, x: m.project_qkv(x)
+  project = lambda m, x: m.project_qkv(x, fuse=True)
   params = layer.init(jax.random.key(0), x, method=project)
   weights = [jax.random.normal(jax.random.key(i), (2, 3, heads, d_model // heads)) for i in (5, 6)]
 
