@@ -116,24 +116,7 @@ def lever_fused_qkv(parts):
   return contenders
 
 
-def lever_kernel_grad(parts):
-  """The tied output projection's weight gradient from `[B, T, V]` (before) or flattened rows."""
-  from jax import lax
-
-  from flax_transformer import matmul
-  leading_axes = lambda x, grad, kernel_axis: lax.dot_general(
-      *((x, grad) if kernel_axis == 0 else (grad, x)),
-      ((tuple(range(x.ndim - 1)),) * 2, ((), ())), preferred_element_type='float32')
-  contenders = {}
-  for part in parts:
-    with patched((matmul, '_kernel_grad', leading_axes)):
-      contenders[f'{part}/leading_axes'] = part_fn(part)
-    contenders[f'{part}/flattened_rows'] = part_fn(part)
-  return contenders
-
-
-LEVERS = {'kernel_grad': (lever_kernel_grad, ('train_float32', 'train_bfloat16')),
-          'decode_dtype': (lever_decode_dtype, ('greedy', 'beam4')),
+LEVERS = {'decode_dtype': (lever_decode_dtype, ('greedy', 'beam4')),
           'fused_qkv': (lever_fused_qkv, ('greedy', 'beam4'))}
 
 

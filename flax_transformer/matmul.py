@@ -56,25 +56,12 @@ def _dense_dot_bwd(kernel_axis, residuals, grad):
   # d x = grad kernel^T: contract Y, [..., Y] -> [..., X]
   dx = lax.dot_general(grad, kernel, (((grad.ndim - 1,), (1 - kernel_axis,)), ((), ())),
                        preferred_element_type=jnp.float32)
-  return dx.astype(x.dtype), _kernel_grad(x, grad, kernel_axis).astype(kernel_dtype.dtype)
-
-
-def _kernel_grad(x: jax.Array, grad: jax.Array, kernel_axis: int) -> jax.Array:
-  """d kernel = x^T grad (`[X, Y]`) or grad^T x (`[Y, X]`), summed over all leading axes; float32.
-
-  Both contract the leading (row) axes, which XLA:CPU's dots take only as their
-  operand's transpose. For a `[Y, X]` table (the tied output projection, Y the
-  vocabulary) grad is flattened to 2-D rows `[R, Y]` first: left `[B, T, Y]`, XLA
-  copied the whole logits gradient into `[Y, B * T]` before the dot (86 -> 54 ms
-  at 1024 x 8000 x 512, float32). A `[X, Y]` kernel keeps the explicit transpose
-  of x, which was faster than the flattened form (2.4 vs 2.9 ms at 1024 x 512 x 512).
-  """
-  if kernel_axis == 1:
-    return lax.dot_general(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]),
-                           (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  # d kernel = x^T grad ([X, Y]) or grad^T x ([Y, X]), summed over all leading axes.
   leading = tuple(range(x.ndim - 1))
-  return lax.dot_general(x, grad, ((leading, leading), ((), ())),
-                         preferred_element_type=jnp.float32)
+  pair = (x, grad) if kernel_axis == 0 else (grad, x)
+  dkernel = lax.dot_general(*pair, ((leading, leading), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return dx.astype(x.dtype), dkernel.astype(kernel_dtype.dtype)
 
 
 dense_dot.defvjp(_dense_dot_fwd, _dense_dot_bwd)
