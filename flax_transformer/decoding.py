@@ -498,9 +498,11 @@ def cast_matrices(variables, dtype) -> Mapping:
 
   Each `Dense` casts its float32 kernel to the compute dtype at every use, which
   in a decoding loop means at every step; cast once before the loop, the
-  products are bit for bit the same (casting a bfloat16 kernel to bfloat16 is
-  nothing). Biases and LayerNorm parameters stay float32, as they are added in
-  float32. A no-op for float32 compute, and for matrices already in `dtype`.
+  `Transformer`'s products are bit for bit the same (casting a bfloat16 kernel
+  to bfloat16 is nothing; a cmlm model's MASK embedding shift reads one table
+  row rounded to bfloat16). Biases and LayerNorm parameters stay float32, as
+  they are added in float32. A no-op for float32 compute, and for matrices
+  already in `dtype`.
   """
   if jnp.dtype(dtype) == jnp.float32:
     return variables
