@@ -493,6 +493,24 @@ def as_variables(params) -> Mapping:
   return params if 'params' in params else {'params': params}
 
 
+def cast_matrices(variables, dtype) -> Mapping:
+  """`variables` with every floating matrix (kernels, embedding tables) in `dtype`; vectors as they are.
+
+  Each `Dense` casts its float32 kernel to the compute dtype at every use, which
+  in a decoding loop means at every step; cast once before the loop, the
+  `Transformer`'s products are bit for bit the same (casting a bfloat16 kernel
+  to bfloat16 is nothing; a cmlm model's MASK embedding shift reads one table
+  row rounded to bfloat16). Biases and LayerNorm parameters stay float32, as
+  they are added in float32. A no-op for float32 compute, and for matrices
+  already in `dtype`.
+  """
+  if jnp.dtype(dtype) == jnp.float32:
+    return variables
+  cast = lambda x: (x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
+                    else x)
+  return jax.tree.map(cast, variables)
+
+
 def output_limits(src: np.ndarray, config: ModelConfig, max_len: int | None
                   ) -> tuple[int, np.ndarray]:
   """The output length L of a batch and each sentence's limit `[B]` (0 for all-PAD rows).
@@ -554,6 +572,7 @@ def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
   `reorder_beams` reorders without moving keys or values.
   """
   model = Transformer(config)
+  variables = cast_matrices(variables, config.compute_dtype)
   if beam_size > 1:
     def beam_step_fn(tokens: jax.Array, cache: BeamDecodeCache, position: jax.Array):
       logits, cache = model.apply(variables, tokens.reshape(-1, beam_size), cache, position,

@@ -105,7 +105,8 @@ class EncoderBlock(nn.Module):
     attention = _attention(self.config, 'self_attention')
     attention_sublayer = Sublayer(self.config, name='self_attention_sublayer')
     h = attention_sublayer.normalize_input(x)
-    x = attention_sublayer(x, attention(h, attention.project_kv(h), mask, not train), train)
+    q, kv = attention.project_qkv(h)
+    x = attention_sublayer(x, attention.attend(q, kv, mask, not train), train)
 
     ffn_sublayer = Sublayer(self.config, name='ffn_sublayer')
     return ffn_sublayer(x, FeedForward(self.config, name='ffn')(ffn_sublayer.normalize_input(x)), train)
@@ -147,11 +148,12 @@ class DecoderBlock(nn.Module):
     """
     deterministic = not train
     h = self.self_attention_sublayer.normalize_input(y)
-    if cache is None:
-      kv = self.self_attention.project_kv(h)
-    else:
-      kv = cache = self.self_attention.extend_cache(h, cache, cache_index)
-    y = self.self_attention_sublayer(y, self.self_attention(h, kv, self_mask, deterministic), train)
+    # Fused on a decoding step's few rows only (see project_qkv).
+    q, kv = self.self_attention.project_qkv(h, fuse=cache is not None)
+    if cache is not None:
+      kv = cache = self.self_attention.write_cache(kv, cache, cache_index)
+    y = self.self_attention_sublayer(y, self.self_attention.attend(q, kv, self_mask, deterministic),
+                                     train)
 
     h = self.cross_attention_sublayer.normalize_input(y)
     y = self.cross_attention_sublayer(y, self.cross_attention(h, cross_kv, cross_mask, deterministic),

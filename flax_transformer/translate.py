@@ -74,41 +74,45 @@ class Alignment:
 class Translator:
   """A model, its parameters and its tokenizer, translating lists of strings."""
 
-  def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer):
+  def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, dtype: str | None = None):
+    """dtype: the compute dtype to decode in, 'float32' or 'bfloat16' (bfloat16 matmuls with
+    float32 accumulation, logits and search in float32); None: the model's own `config.dtype`."""
     tokenizer.check_compatible(config)
-    self.config = config
-    self.model = build_model(config)
-    self.variables = decoding.as_variables(params)
+    self.config = config if dtype is None else config.replace(dtype=dtype)
+    self.model = build_model(self.config)
+    # Matrices in the compute dtype once here, not at every decoding step.
+    self.variables = decoding.cast_matrices(decoding.as_variables(params), self.config.dtype)
     self.tokenizer = tokenizer
     self._attention_weights = jax.jit(functools.partial(attention_weights, self.model))
 
   @classmethod
   def from_checkpoint(cls, workdir: str | Path, step: int | None = None,
-                      average_last: int = 0) -> Translator:
+                      average_last: int = 0, dtype: str | None = None) -> Translator:
     """Loads WORKDIR's config, tokenizer and parameters (see `checkpoint.load_for_inference`).
 
     step: the checkpoint to load, None for the latest; average_last > 0: the
     mean of the last `average_last` checkpoints up to it (the paper averages 5).
+    dtype: the compute dtype to decode in (see `Translator`).
     """
-    return cls(*load_for_inference(workdir, step=step, average_last=average_last))
+    return cls(*load_for_inference(workdir, step=step, average_last=average_last), dtype=dtype)
 
   @classmethod
-  def from_pretrained(cls, directory: str | Path) -> Translator:
+  def from_pretrained(cls, directory: str | Path, dtype: str | None = None) -> Translator:
     """Loads a Hugging Face Marian directory (see `pretrained.load_marian`)."""
     from flax_transformer.pretrained import load_marian
-    return cls(*load_marian(directory))
+    return cls(*load_marian(directory), dtype=dtype)
 
   @classmethod
   def from_directory(cls, directory: str | Path, step: int | None = None,
-                     average_last: int = 0) -> Translator:
+                     average_last: int = 0, dtype: str | None = None) -> Translator:
     """A run directory (`from_checkpoint`) or a Marian directory (`from_pretrained`), by its files."""
     from flax_transformer.pretrained import is_marian_directory
     if not is_marian_directory(directory):
-      return cls.from_checkpoint(directory, step=step, average_last=average_last)
+      return cls.from_checkpoint(directory, step=step, average_last=average_last, dtype=dtype)
     if step is not None or average_last:
       raise ConfigError(f'{directory} is a pretrained Marian model, which has one set of '
                         'parameters: step and average_last apply to run directories')
-    return cls.from_pretrained(directory)
+    return cls.from_pretrained(directory, dtype=dtype)
 
   def encode(self, sentences: Sequence[str]) -> Sources:
     """Subwords + EOS per sentence, cut to model.max_len tokens (see `Sources`)."""

@@ -123,3 +123,62 @@ def test_self_attention_is_permutation_equivariant_without_positions_only():
   with_positions = self_attend(params, x + positions)
   permuted_with_positions = self_attend(params, x[:, perm] + positions)
   assert np.abs(np.asarray(permuted_with_positions - with_positions[:, perm])).max() > 1e-2
+
+
+def reference_multi_head(params, x, memory, heads):
+  """Self-attention of x and cross-attention of x over memory, projections as separate float64
+  products (the unfused layer), through `reference_attention`."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params['params'])
+  split = lambda y: y.reshape(*y.shape[:-1], heads, -1)
+  project = lambda name, y: y @ p[name]['kernel'] + p[name].get('bias', 0.0)
+  attend = lambda q_in, kv_in: project('out', reference_attention(
+      split(project('query', q_in)), split(project('key', kv_in)), split(project('value', kv_in)),
+      True)[0].reshape(q_in.shape))
+  x, memory = np.asarray(x, np.float64), np.asarray(memory, np.float64)
+  return attend(x, x), attend(x, memory)
+
+
+@pytest.mark.parametrize('fuse', [True, False])
+def test_projections_match_separate_float64_products(fuse):
+  # project_qkv's one [D, 3D] product (fuse) or three against three float64 products.
+  d_model, heads = 32, 4
+  x = jax.random.normal(jax.random.key(1), (2, 5, d_model))
+  memory = jax.random.normal(jax.random.key(2), (2, 7, d_model))
+  layer = MultiHeadAttention(num_heads=heads, d_model=d_model)
+
+  def both(m, x, memory):
+    q, kv = m.project_qkv(x, fuse)
+    return m.attend(q, kv, None), m(x, m.project_kv(memory), None)
+
+  params = layer.init(jax.random.key(0), x, memory, method=both)
+  params['params']['value']['bias'] = jax.random.normal(jax.random.key(3), (d_model,))
+  params['params']['query']['bias'] = jax.random.normal(jax.random.key(4), (d_model,))
+  # The parameters stay one layer each, as checkpoints and the Marian mapping have them.
+  assert set(params['params']) == {'query', 'key', 'value', 'out'}
+  assert 'bias' not in params['params']['key']
+  self_out, cross_out = jax.jit(lambda p, x, m: layer.apply(p, x, m, method=both))(params, x, memory)
+  want_self, want_cross = reference_multi_head(params, x, memory, heads)
+  np.testing.assert_allclose(self_out, want_self, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(cross_out, want_cross, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_projections_give_each_kernel_its_own_gradient():
+  # The split of the [D, 3D] product's gradient: each kernel's equals its own float64 x^T dy.
+  d_model, heads = 16, 2
+  x = jax.random.normal(jax.random.key(1), (2, 3, d_model))
+  layer = MultiHeadAttention(num_heads=heads, d_model=d_model)
+  project = lambda m, x: m.project_qkv(x, fuse=True)
+  params = layer.init(jax.random.key(0), x, method=project)
+  weights = [jax.random.normal(jax.random.key(i), (2, 3, heads, d_model // heads)) for i in (5, 6)]
+
+  def loss(params):
+    q, kv = layer.apply(params, x, method=project)
+    # k, v `[B, N, T, H]` back to `[B, T, N, H]`
+    return (q * weights[0]).sum() + (kv.k.transpose(0, 2, 1, 3) * weights[1]).sum() + kv.v.sum()
+
+  grads = jax.grad(loss)(params)['params']
+  x64 = np.asarray(x, np.float64).reshape(-1, d_model)
+  dy = {'query': weights[0], 'key': weights[1], 'value': np.ones_like(weights[1])}
+  for name, dy_name in dy.items():
+    want = x64.T @ np.asarray(dy_name, np.float64).reshape(-1, d_model)
+    np.testing.assert_allclose(grads[name]['kernel'], want, rtol=1e-5, atol=1e-6)

@@ -211,3 +211,16 @@ def test_complexity_exponents_recover_the_growth_of_synthetic_rows():
   assert fitted['full']['time_of_min'] == fitted['full']['cpu_time'] == pytest.approx(2.0, abs=1e-9)
   assert fitted['full']['memory'] == pytest.approx(1.0, abs=1e-9)
   assert (fitted['full']['paper'], fitted['banded']['paper']) == (2.0, 1.0)
+
+
+def test_ab_patches_the_before_variant_only_while_it_is_built():
+  from benchmarks import ab
+  from flax_transformer import decoding
+  original = decoding.cast_matrices
+  with pytest.raises(RuntimeError):
+    with ab.patched((decoding, 'cast_matrices', None)):
+      assert decoding.cast_matrices is None
+      raise RuntimeError('a build that fails still restores the library')
+  assert decoding.cast_matrices is original
+  with pytest.raises(SystemExit):
+    ab.parse_args(['--lever', 'fused_qkv', '--parts', 'greedy,beam9'])

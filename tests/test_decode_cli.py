@@ -38,6 +38,7 @@ pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
     (['--batch-size', '0'], 'decode.py: error: argument --batch-size: must be >= 1, got 0'),
     (['--step', '-3'], 'decode.py: error: argument --step: must be >= 0, got -3'),
     (['--beams', '4'], 'decode.py: error: unrecognized arguments: --beams'),
+    (['--dtype', 'float16'], "decode.py: error: argument --dtype: invalid choice: 'float16'"),
 ])
 def test_decode_refuses_bad_options_naming_them(argv, expected, tmp_path):
   status, _, err = call(decode_cli.main, ['--checkpoint', tmp_path, *argv, 'Hallo'])
@@ -67,6 +68,17 @@ def test_cli_translates_arguments_to_stdout(run_dir, greedy_translations, capsys
   captured = capsys.readouterr()
   assert status == 0, captured.err
   assert captured.out.split('\n')[:-1] == greedy_translations
+
+
+def test_cli_decodes_in_bfloat16_as_the_translator_does(run_dir, random_run, capsys):
+  status = decode_cli.main(['--checkpoint', str(run_dir), '--method', 'greedy', '--dtype',
+                            'bfloat16', '--batch-size', '2', *SENTENCES])
+  captured = capsys.readouterr()
+  assert status == 0, captured.err
+  translator = Translator(random_run.config, random_run.params, tokenizer=random_run.tokenizer,
+                          dtype='bfloat16')
+  assert translator.config.dtype == 'bfloat16' and random_run.config.dtype == 'float32'
+  assert captured.out.split('\n')[:-1] == translator.translate(SENTENCES, Greedy(), batch_size=2)
 
 
 def test_cli_file_to_file_with_reference_scores(run_dir, greedy_translations, tmp_path, capsys):

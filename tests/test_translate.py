@@ -119,3 +119,13 @@ def test_translator_refuses_methods_of_the_other_kind(teacher, cmlm_run):
   with pytest.raises(ConfigError, match="alignment needs an autoregressive model; this one is "
                                         "model.kind='cmlm'"):
     cmlm.alignment('one')
+
+
+def test_translator_decodes_in_the_dtype_asked_for(config, params, tokenizer):
+  translator = Translator(config, params, tokenizer, dtype='bfloat16')
+  assert translator.config.dtype == 'bfloat16'
+  # Matrices cast once here; vectors (biases, LayerNorm) stay float32.
+  layer = translator.variables['params']['decoder']['layer_0']['ffn']['wi']
+  assert (layer['kernel'].dtype.name, layer['bias'].dtype.name) == ('bfloat16', 'float32')
+  with pytest.raises(ConfigError, match='model.dtype must be one of float32, bfloat16'):
+    Translator(config, params, tokenizer, dtype='float16')

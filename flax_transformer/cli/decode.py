@@ -54,6 +54,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add('--output', type=Path, help='write translations here (default: stdout)')
   add('--reference', type=Path, help='reference translations, one per line: print BLEU and chrF')
   add('--batch-size', type=int, default=64, help='sentences per batch')
+  add('--dtype', choices=('float32', 'bfloat16'),
+      help="compute dtype to decode in (default: the model's): bfloat16 runs the matmuls in "
+      'bfloat16 with float32 accumulation, the search in float32')
   add_method_options(parser)
   add_debug_option(parser)
   args = parser.parse_args(argv)
@@ -91,7 +94,7 @@ def _main(argv: Sequence[str] | None) -> int:
     # A named method's settings are refused before the checkpoint loads.
     method = method_from_name(args.method, **settings) if args.method else None
     translator = Translator.from_directory(args.checkpoint, step=args.step,
-                                           average_last=args.average_last)
+                                           average_last=args.average_last, dtype=args.dtype)
     method = method or method_from_name(default_method(translator.config).name, **settings)
     method.check_model(translator.config)
     output = text_io.open_output(args.output)

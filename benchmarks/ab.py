@@ -1,0 +1,180 @@
+"""A/B timings of one speed lever: our step or decoder before and after it, side by side in one process.
+
+    python -m benchmarks.ab --lever decode_dtype --rounds 5
+    python -m benchmarks.ab --lever fused_qkv --parts train_float32,greedy
+
+The "before" variant is traced with the lever switched off (the library's code
+patched back to what it was, `patched`), the "after" variant with the library as
+it is; both are compiled ahead of time and then timed in interleaved rounds
+(`interleaved_wall_and_cpu`), so load from elsewhere hits both alike; the
+process's CPU time is reported beside the wall time. Setting:
+the issue's base model (d=512, 6+6 layers, 8 heads, d_ff 2048, vocabulary 8,000);
+training step batch 32 x (32 + 32); greedy and beam 4 decoding of 32 sources of
+32 tokens, 32 new tokens forced. Prints medians and the speed-up; writes no file
+(the numbers go to benchmarks/README.md's "What made the difference").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+from benchmarks import common
+
+PARTS = ('train_float32', 'train_bfloat16', 'greedy', 'beam4')
+BATCH, SOURCE_LEN, NEW_TOKENS = 32, 32, 32
+
+
+@contextlib.contextmanager
+def patched(*replacements):
+  """Sets (object, attribute, value) triples for the duration; restores them after."""
+  saved = [(obj, name, getattr(obj, name)) for obj, name, _ in replacements]
+  try:
+    for obj, name, value in replacements:
+      setattr(obj, name, value)
+    yield
+  finally:
+    for obj, name, value in saved:
+      setattr(obj, name, value)
+
+
+def base_config(dtype: str = 'float32'):
+  from flax_transformer.config import ModelConfig
+  return ModelConfig.base(vocab_size=8000, max_len=256, dtype=dtype)
+
+
+def train_step_fn(dtype: str):
+  """One compiled training step (benchmarks.train_step.OurStep on one device)."""
+  import jax
+
+  from benchmarks.train_step import SHAPE, OurStep
+  from flax_transformer.config import TrainConfig
+  return OurStep(base_config(dtype), TrainConfig(), SHAPE, jax.devices()[:1]).step
+
+
+def decoder_fn(beams: int, dtype: str = 'float32', cast_params: bool = False):
+  """Compiled greedy (beams == 1) or beam search on random base-model weights; 32 tokens forced.
+
+  cast_params: hand the decoder bfloat16 matrices (as `Translator(dtype='bfloat16')` does).
+  """
+  import jax
+  import numpy as np
+
+  from flax_transformer import decoding
+  from flax_transformer.model import Transformer
+  config = base_config(dtype).replace(dropout_rate=0.0)
+  rng = np.random.default_rng(0)
+  src = rng.integers(4, config.vocab_size, (BATCH, SOURCE_LEN)).astype(np.int32)
+  src[:, -1] = config.eos_id
+  params = jax.jit(Transformer(config).init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
+  variables = {'params': params}
+  if cast_params:
+    variables = jax.device_put(decoding.cast_matrices(variables, config.compute_dtype))
+  limits = np.full(BATCH, NEW_TOKENS, np.int32)
+  loop = decoding.LoopConfig.for_model(config, NEW_TOKENS, min_len=NEW_TOKENS)
+  if beams == 1:
+    run = lambda v, s, l: decoding._greedy.__wrapped__(config, v, s, l, loop)
+  else:
+    beam = decoding.BeamConfig(beam_size=beams, alpha=0.6, n_best=1)
+    run = lambda v, s, l: decoding._beam_search.__wrapped__(config, v, s, l, loop, beam)
+  compiled = jax.jit(run).lower(variables, src, limits).compile()
+  return lambda: jax.block_until_ready(compiled(variables, src, limits))
+
+
+def part_fn(part: str):
+  if part.startswith('train_'):
+    return train_step_fn(part.removeprefix('train_'))
+  return decoder_fn(1 if part == 'greedy' else int(part.removeprefix('beam')))
+
+
+def lever_decode_dtype(parts):
+  """float32 decoding against bfloat16 (matrices cast at each use, and cast once up front)."""
+  from flax_transformer import decoding
+  contenders = {}
+  for part in parts:
+    beams = 1 if part == 'greedy' else int(part.removeprefix('beam'))
+    contenders[f'{part}/float32'] = decoder_fn(beams)
+    with patched((decoding, 'cast_matrices', lambda variables, dtype: variables)):
+      contenders[f'{part}/bfloat16_cast_per_use'] = decoder_fn(beams, 'bfloat16')
+    contenders[f'{part}/bfloat16_cast_once'] = decoder_fn(beams, 'bfloat16', cast_params=True)
+  return contenders
+
+
+def lever_fused_qkv(parts):
+  """A decoding step's self-attention Q, K, V as three [D, D] products against one [D, 3D]."""
+  from flax_transformer.attention import MultiHeadAttention
+  unfused = lambda self, x, names: [self._split_heads(getattr(self, name)(x)) for name in names]
+  contenders = {}
+  for part in parts:
+    with patched((MultiHeadAttention, '_fused', unfused)):
+      contenders[f'{part}/unfused'] = part_fn(part)
+    contenders[f'{part}/fused'] = part_fn(part)
+  return contenders
+
+
+LEVERS = {'decode_dtype': (lever_decode_dtype, ('greedy', 'beam4')),
+          'fused_qkv': (lever_fused_qkv, ('greedy', 'beam4'))}
+
+
+def interleaved_wall_and_cpu(contenders, rounds: int) -> tuple[dict, dict]:
+  """`common.interleaved_medians`' rounds, recording each call's wall and process CPU seconds.
+
+  The CPU time (all of XLA's threads) counts the work done; on a machine shared
+  with other jobs it moves far less than the wall time, which waits for the cores.
+  """
+  for fn in contenders.values():
+    fn()
+  wall, cpu = ({name: [] for name in contenders} for _ in range(2))
+  for _ in range(rounds):
+    for name, fn in contenders.items():
+      start_wall, start_cpu = time.perf_counter(), time.process_time()
+      fn()
+      wall[name].append(time.perf_counter() - start_wall)
+      cpu[name].append(time.process_time() - start_cpu)
+  return wall, cpu
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog='python -m benchmarks.ab', description=__doc__.split('\n\n')[0])
+  parser.add_argument('--lever', required=True, choices=sorted(LEVERS))
+  parser.add_argument('--parts', type=lambda text: text.split(','),
+                      help=f'comma-separated, of {",".join(PARTS)} (default: the lever\'s own)')
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--threads', type=int, help='cores to compute on (default: all)')
+  args = parser.parse_args(argv)
+  if args.parts and not set(args.parts) <= set(PARTS):
+    parser.error(f'argument --parts: choose from {",".join(PARTS)}, got {",".join(args.parts)}')
+  if args.rounds < 1:
+    parser.error(f'argument --rounds: must be >= 1, got {args.rounds}')
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  common.pin_threads(args.threads)
+  build, default_parts = LEVERS[args.lever]
+  start = time.perf_counter()
+  contenders = build(args.parts or default_parts)
+  print(f'compiled {len(contenders)} contenders in {time.perf_counter() - start:.0f} s; '
+        f'load average {os.getloadavg()[0]:.2f}', file=sys.stderr)
+  wall, cpu = interleaved_wall_and_cpu(contenders, args.rounds)
+  first = {}
+  for name in contenders:
+    group = name.split('/')[0]
+    first.setdefault(group, (statistics.median(wall[name]), statistics.median(cpu[name])))
+    wall_s, cpu_s = statistics.median(wall[name]), statistics.median(cpu[name])
+    print(f'{name:40s} wall median {wall_s * 1e3:7.1f} ms (min {min(wall[name]) * 1e3:7.1f})  '
+          f'CPU median {cpu_s * 1e3:7.1f} ms (min {min(cpu[name]) * 1e3:7.1f})  '
+          f'speed-up vs first of its part: wall {first[group][0] / wall_s:.3f}x, '
+          f'CPU {first[group][1] / cpu_s:.3f}x')
+  print(f'{args.rounds} rounds; load average at the end {os.getloadavg()[0]:.2f}; '
+        f'{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
