@@ -55,8 +55,8 @@ CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch')
 DTYPES = ('float32', 'bfloat16')
 REPO = Path(__file__).resolve().parent.parent
 ENV_HINT = {
-    'flaxmarian': 'bash benchmarks/make_peer_env.sh /work/venvs/flaxmarian, then '
-                  '--peer-python flaxmarian=/work/venvs/flaxmarian/bin/python',
+    'flaxmarian': 'bash benchmarks/make_peer_env.sh VENV (outside the repository), then '
+                  '--peer-python flaxmarian=VENV/bin/python',
     'marian': "pip install -e '.[bench]' (torch, transformers)",
     'torch': "pip install -e '.[bench]' (torch)",
     'ours': 'pip install -e .',
