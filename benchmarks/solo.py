@@ -1,4 +1,4 @@
-"""Each framework alone: our training step and decoders against the peers, one process per contender.
+"""Each framework alone: our training step and decoders against the peers, one process each.
 
     python -m benchmarks.solo                  # the issue's setting; ~10-15 minutes on 2 CPU cores
     python -m benchmarks.solo --quick          # a tiny model, to check that it all runs
@@ -119,7 +119,8 @@ def train_flop_classes(config, shape: Shape) -> dict[tuple[int, int, int], int]:
 def decode_flop_classes(config, batch: int, src_len: int, new_tokens: int,
                         beams: int = 1) -> dict[tuple[int, int, int], int]:
   """`decode_flops` split by matmul shape: the prefix at batch x src_len rows, every step at
-  batch x beams rows (attention products at the [rows, D] @ [D, D] class). Sums to `decode_flops`."""
+  batch x beams rows (attention products at the [rows, D] @ [D, D] class). Sums to `decode_flops`.
+  """
   D, F, V = config.d_model, config.d_ff, config.vocab_size
   classes = collections.Counter()
   _encoder_classes(classes, config, batch, src_len)
@@ -134,8 +135,10 @@ def decode_flop_classes(config, batch: int, src_len: int, new_tokens: int,
 
 
 def weighted_peak(classes: dict, peaks: dict) -> float:
-  """GFLOP/s of the whole task if each class ran at its shape's measured peak {(rows, K, N): GFLOP/s}:
-  total FLOPs over the sum of FLOPs / peak (a FLOP-weighted harmonic mean)."""
+  """GFLOP/s of the whole task if each class ran at its shape's peak {(rows, K, N): GFLOP/s}.
+
+  Total FLOPs over the sum of FLOPs / peak: a FLOP-weighted harmonic mean.
+  """
   return sum(classes.values()) / sum(flops / peaks[key] for key, flops in classes.items())
 
 
@@ -302,6 +305,15 @@ def add_ratios(cells: dict) -> None:
     cells['ours']['speedup_over_fastest_peer'] = min(peers) / cells['ours']['median_s']
 
 
+def bfloat16_over_peer_float32(results: list[dict]) -> float | None:
+  """Our bfloat16 step's speed over the fastest peer's float32 step (the issue's target: 2x)."""
+  cells = {(r['task'], r['dtype']): r['contenders'] for r in results}
+  ours = cells.get(('train', 'bfloat16'), {}).get('ours', {})
+  peers = [c['median_s'] for name, c in cells.get(('train', 'float32'), {}).items()
+           if name != 'ours' and 'median_s' in c]
+  return min(peers) / ours['median_s'] if peers and 'median_s' in ours else None
+
+
 def format_table(results: list[dict], peaks: dict, size: int) -> str:
   head = (f'{"task":7s} {"dtype":9s} {"contender":11s} {"median s":>9s} {"tok/s":>8s} '
           f'{"GFLOP/s":>8s} {"% peak":>7s} {"% shape":>7s} {"build s":>8s} {"ours x":>7s}')
@@ -314,14 +326,18 @@ def format_table(results: list[dict], peaks: dict, size: int) -> str:
         continue
       frac = lambda key: f'{cell[key]:7.1%}' if key in cell else f'{"-":>7s}'
       ratio = cell.get('speedup_over_fastest_peer')
+      build_s = cell['setup_s'] + cell['first_call_s']
       lines.append(f'{prefix} {cell["median_s"]:9.3f} {cell["tokens_per_s"]:8.0f} '
                    f'{cell["gflops"]:8.1f} {frac("fraction_of_peak")} '
-                   f'{frac("fraction_of_weighted_peak")} {cell["setup_s"] + cell["first_call_s"]:8.1f} '
+                   f'{frac("fraction_of_weighted_peak")} {build_s:8.1f} '
                    f'{f"{ratio:6.2f}x" if ratio else "":>7s}')
   for name, by_dtype in peaks.items():
     lines.append(f'{name} matmul peak {size}^3: ' + ', '.join(
         f'{dtype} {values[shape_key(size, size, size)]:.0f}' for dtype, values in by_dtype.items())
         + ' GFLOP/s')
+  across = bfloat16_over_peer_float32(results)
+  if across:
+    lines.append(f"ours' bfloat16 step over the fastest peer's float32 step: {across:.2f}x")
   lines.append(f'% peak: of the {size}^3 matmul peak; % shape: of the FLOP-weighted peak at the '
                "task's own matmul shapes; build s: build, compile and first call; "
                "ours x: ours' speed over the fastest peer's")
@@ -335,7 +351,8 @@ def _csv(choices):
     values = tuple(x for x in text.split(',') if x)
     for value in values:
       if value not in choices:
-        raise argparse.ArgumentTypeError(f'unknown value {value!r}; choose from {", ".join(choices)}')
+        raise argparse.ArgumentTypeError(
+            f'unknown value {value!r}; choose from {", ".join(choices)}')
     return values
   return parse
 
@@ -356,7 +373,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       default=('train', 'greedy', 'beam4'))
   parser.add_argument('--rounds', type=int, help='timed calls per contender and task (default 5)')
   parser.add_argument('--threads', type=int, help='cores for every contender (default: all)')
-  parser.add_argument('--output', type=Path, help='JSON file (default benchmarks/results/solo[_quick].json)')
+  parser.add_argument('--output', type=Path,
+                      help='JSON file (default benchmarks/results/solo[_quick].json)')
   args = parser.parse_args(argv)
   if args.rounds is not None and args.rounds < 1:
     parser.error(f'--rounds must be at least 1, got {args.rounds}')
@@ -369,7 +387,8 @@ def run_tasks(args, workers, config, setting, peaks, bar, save) -> list[dict]:
           for dtype in (args.train_dtypes if task == 'train' else args.decode_dtypes)]
   results = []
   for task, dtype in todo:
-    cells = time_task(workers, build_request(task, dtype, config_dict, setting), setting.rounds, bar)
+    request = build_request(task, dtype, config_dict, setting)
+    cells = time_task(workers, request, setting.rounds, bar)
     cells = {name: summarize_cell(cell, task, dtype, config, setting, peaks.get(name))
              for name, cell in cells.items()}
     add_ratios(cells)
@@ -402,8 +421,10 @@ def main(argv=None) -> int:
             'load_average_at_start': load_at_start, 'setting': dataclasses.asdict(setting),
             'model': dataclasses.asdict(config), 'command': ' '.join(sys.argv),
             'environments': {w.contender: w.hello for w in workers}}
-  save = lambda results: common.write_json(output, {**record, 'peaks': peaks, 'results': results,
-                                                    'load_average_at_end': list(os.getloadavg())})
+  save = lambda results: common.write_json(output, {
+      **record, 'peaks': peaks, 'results': results,
+      'bfloat16_step_over_fastest_peer_float32': bfloat16_over_peer_float32(results),
+      'load_average_at_end': list(os.getloadavg())})
   shapes = peak_shapes(config, setting)
   tasks = sum(len(args.train_dtypes if t == 'train' else args.decode_dtypes) for t in args.tasks)
   peaks, results = {}, []

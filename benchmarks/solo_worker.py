@@ -141,7 +141,8 @@ def measure_peaks(framework: str, shapes, dtypes, repeats: int) -> list[dict]:
 def decode_sources(config, batch: int, source_len: int):
   """benchmarks.decode's sources: random ordinary ids [batch, source_len], EOS last."""
   import numpy as np
-  src = np.random.default_rng(0).integers(4, config.vocab_size, (batch, source_len)).astype(np.int32)
+  rng = np.random.default_rng(0)
+  src = rng.integers(4, config.vocab_size, (batch, source_len)).astype(np.int32)
   src[:, -1] = config.eos_id
   return src
 
@@ -264,7 +265,8 @@ def flaxmarian_task(request: dict, config):
   import jax.numpy as jnp
   model = flaxmarian_model(config, request['dtype'])
   if request['task'] == 'train':
-    step, init_state = flaxmarian_train_step(model, config, types.SimpleNamespace(**request['train']))
+    train = types.SimpleNamespace(**request['train'])
+    step, init_state = flaxmarian_train_step(model, config, train)
     batch = tuple(jnp.asarray(a) for a in synthetic_arrays(config, Shape(*request['shape'])))
     holder = {'state': init_state()}
 

@@ -255,8 +255,8 @@ def test_solo_worker_answers_the_protocol(tmp_path):
     peaks = worker.ask(op='peaks', shapes=[[8, 16, 32]], dtypes=['float32'], repeats=1)['peaks']
     assert [(p['m'], p['k'], p['n']) for p in peaks] == [(8, 16, 32)] and peaks[0]['gflops'] > 0
     config = ModelConfig.tiny()
-    request = solo.build_request('greedy', 'float32', dataclasses.asdict(config),
-                                 dataclasses.replace(solo.QUICK, batch=2, source_len=4, new_tokens=3))
+    setting = dataclasses.replace(solo.QUICK, batch=2, source_len=4, new_tokens=3)
+    request = solo.build_request('greedy', 'float32', dataclasses.asdict(config), setting)
     assert worker.ask(**request)['built']
     assert all(worker.ask(op='time')['seconds'] > 0 for _ in range(2))
     assert worker.ask(op='drop') == {'dropped': True}
@@ -280,9 +280,10 @@ def test_solo_skips_a_peer_whose_python_lacks_its_packages(tmp_path):
 
 
 @pytest.mark.skipif(not FLAXMARIAN_PYTHON.exists(),
-                    reason=f'no FlaxMarian env at {FLAXMARIAN_PYTHON} (benchmarks/make_peer_env.sh)')
+                    reason=f'no FlaxMarian env at {FLAXMARIAN_PYTHON} '
+                           '(bash benchmarks/make_peer_env.sh VENV; FLAXMARIAN_PYTHON=VENV/bin/python)')
 def test_flaxmarian_trains_our_parameter_count():
-  """FlaxMarian, run in its own env, updates as many parameters as torch Marian (ours + key biases)."""
+  """FlaxMarian, in its own env, updates as many parameters as torch Marian: ours + key biases."""
   config = ModelConfig.tiny()
   script = ('import json, sys, types, jax; from benchmarks import solo_worker as w; '
             'c = types.SimpleNamespace(**json.loads(sys.argv[1])); '
