@@ -227,6 +227,29 @@ def parse_peer_python(text: str) -> dict[str, str]:
 
 # --- the run -------------------------------------------------------------------------------
 
+def time_peaks(workers: list[Worker], shapes, rounds: int, bar) -> tuple[dict, dict]:
+  """Every worker's matmuls at `shapes`, both dtypes, one call each per round in alternation.
+
+  Returns ({contender: {dtype: {'MxKxN': median GFLOP/s}}}, {contender: every timed call}).
+  """
+  times, flops = collections.defaultdict(list), {}
+  for _ in range(rounds):
+    for worker in workers:
+      bar.set_postfix_str(f'matmul peaks: {worker.contender}')
+      answer = worker.ask(op='peaks', shapes=shapes, dtypes=list(DTYPES), repeats=1)
+      for p in answer.get('peaks', []):
+        key = (worker.contender, p['dtype'], shape_key(p['m'], p['k'], p['n']))
+        times[key] += p['times_s']
+        flops[key] = p['flops']
+      bar.update(1)
+  peaks, record = {}, {}
+  for (name, dtype, shape), ts in times.items():
+    peaks.setdefault(name, {}).setdefault(dtype, {})[shape] = flops[name, dtype, shape] / (
+        statistics.median(ts) * 1e9)
+    record.setdefault(name, {}).setdefault(dtype, {})[shape] = ts
+  return peaks, record
+
+
 def build_request(task: str, dtype: str, config_dict: dict, setting: Setting) -> dict:
   request = {'op': 'build', 'task': task, 'dtype': dtype, 'model': config_dict,
              'warmup': setting.warmup}
@@ -429,16 +452,9 @@ def main(argv=None) -> int:
   tasks = sum(len(args.train_dtypes if t == 'train' else args.decode_dtypes) for t in args.tasks)
   peaks, results = {}, []
   try:
-    with tqdm(total=len(workers) * (1 + tasks * setting.rounds), desc='solo benchmark',
+    with tqdm(total=len(workers) * (1 + tasks) * setting.rounds, desc='solo benchmark',
               unit='call', file=sys.stderr) as bar:
-      for worker in workers:
-        bar.set_postfix_str(f'{worker.contender}: matmul peaks')
-        answer = worker.ask(op='peaks', shapes=shapes, dtypes=list(DTYPES), repeats=setting.rounds)
-        peaks[worker.contender] = {dtype: {shape_key(p['m'], p['k'], p['n']): p['gflops']
-                                           for p in answer.get('peaks', []) if p['dtype'] == dtype}
-                                   for dtype in DTYPES} if 'peaks' in answer else None
-        bar.update(1)
-      peaks = {name: value for name, value in peaks.items() if value}
+      peaks, record['peak_times'] = time_peaks(workers, shapes, setting.rounds, bar)
       results = run_tasks(args, workers, config, setting, peaks, bar, save)
   finally:
     for worker in workers:

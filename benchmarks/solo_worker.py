@@ -10,7 +10,8 @@ python, its package versions) or which packages it lacks, then blocks on stdin
 and answers one request at a time, so that it computes only when asked:
 
   {"op": "peaks", "shapes": [[M, K, N], ...], "dtypes": [...], "repeats": R}
-      -> {"peaks": [{"m", "k", "n", "dtype", "gflops", "times_s"}, ...]}
+      -> {"peaks": [{"m", "k", "n", "dtype", "flops", "times_s"}, ...]}  (compiled and run
+         once untimed the first time a shape is asked for; "flops" per timed call)
   {"op": "build", "task": "train"|"greedy"|"beam4", "dtype": ..., "model": {...}, ...}
       -> {"built": true, "setup_s", "first_call_s"} or {"unsupported": reason}
   {"op": "time"}  -> {"seconds": one call of the built task}
@@ -31,7 +32,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -119,19 +119,23 @@ def torch_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
   return run
 
 
-def measure_peaks(framework: str, shapes, dtypes, repeats: int) -> list[dict]:
-  """GFLOP/s of [m, k] @ [k, n] per shape and dtype: median of `repeats` calls after one untimed."""
+def time_matmuls(framework: str, shapes, dtypes, repeats: int, loops: dict) -> list[dict]:
+  """`repeats` timed calls of each [m, k] @ [k, n] loop per dtype; FLOPs per call alongside.
+
+  `loops` keeps the built loops between requests (the orchestrator asks once per
+  round, so that the frameworks' peaks are timed in alternation too); a loop is
+  compiled and run once untimed when first built.
+  """
   loop = jax_matmul_loop if framework == 'jax' else torch_matmul_loop
   results = []
   for dtype in dtypes:
     for m, k, n in shapes:
-      flops = 2 * m * k * n
-      iterations = max(1, min(MAX_ITERATIONS, round(PEAK_CALL_FLOPS / flops)))
-      run = loop(m, k, n, dtype, iterations)
-      run()
-      times = common.time_calls(run, repeats)
-      results.append({'m': m, 'k': k, 'n': n, 'dtype': dtype, 'iterations': iterations,
-                      'gflops': flops * iterations / statistics.median(times) / 1e9,
+      iterations = max(1, min(MAX_ITERATIONS, round(PEAK_CALL_FLOPS / (2 * m * k * n))))
+      if (m, k, n, dtype) not in loops:
+        loops[m, k, n, dtype] = loop(m, k, n, dtype, iterations)
+        loops[m, k, n, dtype]()
+      times = common.time_calls(loops[m, k, n, dtype], repeats)
+      results.append({'m': m, 'k': k, 'n': n, 'dtype': dtype, 'flops': 2 * m * k * n * iterations,
                       'times_s': [round(t, 6) for t in times]})
   return results
 
@@ -305,7 +309,7 @@ def build(contender: str, request: dict, threads: int):
 
 def serve(contender: str, threads: int, reply, lines) -> None:
   """Answers requests from `lines` (JSON) through `reply(dict)` until 'quit' or end of input."""
-  framework, task = FRAMEWORK[contender], None
+  framework, task, loops = FRAMEWORK[contender], None, {}
   for line in lines:
     request = json.loads(line)
     op = request['op']
@@ -313,8 +317,8 @@ def serve(contender: str, threads: int, reply, lines) -> None:
       if op == 'quit':
         return
       if op == 'peaks':
-        reply({'peaks': measure_peaks(framework, request['shapes'], request['dtypes'],
-                                      request['repeats'])})
+        reply({'peaks': time_matmuls(framework, request['shapes'], request['dtypes'],
+                                     request['repeats'], loops)})
       elif op == 'build':
         task = None
         start = time.perf_counter()

@@ -252,8 +252,9 @@ def test_solo_worker_answers_the_protocol(tmp_path):
     worker = solo.Worker('ours', sys.executable, None, log)
     assert worker.skip_reason is None and worker.hello['framework'] == 'jax'
     assert worker.hello['versions']['jax'] == jax.__version__
-    peaks = worker.ask(op='peaks', shapes=[[8, 16, 32]], dtypes=['float32'], repeats=1)['peaks']
-    assert [(p['m'], p['k'], p['n']) for p in peaks] == [(8, 16, 32)] and peaks[0]['gflops'] > 0
+    peaks = worker.ask(op='peaks', shapes=[[8, 16, 32]], dtypes=['float32'], repeats=2)['peaks']
+    assert [(p['m'], p['k'], p['n']) for p in peaks] == [(8, 16, 32)]
+    assert peaks[0]['flops'] % (2 * 8 * 16 * 32) == 0 and len(peaks[0]['times_s']) == 2
     config = ModelConfig.tiny()
     setting = dataclasses.replace(solo.QUICK, batch=2, source_len=4, new_tokens=3)
     request = solo.build_request('greedy', 'float32', dataclasses.asdict(config), setting)
