@@ -23,7 +23,7 @@ vocabulary 8,000, random weights. Training step: batch 32 x (32 + 32) tokens,
 dropout 0.1, label smoothing 0.1, Adam on the paper's schedule. Decoding: 32
 sources of 32 tokens, 32 new tokens forced (EOS banned until then); tokens/s =
 batch x new tokens / time. Each worker also times its own framework's matmul
-peak: 4096^3, and rows 1024 (the step's 32 x 32 tokens), 32 and 128 (greedy
+peak, in alternating rounds as well: 4096^3, and rows 1024 (the step's 32 x 32 tokens), 32 and 128 (greedy
 and beam 4 decode steps) times the model's weights [D, F], [F, D], [D, D] and
 [D, V], float32 and bfloat16 (float32 accumulation). GFLOP/s divide the
 analytic matmul FLOPs (`train_step.train_flops`, `decode.decode_flops`) by the

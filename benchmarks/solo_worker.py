@@ -100,21 +100,22 @@ def jax_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
 
 
 def torch_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
-  """`run()`: `iterations` eager `torch.matmul` calls [m, k] @ [k, n] into one output buffer.
+  """`run()`: `iterations` eager `F.linear` calls, [m, k] times a [n, k] weight as `nn.Linear` holds it.
 
   Eager, as the PyTorch peers run: the per-call dispatch is part of what their
-  small decode-step matmuls cost.
+  small decode-step matmuls cost. (`torch.matmul(..., out=buffer)` ran 1024 x 512
+  x 2048 float32 at 48 GFLOP/s where `F.linear` and `@` ran at 80, informally.)
   """
   import torch
+  import torch.nn.functional as F
 
   generator = torch.Generator().manual_seed(0)
   x = torch.randn(m, k, generator=generator).to(getattr(torch, dtype))            # [m, k]
-  w = torch.randn(k, n, generator=generator).to(getattr(torch, dtype))            # [k, n]
-  out = torch.empty(m, n, dtype=x.dtype)
+  w = torch.randn(n, k, generator=generator).to(getattr(torch, dtype))            # [n, k]
 
   def run():
     for _ in range(iterations):
-      torch.matmul(x, w, out=out)
+      F.linear(x, w)                                                              # [m, n]
 
   return run
 
