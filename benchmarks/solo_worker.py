@@ -100,7 +100,7 @@ def jax_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
 
 
 def torch_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
-  """`run()`: `iterations` eager `F.linear` calls, [m, k] times a [n, k] weight as `nn.Linear` holds it.
+  """`run()`: `iterations` eager `F.linear` calls: [m, k] times a [n, k] weight, as in `nn.Linear`.
 
   Eager, as the PyTorch peers run: the per-call dispatch is part of what their
   small decode-step matmuls cost. (`torch.matmul(..., out=buffer)` ran 1024 x 512
