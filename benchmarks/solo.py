@@ -23,14 +23,14 @@ vocabulary 8,000, random weights. Training step: batch 32 x (32 + 32) tokens,
 dropout 0.1, label smoothing 0.1, Adam on the paper's schedule. Decoding: 32
 sources of 32 tokens, 32 new tokens forced (EOS banned until then); tokens/s =
 batch x new tokens / time. Each worker also times its own framework's matmul
-peak, in alternating rounds as well: 4096^3, and rows 1024 (the step's 32 x 32 tokens), 32 and 128 (greedy
-and beam 4 decode steps) times the model's weights [D, F], [F, D], [D, D] and
-[D, V], float32 and bfloat16 (float32 accumulation). GFLOP/s divide the
+peak, in alternating rounds as well: 4096^3, and rows 1024 (the step's 32 x 32
+tokens), 32 and 128 (greedy and beam 4 decode steps) times the model's weights
+[D, F], [F, D], [D, D] and [D, V], float32 and bfloat16 (float32 accumulation). GFLOP/s divide the
 analytic matmul FLOPs (`train_step.train_flops`, `decode.decode_flops`) by the
 median time; each is read against (a) the 4096^3 peak and (b) the FLOP-weighted
 peak at the task's own shapes (`weighted_peak`).
 
-Results: benchmarks/results/solo[_quick].json (machine, each env's versions,
+Results: benchmarks/results/solo[_quick][_partial].json (machine, each env's versions,
 load average at start and end, settings, every timed call).
 """
 
@@ -53,6 +53,7 @@ from benchmarks.train_step import Shape, train_flops
 
 CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch')
 DTYPES = ('float32', 'bfloat16')
+TASKS = ('train', 'greedy', 'beam4')
 REPO = Path(__file__).resolve().parent.parent
 ENV_HINT = {
     'flaxmarian': 'bash benchmarks/make_peer_env.sh VENV (outside the repository), then '
@@ -389,15 +390,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--peer-python', type=parse_peer_python, default={},
                       help='NAME=PYTHON,...: the python each contender runs under '
                            '(default: this one), e.g. flaxmarian=/work/venvs/flaxmarian/bin/python')
-  parser.add_argument('--train-dtypes', type=_csv(DTYPES), default=DTYPES)
+  parser.add_argument('--train-dtypes', type=_csv(DTYPES), default=DTYPES,
+                      help='training-step dtypes (bfloat16: bfloat16 compute, float32 parameters)')
   parser.add_argument('--decode-dtypes', type=_csv(DTYPES), default=DTYPES,
                       help='bfloat16 decoding is timed for the JAX contenders only')
-  parser.add_argument('--tasks', type=_csv(('train', 'greedy', 'beam4')),
-                      default=('train', 'greedy', 'beam4'))
+  parser.add_argument('--tasks', type=_csv(TASKS), default=TASKS,
+                      help=f'comma-separated subset of {",".join(TASKS)}')
   parser.add_argument('--rounds', type=int, help='timed calls per contender and task (default 5)')
   parser.add_argument('--threads', type=int, help='cores for every contender (default: all)')
   parser.add_argument('--output', type=Path,
-                      help='JSON file (default benchmarks/results/solo[_quick].json)')
+                      help='JSON file (default benchmarks/results/solo[_quick][_partial].json)')
   args = parser.parse_args(argv)
   if args.rounds is not None and args.rounds < 1:
     parser.error(f'--rounds must be at least 1, got {args.rounds}')
@@ -439,7 +441,13 @@ def main(argv=None) -> int:
       print(worker.skip_reason, file=sys.stderr)
     else:
       workers.append(worker)
-  output = args.output or common.RESULTS / f'solo{"_quick" * args.quick}.json'
+  if not workers:
+    print('benchmarks.solo: error: no contender can run (see above)', file=sys.stderr)
+    return 2
+  # A partial run never overwrites the full one's file.
+  chosen = (args.contenders, args.tasks, args.train_dtypes, args.decode_dtypes)
+  partial = [set(c) for c in chosen] != [set(CONTENDERS), set(TASKS), set(DTYPES), set(DTYPES)]
+  output = args.output or common.RESULTS / f'solo{"_quick" * args.quick}{"_partial" * partial}.json'
   record = {'benchmark': 'solo', 'machine': common.machine_info(args.threads or os.cpu_count()),
             'load_average_at_start': load_at_start, 'setting': dataclasses.asdict(setting),
             'model': dataclasses.asdict(config), 'command': ' '.join(sys.argv),
