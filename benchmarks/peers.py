@@ -27,10 +27,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flax_transformer.config import ModelConfig, TrainConfig
+if TYPE_CHECKING:  # only for annotations: benchmarks.solo_worker runs this module in peer envs
+  from flax_transformer.config import ModelConfig, TrainConfig
 
 PEERS = ('torch', 'marian')
 
@@ -91,12 +93,10 @@ def _torch_transformer(config: ModelConfig):
   return TorchTransformer()
 
 
-def _marian(config: ModelConfig):
-  """`MarianMTModel` at our dimensions, randomly initialised (nothing is downloaded)."""
-  from transformers import MarianConfig, MarianMTModel
-
+def marian_config_kwargs(config: ModelConfig) -> dict:
+  """`MarianConfig` keywords for our dimensions (the PyTorch and the Flax Marian peers share them)."""
   c = config
-  marian_config = MarianConfig(
+  return dict(
       vocab_size=c.vocab_size, d_model=c.d_model, encoder_layers=c.num_encoder_layers,
       decoder_layers=c.num_decoder_layers, encoder_attention_heads=c.num_heads,
       decoder_attention_heads=c.num_heads, encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff,
@@ -106,7 +106,13 @@ def _marian(config: ModelConfig):
       share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
       pad_token_id=c.pad_id, eos_token_id=c.eos_id, forced_eos_token_id=c.eos_id,
       decoder_start_token_id=c.bos_id)
-  return MarianMTModel(marian_config)
+
+
+def _marian(config: ModelConfig):
+  """`MarianMTModel` at our dimensions, randomly initialised (nothing is downloaded)."""
+  from transformers import MarianConfig, MarianMTModel
+
+  return MarianMTModel(MarianConfig(**marian_config_kwargs(config)))
 
 
 def _logits_fn(peer: str, model, config: ModelConfig):

@@ -106,6 +106,19 @@ def synthetic_batch(config, shape: Shape, seed: int = 0):
   import numpy as np
 
   from flax_transformer.batching import Batch
+  src, tgt_in, tgt_out = synthetic_arrays(config, shape, seed)
+  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out,
+               example_ids=np.arange(shape.batch, dtype=np.int32))
+
+
+def synthetic_arrays(config, shape: Shape, seed: int = 0):
+  """`synthetic_batch`'s (src [B, S], tgt_in [B, T], tgt_out [B, T]) as NumPy int32, no library import.
+
+  `config` needs only vocab_size and the special ids: the peers' worker
+  processes (benchmarks/solo_worker.py) pass a plain namespace.
+  """
+  import numpy as np
+
   rng = np.random.default_rng(seed)
   first = config.unk_id + 1  # ordinary tokens only
   src = rng.integers(first, config.vocab_size, (shape.batch, shape.src_len)).astype(np.int32)
@@ -113,8 +126,7 @@ def synthetic_batch(config, shape: Shape, seed: int = 0):
   tgt_out = rng.integers(first, config.vocab_size, (shape.batch, shape.tgt_len)).astype(np.int32)
   tgt_out[:, -1] = config.eos_id
   tgt_in = np.concatenate([np.full((shape.batch, 1), config.bos_id, np.int32), tgt_out[:, :-1]], 1)
-  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out,
-               example_ids=np.arange(shape.batch, dtype=np.int32))
+  return src, tgt_in, tgt_out
 
 
 class OurStep:

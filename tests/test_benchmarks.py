@@ -8,9 +8,16 @@ one cached decode step. The PyTorch peers must train as
 many parameters as our model, or the side-by-side ratios compare different work.
 """
 
+import dataclasses
+import importlib
 import importlib.util
+import json
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -224,3 +231,81 @@ def test_ab_patches_the_before_variant_only_while_it_is_built():
   assert decoding.cast_matrices is original
   with pytest.raises(SystemExit):
     ab.parse_args(['--lever', 'fused_qkv', '--parts', 'greedy,beam9'])
+
+
+# --- benchmarks.solo: each contender in its own process -------------------------------------
+
+FLAXMARIAN_PYTHON = Path(os.environ.get('FLAXMARIAN_PYTHON', '/work/venvs/flaxmarian/bin/python'))
+
+
+def test_solo_flop_classes_sum_to_the_analytic_counts():
+  """Split by matmul shape, the step's and the decoders' FLOPs add up to the formulas above."""
+  from benchmarks import solo
+  for config in (ModelConfig.tiny(d_ff=96, vocab_size=80), ModelConfig.base(vocab_size=8000)):
+    assert sum(solo.train_flop_classes(config, TINY_SHAPE).values()) == train_flops(config,
+                                                                                   TINY_SHAPE)
+    for beams in (1, 4):
+      classes = solo.decode_flop_classes(config, 3, 7, 5, beams)
+      assert sum(classes.values()) == decode_flops(config, 3, 7, 5, beams)
+      assert {rows for rows, _, _ in classes} == {3 * 7, 3 * beams}  # prefix rows, step rows
+
+
+def test_solo_weighted_peak_by_hand():
+  """3 GFLOP at 300 GFLOP/s and 1 GFLOP at 100 take 0.01 + 0.01 s: 4 GFLOP / 0.02 s = 200."""
+  from benchmarks import solo
+  classes = {(8, 4, 4): 3e9, (2, 4, 4): 1e9}
+  assert solo.weighted_peak(classes, {(8, 4, 4): 300.0, (2, 4, 4): 100.0}) == pytest.approx(200.0)
+  assert solo.weighted_peak(classes, {(8, 4, 4): 50.0, (2, 4, 4): 50.0}) == pytest.approx(50.0)
+
+
+def test_solo_worker_answers_the_protocol(tmp_path):
+  """ours' worker process: hello, a matmul peak, one task built, timed twice and dropped, quit."""
+  from benchmarks import solo
+  with open(tmp_path / 'worker.log', 'w+') as log:
+    worker = solo.Worker('ours', sys.executable, None, log)
+    assert worker.skip_reason is None and worker.hello['framework'] == 'jax'
+    assert worker.hello['versions']['jax'] == jax.__version__
+    peaks = worker.ask(op='peaks', shapes=[[8, 16, 32]], dtypes=['float32'], repeats=2)['peaks']
+    assert [(p['m'], p['k'], p['n']) for p in peaks] == [(8, 16, 32)]
+    assert peaks[0]['flops'] % (2 * 8 * 16 * 32) == 0 and len(peaks[0]['times_s']) == 2
+    config = ModelConfig.tiny()
+    setting = dataclasses.replace(solo.QUICK, batch=2, source_len=4, new_tokens=3)
+    request = solo.build_request('greedy', 'float32', dataclasses.asdict(config), setting)
+    assert worker.ask(**request)['built']
+    assert all(worker.ask(op='time')['seconds'] > 0 for _ in range(2))
+    assert worker.ask(op='drop') == {'dropped': True}
+    assert 'error' in worker.ask(op='time')  # nothing built any more
+    worker.close()
+    assert worker.process.returncode == 0
+
+
+def test_solo_skips_a_peer_whose_python_lacks_its_packages(tmp_path):
+  from benchmarks import solo
+  with open(tmp_path / 'worker.log', 'w+') as log:
+    missing = solo.Worker('flaxmarian', str(tmp_path / 'no-python'), None, log)
+    assert missing.skip_reason.startswith('flaxmarian skipped: cannot run')
+    if importlib.util.find_spec('transformers') and not hasattr(
+        importlib.import_module('transformers'), 'FlaxMarianMTModel'):
+      lacking = solo.Worker('flaxmarian', sys.executable, None, log)  # transformers 5 here
+      assert 'lacks transformers<5' in lacking.skip_reason
+      assert 'benchmarks/make_peer_env.sh' in lacking.skip_reason
+  with pytest.raises(Exception, match='NAME=PYTHON'):
+    solo.parse_peer_python('flaxmarian')
+
+
+@pytest.mark.skipif(not FLAXMARIAN_PYTHON.exists(),
+                    reason=f'no FlaxMarian env at {FLAXMARIAN_PYTHON} '
+                           '(bash benchmarks/make_peer_env.sh VENV; FLAXMARIAN_PYTHON=VENV/bin/python)')
+def test_flaxmarian_trains_our_parameter_count():
+  """FlaxMarian, in its own env, updates as many parameters as torch Marian: ours + key biases."""
+  config = ModelConfig.tiny()
+  script = ('import json, sys, types, jax; from benchmarks import solo_worker as w; '
+            'c = types.SimpleNamespace(**json.loads(sys.argv[1])); '
+            'print(sum(x.size for x in jax.tree.leaves(w.flaxmarian_trainable('
+            'w.flaxmarian_model(c, "float32").params))))')
+  done = subprocess.run([str(FLAXMARIAN_PYTHON), '-c', script,
+                         json.dumps(dataclasses.asdict(config))], capture_output=True, text=True,
+                        env={**os.environ, 'PYTHONPATH': str(Path(__file__).parent.parent)})
+  assert done.returncode == 0, done.stderr[-2000:]
+  num_attentions = config.num_encoder_layers + 2 * config.num_decoder_layers
+  assert int(done.stdout.split()[-1]) == 44_608 + num_attentions * config.d_model
