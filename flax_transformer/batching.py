@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from flax_transformer import masks
 from flax_transformer.data import DataError
 from flax_transformer.tokenizer import Tokenizer
 
@@ -51,12 +52,28 @@ class Batch:
   tgt_in: `[B, T]` `<s> y1..yn`, PAD on the right.
   tgt_out: `[B, T]` `y1..yn </s>`, PAD on the right; PAD positions carry no loss.
   example_ids: `[B]` each row's index in the dataset it was encoded from, -1 for
-    the all-PAD rows that fill a bucket's last batch.
+    the all-PAD rows that fill a bucket's last batch. A packed batch's is
+    `[B, L]`: entry [b, k - 1] is the index of row b's segment k, -1 past its last.
+  src_segments, tgt_segments, src_positions, tgt_positions: None, or for a
+    packed batch (`packing.PackingBatcher`, several pairs per row) `masks.Packing`'s
+    fields: each token's pair 1..k in its row (0 = PAD) and its position within that pair.
   """
   src: np.ndarray
   tgt_in: np.ndarray
   tgt_out: np.ndarray
   example_ids: np.ndarray
+  src_segments: np.ndarray | None = None
+  tgt_segments: np.ndarray | None = None
+  src_positions: np.ndarray | None = None
+  tgt_positions: np.ndarray | None = None
+
+  @property
+  def packing(self) -> masks.Packing | None:
+    """The segment ids and positions for the model, or None for one pair per row."""
+    if self.src_segments is None:
+      return None
+    return masks.Packing(src_segments=self.src_segments, tgt_segments=self.tgt_segments,
+                         src_positions=self.src_positions, tgt_positions=self.tgt_positions)
 
   @property
   def num_tokens(self):
