@@ -182,3 +182,8 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig) -> None
     raise ConfigError(f'train.packing={train_config.packing} cannot be combined with '
                       f'model.attention_radius={model_config.attention_radius}: the banded '
                       'attention has no segment mask; set one of them off')
+  if model_config.kind == 'cmlm' and train_config.eos_fill_rate:
+    raise ConfigError(f'train.packing={train_config.packing} cannot be combined with '
+                      f'train.eos_fill_rate={train_config.eos_fill_rate} (cmlm): it fills the PAD '
+                      "after a sentence, and a packed row's PAD belongs to none; set "
+                      'train.eos_fill_rate=0')

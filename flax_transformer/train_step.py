@@ -299,7 +299,7 @@ def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Arr
   def loss_fn(params):
     token_logits, length_logits = model.apply(
         {'params': params}, inputs.src, inputs.tokens, train=True,
-        rngs={'dropout': dropout_key})                              # [B, T, V], [B, 2R + 1]
+        rngs={'dropout': dropout_key}, packing=inputs.packing)      # [B, T, V], [B(, Z), 2R + 1]
     sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config,
                                train_config.label_smoothing)
     loss = cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
@@ -331,7 +331,8 @@ def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: floa
   if config.kind == 'cmlm':
     key = jax.random.fold_in(jax.random.key(_EVAL_MASK_SEED), _MASK_STREAM)
     inputs = _cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
-    token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens)
+    token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens,
+                                              packing=inputs.packing)
     sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
   else:
     logits = model.apply({'params': params}, batch.src, batch.tgt_in, packing=batch.packing)

@@ -279,3 +279,76 @@ def test_packed_training_on_four_devices_equals_one(device_runs, run):
       np.testing.assert_allclose(values[name], value, rtol=rtol, atol=atol, err_msg=name)
   losses = run_values(device_runs, 'shard_map-1', 'loss')
   assert float(losses['2']) < float(losses['0'])  # it trains, so equality is not vacuous
+
+
+# --- cmlm -----------------------------------------------------------------------------------
+
+CMLM_CONFIG = ModelConfig.tiny(kind='cmlm', vocab_size=VOCAB, max_len=MAX_LEN, dropout_rate=0.0,
+                               max_length_offset=4)
+
+
+@pytest.fixture(scope='module')
+def cmlm_inputs_packed(packed_batch):
+  from flax_transformer import cmlm
+  return cmlm.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.0)
+
+
+def test_cmlm_masks_and_length_targets_per_segment(packed_batch, cmlm_inputs_packed):
+  """Every sentence gets its own length target and between 1 and all of its tokens masked."""
+  inputs = jax.device_get(cmlm_inputs_packed)
+  mask = CMLM_CONFIG.vocab_size
+  counts = []
+  for row in range(packed_batch.src.shape[0]):
+    segments = packed_batch.tgt_segments[row]
+    for k in range(1, segments.max() + 1):
+      n = int((segments == k).sum())
+      assert inputs.tgt_lengths[row, k - 1] == n
+      masked = inputs.masked[row, segments == k]
+      assert 1 <= masked.sum() <= n
+      counts.append(masked.sum() / n)
+    assert (inputs.tgt_lengths[row, segments.max():] == 0).all()
+    assert not inputs.masked[row, segments == 0].any()
+  np.testing.assert_array_equal(inputs.tokens == mask, inputs.masked)
+  np.testing.assert_array_equal(inputs.targets, packed_batch.tgt_out)
+  assert min(counts) < 1 and max(counts) == 1  # counts differ by sentence: drawn per sentence
+  with pytest.raises(ValueError, match='eos_fill_rate'):
+    from flax_transformer import cmlm
+    cmlm.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.1)
+  with pytest.raises(ConfigError, match='train.packing=16.*train.eos_fill_rate=0.1'):
+    check_settings(CMLM_CONFIG, TrainConfig(packing=16))
+
+
+@pytest.mark.parametrize('decoder_input', ['mask', 'uniform_copy'])
+def test_cmlm_packed_equals_unpacked(packed_batch, cmlm_inputs_packed, decoder_input):
+  """Token logits, per-sentence pooled length logits and the loss sums of a packed batch
+  equal those of its sentences one per row, masked alike (float32, to 1e-5)."""
+  from flax_transformer import cmlm
+  config = CMLM_CONFIG.replace(cmlm_decoder_input=decoder_input)
+  model = cmlm.CMLMTransformer(config)
+  tokens = jnp.ones((1, 1), jnp.int32)
+  variables = model.init(jax.random.key(1), tokens, tokens)
+  packed = jax.device_get(cmlm_inputs_packed)
+  alone = unpacked(packed_batch, ROW)
+  segments = packed_batch.tgt_segments
+  place = [(row, k) for row in range(segments.shape[0]) for k in range(1, segments[row].max() + 1)]
+  alone_tokens = np.zeros_like(alone.tgt_out)
+  alone_masked = np.zeros(alone.tgt_out.shape, bool)
+  for r, (row, k) in enumerate(place):
+    n = int((segments[row] == k).sum())
+    alone_tokens[r, :n] = packed.tokens[row, segments[row] == k]
+    alone_masked[r, :n] = packed.masked[row, segments[row] == k]
+  token_logits, length_logits = model.apply(variables, packed.src, packed.tokens,
+                                            packing=packed.packing)
+  alone_logits, alone_lengths = model.apply(variables, alone.src, alone_tokens)
+  for r, (row, k) in enumerate(place):
+    n = int((segments[row] == k).sum())
+    np.testing.assert_allclose(token_logits[row, segments[row] == k], alone_logits[r, :n],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(length_logits[row, k - 1], alone_lengths[r], rtol=1e-5, atol=1e-5)
+  alone_inputs = cmlm.CMLMInputs(src=alone.src, tokens=alone_tokens, targets=alone.tgt_out,
+                                 masked=alone_masked, tgt_lengths=(alone.tgt_out != PAD).sum(1))
+  sums = cmlm.cmlm_loss_sums(token_logits, length_logits, packed, config, 0.1)
+  alone_sums = cmlm.cmlm_loss_sums(alone_logits, alone_lengths, alone_inputs, config, 0.1)
+  assert float(sums['sentences']) == len(place)
+  for name, value in alone_sums.items():
+    np.testing.assert_allclose(sums[name], value, rtol=1e-5, err_msg=name)
