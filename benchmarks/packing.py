@@ -115,8 +115,9 @@ def main(argv=None):
           f"{entry['padding_share']['source']:.1%} source; {entry['batches_per_epoch']} batches "
           f"per epoch; {entry['target_tokens_per_s']:,.0f} real target tokens/s "
           f"({entry['speedup']:.2f}x)")
+  path = common.write_json(args.out, payload)
   print(f'load average {before["load_average"]} before, '
-        f'{payload["machine"]["load_average_after"]} after; wrote {common.write_json(args.out, payload)}')
+        f'{payload["machine"]["load_average_after"]} after; wrote {path}')
   return payload
 
 

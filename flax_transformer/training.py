@@ -89,7 +89,7 @@ from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.methods import Greedy, default_method
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import count_params
-from flax_transformer.packing import PackingBatcher
+from flax_transformer.packing import PackingBatcher, check_settings as check_packing
 from flax_transformer.pretrained import load_marian
 from flax_transformer.run_directory import RunDirectory
 from flax_transformer.sizes import check_fits
@@ -173,6 +173,7 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
   check_fits(model_config if pretrained else model_config.replace(vocab_size=data_config.vocab_size),
              train_config.max_tokens)
   scheduled_sampling.check_model(model_config, train_config)
+  check_packing(model_config, train_config)
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,

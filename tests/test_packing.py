@@ -218,6 +218,30 @@ def test_no_attention_crosses_a_segment(params, packed_batch):
     np.testing.assert_allclose(np.asarray(w).sum(-1)[real], 1.0, rtol=1e-5)  # rows still sum to 1
 
 
+def test_packed_bfloat16_step_with_gradient_accumulation(batcher, packed_batch):
+  """The data-parallel step on packed batches in bfloat16, accumulating 2 batches per update:
+  finite losses, no update after the first batch, an update after the second."""
+  from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
+                                           make_parallel_step)
+  config = CONFIG.replace(dtype='bfloat16')
+  train_config = TrainConfig(grad_accum_steps=2, warmup_steps=10, packing=ROW)
+  model, optimizer = Transformer(config), make_optimizer(train_config, config)
+  parallel = DataParallel(jax.devices()[:1])
+  step = make_parallel_step(model, optimizer, train_config, parallel)
+  state = parallel.replicate(create_train_state(model, optimizer, seed=0))
+  initial = jax.device_get(state.params)
+  params = []
+  for _ in range(2):
+    state, metrics = step(state, parallel.shard_batch(packed_batch))
+    assert np.isfinite(float(metrics['loss_sum'])) and float(metrics['nonfinite']) == 0.0
+    assert int(metrics['tokens']) == int(packed_batch.num_tokens)
+    params.append(jax.device_get(state.params))
+  moved = [max(float(np.abs(a - b).max())
+               for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(initial)))
+           for after in params]
+  assert moved[0] == 0.0 and moved[1] > 0.0
+
+
 # --- devices --------------------------------------------------------------------------------
 
 DEVICE_RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
