@@ -181,6 +181,12 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
   return tuple(sorted(length for length in lengths if length < max_len)) + (max_len,)
 
 
+def rows_per_batch(max_tokens: int, length: int, row_multiple: int) -> int:
+  """rows(L) of `Batcher`: max_tokens // L rounded down to a multiple of row_multiple, at least one
+  multiple."""
+  return max(row_multiple, max_tokens // length // row_multiple * row_multiple)
+
+
 class Batcher:
   """Deterministic, resumable token-budget batches over an `EncodedCorpus`.
 
@@ -227,7 +233,7 @@ class Batcher:
     self.seed = int(seed)
     self.shuffle = shuffle
     self.length_buckets = tuple(int(b) for b in buckets)
-    self.rows = tuple(max(row_multiple, max_tokens // length // row_multiple * row_multiple)
+    self.rows = tuple(rows_per_batch(max_tokens, length, row_multiple)
                       for length in self.length_buckets)
     bucket_of = np.searchsorted(self.length_buckets, corpus.lengths)  # smallest bucket >= length
     self._members = [np.flatnonzero(bucket_of == b) for b in range(len(self.length_buckets))]

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flax_transformer.batching import Batch, Batcher, EncodedCorpus, EpochBatches
+from flax_transformer.batching import Batch, Batcher, EncodedCorpus, EpochBatches, rows_per_batch
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data import DataError
 
@@ -42,8 +42,8 @@ class PackingBatcher(Batcher):
 
   Epoch e: the pairs are shuffled (seed, e), each goes to the smallest bucket >=
   max(its length, row_length), and within each bucket is placed, in that order, in
-  the first of the last `_OPEN_ROWS` rows where both its source and its target fit
-  (else in a new row; the fullest open row is then closed). Rows are cut into
+  the oldest of at most `_OPEN_ROWS` open rows where both its source and its target
+  fit (else in a new row; the fullest open row is then closed). Rows are cut into
   batches of `rows(L)` rows (`Batcher`), and the batches shuffled across buckets.
   The number of batches can differ by an epoch's draw; `batch_at` counts them.
   """
@@ -57,8 +57,7 @@ class PackingBatcher(Batcher):
                       f'{row_length!r}')
     self.row_length = int(row_length)
     buckets = (self.row_length,) + tuple(b for b in self.length_buckets if b > self.row_length)
-    self.rows = tuple(max(row_multiple, max_tokens // length // row_multiple * row_multiple)
-                      for length in buckets)
+    self.rows = tuple(rows_per_batch(max_tokens, length, row_multiple) for length in buckets)
     self.length_buckets = buckets
     bucket_of = np.searchsorted(buckets, corpus.lengths)
     self._members = [np.flatnonzero(bucket_of == b) for b in range(len(buckets))]
@@ -178,6 +177,9 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig) -> None
   """Raises ConfigError, in one line naming the options, for what packing does not support."""
   if not train_config.packing:
     return
+  if train_config.packing > model_config.max_len:
+    raise ConfigError(f'train.packing={train_config.packing} is longer than model.max_len='
+                      f'{model_config.max_len}, the longest row the model takes; lower it')
   if model_config.attention_radius is not None:
     raise ConfigError(f'train.packing={train_config.packing} cannot be combined with '
                       f'model.attention_radius={model_config.attention_radius}: the banded '

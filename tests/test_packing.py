@@ -142,6 +142,8 @@ def test_refusals(corpus):
     PackingBatcher(corpus, max_tokens=64, seed=0, row_length=1)
   with pytest.raises(ConfigError, match='train.packing=16.*model.attention_radius=2'):
     check_settings(ModelConfig.tiny(attention_radius=2), TrainConfig(packing=16))
+  with pytest.raises(ConfigError, match='train.packing=128.*model.max_len=64'):
+    check_settings(ModelConfig.tiny(), TrainConfig(packing=128))
   with pytest.raises(ConfigError, match='train.packing'):
     TrainConfig(packing=-1)
 
