@@ -244,6 +244,21 @@ def test_packed_bfloat16_step_with_gradient_accumulation(batcher, packed_batch):
   assert moved[0] == 0.0 and moved[1] > 0.0
 
 
+def test_scheduled_sampling_keeps_every_sentences_bos_gold(packed_batch):
+  """With predictions always taken, every position is replaced but PAD and each sentence's
+  first (its BOS), which decoding starts from."""
+  from flax_transformer.scheduled_sampling import mix_decoder_inputs, row_keys
+  gold = jnp.asarray(packed_batch.tgt_in)
+  predictions = jnp.full_like(gold, VOCAB - 1)
+  keys = row_keys(jax.random.key(0), 0, gold.shape[0])
+  mixed = np.asarray(mix_decoder_inputs(gold, predictions, 1.0, keys, PAD,
+                                        jnp.asarray(packed_batch.tgt_positions)))
+  starts = (packed_batch.tgt_positions == 0) & (packed_batch.tgt_segments > 0)
+  np.testing.assert_array_equal(mixed[starts], BOS)
+  np.testing.assert_array_equal(mixed[packed_batch.tgt_segments == 0], PAD)
+  assert (mixed[(packed_batch.tgt_segments > 0) & ~starts] == VOCAB - 1).all()
+
+
 # --- devices --------------------------------------------------------------------------------
 
 DEVICE_RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
