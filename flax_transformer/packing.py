@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flax_transformer.batching import Batch, Batcher, EncodedCorpus, EpochBatches, rows_per_batch
+from flax_transformer.batching import Batch, Batcher, EncodedCorpus, rows_per_batch
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data import DataError
 
@@ -79,10 +79,6 @@ class PackingBatcher(Batcher):
       step -= self._epoch_sizes[epoch_index]
       epoch_index += 1
 
-  def epoch(self, epoch_index: int) -> EpochBatches:
-    """The batches of one epoch, built on access; every pair appears exactly once."""
-    return EpochBatches(self, self._plan(epoch_index))
-
   def describe(self) -> str:
     """One line for logs: epoch 0's batches and rows, shapes, and how much is padding."""
     plan = self._plan(0)
@@ -94,22 +90,9 @@ class PackingBatcher(Batcher):
             f'batches (epoch 0) of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
             f'{1 - target_tokens / positions:.1%} of target positions are padding')
 
-  def _plan(self, epoch_index: int) -> list[tuple[int, list[np.ndarray]]]:
-    """[(bucket, [pair indices of each row])] per batch of the epoch; the last one memoised."""
-    if epoch_index < 0:
-      raise DataError(f'epoch_index must be >= 0, got {epoch_index}')
-    if self._cached_plan is not None and self._cached_plan[0] == epoch_index:
-      return self._cached_plan[1]
-    rng = np.random.default_rng([self.seed, epoch_index])
-    plan = []
-    for bucket, (members, rows) in enumerate(zip(self._members, self.rows)):
-      order = rng.permutation(members) if self.shuffle else members
-      packed = pack_rows(order, self._src_lengths, self._tgt_lengths, self.length_buckets[bucket])
-      plan.extend((bucket, packed[start:start + rows]) for start in range(0, len(packed), rows))
-    if self.shuffle:
-      plan = [plan[i] for i in rng.permutation(len(plan))]
-    self._cached_plan = (epoch_index, plan)
-    return plan
+  def _fill_rows(self, bucket: int, pairs: np.ndarray) -> list[np.ndarray]:
+    """A bucket's pairs, in order -> its rows, each the pair indices it holds (`pack_rows`)."""
+    return pack_rows(pairs, self._src_lengths, self._tgt_lengths, self.length_buckets[bucket])
 
   def _build(self, bucket: int, rows_of_pairs: list[np.ndarray]) -> Batch:
     rows, length = self.rows[bucket], self.length_buckets[bucket]
