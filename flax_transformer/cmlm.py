@@ -8,7 +8,8 @@ predicts how long the target is. Decoding (`cmlm_decoding.py`) starts from a row
 of N MASKs and fills it in, in parallel, in a few refinement passes.
 
 Axis legend: B batch, S source length, T target length (the canvas), D model dim,
-V vocabulary, C = 2O + 1 length classes for O = `config.max_length_offset`.
+V vocabulary, C = 2O + 1 length classes for O = `config.max_length_offset`, Z sentence
+slots of a packed row (Z = S: a row of S source tokens holds at most S sentences).
 
     model = CMLMTransformer(config)                         # config.kind == 'cmlm'
     variables = model.init(jax.random.key(0), src, tokens)
