@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from flax_transformer import masks
 from flax_transformer.data import DataError
 from flax_transformer.tokenizer import Tokenizer
 
@@ -51,12 +52,28 @@ class Batch:
   tgt_in: `[B, T]` `<s> y1..yn`, PAD on the right.
   tgt_out: `[B, T]` `y1..yn </s>`, PAD on the right; PAD positions carry no loss.
   example_ids: `[B]` each row's index in the dataset it was encoded from, -1 for
-    the all-PAD rows that fill a bucket's last batch.
+    the all-PAD rows that fill a bucket's last batch. A packed batch's is
+    `[B, L]`: entry [b, k - 1] is the index of row b's segment k, -1 past its last.
+  src_segments, tgt_segments, src_positions, tgt_positions: None, or for a
+    packed batch (`packing.PackingBatcher`, several pairs per row) `masks.Packing`'s
+    fields: each token's pair 1..k in its row (0 = PAD) and its position within that pair.
   """
   src: np.ndarray
   tgt_in: np.ndarray
   tgt_out: np.ndarray
   example_ids: np.ndarray
+  src_segments: np.ndarray | None = None
+  tgt_segments: np.ndarray | None = None
+  src_positions: np.ndarray | None = None
+  tgt_positions: np.ndarray | None = None
+
+  @property
+  def packing(self) -> masks.Packing | None:
+    """The segment ids and positions for the model, or None for one pair per row."""
+    if self.src_segments is None:
+      return None
+    return masks.Packing(src_segments=self.src_segments, tgt_segments=self.tgt_segments,
+                         src_positions=self.src_positions, tgt_positions=self.tgt_positions)
 
   @property
   def num_tokens(self):
@@ -164,6 +181,12 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
   return tuple(sorted(length for length in lengths if length < max_len)) + (max_len,)
 
 
+def rows_per_batch(max_tokens: int, length: int, row_multiple: int) -> int:
+  """rows(L) of `Batcher`: max_tokens // L rounded down to a multiple of row_multiple, at least one
+  multiple."""
+  return max(row_multiple, max_tokens // length // row_multiple * row_multiple)
+
+
 class Batcher:
   """Deterministic, resumable token-budget batches over an `EncodedCorpus`.
 
@@ -210,7 +233,7 @@ class Batcher:
     self.seed = int(seed)
     self.shuffle = shuffle
     self.length_buckets = tuple(int(b) for b in buckets)
-    self.rows = tuple(max(row_multiple, max_tokens // length // row_multiple * row_multiple)
+    self.rows = tuple(rows_per_batch(max_tokens, length, row_multiple)
                       for length in self.length_buckets)
     bucket_of = np.searchsorted(self.length_buckets, corpus.lengths)  # smallest bucket >= length
     self._members = [np.flatnonzero(bucket_of == b) for b in range(len(self.length_buckets))]
@@ -254,12 +277,17 @@ class Batcher:
     rng = np.random.default_rng([self.seed, epoch_index])
     plan = []
     for bucket, (members, rows) in enumerate(zip(self._members, self.rows)):
-      order = rng.permutation(members) if self.shuffle else members
+      order = self._fill_rows(bucket, rng.permutation(members) if self.shuffle else members)
       plan.extend((bucket, order[start:start + rows]) for start in range(0, len(order), rows))
     if self.shuffle:
       plan = [plan[i] for i in rng.permutation(len(plan))]
     self._cached_plan = (epoch_index, plan)
     return plan
+
+  def _fill_rows(self, bucket: int, pairs: np.ndarray) -> Sequence:
+    """A bucket's pairs, in order -> its rows: here one pair per row (`packing` packs several)."""
+    del bucket
+    return pairs
 
   def _build(self, bucket: int, pairs: np.ndarray) -> Batch:
     rows, length = self.rows[bucket], self.length_buckets[bucket]

@@ -197,6 +197,9 @@ class TrainConfig:
   steps: int = setting(100_000, 'batches to train on (with accumulation K: steps / K updates)')
   max_tokens: int = setting(25_000, 'padded tokens per batch and side (a batch of length-L rows '
                                     "holds max_tokens // L rows; the paper's held about 25k)")
+  packing: int = setting(0, 'pack several sentence pairs into each row of this many positions '
+                            '(segment masks keep them apart; longer pairs go to the larger length '
+                            'buckets, packed there too); 0: one pair per row')
   warmup_steps: int = setting(4000, 'updates of linear learning-rate warmup')
   lr_scale: float = setting(1.0, "factor on the paper's rate d_model^-0.5 * min(n^-0.5, "
                                  'n * warmup_steps^-1.5), n = update + 1')
@@ -247,7 +250,7 @@ class TrainConfig:
         self, 'train',
         positive_ints=('steps', 'max_tokens', 'warmup_steps', 'grad_accum_steps', 'log_every',
                        'eval_every', 'checkpoint_every', 'keep_checkpoints'),
-        nonnegative_ints=('seed', 'bleu_every'),
+        nonnegative_ints=('seed', 'bleu_every', 'packing'),
         positive_floats=('lr_scale', 'adam_eps', 'max_grad_norm'),
         nonnegative_floats=('length_loss_weight', 'weight_decay'),
         unit_floats=('adam_b1', 'adam_b2', 'label_smoothing', 'eos_fill_rate'))

@@ -85,6 +85,45 @@ def local_mask(length: int, radius: int, kv_length: int | None = None,
   return (jnp.abs(query_pos - key_pos) <= radius)[None, None]
 
 
+def segment_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
+  """Packed rows: a query attends only to keys of its own sentence (segment).
+
+  Args:
+    q_segments: int `[B, T]`, each query's segment id, 1..k per sentence of a
+      packed row (`batching.Batch.src_segments`), 0 for PAD.
+    k_segments: int `[B, S]`, the keys' segment ids, same numbering.
+
+  Returns:
+    bool `[B, 1, T, S]`, True where q_segments[b, t] == k_segments[b, s] != 0.
+    For the row "a b | c PAD" (segments 1 1 2 0), self-attention:
+      1 1 0 0
+      1 1 0 0
+      0 0 1 0
+      0 0 0 0
+    PAD keys are hidden (segment 0 matches nothing) and so is the PAD query's
+    whole row: attention gives it zero weights, and its output carries no loss.
+    Cross-attention is `segment_mask(tgt_segments, src_segments)`: target
+    sentence k sees source sentence k only.
+  """
+  same = q_segments[:, :, None] == k_segments[:, None, :]                      # [B, T, S]
+  return (same & (k_segments[:, None, :] != 0))[:, None]
+
+
+@flax.struct.dataclass
+class Packing:
+  """Where each token of a packed batch belongs: several sentence pairs per row.
+
+  src_segments: int32 `[B, S]`, 1..k for the k pairs of a row, 0 for PAD.
+  tgt_segments: int32 `[B, T]`, the same numbering: target k is pair k's.
+  src_positions, tgt_positions: int32 `[B, S]`, `[B, T]`, each token's position
+    within its own sentence, restarting at 0 in every segment (0 on PAD).
+  """
+  src_segments: jax.Array
+  tgt_segments: jax.Array
+  src_positions: jax.Array
+  tgt_positions: jax.Array
+
+
 @flax.struct.dataclass
 class Band:
   """A restricted-attention mask kept as a rule, never as a `[T, S]` array.

@@ -134,9 +134,13 @@ class Transformer(nn.Module):
 
   # --- pieces -------------------------------------------------------------
 
-  def _embed(self, tokens: jax.Array, side: str, offset: jax.Array | int, train: bool
-             ) -> jax.Array:
-    """Token ids `[B, L]` -> embeddings * sqrt(D) + positions offset..offset+L-1, `[B, L, D]`."""
+  def _embed(self, tokens: jax.Array, side: str, offset: jax.Array | int, train: bool,
+             positions: jax.Array | None = None) -> jax.Array:
+    """Token ids `[B, L]` -> embeddings * sqrt(D) + positions offset..offset+L-1, `[B, L, D]`.
+
+    positions: int `[B, L]`, each token's own position instead (packed rows,
+    `masks.Packing`: they restart in every sentence); None: offset..offset+L-1.
+    """
     c = self.config
     table = self.embedding if c.share_embeddings else getattr(self, f'{side}_embedding')
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -144,9 +148,12 @@ class Transformer(nn.Module):
     # Gather float32 rows, then cast: nn.Embed would cast the whole [V, D] table first.
     x = jnp.take(table.embedding, tokens, axis=0).astype(c.compute_dtype)
     x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
-    positions = jax.lax.dynamic_slice_in_dim(sinusoidal_positions(c.max_len, c.d_model, c.positions),
-                                             offset, tokens.shape[1])
-    return self.embedding_dropout(x + positions.astype(x.dtype), deterministic=not train)
+    table = sinusoidal_positions(c.max_len, c.d_model, c.positions)                 # [max_len, D]
+    if positions is None:
+      encoding = jax.lax.dynamic_slice_in_dim(table, offset, tokens.shape[1])        # [L, D]
+    else:
+      encoding = jnp.take(table, positions, axis=0)                                # [B, L, D]
+    return self.embedding_dropout(x + encoding.astype(x.dtype), deterministic=not train)
 
   def _logits(self, y: jax.Array) -> jax.Array:
     """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]` (+ the logits bias, if any)."""
@@ -164,13 +171,22 @@ class Transformer(nn.Module):
       raise ValueError(f'{what} length {tokens.shape[1]} exceeds model.max_len='
                        f'{self.config.max_len}; truncate the input or raise max_len')
 
-  def _self_attention_mask(self, tokens: jax.Array, causal: bool) -> jax.Array | masks.Band:
+  def _self_attention_mask(self, tokens: jax.Array, causal: bool,
+                           segments: jax.Array | None = None) -> jax.Array | masks.Band:
     """The self-attention mask of ids `[B, L]`: PAD keys hidden, look-ahead too when causal.
 
     With `attention_radius` set, a `masks.Band` that adds the window (§4):
-    attention then computes only the band, O(r L) scores per layer.
+    attention then computes only the band, O(r L) scores per layer. With
+    `segments` int `[B, L]` (a packed row), keys of the query's own sentence
+    only (`masks.segment_mask`), which hides PAD too.
     """
     c = self.config
+    if segments is not None:
+      if c.attention_radius is not None:
+        raise ValueError(f'packed rows (segment ids) cannot be combined with '
+                         f'model.attention_radius={c.attention_radius}: the band has no segments')
+      return masks.combine(masks.segment_mask(segments, segments),
+                           masks.causal_mask(tokens.shape[1]) if causal else None)
     visible = self._visible_keys(tokens, causal)                               # [B, L]
     if c.attention_radius is not None:
       return masks.Band(key_padding=visible, radius=c.attention_radius, causal=causal)
@@ -190,32 +206,49 @@ class Transformer(nn.Module):
 
   # --- the public methods -------------------------------------------------
 
-  def encode(self, src: jax.Array, train: bool = False) -> jax.Array:
-    """Source ids `[B, S]` -> memory `[B, S, D]`."""
+  def encode(self, src: jax.Array, train: bool = False, packing: masks.Packing | None = None
+             ) -> jax.Array:
+    """Source ids `[B, S]` -> memory `[B, S, D]`; packed rows when `packing` is given."""
     self._check_length(src, 'source')
-    mask = self._self_attention_mask(src, causal=False)                        # [B, 1, 1, S]
-    return self.encoder(self._embed(src, 'source', 0, train), mask, train)
+    segments, positions = (None, None) if packing is None else (packing.src_segments,
+                                                                packing.src_positions)
+    mask = self._self_attention_mask(src, False, segments)           # [B, 1, 1 or S, S]
+    return self.encoder(self._embed(src, 'source', 0, train, positions), mask, train)
+
+  def source_mask(self, src: jax.Array, packing: masks.Packing | None = None) -> jax.Array:
+    """The cross-attention mask: bool `[B, 1, 1, S]` (`masks.padding_mask`), or for packed rows
+    `[B, 1, T, S]`, target sentence k seeing source sentence k only (`masks.segment_mask`)."""
+    if packing is None:
+      return masks.padding_mask(src, self.config.pad_id)
+    return masks.segment_mask(packing.tgt_segments, packing.src_segments)
 
   def decode(self, tgt_in: jax.Array, memory: jax.Array, src_mask: jax.Array,
-             train: bool = False) -> jax.Array:
+             train: bool = False, packing: masks.Packing | None = None) -> jax.Array:
     """Teacher-forced decoder: `<bos> y1 .. yn` `[B, T]` -> float32 logits `[B, T, V]`.
 
     Args:
       tgt_in: target ids shifted right, `[B, T]`.
       memory: the encoder output `[B, S, D]`.
-      src_mask: bool `[B, 1, 1, S]`, `masks.padding_mask(src)`.
+      src_mask: `source_mask(src, packing)`: bool `[B, 1, 1, S]`, or `[B, 1, T, S]` packed.
       train: dropout on.
+      packing: segment ids and positions of packed rows; None: one pair per row.
     """
     self._check_length(tgt_in, 'target')
-    self_mask = self._self_attention_mask(tgt_in, causal=True)
-    y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train), self.decoder.cross_kv(memory),
-                        self_mask, src_mask, train)
+    segments, positions = (None, None) if packing is None else (packing.tgt_segments,
+                                                                packing.tgt_positions)
+    self_mask = self._self_attention_mask(tgt_in, True, segments)
+    y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train, positions),
+                        self.decoder.cross_kv(memory), self_mask, src_mask, train)
     return self._logits(y)
 
-  def __call__(self, src: jax.Array, tgt_in: jax.Array, train: bool = False) -> jax.Array:
-    """Source `[B, S]` and shifted target `[B, T]` ids -> float32 logits `[B, T, V]`."""
-    memory = self.encode(src, train)
-    return self.decode(tgt_in, memory, masks.padding_mask(src, self.config.pad_id), train)
+  def __call__(self, src: jax.Array, tgt_in: jax.Array, train: bool = False,
+               packing: masks.Packing | None = None) -> jax.Array:
+    """Source `[B, S]` and shifted target `[B, T]` ids -> float32 logits `[B, T, V]`.
+
+    packing: `batching.Batch.packing` of packed rows (several pairs per row).
+    """
+    memory = self.encode(src, train, packing)
+    return self.decode(tgt_in, memory, self.source_mask(src, packing), train, packing)
 
   def start_decoding(self, src: jax.Array, max_len: int) -> DecodeCache:
     """Runs the encoder once and returns the cache for up to `max_len` decode steps."""
@@ -280,14 +313,14 @@ class Transformer(nn.Module):
     return self._logits(y), cache.replace(self_kv=self_kv, history=history)
 
 
-def attention_weights(model: Transformer, variables, src: jax.Array, tgt_in: jax.Array
-                      ) -> dict[str, jax.Array]:
+def attention_weights(model: Transformer, variables, src: jax.Array, tgt_in: jax.Array,
+                      packing: masks.Packing | None = None) -> dict[str, jax.Array]:
   """Every attention layer's weights for one forward pass, for plotting.
 
   Returns a dict from names like 'encoder/layer_0/self_attention' or
   'decoder/layer_1/cross_attention' to float32 weights `[B, N, T, S]`.
   """
-  _, state = model.apply(variables, src, tgt_in, mutable=['intermediates'])
+  _, state = model.apply(variables, src, tgt_in, packing=packing, mutable=['intermediates'])
   flat = flax.traverse_util.flatten_dict(state['intermediates'], sep='/')
   suffix = '/attention_weights'
   return {name[:-len(suffix)]: value[0] for name, value in flat.items() if name.endswith(suffix)}

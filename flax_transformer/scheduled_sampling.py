@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from flax_transformer import masks
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
 
@@ -78,13 +79,15 @@ def predict(logits: jax.Array, keys: jax.Array, choice: str) -> jax.Array:
 
 def mix_decoder_inputs(gold_in: jax.Array, predictions: jax.Array,
                        use_prediction_prob: jax.Array | float, keys: jax.Array,
-                       pad_id: int) -> jax.Array:
+                       pad_id: int, positions: jax.Array | None = None) -> jax.Array:
   """The second pass's decoder input, int32 [B, T].
 
   gold_in: [B, T] `<s> y1 .. yn PAD..`; predictions: [B, T], predictions[:, t]
   the first pass's guess of y_{t+1}, which is input position t + 1's token.
   Each position t > 0 of a non-PAD input takes predictions[:, t - 1] with
   probability `use_prediction_prob` (row b's coins from keys[b]), else stays gold.
+  In packed rows, `positions` int [B, T] (`masks.Packing.tgt_positions`): every
+  sentence's position 0 (its BOS) stays gold, as position 0 of a row does.
   """
   shifted = jnp.concatenate([gold_in[:, :1], predictions[:, :-1]], axis=1)   # [B, T]
 
@@ -93,25 +96,30 @@ def mix_decoder_inputs(gold_in: jax.Array, predictions: jax.Array,
                                 gold_in.shape[1:])
 
   use = jax.vmap(coins)(keys)                                                 # [B, T]
-  use = use & (gold_in != pad_id) & (jnp.arange(gold_in.shape[1]) > 0)
+  position = jnp.arange(gold_in.shape[1]) if positions is None else positions  # [T] or [B, T]
+  use = use & (gold_in != pad_id) & (position > 0)
   return jnp.where(use, shifted, gold_in)
 
 
 def scheduled_inputs(model: Transformer, params, src: jax.Array, gold_in: jax.Array, step: jax.Array,
-                     key: jax.Array, first_row: jax.Array | int, train_config: TrainConfig
-                     ) -> jax.Array:
+                     key: jax.Array, first_row: jax.Array | int, train_config: TrainConfig,
+                     packing: masks.Packing | None = None) -> jax.Array:
   """The mixed decoder input [B, T] of one step's rows (src [B, S], gold_in [B, T]).
+
+  packing: the rows' segment ids and positions when they are packed (both passes read them).
 
   The first pass runs without dropout: its predictions are those of the model
   as it decodes at test time, the mistakes the second pass should learn to
   recover from. No gradient flows through it (the tokens are integers, and
   stop_gradient says so for the parameters).
   """
-  logits = model.apply({'params': jax.lax.stop_gradient(params)}, src, gold_in)  # [B, T, V]
+  logits = model.apply({'params': jax.lax.stop_gradient(params)}, src, gold_in,
+                       packing=packing)                                         # [B, T, V]
   keys = row_keys(key, first_row, gold_in.shape[0])
   predictions = predict(logits, keys, train_config.scheduled_sampling_choice)
   use_prediction_prob = 1.0 - gold_probability(step, train_config)
-  return mix_decoder_inputs(gold_in, predictions, use_prediction_prob, keys, model.config.pad_id)
+  return mix_decoder_inputs(gold_in, predictions, use_prediction_prob, keys, model.config.pad_id,
+                            None if packing is None else packing.tgt_positions)
 
 
 def check_model(model_config: ModelConfig, train_config: TrainConfig) -> None:

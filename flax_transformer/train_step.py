@@ -31,7 +31,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_transformer import cmlm, scheduled_sampling
+from flax_transformer import cmlm, packing, scheduled_sampling
 from flax_transformer.batching import Batch, shard
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.losses import label_smoothed_cross_entropy, loss_sums, token_losses
@@ -224,6 +224,7 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   """
   config = model.config
   scheduled_sampling.check_model(config, train_config)
+  packing.check_settings(config, train_config)
   seed_key = jax.random.key(train_config.seed)
   dropout_key = jax.random.fold_in(seed_key, _DROPOUT_STREAM)
   dropout_key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step),
@@ -267,7 +268,7 @@ def _autoregressive_loss_fn(model: Transformer, batch: Batch, dropout_key: jax.A
 
   def loss_fn(params):
     logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
-                         rngs={'dropout': dropout_key})                        # [B, T, V]
+                         rngs={'dropout': dropout_key}, packing=batch.packing)  # [B, T, V]
     sums = loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
     return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
 
@@ -281,7 +282,8 @@ def _with_scheduled_sampling(model: Transformer, state: TrainState, batch: Batch
   key = jax.random.fold_in(jax.random.fold_in(seed_key, _SCHEDULED_SAMPLING_STREAM), state.step)
   first_row = lax.axis_index(AXIS) * batch.src.shape[0]
   mixed = scheduled_sampling.scheduled_inputs(model, state.params, batch.src, batch.tgt_in,
-                                              state.step, key, first_row, train_config)
+                                              state.step, key, first_row, train_config,
+                                              batch.packing)
   return batch.replace(tgt_in=mixed)
 
 
@@ -297,7 +299,7 @@ def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Arr
   def loss_fn(params):
     token_logits, length_logits = model.apply(
         {'params': params}, inputs.src, inputs.tokens, train=True,
-        rngs={'dropout': dropout_key})                              # [B, T, V], [B, 2R + 1]
+        rngs={'dropout': dropout_key}, packing=inputs.packing)      # [B, T, V], [B(, Z), 2R + 1]
     sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config,
                                train_config.label_smoothing)
     loss = cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
@@ -329,10 +331,11 @@ def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: floa
   if config.kind == 'cmlm':
     key = jax.random.fold_in(jax.random.key(_EVAL_MASK_SEED), _MASK_STREAM)
     inputs = _cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
-    token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens)
+    token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens,
+                                              packing=inputs.packing)
     sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
   else:
-    logits = model.apply({'params': params}, batch.src, batch.tgt_in)
+    logits = model.apply({'params': params}, batch.src, batch.tgt_in, packing=batch.packing)
     sums = loss_sums(logits, batch.tgt_out, label_smoothing, config.pad_id)
   return lax.psum(sums, AXIS)
 

@@ -89,6 +89,7 @@ from flax_transformer.interruption import Interrupted, StopSignals
 from flax_transformer.methods import Greedy, default_method
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.model import count_params
+from flax_transformer.packing import PackingBatcher, check_settings as check_packing
 from flax_transformer.pretrained import load_marian
 from flax_transformer.run_directory import RunDirectory
 from flax_transformer.sizes import check_fits
@@ -172,6 +173,7 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
   check_fits(model_config if pretrained else model_config.replace(vocab_size=data_config.vocab_size),
              train_config.max_tokens)
   scheduled_sampling.check_model(model_config, train_config)
+  check_packing(model_config, train_config)
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
@@ -393,8 +395,10 @@ class TrainingLoop:
     self.step_fn = make_parallel_step(self.model, self.optimizer, config, run.data_parallel)
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
     corpus = encode_corpus(run.dataset['train'], run.tokenizer, run.model_config.max_len)
-    self.batcher = Batcher(corpus, config.max_tokens, config.seed,
-                           row_multiple=run.data_parallel.num_devices)
+    self.batcher = (Batcher(corpus, config.max_tokens, config.seed,
+                            row_multiple=run.data_parallel.num_devices) if not config.packing
+                    else PackingBatcher(corpus, config.max_tokens, config.seed, config.packing,
+                                        row_multiple=run.data_parallel.num_devices))
     run.say(f'train: {self.batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side '
             f'longer than model.max_len={run.model_config.max_len} tokens with EOS)')
     self.val_batches = _eval_batches(run, 'validation')

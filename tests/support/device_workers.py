@@ -39,3 +39,15 @@ def run_values(results: dict[str, np.ndarray], run: str, kind: str) -> dict[str,
   """The arrays of one run and kind, keyed by what follows `RUN/KIND/`."""
   prefix = f'{run}/{kind}/'
   return {name[len(prefix):]: value for name, value in results.items() if name.startswith(prefix)}
+
+
+def assert_runs_match(results: dict[str, np.ndarray], run: str, reference: str = 'shard_map-1'):
+  """`run`'s losses to 1e-6 and parameters to 1e-5 relative (+ 1e-6) of `reference`'s: the
+  rounding of float32 sums taken in another order, nothing more."""
+  for kind, rtol, atol in (('loss', 1e-6, 0.0), ('params', 1e-5, 1e-6)):
+    expected = run_values(results, reference, kind)
+    values = run_values(results, run, kind)
+    assert values.keys() == expected.keys() and expected
+    for name, value in expected.items():
+      np.testing.assert_allclose(values[name], value, rtol=rtol, atol=atol,
+                                 err_msg=f'{kind} {name}')
