@@ -1,0 +1,129 @@
+"""Where our float32 training step's time goes, against the time its matmuls alone would take.
+
+    python -m benchmarks.step_parts [--rounds 5] [--dtype float32]
+
+The issue-21 setting (base model, vocabulary 8,000, batch 32 x (32 + 32)),
+timed in one process in interleaved rounds, each variant compiled ahead of time:
+
+  mapped step    the library's step (`train_step.make_parallel_step`, shard_map on
+                 one device, with its metrics: what train.py and benchmarks.solo run)
+  jit step       the plain `jax.jit` step (`train_step.PlainStep`: loss, gradient, Adam)
+  no dropout     the same with dropout_rate = attention_dropout_rate = 0
+  gradients      loss and gradient only, no optimizer update (dropout on)
+  forward        the loss only (dropout on)
+  matmul floor   the step's matmul FLOPs split by shape (`solo.train_flop_classes`),
+                 each class at the speed of a lone jitted [rows, K] @ [K, N] timed in
+                 the same rounds: what the step would take if it did nothing but its
+                 matmuls, each as fast as XLA runs that shape alone
+
+Differences of adjacent rows price Adam, dropout, the backward pass and the
+mapping; `jit step - matmul floor` is everything that is not a matmul.
+Writes benchmarks/results/step_parts[_<dtype>].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from benchmarks import common
+
+BATCH, SOURCE_LEN, TARGET_LEN = 32, 32, 32
+
+
+def variants(dtype: str) -> dict:
+  """{name: run()} for the step variants; each run() does one call and waits for it."""
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks import train_step as bench
+  from flax_transformer import train_step
+  from flax_transformer.config import ModelConfig, TrainConfig
+  from flax_transformer.model import Transformer
+
+  config = ModelConfig.base(vocab_size=8000, max_len=256, dtype=dtype)
+  train_config, shape = TrainConfig(), bench.Shape(BATCH, SOURCE_LEN, TARGET_LEN)
+  batch = jax.device_put(bench.synthetic_batch(config, shape))
+  runs = {'mapped step': bench.OurStep(config, train_config, shape, jax.devices()[:1]).step,
+          'jit step': bench.PlainStep(config, train_config, shape).step,
+          'no dropout': bench.PlainStep(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0),
+                                        train_config, shape).step}
+  model = Transformer(config)
+  params = train_step.create_train_state(
+      model, train_step.make_optimizer(train_config, config), seed=0).params
+  key = jax.random.key(0)
+
+  def loss(params):
+    logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
+                         rngs={'dropout': key})
+    total, tokens = train_step.label_smoothed_cross_entropy(
+        logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+    return total / jnp.maximum(tokens, 1.0)
+
+  gradients = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+  forward = jax.jit(loss).lower(params).compile()
+  runs['gradients'] = lambda: jax.block_until_ready(gradients(params))
+  runs['forward'] = lambda: jax.block_until_ready(forward(params))
+  return runs, config, shape
+
+
+def matmul_runs(classes: dict, dtype: str) -> dict:
+  """{(rows, K, N): (run(), FLOPs per call)}: one jitted loop of products per FLOP class."""
+  from benchmarks.solo_worker import MAX_ITERATIONS, PEAK_CALL_FLOPS, jax_matmul_loop
+  runs = {}
+  for m, k, n in classes:
+    iterations = max(1, min(MAX_ITERATIONS, round(PEAK_CALL_FLOPS / (2 * m * k * n))))
+    run = jax_matmul_loop(m, k, n, dtype, iterations)
+    run()
+    runs[m, k, n] = (run, 2 * m * k * n * iterations)
+  return runs
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
+  parser.add_argument('--output', help='JSON file (default benchmarks/results/step_parts[_DTYPE].json)')
+  args = parser.parse_args(argv)
+  cores = common.pin_threads(None)
+  from benchmarks.solo import train_flop_classes
+  load_at_start = os.getloadavg()
+  runs, config, shape = variants(args.dtype)
+  classes = train_flop_classes(config, shape)
+  matmuls = matmul_runs(classes, args.dtype)
+  contenders = {**runs, **{f'matmul {m}x{k}x{n}': run for (m, k, n), (run, _) in matmuls.items()}}
+  timings = common.interleaved_medians(contenders, args.rounds)
+  seconds = {name: timing['median_s'] for name, timing in timings.items()}
+  speed = {key: flops / seconds[f'matmul {key[0]}x{key[1]}x{key[2]}'] / 1e9
+           for key, (_, flops) in matmuls.items()}                                     # GFLOP/s
+  floor = sum(flops / (speed[key] * 1e9) for key, flops in classes.items())
+  seconds['matmul floor'] = floor
+  report(seconds, floor)
+  record = {'benchmark': 'step_parts', 'machine': common.machine_info(len(cores)),
+            'load_average_at_start': load_at_start, 'load_average_at_end': os.getloadavg(),
+            'dtype': args.dtype, 'rounds': args.rounds, 'timings': timings,
+            'matmul_gflops': {f'{m}x{k}x{n}': value for (m, k, n), value in speed.items()},
+            'flop_classes': {f'{m}x{k}x{n}': value for (m, k, n), value in classes.items()},
+            'matmul_floor_s': floor}
+  suffix = '' if args.dtype == 'float32' else f'_{args.dtype}'
+  path = args.output or common.RESULTS / f'step_parts{suffix}.json'
+  print(f'wrote {common.write_json(path, record)}')
+  return 0
+
+
+def report(seconds: dict, floor: float) -> None:
+  """Prints each variant's median and what adjacent differences price."""
+  for name in ('mapped step', 'jit step', 'no dropout', 'gradients', 'forward', 'matmul floor'):
+    print(f'{name:>14s} {seconds[name]:7.3f} s')
+  jit = seconds['jit step']
+  parts = {'the mapping and its metrics': seconds['mapped step'] - jit,
+           'Adam (jit step - gradients)': jit - seconds['gradients'],
+           'dropout (jit step - no dropout)': jit - seconds['no dropout'],
+           'backward (gradients - forward)': seconds['gradients'] - seconds['forward'],
+           'not matmuls (jit step - matmul floor)': jit - floor}
+  for name, value in parts.items():
+    print(f'{name:>40s} {value:+7.3f} s ({value / jit:+.0%} of the jit step)')
+
+
+if __name__ == '__main__':
+  raise SystemExit(main())
