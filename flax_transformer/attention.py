@@ -312,7 +312,8 @@ class MultiHeadAttention(nn.Module):
     if fuse:
       q, k, v = self._fused(inputs, ('query', 'key', 'value'))
       return q, KVCache(k=_heads_first(k), v=_heads_first(v))
-    return self._split_heads(self.query(inputs)), self.project_kv(inputs)
+    kv = self.project_kv(inputs)  # before the queries, as `__call__`'s callers did: the same sums
+    return self._split_heads(self.query(inputs)), kv
 
   def extend_cache(self, inputs: jax.Array, cache: KVCache, index: jax.Array | int) -> KVCache:
     """Writes the keys and values of `inputs` `[B, T, D]` into the cache at position `index`
