@@ -264,15 +264,12 @@ def test_scheduled_sampling_keeps_every_sentences_bos_gold(packed_batch):
 DEVICE_RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
 WORKER = r'''
 import sys
-import jax
 import numpy as np
-from flax import traverse_util
 from flax_transformer.batching import EncodedCorpus, _flatten_with_eos
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
 from flax_transformer.packing import PackingBatcher
-from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                         make_parallel_step)
+from support.device_workers import train_runs
 
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rng = np.random.default_rng(0)
@@ -283,23 +280,8 @@ corpus = EncodedCorpus(src_ids=src_ids, src_offsets=src_offsets, tgt_ids=tgt_ids
                        num_dropped=0)
 batcher = PackingBatcher(corpus, max_tokens=8 * 16, seed=0, row_length=16, row_multiple=4)
 config = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
-model = Transformer(config)
 train_config = TrainConfig(steps=steps, warmup_steps=4, lr_scale=4.0, adam_eps=1.0, packing=16)
-optimizer = make_optimizer(train_config, config)
-initial = jax.device_get(create_train_state(model, optimizer, seed=0))
-results = {}
-for run in runs:
-  mode, count = run.split('-')
-  parallel = DataParallel(jax.devices()[:int(count)], mode=mode)
-  step = make_parallel_step(model, optimizer, train_config, parallel)
-  state = parallel.replicate(initial)
-  for index in range(steps):
-    state, metrics = step(state, parallel.shard_batch(batcher.batch_at(index)))
-    metrics = parallel.unreplicate(metrics)
-    results[f'{run}/loss/{index}'] = metrics['loss_sum'] / metrics['tokens']
-  params = traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/')
-  results.update({f'{run}/params/{name}': value for name, value in params.items()})
-np.savez(out, **results)
+np.savez(out, **train_runs(Transformer(config), train_config, runs, steps, batcher.batch_at))
 '''
 
 

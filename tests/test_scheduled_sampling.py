@@ -218,13 +218,10 @@ def test_p1_feeds_the_teacher_forced_argmax(one_step):
 
 WORKER = r'''
 import sys
-import jax
 import numpy as np
-from flax import traverse_util
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.model import Transformer
-from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                         make_parallel_step)
+from support.device_workers import train_runs
 from test_scheduled_sampling import copy_batch
 
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -236,22 +233,8 @@ train_config = TrainConfig(steps=steps, warmup_steps=2, lr_scale=4.0, adam_eps=1
                            grad_accum_steps=2, scheduled_sampling='linear',
                            scheduled_sampling_k=0.5, scheduled_sampling_c=0.0,
                            scheduled_sampling_choice='sample')
-model = Transformer(config)
-optimizer = make_optimizer(train_config, config)
-initial = jax.device_get(create_train_state(model, optimizer, seed=0))
-results = {}
-for run in runs:
-  mode, count = run.split('-')
-  parallel = DataParallel(jax.devices()[:int(count)], mode=mode)
-  step = make_parallel_step(model, optimizer, train_config, parallel)
-  state = parallel.replicate(initial)
-  for index in range(steps):
-    state, metrics = step(state, parallel.shard_batch(copy_batch(10 + index)))
-    metrics = parallel.unreplicate(metrics)
-    results[f'{run}/loss/{index}'] = metrics['loss_sum'] / metrics['tokens']
-  params = traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/')
-  results.update({f'{run}/params/{name}': value for name, value in params.items()})
-np.savez(out, **results)
+np.savez(out, **train_runs(Transformer(config), train_config, runs, steps,
+                           lambda index: copy_batch(10 + index)))
 '''
 RUNS = ('shard_map-1', 'shard_map-2', 'pmap-2')
 

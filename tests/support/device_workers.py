@@ -35,6 +35,31 @@ def run_worker(source: str, out: Path, args, device_count: int,
     return dict(data)
 
 
+def train_runs(model, train_config, runs, steps: int, batch_at) -> dict[str, np.ndarray]:
+  """Inside a worker: each run ('shard_map-2', 'pmap-4', ...) trains `steps` steps from the same
+  initial state on `batch_at(step)`; -> {'RUN/loss/STEP': loss per token, 'RUN/params/NAME': ...}."""
+  import jax
+  from flax import traverse_util
+
+  from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
+                                           make_parallel_step)
+  optimizer = make_optimizer(train_config, model.config)
+  initial = jax.device_get(create_train_state(model, optimizer, seed=0))
+  results = {}
+  for run in runs:
+    mode, count = run.split('-')
+    parallel = DataParallel(jax.devices()[:int(count)], mode=mode)
+    step = make_parallel_step(model, optimizer, train_config, parallel)
+    state = parallel.replicate(initial)
+    for index in range(steps):
+      state, metrics = step(state, parallel.shard_batch(batch_at(index)))
+      metrics = parallel.unreplicate(metrics)
+      results[f'{run}/loss/{index}'] = metrics['loss_sum'] / metrics['tokens']
+    params = traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/')
+    results.update({f'{run}/params/{name}': value for name, value in params.items()})
+  return results
+
+
 def run_values(results: dict[str, np.ndarray], run: str, kind: str) -> dict[str, np.ndarray]:
   """The arrays of one run and kind, keyed by what follows `RUN/KIND/`."""
   prefix = f'{run}/{kind}/'
