@@ -21,7 +21,7 @@ from flax_transformer.train_step import (DataParallel, create_train_state, make_
                                          make_parallel_step)
 from flax_transformer.training import check_settings
 from support.copy_task import random_copy_batch
-from support.device_workers import run_values, run_worker
+from support.device_workers import assert_runs_match, run_worker
 
 PAD, BOS, EOS = 0, 1, 2
 CONFIG = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.1)
@@ -248,13 +248,7 @@ def device_runs(tmp_path_factory):
 @pytest.mark.parametrize('run', RUNS[1:])
 def test_two_devices_train_like_one(device_runs, run):
   """Tolerances as tests/test_multidevice.py's: float32 sums taken in another order."""
-  for kind, rtol, atol in (('loss', 1e-6, 0.0), ('params', 1e-5, 1e-6)):
-    reference = run_values(device_runs, 'shard_map-1', kind)
-    values = run_values(device_runs, run, kind)
-    assert values.keys() == reference.keys() and reference
-    for name, value in reference.items():
-      np.testing.assert_allclose(values[name], value, rtol=rtol, atol=atol,
-                                 err_msg=f'{kind} {name}')
+  assert_runs_match(device_runs, run)
 
 
 def test_free_running_accuracy_counts_reference_positions():
