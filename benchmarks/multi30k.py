@@ -103,8 +103,21 @@ def read_metrics(workdir: Path) -> list[dict]:
 
 
 def step_clock(lines: list[dict]) -> dict[int, float]:
-  """Step -> elapsed training seconds, from the training lines (validation lines carry no clock)."""
-  return {m['step']: m['elapsed_s'] for m in lines if 'elapsed_s' in m}
+  """Step -> elapsed training seconds, from the training lines (validation lines carry no clock).
+
+  Logs written before the clock carried on over a resume restart it at each resume: a
+  line whose clock is behind the one before it starts a new process, whose seconds
+  are added to those reached at the step it resumed from (the line before it).
+  """
+  clock, offset, previous = {}, 0.0, None
+  for m in lines:
+    if 'elapsed_s' not in m:
+      continue
+    if previous is not None and m['elapsed_s'] < previous['elapsed_s']:
+      offset = clock[previous['step']]
+    clock[m['step']] = m['elapsed_s'] + offset
+    previous = m
+  return clock
 
 
 def training_summary(workdir: Path) -> dict:
@@ -112,7 +125,7 @@ def training_summary(workdir: Path) -> dict:
   lines = read_metrics(workdir)
   timed = [m for m in lines if 'elapsed_s' in m]
   return {'steps': max(m['step'] for m in lines),
-          'train_seconds': max(m['elapsed_s'] for m in timed) if timed else None}
+          'train_seconds': max(step_clock(timed).values()) if timed else None}
 
 
 def evaluate(args) -> dict:

@@ -23,12 +23,15 @@ class MetricsLog:
   A run stopped after its last checkpoint logged steps it will now repeat; those
   lines are dropped so the file reads as one run. The file is rewritten through a
   rename, so a crash then leaves the old or the new file, never a truncated one.
+  `elapsed_s` is the training clock the kept lines reached (their last `elapsed_s`,
+  0 for a new run), so a resumed run's clock carries on from it.
   """
 
   def __init__(self, path: str | Path, resume_step: int = 0, tensorboard_dir: str | Path | None = None):
     self.path = Path(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
     kept = [line for line in self.read(self.path) if line['step'] <= resume_step]
+    self.elapsed_s = max((line['elapsed_s'] for line in kept if 'elapsed_s' in line), default=0.0)
     temporary = self.path.with_name(f'.{self.path.name}.tmp')
     with temporary.open('w') as f:
       f.writelines(json.dumps(line) + '\n' for line in kept)

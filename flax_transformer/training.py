@@ -406,7 +406,10 @@ class TrainingLoop:
   def train_from(self, state: TrainState, start: int) -> TrainState:
     """Trains from `start`; raises Interrupted after saving when a signal asked to stop."""
     run, config = self.run, self.run.train_config
-    buffer, run_start, done = MetricBuffer(run.data_parallel), time.perf_counter(), start
+    # The clock carries on from the log's last line, so a resumed run's elapsed_s is the
+    # whole run's training time (the time stopped in between not counted).
+    logged_s = run.log.elapsed_s if run.log is not None else 0.0
+    buffer, run_start, done = MetricBuffer(run.data_parallel), time.perf_counter() - logged_s, start
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc='train',
                unit='step', disable=not run.directory.is_main, dynamic_ncols=True)
     try:

@@ -47,3 +47,14 @@ def test_metrics_log_drops_a_line_cut_short_and_names_a_malformed_one(tmp_path):
   path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
   with pytest.raises(ValueError, match=f'{path}, line 2: not a JSON object'):
     MetricsLog.read(path)
+
+
+def test_resumed_log_reports_the_clock_it_reached(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  assert MetricsLog(path).elapsed_s == 0.0
+  path.write_text('{"step": 2, "elapsed_s": 5.0}\n{"step": 2, "val_loss": 3.0}\n'
+                  '{"step": 4, "elapsed_s": 9.5}\n{"step": 6, "elapsed_s": 14.0}\n')
+  # Step 6 is dropped (to be repeated): the clock resumes from step 4's line.
+  log = MetricsLog(path, resume_step=4)
+  log.close()
+  assert log.elapsed_s == 9.5

@@ -31,12 +31,13 @@ def test_preset_trains_on_multi30k(tmp_path, multi30k_dir):
                  print_fn=messages.append)
   text = '\n'.join(messages)
   assert 'train: 29,000 pairs' in text
-  assert result.tokenizer.vocab_size == data_config.vocab_size == 8000
-  assert 7_000_000 < count_params(result.state.params) < 8_000_000
+  assert result.tokenizer.vocab_size == data_config.vocab_size == 16_000
+  assert 'packed' in text and train_config.packing == 64
+  assert 9_000_000 < count_params(result.state.params) < 10_000_000
   assert int(result.state.step) == 3
   log = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   losses = [m['loss'] for m in log if 'loss' in m]
-  # Untrained: about log(8000) = 9.0 nats per token, label smoothing included.
+  # Untrained: about log(16000) = 9.7 nats per token, label smoothing included.
   assert len(losses) == 3 and all(7.0 < loss < 11.0 for loss in losses)
   assert any('val_loss' in m for m in log)
   assert 'test, greedy decoding of 16 sentences' in text
@@ -65,6 +66,19 @@ def test_moses_line_scores_moses_tokens_lowercased():
   signature = result['signatures']['bleu_moses_lc']
   assert 'sacremoses de' in signature and 'tok:none' in signature and 'lc' in signature
   assert 'bleu_moses_lc' not in multi30k.score(hypotheses, references)
+
+
+def test_step_clock_carries_over_resumes_of_older_logs():
+  # A log written before the clock carried on: the process resumed at step 20 (its line the
+  # last before the reset) restarted at 0 s, and one more at step 40.
+  lines = [{'step': 10, 'elapsed_s': 12.0}, {'step': 20, 'elapsed_s': 22.0},
+           {'step': 20, 'val_loss': 3.0}, {'step': 30, 'elapsed_s': 15.0},
+           {'step': 40, 'elapsed_s': 25.0}, {'step': 50, 'elapsed_s': 16.0}]
+  assert multi30k.step_clock(lines) == {10: 12.0, 20: 22.0, 30: 37.0, 40: 47.0, 50: 63.0}
+  # A log whose clock carries on is read as written.
+  carried = [{'step': 10, 'elapsed_s': 12.0}, {'step': 20, 'elapsed_s': 22.0},
+             {'step': 30, 'elapsed_s': 37.0}]
+  assert multi30k.step_clock(carried) == {10: 12.0, 20: 22.0, 30: 37.0}
 
 
 def test_plot_writes_a_small_png(tmp_path):

@@ -78,6 +78,9 @@ def test_resumed_metrics_log_reads_as_one_run(resumed_and_uninterrupted):
   assert all(set(line) == TRAIN_KEYS for line in stopped)
   for a, b in zip(straight, stopped):
     assert a['loss'] == b['loss'] and a['grad_norm'] == b['grad_norm']
+  # The resumed process's clock carries on from step 4's: training time of the whole run.
+  clock = [line['elapsed_s'] for line in stopped]
+  assert clock[0] > 0 and all(later > earlier for earlier, later in zip(clock, clock[1:]))
 
 
 def test_resume_refuses_other_settings(resumed_and_uninterrupted):
