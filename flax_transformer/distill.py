@@ -197,11 +197,16 @@ def student_command(output: Path, model_config, train_config, data_config,
             and getattr(config, f.name) != getattr(configs[section], f.name)]
 
   preset = min(RUN_PRESETS, key=lambda name: len(differences(name)))
+  options = differences(preset)
+  if train_config.packing and train_config.eos_fill_rate:
+    # The cmlm recipe fills the PAD after each target with EOS, which a packed row's PAD
+    # (after the last of several pairs) cannot take: the student trains unpacked.
+    options = [o for o in options if not o.startswith('--train.packing=')] + ['--train.packing=0']
   run = checkpoint_dir.resolve()
   if run.name.startswith('average-last'):
     run = run.parent  # the averaged checkpoints' own run
   workdir = run.parent / f'{run.name}-cmlm-distilled'
   words = ['python', 'train.py', '--preset', preset, '--objective', 'cmlm', '--data', str(output),
-           '--src', data_config.src_lang, '--tgt', data_config.tgt_lang, *differences(preset),
+           '--src', data_config.src_lang, '--tgt', data_config.tgt_lang, *options,
            '--workdir', str(workdir)]
   return shlex.join(words)

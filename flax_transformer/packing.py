@@ -171,4 +171,4 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig) -> None
     raise ConfigError(f'train.packing={train_config.packing} cannot be combined with '
                       f'train.eos_fill_rate={train_config.eos_fill_rate} (cmlm): it fills the PAD '
                       "after a sentence, and a packed row's PAD belongs to none; set "
-                      'train.eos_fill_rate=0')
+                      'train.eos_fill_rate=0, or train.packing=0 to train unpacked')

@@ -89,3 +89,27 @@ def test_distill_refuses_a_teacher_that_only_emits_empty_translations(teacher, c
   assert 'is empty (it ends each sentence at once), which would leave no training pairs' in \
       error_line(err, 'distill.py')
   assert not (tmp_path / 'out').exists()
+
+
+def test_student_of_a_packed_teacher_trains_unpacked_and_is_accepted(tmp_path):
+  # The multi30k preset packs; the cmlm student's EOS fill cannot, so its command says so
+  # and train.py accepts the settings it names.
+  import shlex
+  from flax_transformer import packing
+  from flax_transformer.cli.options import configs_from_args
+  from flax_transformer.cli.train import build_parser
+  from flax_transformer.config import run_preset
+  from flax_transformer.distill import student_command
+  model_config, train_config, data_config = run_preset('multi30k')
+  assert train_config.packing
+  command = student_command(tmp_path / 'distilled', model_config.replace(vocab_size=16_000),
+                            train_config, data_config, tmp_path / 'runs' / 'm30k')
+  words = shlex.split(command)
+  assert words[:4] == ['python', 'train.py', '--preset', 'multi30k']
+  assert words.count('--train.packing=0') == 1 and not any(
+      w.startswith('--train.packing=') and w != '--train.packing=0' for w in words)
+  student_model, student_train, _ = configs_from_args(build_parser().parse_args(words[2:]))
+  assert student_model.kind == 'cmlm' and student_train.eos_fill_rate > 0
+  packing.check_settings(student_model, student_train)  # raises ConfigError if refused
+  with pytest.raises(Exception, match='train.eos_fill_rate'):
+    packing.check_settings(student_model, student_train.replace(packing=64))
