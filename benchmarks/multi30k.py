@@ -78,7 +78,8 @@ def score(hypotheses: list[str], references: list[str], language: str | None = N
             'signatures': {'bleu': str(cased.get_signature()), 'bleu_lc': str(lowered.get_signature()),
                            'chrf': str(chrf.get_signature())}}
   if language is not None:
-    moses = sacrebleu.metrics.BLEU(lowercase=True, tokenize='none')
+    # force: the text is tokenised on purpose, which sacreBLEU would otherwise warn about.
+    moses = sacrebleu.metrics.BLEU(lowercase=True, tokenize='none', force=True)
     tokenized = [moses_tokenize(texts, language) for texts in (hypotheses, references)]
     result['bleu_moses_lc'] = moses.corpus_score(tokenized[0], [tokenized[1]]).score
     result['signatures']['bleu_moses_lc'] = f'sacremoses {language} | {moses.get_signature()}'
