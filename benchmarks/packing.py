@@ -2,9 +2,11 @@
 
     python -m benchmarks.packing                                  # ~10 minutes on 2 CPU cores
     python -m benchmarks.packing --row-lengths 32,64,128 --steps 20 --rounds 3
+    python -m benchmarks.packing --vocab-size 16000   # the larger vocabulary of docs/multi30k.md
 
 The preset's data (Multi30k train, `--data DIR`, skipped with a message when
-absent), tokenizer (8,000 BPE pieces trained on it), model (3+3 layers, d=256,
+absent), tokenizer (the preset's 8,000 BPE pieces trained on it, or
+`--vocab-size`), model (3+3 layers, d=256,
 bfloat16, dropout 0.3) and batching (4,096 tokens per side, the default length
 buckets) as `train.py --preset multi30k` uses them. Contenders: today's
 buckets ('unpacked', one pair per row) and `PackingBatcher` at each row length
@@ -58,7 +60,8 @@ class Contender:
     return call
 
 
-def measure(data: Path, row_lengths: list[int], steps: int, rounds: int) -> dict:
+def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
+            vocab_size: int | None = None) -> dict:
   """Padding shares and interleaved step timings of 'unpacked' and each 'packed-L'."""
   from flax_transformer.batching import Batcher, encode_corpus
   from flax_transformer.config import run_preset
@@ -67,6 +70,7 @@ def measure(data: Path, row_lengths: list[int], steps: int, rounds: int) -> dict
   from flax_transformer.tokenizer import Tokenizer
 
   model_config, train_config, data_config = run_preset('multi30k')
+  data_config = data_config.replace(vocab_size=vocab_size or data_config.vocab_size)
   dataset = load_parallel(str(data), data_config.src_lang, data_config.tgt_lang)
   texts = list(dataset['train']['source']) + list(dataset['train']['target'])
   tokenizer = Tokenizer.train(texts, data_config.vocab_size, data_config.tokenizer)
@@ -114,6 +118,8 @@ def main(argv=None):
   parser.add_argument('--steps', type=int, default=12, help='batches per timed call')
   parser.add_argument('--rounds', type=int, default=5, help='interleaved timed rounds')
   parser.add_argument('--threads', type=int, default=None, help='cores to use (default: all)')
+  parser.add_argument('--vocab-size', type=int, default=None,
+                      help="BPE vocabulary (default: the multi30k preset's)")
   parser.add_argument('--out', type=Path, default=common.RESULTS / 'packing.json')
   args = parser.parse_args(argv)
   if not args.data.is_dir():
@@ -122,7 +128,8 @@ def main(argv=None):
   row_lengths = [int(length) for length in args.row_lengths.split(',')]
   cores = common.pin_threads(args.threads)
   before = common.machine_info(len(cores))
-  payload = {'machine': before, **measure(args.data, row_lengths, args.steps, args.rounds)}
+  payload = {'machine': before, **measure(args.data, row_lengths, args.steps, args.rounds,
+                                                  args.vocab_size)}
   payload['machine']['load_average_after'] = common.machine_info(len(cores))['load_average']
   for name, entry in payload['contenders'].items():
     print(f"{name:>10}: padding {entry['padding_share']['target']:.1%} target, "
