@@ -2,15 +2,17 @@
 
     python -m benchmarks.packing                                  # ~10 minutes on 2 CPU cores
     python -m benchmarks.packing --row-lengths 32,64,128 --steps 20 --rounds 3
-    python -m benchmarks.packing --vocab-size 16000   # the larger vocabulary of docs/multi30k.md
+    python -m benchmarks.packing --first-preset   # 3+3 layers, d=256, 8,000 pieces: packing.json
 
 The preset's data (Multi30k train, `--data DIR`, skipped with a message when
-absent), tokenizer (the preset's 8,000 BPE pieces trained on it, or
-`--vocab-size`), model (3+3 layers, d=256,
+absent), tokenizer (the preset's 16,000 BPE pieces trained on it, or
+`--vocab-size`), model (4+4 layers, d=128,
 bfloat16, dropout 0.3) and batching (4,096 tokens per side, the default length
-buckets) as `train.py --preset multi30k` uses them. Contenders: today's
-buckets ('unpacked', one pair per row) and `PackingBatcher` at each row length
-of `--row-lengths` ('packed-L', `--train.packing=L`).
+buckets) as `train.py --preset multi30k` uses them; `--first-preset` takes the
+first preset's model and vocabulary instead, which the recorded results measured.
+Contenders: unpacked buckets ('unpacked', one pair per row, `--train.packing=0`)
+and `PackingBatcher` at each row length of `--row-lengths` ('packed-L',
+`--train.packing=L`).
 
 Reported for each: the padding share of source and target positions over a
 whole epoch, its batches per epoch, and the training step's real (non-PAD)
@@ -26,7 +28,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks import common, first_preset
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 
@@ -61,7 +63,7 @@ class Contender:
 
 
 def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
-            vocab_size: int | None = None) -> dict:
+            vocab_size: int | None = None, first: bool = False) -> dict:
   """Padding shares and interleaved step timings of 'unpacked' and each 'packed-L'."""
   from flax_transformer.batching import Batcher, encode_corpus
   from flax_transformer.config import run_preset
@@ -70,6 +72,9 @@ def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
   from flax_transformer.tokenizer import Tokenizer
 
   model_config, train_config, data_config = run_preset('multi30k')
+  if first:
+    model_config = model_config.replace(**first_preset.MODEL)
+    data_config = data_config.replace(vocab_size=first_preset.VOCAB_SIZE)
   data_config = data_config.replace(vocab_size=vocab_size or data_config.vocab_size)
   dataset = load_parallel(str(data), data_config.src_lang, data_config.tgt_lang)
   texts = list(dataset['train']['source']) + list(dataset['train']['target'])
@@ -106,7 +111,9 @@ def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
                          best_target_tokens_per_s=rate(name, 'min_s'),
                          best_speedup=rate(name, 'min_s') / rate('unpacked', 'min_s'),
                          timed_shapes=[list(shape) for shape in contender.shapes])
-  return {'pairs': len(corpus), 'vocab_size': tokenizer.vocab_size, 'contenders': results}
+  model = {name: getattr(model_config, name) for name in first_preset.MODEL}
+  return {'pairs': len(corpus), 'vocab_size': tokenizer.vocab_size, 'model': model,
+          'contenders': results}
 
 
 def main(argv=None):
@@ -120,16 +127,22 @@ def main(argv=None):
   parser.add_argument('--threads', type=int, default=None, help='cores to use (default: all)')
   parser.add_argument('--vocab-size', type=int, default=None,
                       help="BPE vocabulary (default: the multi30k preset's)")
-  parser.add_argument('--out', type=Path, default=common.RESULTS / 'packing.json')
+  parser.add_argument('--first-preset', action='store_true',
+                      help='the first multi30k preset: 3+3 layers, d=256, 8,000 pieces')
+  parser.add_argument('--out', type=Path, default=None,
+                      help='JSON file (default: results/packing.json with --first-preset, '
+                           'results/packing_preset.json without)')
   args = parser.parse_args(argv)
   if not args.data.is_dir():
     print(f'benchmarks.packing: skipped, Multi30k not found at {args.data} (pass --data DIR)')
     return None
+  args.out = args.out or common.RESULTS / ('packing.json' if args.first_preset
+                                           else 'packing_preset.json')
   row_lengths = [int(length) for length in args.row_lengths.split(',')]
   cores = common.pin_threads(args.threads)
   before = common.machine_info(len(cores))
   payload = {'machine': before, **measure(args.data, row_lengths, args.steps, args.rounds,
-                                                  args.vocab_size)}
+                                                  args.vocab_size, args.first_preset)}
   payload['machine']['load_average_after'] = common.machine_info(len(cores))['load_average']
   for name, entry in payload['contenders'].items():
     print(f"{name:>10}: padding {entry['padding_share']['target']:.1%} target, "

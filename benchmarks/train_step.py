@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks import common, first_preset
 
 SECTIONS = ('table', 'scaling', 'devices')
 DTYPES = ('float32', 'bfloat16')
@@ -67,9 +67,8 @@ def model_configs():
   base = ModelConfig.base(vocab_size=8000, max_len=256)
   return {
       'base': base,
-      # The multi30k preset's shape: d=256, 3+3 layers, 4 heads of 64, d_ff=1024.
-      'small': base.replace(d_model=256, num_heads=4, num_encoder_layers=3, num_decoder_layers=3,
-                            d_ff=1024),
+      # The first multi30k preset's shape: d=256, 3+3 layers, 4 heads of 64, d_ff=1024.
+      'small': base.replace(**first_preset.MODEL),
       'big': ModelConfig.big(vocab_size=8000, max_len=256),
   }
 
