@@ -30,13 +30,13 @@ def test_preset_trains_on_multi30k(tmp_path, multi30k_dir):
                  data_config.replace(source=str(multi30k_dir)), tmp_path, dataset=subset,
                  print_fn=messages.append)
   text = '\n'.join(messages)
-  assert 'train: 29,000 pairs' in text
-  assert result.tokenizer.vocab_size == data_config.vocab_size == 8000
-  assert 7_000_000 < count_params(result.state.params) < 8_000_000
+  assert train_config.packing == 64 and 'train: 29,000 pairs packed' in text
+  assert result.tokenizer.vocab_size == data_config.vocab_size == 16_000
+  assert 3_500_000 < count_params(result.state.params) < 4_500_000
   assert int(result.state.step) == 3
   log = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   losses = [m['loss'] for m in log if 'loss' in m]
-  # Untrained: about log(8000) = 9.0 nats per token, label smoothing included.
+  # Untrained: about log(16000) = 9.7 nats per token, label smoothing included.
   assert len(losses) == 3 and all(7.0 < loss < 11.0 for loss in losses)
   assert any('val_loss' in m for m in log)
   assert 'test, greedy decoding of 16 sentences' in text

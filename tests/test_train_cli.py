@@ -111,7 +111,7 @@ def test_cli_presets_and_overrides():
       ['--preset', 'multi30k', '--model.d_model=512', '--steps', '10', '--bf16', '--src', 'de',
        '--tgt', 'en'])
   model, training, data = train_cli.configs_from_args(args)
-  assert (model.d_model, model.num_encoder_layers, model.dtype) == (512, 3, 'bfloat16')
+  assert (model.d_model, model.num_encoder_layers, model.dtype) == (512, 4, 'bfloat16')
   assert (training.steps, training.warmup_steps) == (10, TrainConfig.multi30k().warmup_steps)
   assert (data.source, data.src_lang, data.tgt_lang) == ('bentrevett/multi30k', 'de', 'en')
 
