@@ -143,13 +143,35 @@ def _peak(times: list[float], size: int, dtype: str, framework: str) -> dict:
           'best_gflops': flops / min(times) / 1e9}
 
 
+# The instructions that decide CPU matmul speed, float32 (avx2/fma, avx512f) against
+# bfloat16 (avx512_bf16, amx_bf16): without the bfloat16 ones XLA converts bf16 to float32
+# around every matmul and bfloat16 compute is slower than float32, not faster.
+MATMUL_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16')
+
+
+def cpu_description(cpuinfo: str) -> dict:
+  """The first processor of a /proc/cpuinfo text: its name, family and model numbers, and
+  which of MATMUL_FLAGS it has (x86; on other CPUs, whichever fields are there)."""
+  fields = {}
+  for line in cpuinfo.split('\n\n')[0].splitlines():
+    key, _, value = line.partition(':')
+    fields.setdefault(key.strip(), value.strip())
+  flags = set(fields.get('flags', '').split())
+  description = {'name': fields.get('model name', ''),
+                 'family': fields.get('cpu family', ''), 'model': fields.get('model', ''),
+                 'matmul_flags': [flag for flag in MATMUL_FLAGS if flag in flags]}
+  return {key: value for key, value in description.items() if value != ''}
+
+
 def machine_info(threads: int) -> dict:
   """Where and with what a result was measured: CPU, cores, load, versions, flags, date."""
   cpu = platform.processor() or platform.machine()
+  cpu_details = {}
   try:
     with open('/proc/cpuinfo') as f:
-      cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
-  except (OSError, StopIteration):
+      cpu_details = cpu_description(f.read())
+    cpu = cpu_details.get('name', cpu)
+  except OSError:
     pass
   versions = {}
   for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers'):
@@ -158,7 +180,8 @@ def machine_info(threads: int) -> dict:
     except importlib.metadata.PackageNotFoundError:
       pass
   info = {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-          'cpu': cpu, 'cores_available': os.cpu_count(), 'threads': threads,
+          'cpu': cpu, 'cpu_details': cpu_details, 'cores_available': os.cpu_count(),
+          'threads': threads,
           'python': platform.python_version(), 'versions': versions,
           'xla_flags': os.environ.get('XLA_FLAGS', '')}
   if hasattr(os, 'getloadavg'):
