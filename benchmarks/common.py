@@ -144,18 +144,24 @@ def _peak(times: list[float], size: int, dtype: str, framework: str) -> dict:
 
 
 # The instructions that decide CPU matmul speed, float32 (avx2/fma, avx512f) against
-# bfloat16 (avx512_bf16, amx_bf16): without the bfloat16 ones XLA converts bf16 to float32
-# around every matmul and bfloat16 compute is slower than float32, not faster.
+# bfloat16 (avx512_bf16, amx_bf16): on a Zen 2 without the bfloat16 ones, bfloat16 matmuls
+# ran at 0.68x the float32 rate (benchmarks/README.md, bfloat16 on a CPU without them).
 MATMUL_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16')
+
+
+def first_processor(cpuinfo: str) -> dict[str, str]:
+  """The fields of the first processor of a /proc/cpuinfo text ('model name', 'flags', ...)."""
+  fields = {}
+  for line in cpuinfo.split('\n\n')[0].splitlines():
+    key, _, value = line.partition(':')
+    fields.setdefault(key.strip(), value.strip())
+  return fields
 
 
 def cpu_description(cpuinfo: str) -> dict:
   """The first processor of a /proc/cpuinfo text: its name, family and model numbers, and
   which of MATMUL_FLAGS it has (x86; on other CPUs, whichever fields are there)."""
-  fields = {}
-  for line in cpuinfo.split('\n\n')[0].splitlines():
-    key, _, value = line.partition(':')
-    fields.setdefault(key.strip(), value.strip())
+  fields = first_processor(cpuinfo)
   flags = set(fields.get('flags', '').split())
   description = {'name': fields.get('model name', ''),
                  'family': fields.get('cpu family', ''), 'model': fields.get('model', ''),

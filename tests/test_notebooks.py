@@ -41,6 +41,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from benchmarks.common import first_processor
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / 'notebooks'
 CELL_TIMEOUT_S = 120
@@ -64,13 +66,9 @@ def numerics_platform() -> dict:
   fingerprint = {'machine': platform.machine(), 'jaxlib': importlib.metadata.version('jaxlib')}
   try:
     with open('/proc/cpuinfo') as f:
-      first_processor = f.read().split('\n\n')[0]
+      fields = first_processor(f.read())
   except OSError:
     return {**fingerprint, 'processor': platform.processor()}
-  fields = {}
-  for line in first_processor.splitlines():
-    key, _, value = line.partition(':')
-    fields.setdefault(key.strip(), value.strip())
   simd = sorted(flag for flag in (fields.get('flags') or fields.get('Features', '')).split()
                 if flag.startswith(('avx', 'amx', 'fma', 'sse', 'asimd', 'sve', 'bf16')))
   return {**fingerprint, 'cpu': fields.get('model name', ''), 'family': fields.get('cpu family', ''),
