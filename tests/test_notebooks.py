@@ -197,7 +197,8 @@ def test_committed_outputs(path, executed):
 
   made_on = committed.metadata.get('outputs_made_on')
   assert made_on, f'{path.name}: no outputs_made_on in its metadata; regenerate it (see the docstring)'
-  exact = made_on == numerics_platform()
+  here = numerics_platform()
+  exact = made_on == here
   fresh = executed(path.name)
   assert [cell.source for cell in fresh.cells] == [cell.source for cell in committed.cells]
   problems = []
@@ -216,11 +217,10 @@ def test_committed_outputs(path, executed):
     if image_count(old) != image_count(new):
       problems.append(f'{where}: {image_count(old)} figure(s) committed, {image_count(new)} drawn now')
   platform_note = ('' if exact else f'\n\n(Compared by shape: the outputs were made on {made_on}, this is '
-                                     f'{numerics_platform()}.)')
+                                     f'{here}.)')
   assert not problems, ('\n\n'.join(problems) + '\n\nRegenerate the outputs (see the docstring) if the '
                         'change is intended.' + platform_note)
   assert sum(map(image_count, code_cells)) > 0, f'{path.name}: no figure committed'
-
 
 
 def test_text_shape_keeps_each_stream_and_its_line_count():
@@ -228,6 +228,7 @@ def test_text_shape_keeps_each_stream_and_its_line_count():
   assert text_shape('[stdout]\nloss 2.407\n') == text_shape('[stdout]\nloss 2.420\n')
   assert text_shape('[stdout]\nloss 2.407\n') != text_shape('[stdout]\nloss 2.407\nloss 1.1\n')
   assert text_shape('[stdout]\nx\n') != text_shape('[stderr]\nx\n')
+
 
 def test_attention_and_masks(executed):
   facts = summary(executed('01_attention_and_masks.ipynb'))
