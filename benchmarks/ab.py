@@ -64,8 +64,8 @@ def decoder_fn(beams: int, dtype: str = 'float32', cast_params: bool = False):
   import jax
   import numpy as np
 
-  from flax_transformer import decoding
-  from flax_transformer.model import Transformer
+  from flax_transformer.decode import autoregressive
+  from flax_transformer.nn.model import Transformer
   config = base_config(dtype).replace(dropout_rate=0.0)
   rng = np.random.default_rng(0)
   src = rng.integers(4, config.vocab_size, (BATCH, SOURCE_LEN)).astype(np.int32)
@@ -73,14 +73,14 @@ def decoder_fn(beams: int, dtype: str = 'float32', cast_params: bool = False):
   params = jax.jit(Transformer(config).init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
   variables = {'params': params}
   if cast_params:
-    variables = jax.device_put(decoding.cast_matrices(variables, config.compute_dtype))
+    variables = jax.device_put(autoregressive.cast_matrices(variables, config.compute_dtype))
   limits = np.full(BATCH, NEW_TOKENS, np.int32)
-  loop = decoding.LoopConfig.for_model(config, NEW_TOKENS, min_len=NEW_TOKENS)
+  loop = autoregressive.LoopConfig.for_model(config, NEW_TOKENS, min_len=NEW_TOKENS)
   if beams == 1:
-    run = lambda v, s, l: decoding._greedy.__wrapped__(config, v, s, l, loop)
+    run = lambda v, s, l: autoregressive._greedy.__wrapped__(config, v, s, l, loop)
   else:
-    beam = decoding.BeamConfig(beam_size=beams, alpha=0.6, n_best=1)
-    run = lambda v, s, l: decoding._beam_search.__wrapped__(config, v, s, l, loop, beam)
+    beam = autoregressive.BeamConfig(beam_size=beams, alpha=0.6, n_best=1)
+    run = lambda v, s, l: autoregressive._beam_search.__wrapped__(config, v, s, l, loop, beam)
   compiled = jax.jit(run).lower(variables, src, limits).compile()
   return lambda: jax.block_until_ready(compiled(variables, src, limits))
 
@@ -93,7 +93,7 @@ def part_fn(part: str):
 
 def lever_decode_dtype(parts):
   """float32 decoding against bfloat16 (matrices cast at each use, and cast once up front)."""
-  from flax_transformer import decoding
+  from flax_transformer.decode import autoregressive
   contenders = {}
   for part in parts:
     beams = 1 if part == 'greedy' else int(part.removeprefix('beam'))
@@ -106,7 +106,7 @@ def lever_decode_dtype(parts):
 
 def lever_fused_qkv(parts):
   """A decoding step's self-attention Q, K, V as three [D, D] products against one [D, 3D]."""
-  from flax_transformer.attention import MultiHeadAttention
+  from flax_transformer.nn.attention import MultiHeadAttention
   unfused = lambda self, x, names: [self._split_heads(getattr(self, name)(x)) for name in names]
   contenders = {}
   for part in parts:

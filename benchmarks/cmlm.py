@@ -25,8 +25,9 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import common, first_preset
-from flax_transformer import ModelConfig, cmlm_decoding, decoding
-from flax_transformer.build import build_model
+from flax_transformer import ModelConfig
+from flax_transformer.decode import autoregressive, non_autoregressive
+from flax_transformer.nn.build import build_model
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 LENGTH = 16
@@ -80,15 +81,15 @@ def main() -> None:
   for batch in batches:
     src = sources(batch, ar_model.config.vocab_size)
     contenders = {
-        'greedy': lambda: block(decoding.greedy(ar_model, ar_vars, src, max_len=LENGTH,
+        'greedy': lambda: block(autoregressive.greedy(ar_model, ar_vars, src, max_len=LENGTH,
                                                 min_len=LENGTH)),
-        'beam 4': lambda: block(decoding.beam_search(ar_model, ar_vars, src, beam_size=4,
+        'beam 4': lambda: block(autoregressive.beam_search(ar_model, ar_vars, src, beam_size=4,
                                                      max_len=LENGTH, min_len=LENGTH)),
     }
     for iterations in (1, 4, 10):
       for length_beam in (1, 3):
         contenders[f'mask-predict T={iterations} l={length_beam}'] = (
-            lambda i=iterations, k=length_beam: block(cmlm_decoding.mask_predict(
+            lambda i=iterations, k=length_beam: block(non_autoregressive.mask_predict(
                 nat_model, nat_vars, src, iterations=i, length_beam=k)))
     # Every method decodes LENGTH positions: checked once, outside the timing.
     for name, fn in contenders.items():

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from flax_transformer import masks
-from flax_transformer.attention import banded_attention, scaled_dot_product_attention
+from flax_transformer.nn import masks
+from flax_transformer.nn.attention import banded_attention, scaled_dot_product_attention
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 LENGTHS = tuple(2 ** p for p in range(7, 15))                      # 128 .. 16,384

@@ -15,7 +15,7 @@ float32 matmul timed in the same run (the faster of JAX and PyTorch): how close
 each comes to the machine, and what share of it 2x Marian's speed would take.
 
 Groups:
-  headline      greedy and beam 4 (`flax_transformer.decoding`) and
+  headline      greedy and beam 4 (`flax_transformer.decode.autoregressive`) and
                 `MarianMTModel.generate` (PyTorch) at identical dimensions,
                 greedy and beam 4, the same forced length
   naive         greedy with no cache: the whole decoder re-runs over the output
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
   import numpy as np
   from tqdm import tqdm
 
-  from flax_transformer import ModelConfig, Transformer, decoding
+  from flax_transformer import ModelConfig, Transformer
+  from flax_transformer.decode import autoregressive
 
   config = ModelConfig.base(dropout_rate=0.0, **dict(setting.model))
   model = Transformer(config)
@@ -107,15 +108,15 @@ def main(argv=None) -> int:
   src[:, -1] = config.eos_id
   params = jax.jit(model.init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
   n = setting.new_tokens
-  budget = setting.source_len + decoding.EXTRA_OUTPUT_TOKENS
+  budget = setting.source_len + autoregressive.EXTRA_OUTPUT_TOKENS
 
   def greedy(length=n, **settings):
     return lambda: jax.block_until_ready(
-        decoding.greedy(model, params, src, max_len=length, min_len=length, **settings))
+        autoregressive.greedy(model, params, src, max_len=length, min_len=length, **settings))
 
   headline = {'greedy': greedy(),
               'beam4': lambda: jax.block_until_ready(
-                  decoding.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))}
+                  autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))}
   marian = ('headline' in args.groups
             and marian_generate(config, src, n, len(cores), skip=args.skip_marian))
   if marian:
@@ -297,8 +298,8 @@ def naive_greedy(model, params, src, n):
   import jax
   import jax.numpy as jnp
 
-  from flax_transformer import masks
-  from flax_transformer.model import Transformer
+  from flax_transformer.nn import masks
+  from flax_transformer.nn.model import Transformer
 
   config = model.config
   variables = {'params': params}
@@ -330,9 +331,9 @@ def ending_at(model, params, src, n, budget, steps_per_check, beam_size=None):
   import jax
   import jax.numpy as jnp
 
-  from flax_transformer import decoding
+  from flax_transformer.decode import autoregressive
   config = model.config
-  loop = decoding.LoopConfig.for_model(config, budget, min_len=n - 1,
+  loop = autoregressive.LoopConfig.for_model(config, budget, min_len=n - 1,
                                        steps_per_check=steps_per_check)
   limits = jnp.full((src.shape[0],), budget, jnp.int32)
 
@@ -345,13 +346,13 @@ def ending_at(model, params, src, n, budget, steps_per_check, beam_size=None):
 
   @jax.jit
   def run(params, src):
-    step_fn, cache = decoding.model_step_fn(config, {'params': params}, src, budget,
+    step_fn, cache = autoregressive.model_step_fn(config, {'params': params}, src, budget,
                                             beam_size or 1)
     if beam_size is None:
-      state = decoding.decode_loop(force_eos(step_fn), decoding.argmax_pick, cache, limits, loop)
+      state = autoregressive.decode_loop(force_eos(step_fn), autoregressive.argmax_pick, cache, limits, loop)
       return state.tokens, state.position
-    state = decoding.beam_loop(force_eos(step_fn), cache, limits, loop,
-                               decoding.BeamConfig(beam_size=beam_size))
+    state = autoregressive.beam_loop(force_eos(step_fn), cache, limits, loop,
+                               autoregressive.BeamConfig(beam_size=beam_size))
     return state.finished_tokens, state.position
 
   return lambda: jax.block_until_ready(run(params, src))

@@ -14,7 +14,7 @@ downloaded. It needs torch, transformers and sentencepiece
 
 The benchmark decodes one batch of random sources with the same weights in two
 processes (two frameworks in one process slow each other): ours through
-`flax_transformer.pretrained.load_marian` and `decoding.greedy`/`beam_search`,
+`flax_transformer.pretrained.marian.load_marian` and `autoregressive.greedy`/`beam_search`,
 and transformers' `MarianMTModel.generate(num_beams=1 or 4)`, both forced to the
 same number of new tokens (EOS banned until then, then the length limit).
 Tokens/s count batch x new tokens; numbers are medians of timed calls after a
@@ -168,16 +168,16 @@ def ours(directory: Path, setting: Setting, threads: int) -> dict:
   """Our decoders on the imported model: {method: timings}, in this process."""
   import numpy as np
 
-  from flax_transformer import decoding
-  from flax_transformer.build import build_model
-  from flax_transformer.pretrained import load_marian
+  from flax_transformer.decode import autoregressive
+  from flax_transformer.nn.build import build_model
+  from flax_transformer.pretrained.marian import load_marian
 
   config, params, tokenizer = load_marian(directory)
   model, src = build_model(config), _sources(setting, config.vocab_size, tokenizer.eos_id)
   n = setting.new_tokens
   calls = {
-      'greedy': lambda: np.asarray(decoding.greedy(model, params, src, max_len=n, min_len=n)),
-      'beam4': lambda: np.asarray(decoding.beam_search(model, params, src, beam_size=4,
+      'greedy': lambda: np.asarray(autoregressive.greedy(model, params, src, max_len=n, min_len=n)),
+      'beam4': lambda: np.asarray(autoregressive.beam_search(model, params, src, beam_size=4,
                                                        max_len=n, min_len=n)[0])}
   return common.interleaved_medians(calls, setting.rounds)
 

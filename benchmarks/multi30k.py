@@ -39,7 +39,7 @@ from pathlib import Path
 import sacrebleu
 
 from benchmarks import common
-from flax_transformer.methods import BeamSearch, DecodingMethod, Greedy, MaskPredict
+from flax_transformer.decode.methods import BeamSearch, DecodingMethod, Greedy, MaskPredict
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 RESULTS = Path(__file__).resolve().parent / 'results'
@@ -130,9 +130,9 @@ def training_summary(workdir: Path) -> dict:
 
 
 def evaluate(args) -> dict:
-  from flax_transformer.data import load_parallel
-  from flax_transformer.model import count_params
-  from flax_transformer.translate import Translator
+  from flax_transformer.data.corpus import load_parallel
+  from flax_transformer.decode.translator import Translator
+  from flax_transformer.nn.model import count_params
 
   workdir = Path(args.workdir)
   config = json.loads((workdir / 'config.json').read_text())
@@ -232,8 +232,8 @@ def seconds_per_step(lines: list[dict]) -> float | None:
 
 def compare(args) -> dict:
   """Runs side by side up to `--steps`, from their logs and tokenizers (no decoding)."""
-  from flax_transformer.data import load_parallel
-  from flax_transformer.tokenizer import Tokenizer
+  from flax_transformer.data.corpus import load_parallel
+  from flax_transformer.data.tokenizer import Tokenizer
 
   runs, datasets = [], {}
   for workdir in map(Path, args.workdirs):

@@ -39,9 +39,9 @@ class Contender:
   def __init__(self, model_config, train_config, batcher, steps: int):
     import jax
 
-    from flax_transformer.build import build_model
-    from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                             make_parallel_step)
+    from flax_transformer.nn.build import build_model
+    from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
+                                   make_parallel_step)
     epoch = batcher.epoch(0)
     picked = [epoch[i * len(epoch) // steps] for i in range(steps)]
     self.tokens = [int(batch.num_tokens) for batch in picked]
@@ -65,11 +65,11 @@ class Contender:
 def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
             vocab_size: int | None = None, first: bool = False) -> dict:
   """Padding shares and interleaved step timings of 'unpacked' and each 'packed-L'."""
-  from flax_transformer.batching import Batcher, encode_corpus
   from flax_transformer.config import run_preset
-  from flax_transformer.data import load_parallel
-  from flax_transformer.packing import PackingBatcher, padding_share
-  from flax_transformer.tokenizer import Tokenizer
+  from flax_transformer.data.batching import Batcher, encode_corpus
+  from flax_transformer.data.corpus import load_parallel
+  from flax_transformer.data.packing import PackingBatcher, padding_share
+  from flax_transformer.data.tokenizer import Tokenizer
 
   model_config, train_config, data_config = run_preset('multi30k')
   if first:

@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.multi30k import DEFAULT_DATA, RESULTS, comma_separated, score, training_summary
-from flax_transformer.methods import BeamSearch, Greedy
+from flax_transformer.decode.methods import BeamSearch, Greedy
 
 BATCH = 64        # sentences per decoding batch
 WIDTH = 8         # padded lengths are multiples of this, to bound the compiles
@@ -87,7 +87,7 @@ def mismatch(translator, sources: list[str], references: list[str]) -> dict:
 
 def evaluate_run(workdir: Path, step: int | None, splits: dict) -> dict:
   """One run's scores on each split: BLEU greedy and beam, and the two token accuracies."""
-  from flax_transformer.translate import Translator
+  from flax_transformer.decode.translator import Translator
 
   translator = Translator.from_checkpoint(workdir, step=step)
   result = {}
@@ -121,9 +121,9 @@ def main() -> None:
                                                     'check; default: all)')
   parser.add_argument('--output', default=str(RESULTS / 'scheduled_sampling.json'))
   args = parser.parse_args()
-  from flax_transformer.checkpoint import Checkpoints
-  from flax_transformer.data import load_parallel
-  from flax_transformer.run_directory import read_config
+  from flax_transformer.data.corpus import load_parallel
+  from flax_transformer.run.checkpoints import Checkpoints
+  from flax_transformer.run.directory import read_config
 
   dataset = load_parallel(args.data, 'en', 'de')
   splits = {name: (list(dataset[name]['source'])[:args.sentences],

@@ -157,8 +157,9 @@ def ours_task(request: dict, config):
   import jax
 
   from benchmarks import train_step
-  from flax_transformer import Transformer, decoding
+  from flax_transformer import Transformer
   from flax_transformer.config import ModelConfig, TrainConfig
+  from flax_transformer.decode import autoregressive
   model_config = ModelConfig(**request['model']).replace(dtype=request['dtype'])
   if request['task'] == 'train':
     step = train_step.OurStep(model_config, TrainConfig(**request['train']),
@@ -171,9 +172,9 @@ def ours_task(request: dict, config):
   n = request['new_tokens']
   if request['task'] == 'greedy':
     return lambda: jax.block_until_ready(
-        decoding.greedy(model, params, src, max_len=n, min_len=n))
+        autoregressive.greedy(model, params, src, max_len=n, min_len=n))
   return lambda: jax.block_until_ready(
-      decoding.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))
+      autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))
 
 
 def torch_task(contender: str, request: dict, config, threads: int):

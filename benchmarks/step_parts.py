@@ -5,9 +5,9 @@
 The issue-21 setting (base model, vocabulary 8,000, batch 32 x (32 + 32)),
 timed in one process in interleaved rounds, each variant compiled ahead of time:
 
-  mapped step    the library's step (`train_step.make_parallel_step`, shard_map on
+  mapped step    the library's step (`train.make_parallel_step`, shard_map on
                  one device, with its metrics: what train.py and benchmarks.solo run)
-  jit step       the plain `jax.jit` step (`train_step.PlainStep`: loss, gradient, Adam)
+  jit step       the plain `jax.jit` step (`train.PlainStep`: loss, gradient, Adam)
   no dropout     the same with dropout_rate = attention_dropout_rate = 0
   gradients      loss and gradient only, no optimizer update (dropout on)
   forward        the loss only (dropout on)
@@ -37,9 +37,9 @@ def variants(dtype: str) -> dict:
   import jax.numpy as jnp
 
   from benchmarks import train_step as bench
-  from flax_transformer import train_step
+  from flax_transformer import train
   from flax_transformer.config import ModelConfig, TrainConfig
-  from flax_transformer.model import Transformer
+  from flax_transformer.nn.model import Transformer
 
   config = ModelConfig.base(vocab_size=8000, max_len=256, dtype=dtype)
   train_config, shape = TrainConfig(), bench.Shape(BATCH, SOURCE_LEN, TARGET_LEN)
@@ -49,14 +49,14 @@ def variants(dtype: str) -> dict:
           'no dropout': bench.PlainStep(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0),
                                         train_config, shape).step}
   model = Transformer(config)
-  params = train_step.create_train_state(
-      model, train_step.make_optimizer(train_config, config), seed=0).params
+  params = train.create_train_state(
+      model, train.make_optimizer(train_config, config), seed=0).params
   key = jax.random.key(0)
 
   def loss(params):
     logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
                          rngs={'dropout': key})
-    total, tokens = train_step.label_smoothed_cross_entropy(
+    total, tokens = train.label_smoothed_cross_entropy(
         logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
     return total / jnp.maximum(tokens, 1.0)
 

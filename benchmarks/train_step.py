@@ -104,7 +104,7 @@ def synthetic_batch(config, shape: Shape, seed: int = 0):
   """Random full-length rows: `src` ends with EOS, `tgt_in` = BOS + `tgt_out`[:-1]; no PAD."""
   import numpy as np
 
-  from flax_transformer.batching import Batch
+  from flax_transformer.data.batching import Batch
   src, tgt_in, tgt_out = synthetic_arrays(config, shape, seed)
   return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out,
                example_ids=np.arange(shape.batch, dtype=np.int32))
@@ -129,7 +129,7 @@ def synthetic_arrays(config, shape: Shape, seed: int = 0):
 
 
 class OurStep:
-  """`train_step.make_parallel_step` on `devices`, compiled ahead of time, on one fixed batch.
+  """`train.make_parallel_step` on `devices`, compiled ahead of time, on one fixed batch.
 
   `compile_s` is tracing + lowering + XLA compilation; `step()` runs one update
   (state buffers donated, as in training) and waits for it.
@@ -138,15 +138,15 @@ class OurStep:
   def __init__(self, model_config, train_config, shape: Shape, devices, mode: str = 'shard_map'):
     import jax
 
-    from flax_transformer import train_step
-    from flax_transformer.model import Transformer
+    from flax_transformer import train
+    from flax_transformer.nn.model import Transformer
     model = Transformer(model_config)
-    optimizer = train_step.make_optimizer(train_config, model_config)
-    parallel = train_step.DataParallel(devices=devices, mode=mode)
-    state = parallel.replicate(train_step.create_train_state(model, optimizer, seed=0))
+    optimizer = train.make_optimizer(train_config, model_config)
+    parallel = train.DataParallel(devices=devices, mode=mode)
+    state = parallel.replicate(train.create_train_state(model, optimizer, seed=0))
     batch = parallel.shard_batch(synthetic_batch(model_config, shape))
     start = time.perf_counter()
-    compiled = train_step.make_parallel_step(model, optimizer, train_config, parallel).lower(
+    compiled = train.make_parallel_step(model, optimizer, train_config, parallel).lower(
         state, batch).compile()
     self.compile_s = time.perf_counter() - start
     self._state = state
@@ -171,11 +171,11 @@ class PlainStep:
     import jax
     import jax.numpy as jnp
 
-    from flax_transformer import train_step
-    from flax_transformer.model import Transformer
+    from flax_transformer import train
+    from flax_transformer.nn.model import Transformer
     model = Transformer(model_config)
-    optimizer = train_step.make_optimizer(train_config, model_config)
-    state = train_step.create_train_state(model, optimizer, seed=0)
+    optimizer = train.make_optimizer(train_config, model_config)
+    state = train.create_train_state(model, optimizer, seed=0)
     batch = jax.device_put(synthetic_batch(model_config, shape))
     base_key = jax.random.key(train_config.seed)
 
@@ -184,7 +184,7 @@ class PlainStep:
       def loss_fn(params):
         logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
                              rngs={'dropout': jax.random.fold_in(base_key, state.step)})
-        loss_sum, tokens = train_step.label_smoothed_cross_entropy(
+        loss_sum, tokens = train.label_smoothed_cross_entropy(
             logits, batch.tgt_out, train_config.label_smoothing, model_config.pad_id)
         return loss_sum / jnp.maximum(tokens, 1.0)
 

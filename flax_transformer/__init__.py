@@ -15,22 +15,34 @@ Axis legend, the same letters in every module's shapes and einsums:
 
 The public names below are the API; `Translator`, the decoding methods and
 `build_model` load on first use, so that importing the package stays light.
+
+The subpackages, each importing only from those before it (tests/test_layers.py):
+
+  config       the three frozen settings classes and the presets
+  nn           masks, attention, layers, the two models
+  data         parallel text, tokenizers, batching, packing, the toy task
+  pretrained   Marian (OPUS-MT) directories
+  run          a run on disk: directory, lock, checkpoints, metrics log, memory estimate
+  decode       autoregressive and mask-predict decoding, methods, Translator
+  train        objectives, optimizer, the step, data parallelism, the loop, distillation
+  cli          the three programs
 """
 
 import importlib
 
-from flax_transformer.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
-from flax_transformer.layers import sinusoidal_positions
-from flax_transformer.model import (BeamDecodeCache, DecodeCache, Transformer, attention_weights,
-                                    count_params, empty_self_cache)
+from flax_transformer.nn.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
+from flax_transformer.nn.layers import sinusoidal_positions
+from flax_transformer.nn.model import (BeamDecodeCache, DecodeCache, Transformer, attention_weights,
+                                       count_params, empty_self_cache)
 
 __version__ = '0.1.0'
 
 # Public names defined in modules that import more (orbax, sacreBLEU): name -> module.
-_LAZY = {'Translator': 'translate', 'BeamSearch': 'methods', 'Greedy': 'methods',
-         'MaskPredict': 'methods', 'Sampling': 'methods', 'DecodingMethod': 'methods',
-         'default_method': 'methods', 'build_model': 'build', 'CMLMTransformer': 'cmlm'}
+_LAZY = {'Translator': 'decode.translator', 'BeamSearch': 'decode.methods',
+         'Greedy': 'decode.methods', 'MaskPredict': 'decode.methods', 'Sampling': 'decode.methods',
+         'DecodingMethod': 'decode.methods', 'default_method': 'decode.methods',
+         'build_model': 'nn.build', 'CMLMTransformer': 'nn.cmlm'}
 
 
 def __getattr__(name: str):

@@ -25,9 +25,9 @@ import pytest
 
 from benchmarks.decode import decode_flops, prefix_flops, step_flops, step_matmuls
 from benchmarks.train_step import Shape, synthetic_batch, train_flops
-from flax_transformer import train_step
+from flax_transformer import train
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.model import DecodeCache, Transformer, count_params
+from flax_transformer.nn.model import DecodeCache, Transformer, count_params
 
 # Different source and target lengths, so S and T cannot be swapped unnoticed.
 TINY_SHAPE = Shape(batch=4, src_len=8, tgt_len=6)
@@ -39,11 +39,11 @@ MID_SHAPE = Shape(batch=8, src_len=16, tgt_len=12)
 def _lowered_step(config: ModelConfig, shape: Shape):
   model = Transformer(config)
   train_config = TrainConfig()
-  optimizer = train_step.make_optimizer(train_config, config)
-  parallel = train_step.DataParallel(devices=jax.devices()[:1])
-  state = parallel.replicate(train_step.create_train_state(model, optimizer, seed=0))
+  optimizer = train.make_optimizer(train_config, config)
+  parallel = train.DataParallel(devices=jax.devices()[:1])
+  state = parallel.replicate(train.create_train_state(model, optimizer, seed=0))
   batch = parallel.shard_batch(synthetic_batch(config, shape))
-  return train_step.make_parallel_step(model, optimizer, train_config, parallel).lower(state, batch)
+  return train.make_parallel_step(model, optimizer, train_config, parallel).lower(state, batch)
 
 
 def hlo_dot_flops(hlo_text: str) -> int:
@@ -161,7 +161,7 @@ def test_a_partial_decode_report_has_the_sections_of_its_groups_only():
 
 def test_every_multi30k_variant_decodes_the_model_kind_it_is_for():
   from benchmarks.multi30k import mask_predict_searches, searches
-  from flax_transformer.methods import BeamSearch, MaskPredict
+  from flax_transformer.decode.methods import BeamSearch, MaskPredict
   cmlm_variants, variants = mask_predict_searches(), searches([0.6, 1.5])
   assert {'mask-predict-T10-l3', 'mask-predict-T1-fixed', 'mask-predict-T10-fixed'} <= set(
       cmlm_variants)
@@ -222,13 +222,13 @@ def test_complexity_exponents_recover_the_growth_of_synthetic_rows():
 
 def test_ab_patches_the_before_variant_only_while_it_is_built():
   from benchmarks import ab
-  from flax_transformer import decoding
-  original = decoding.cast_matrices
+  from flax_transformer.decode import autoregressive
+  original = autoregressive.cast_matrices
   with pytest.raises(RuntimeError):
     with ab.patched((decoding, 'cast_matrices', None)):
-      assert decoding.cast_matrices is None
+      assert autoregressive.cast_matrices is None
       raise RuntimeError('a build that fails still restores the library')
-  assert decoding.cast_matrices is original
+  assert autoregressive.cast_matrices is original
   with pytest.raises(SystemExit):
     ab.parse_args(['--lever', 'fused_qkv', '--parts', 'greedy,beam9'])
 

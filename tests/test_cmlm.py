@@ -1,4 +1,4 @@
-"""The non-autoregressive model (CMLM, flax_transformer/cmlm.py): length classes, the masking
+"""The non-autoregressive model (CMLM, flax_transformer/nn/cmlm.py): length classes, the masking
 of the training inputs and its statistics, the loss against NumPy float64, the non-causal
 yet padding-blind decoder, and uniform copy of the source into the decoder's input.
 
@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from flax_transformer import ConfigError, cmlm
-from flax_transformer.batching import Batch
-from flax_transformer.cmlm import CMLMTransformer, CMLMInputs
-from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, MASK, PAD, R, SOURCES, pad_rows,
+from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, MASK, PAD, SOURCES, R, pad_rows,
                                source_lengths)
+
+from flax_transformer import ConfigError
+from flax_transformer.data.batching import Batch
+from flax_transformer.nn import cmlm
+from flax_transformer.nn.cmlm import CMLMInputs, CMLMTransformer
 
 
 def log_softmax64(logits):

@@ -1,4 +1,4 @@
-"""Mask-predict (flax_transformer/cmlm_decoding.py) on the CMLM: the length and re-masking
+"""Mask-predict (flax_transformer/decode/non_autoregressive.py) on the CMLM: the length and re-masking
 schedules of decoding, independence of batch padding, refused settings and calls, and a
 tiny model trained on a copy task decoding it exactly.
 """
@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from support.tiny_cmlm import CONFIG, COPY_CONFIG, EOS, PAD, SOURCES, R, pad_rows, source_lengths
 
-from flax_transformer import ConfigError, ModelConfig, Transformer, cmlm, cmlm_decoding, decoding
-from flax_transformer.batching import Batch
-from flax_transformer.cmlm import CMLMTransformer
-from flax_transformer.cmlm_decoding import MaskPredictConfig
-from flax_transformer.methods import MaskPredict
-from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, PAD, R, SOURCES, pad_rows,
-                               source_lengths)
+from flax_transformer import ConfigError, ModelConfig, Transformer
+from flax_transformer.data.batching import Batch
+from flax_transformer.decode import autoregressive, non_autoregressive
+from flax_transformer.decode.non_autoregressive import MaskPredictConfig
+from flax_transformer.decode.methods import MaskPredict
+from flax_transformer.nn import cmlm
+from flax_transformer.nn.cmlm import CMLMTransformer
 
 LENGTH_BEAM = 3
 
@@ -65,7 +66,7 @@ def constant_model(params, token, length_class):
 
 
 def decode(model, params, src, **settings):
-  return jax.tree.map(np.asarray, cmlm_decoding.mask_predict(model, params, src,
+  return jax.tree.map(np.asarray, non_autoregressive.mask_predict(model, params, src,
                                                             return_history=True, **settings))
 
 
@@ -75,8 +76,8 @@ def test_one_pass_rows_are_as_long_as_the_predicted_length(model, params, src):
                            length_beam=LENGTH_BEAM)
   lengths = source_lengths(src) + 1
   # Room for the longest row and its EOS, rounded up to a multiple of 8.
-  width = cmlm_decoding.canvas_width(lengths.max(), CONFIG.max_len)
-  assert width % cmlm_decoding.WIDTH_MULTIPLE == 0 and lengths.max() < width
+  width = non_autoregressive.canvas_width(lengths.max(), CONFIG.max_len)
+  assert width % non_autoregressive.WIDTH_MULTIPLE == 0 and lengths.max() < width
   assert tokens.shape == (len(SOURCES), width)
   for row, n in zip(tokens, lengths):
     np.testing.assert_array_equal(row, [token] * n + [EOS] + [PAD] * (width - n - 1))
@@ -121,7 +122,7 @@ def test_remasked_counts_follow_the_schedule(model, params, src, iterations):
 def test_fixed_length_decodes_source_plus_r_positions_cut_at_the_first_eos(model, params):
   src = pad_rows(SOURCES[:3])
   lengths = source_lengths(src) + R
-  width = cmlm_decoding.canvas_width(lengths.max(), CONFIG.max_len)
+  width = non_autoregressive.canvas_width(lengths.max(), CONFIG.max_len)
   tokens, history = decode(model, constant_model(params, 7, 0), src, iterations=1, length_beam=1,
                            length='fixed')
   np.testing.assert_array_equal(history['lengths'], lengths)
@@ -148,7 +149,7 @@ def test_adjust_lengths_rounds_halves_up_and_clips_to_the_table():
   for ratio, offset in [(1.0, 0), (0.5, 0), (1.0, 2), (1.25, -1), (0.3, 5), (2.0, 0), (1.0, -80),
                         (1e30, 0), (1e-30, 0)]:
     expected = np.clip(np.floor(lengths.astype(np.float64) * ratio + 0.5) + offset, 1, 64)
-    got = np.asarray(cmlm_decoding.adjust_lengths(jnp.asarray(lengths), ratio, offset, 64))
+    got = np.asarray(non_autoregressive.adjust_lengths(jnp.asarray(lengths), ratio, offset, 64))
     np.testing.assert_array_equal(got, expected, err_msg=f'ratio {ratio}, offset {offset}')
     assert got.dtype == np.int32
 
@@ -203,25 +204,25 @@ def test_length_adjustment_resizes_the_fixed_canvas(model, params):
 
 
 def test_canvas_width_leaves_room_for_eos_in_few_buckets():
-  widths = [cmlm_decoding.canvas_width(n, 128) for n in range(1, 128)]
+  widths = [non_autoregressive.canvas_width(n, 128) for n in range(1, 128)]
   assert all(n < w or w == 128 for n, w in zip(range(1, 128), widths))
   assert all(w % 8 == 0 for w in widths) and len(set(widths)) == 16
-  assert cmlm_decoding.canvas_width(13, 128) == 16 and cmlm_decoding.canvas_width(16, 128) == 24
+  assert non_autoregressive.canvas_width(13, 128) == 16 and non_autoregressive.canvas_width(16, 128) == 24
 
 
 def test_a_sentence_decodes_alike_alone_and_in_any_padded_batch(model, params, src):
   settings = dict(iterations=4, length_beam=LENGTH_BEAM)
-  batch = cmlm_decoding.mask_predict(model, params, src, **settings)
+  batch = non_autoregressive.mask_predict(model, params, src, **settings)
   # Reversed, wider rows, and a batch-padding row in the middle.
   shuffled = np.pad(src[::-1], ((0, 0), (0, 3)))
   shuffled = np.insert(shuffled, 2, PAD, axis=0)
-  other = np.asarray(cmlm_decoding.mask_predict(model, params, shuffled, **settings))
+  other = np.asarray(non_autoregressive.mask_predict(model, params, shuffled, **settings))
   assert (other[2] == PAD).all()
   other = np.delete(other, 2, axis=0)[::-1]
   np.testing.assert_array_equal(other[:, :batch.shape[1]], batch)
   assert (other[:, batch.shape[1]:] == PAD).all()
   for i in (1, 2):                                                 # the shortest and longest alone
-    alone = np.asarray(cmlm_decoding.mask_predict(model, params, src[i:i + 1, :len(SOURCES[i])],
+    alone = np.asarray(non_autoregressive.mask_predict(model, params, src[i:i + 1, :len(SOURCES[i])],
                                                  **settings))[0]
     row = np.asarray(batch[i])
     np.testing.assert_array_equal(alone, row[:len(alone)])
@@ -232,7 +233,7 @@ def test_cut_at_eos_keeps_the_tokens_before_the_first_eos():
   tokens = jnp.array([[10, 11, EOS, 12, PAD, PAD], [10, 11, 12, 13, PAD, PAD],
                       [10, 11, 12, 13, 14, 15], [EOS, 11, EOS, 12, 13, PAD], [PAD] * 6])
   lengths = jnp.array([4, 4, 6, 5, 0])
-  np.testing.assert_array_equal(cmlm_decoding._cut_at_eos(tokens, lengths, CONFIG), [
+  np.testing.assert_array_equal(non_autoregressive._cut_at_eos(tokens, lengths, CONFIG), [
       [10, 11, EOS, PAD, PAD, PAD], [10, 11, 12, 13, EOS, PAD], [10, 11, 12, 13, 14, 15],
       [EOS, PAD, PAD, PAD, PAD, PAD], [PAD] * 6])
 
@@ -253,13 +254,13 @@ def test_bad_settings_name_the_option(settings, message):
 
 def test_bad_calls_are_refused_before_compiling(model, params, src):
   with pytest.raises(ConfigError, match=r'length_beam=10 exceeds the 9 length classes'):
-    cmlm_decoding.mask_predict(model, params, src, length_beam=10)
+    non_autoregressive.mask_predict(model, params, src, length_beam=10)
   with pytest.raises(TypeError, match='needs a CMLMTransformer'):
-    cmlm_decoding.mask_predict(Transformer(CONFIG), params, src)
+    non_autoregressive.mask_predict(Transformer(CONFIG), params, src)
   with pytest.raises(ValueError, match='outside'):
-    cmlm_decoding.mask_predict(model, params, src + CONFIG.vocab_size)
-  with pytest.raises(ValueError, match="model.kind='cmlm' decodes with cmlm_decoding.mask_predict"):
-    decoding.greedy(model, params, src)
+    non_autoregressive.mask_predict(model, params, src + CONFIG.vocab_size)
+  with pytest.raises(ValueError, match="model.kind='cmlm' decodes with non_autoregressive.mask_predict"):
+    autoregressive.greedy(model, params, src)
 
 
 # --- uniform copy of the source (cmlm_decoder_input='uniform_copy') ---------------------------
@@ -268,11 +269,11 @@ def test_bad_calls_are_refused_before_compiling(model, params, src):
 def test_uniform_copy_mask_predict_is_independent_of_batch_padding(copy_params, src):
   params = copy_params
   model = CMLMTransformer(COPY_CONFIG)
-  batch = np.asarray(cmlm_decoding.mask_predict(model, params, src, iterations=3, length_beam=2))
-  wider = np.asarray(cmlm_decoding.mask_predict(model, params, np.pad(src, ((0, 0), (0, 5))),
+  batch = np.asarray(non_autoregressive.mask_predict(model, params, src, iterations=3, length_beam=2))
+  wider = np.asarray(non_autoregressive.mask_predict(model, params, np.pad(src, ((0, 0), (0, 5))),
                                                iterations=3, length_beam=2))
   np.testing.assert_array_equal(wider[:, :batch.shape[1]], batch)
-  alone = np.asarray(cmlm_decoding.mask_predict(model, params, src[1:2, :len(SOURCES[1])],
+  alone = np.asarray(non_autoregressive.mask_predict(model, params, src[1:2, :len(SOURCES[1])],
                                                iterations=3, length_beam=2))[0]
   np.testing.assert_array_equal(alone, batch[1, :len(alone)])
 
@@ -318,7 +319,7 @@ def test_a_model_trained_on_copying_decodes_it_exactly(decoder_input, iterations
     params, opt_state = step(params, opt_state, copy_batch(64), jax.random.key(i))
 
   src = copy_batch(200)
-  tokens = np.asarray(cmlm_decoding.mask_predict(model, params, src, iterations=iterations,
+  tokens = np.asarray(non_autoregressive.mask_predict(model, params, src, iterations=iterations,
                                                 length_beam=1))
   expected = np.pad(src, ((0, 0), (0, tokens.shape[1] - src.shape[1])))
   exact = (tokens == expected).all(axis=1).mean()

@@ -9,15 +9,14 @@ tests/test_decode_cli.py's, the distillation that makes a cmlm corpus test_disti
 import jax
 import numpy as np
 import pytest
-
-from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.cmlm import CMLMTransformer
-from flax_transformer.train_step import (DataParallel, create_train_state, length_metrics,
-                                         make_optimizer, make_parallel_eval, make_parallel_step,
-                                         token_metrics)
 from support.copy_task import PAD, copy_batch
 from support.device_workers import run_values, run_worker
 
+from flax_transformer.config import ModelConfig, TrainConfig
+from flax_transformer.nn.cmlm import CMLMTransformer
+from flax_transformer.train import (DataParallel, create_train_state, length_metrics,
+                                   make_optimizer, make_parallel_eval, make_parallel_step,
+                                   token_metrics)
 
 # --- the training step ------------------------------------------------------------------
 
@@ -27,9 +26,9 @@ import jax
 import numpy as np
 from flax import traverse_util
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.cmlm import CMLMTransformer
-from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                         make_parallel_eval, make_parallel_step)
+from flax_transformer.nn.cmlm import CMLMTransformer
+from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
+                                   make_parallel_eval, make_parallel_step)
 from support.copy_task import copy_batch
 
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from flax_transformer import data
-from flax_transformer.data import DataError, describe, load_parallel
+from flax_transformer.data.corpus import DataError, describe, load_parallel
 
 EN = ['A dog runs.', '  Two men talk.  ', 'A child plays.', '', 'Birds fly.']
 DE = ['Ein Hund läuft.', 'Zwei Männer reden.', '   ', 'Nichts.', 'Vögel fliegen.']

@@ -14,18 +14,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
-from flax_transformer import cmlm_decoding
-from flax_transformer.checkpoint import Checkpoints
-from flax_transformer.run_directory import write_config
-from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.model import Transformer
-from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.methods import Greedy, MaskPredict
-from flax_transformer.translate import Translator
-from flax_transformer.cli import decode as decode_cli  # decode.py's program
 from support.random_run import MAX_LEN, SENTENCES
 from support.script_calls import call, error_line
+
+from flax_transformer.cli import decode as decode_cli  # decode.py's program
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.decode import non_autoregressive
+from flax_transformer.decode.methods import Greedy, MaskPredict
+from flax_transformer.decode.translator import Translator
+from flax_transformer.nn.model import Transformer
+from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.directory import write_config
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
@@ -288,7 +288,7 @@ def test_decode_cli_length_options_reach_mask_predict(cmlm_run, monkeypatch):
   workdir = cmlm_run['workdir']
   sentences = ['one hundred', 'twenty-two', 'three thousand four hundred']
   translator = Translator.from_checkpoint(workdir)
-  calls, mask_predict = [], cmlm_decoding.mask_predict
+  calls, mask_predict = [], non_autoregressive.mask_predict
 
   def recorded(*args, **settings):
     calls.append((settings['length_ratio'], settings['length_offset']))

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import ConfigError, ModelConfig, Transformer, decoding
-from flax_transformer.decoding import BeamConfig, LoopConfig, SamplingConfig
+from flax_transformer import ConfigError, ModelConfig, Transformer
+from flax_transformer.decode import autoregressive
+from flax_transformer.decode.autoregressive import BeamConfig, LoopConfig, SamplingConfig
 
 CONFIG = ModelConfig.tiny(dropout_rate=0.0)
 PAD, BOS, EOS = CONFIG.pad_id, CONFIG.bos_id, CONFIG.eos_id
@@ -92,12 +93,12 @@ def full_logits(model, params):
 
 @pytest.fixture(scope='module')
 def greedy_tokens(model, params, src):
-  return np.asarray(decoding.greedy(model, params, src))
+  return np.asarray(autoregressive.greedy(model, params, src))
 
 
 @pytest.fixture(scope='module')
 def beam_result(model, params, src):
-  tokens, scores = decoding.beam_search(model, params, src, beam_size=4, alpha=0.6, n_best=N_BEST)
+  tokens, scores = autoregressive.beam_search(model, params, src, beam_size=4, alpha=0.6, n_best=N_BEST)
   return np.asarray(tokens), np.asarray(scores)
 
 
@@ -127,7 +128,7 @@ def test_cached_step_logits_equal_full_forward_pass(params, src, full_logits, be
 
   @jax.jit
   def stepped(src, tgt_in):
-    step_fn, cache = decoding.model_step_fn(CONFIG, {'params': params}, src, length, beam_size)
+    step_fn, cache = autoregressive.model_step_fn(CONFIG, {'params': params}, src, length, beam_size)
     tokens = jnp.repeat(tgt_in, beam_size, axis=0)                    # [B * K, T]
 
     def body(cache, position):
@@ -167,11 +168,11 @@ def test_pooled_beam_cache_searches_like_gathered_copies(params, src, default_li
   @functools.partial(jax.jit, static_argnums=1)
   def search(src, pooled):
     if pooled:
-      step_fn, cache = decoding.model_step_fn(config, {'params': params}, src, loop.max_len, 4)
-      assert isinstance(cache, decoding.BeamDecodeCache)
+      step_fn, cache = autoregressive.model_step_fn(config, {'params': params}, src, loop.max_len, 4)
+      assert isinstance(cache, autoregressive.BeamDecodeCache)
     else:
       step_fn, cache = row_cache_step_fn(config, params, src, loop.max_len, 4)
-    state = decoding.beam_loop(step_fn, cache, limits, loop, beam)
+    state = autoregressive.beam_loop(step_fn, cache, limits, loop, beam)
     return state.finished_tokens, state.finished_scores
 
   pooled_tokens, pooled_scores = search(src, True)
@@ -222,20 +223,20 @@ def test_a_batch_decodes_each_sentence_as_it_would_alone(model, params, greedy_t
   # The shortest sentence: in the batch it has 6 PAD columns and longer neighbours.
   index = 1
   alone_src = pad_rows([SOURCES[index]])
-  alone = np.asarray(decoding.greedy(model, params, alone_src))[0]
+  alone = np.asarray(autoregressive.greedy(model, params, alone_src))[0]
   np.testing.assert_array_equal(greedy_tokens[index, :len(alone)], alone)
   assert (greedy_tokens[index, len(alone):] == PAD).all()
 
-  tokens, scores = decoding.beam_search(model, params, alone_src, n_best=N_BEST)
+  tokens, scores = autoregressive.beam_search(model, params, alone_src, n_best=N_BEST)
   np.testing.assert_array_equal(beam_result[0][index, :, :tokens.shape[-1]], tokens[0])
   assert (beam_result[0][index, :, tokens.shape[-1]:] == PAD).all()
   np.testing.assert_allclose(beam_result[1][index], scores[0], atol=1e-5)
 
 
 def test_params_or_variables_give_the_same_tokens(model, params, src, greedy_tokens):
-  np.testing.assert_array_equal(decoding.greedy(model, {'params': params}, src), greedy_tokens)
+  np.testing.assert_array_equal(autoregressive.greedy(model, {'params': params}, src), greedy_tokens)
   with pytest.raises(TypeError, match='params must be the parameter dict'):
-    decoding.greedy(model, [params], src)
+    autoregressive.greedy(model, [params], src)
 
 
 # --- the loop on a hand-made step function --------------------------------------
@@ -264,13 +265,13 @@ def markov_cache(batch, beam_size=1):
 
 def run_greedy(tables, limits, loop):
   limits = jnp.asarray(limits, jnp.int32)
-  return jax.jit(lambda: decoding.decode_loop(markov_step_fn(tables), decoding.argmax_pick,
+  return jax.jit(lambda: autoregressive.decode_loop(markov_step_fn(tables), autoregressive.argmax_pick,
                                               markov_cache(len(limits)), limits, loop))()
 
 
 def run_beam(tables, limits, loop, beam):
   limits = jnp.asarray(limits, jnp.int32)
-  return jax.jit(lambda: decoding.beam_loop(markov_step_fn(tables),
+  return jax.jit(lambda: autoregressive.beam_loop(markov_step_fn(tables),
                                             markov_cache(len(limits), beam.beam_size),
                                             limits, loop, beam))()
 
@@ -374,9 +375,9 @@ def test_slots_without_a_hypothesis_score_minus_inf_and_hold_pad():
 def test_length_penalty_is_the_gnmt_formula():
   lengths = np.arange(1, 300)
   for alpha in (0.0, 0.6, 1.0):
-    np.testing.assert_allclose(decoding.length_penalty(lengths, alpha),
+    np.testing.assert_allclose(autoregressive.length_penalty(lengths, alpha),
                                ((5.0 + lengths) / 6.0) ** alpha, rtol=1e-6)
-  assert float(decoding.length_penalty(1, 0.6)) == 1.0
+  assert float(autoregressive.length_penalty(1, 0.6)) == 1.0
 
 
 def test_length_penalty_decides_between_short_and_long():
@@ -409,7 +410,7 @@ def test_beam_scores_are_log_probabilities_over_the_length_penalty(src, full_log
 
 def test_beam_size_1_is_greedy_except_for_a_more_probable_earlier_eos(
     model, params, src, full_logits, greedy_tokens, default_limits):
-  tokens, scores = decoding.beam_search(model, params, src, beam_size=1, alpha=0.0)
+  tokens, scores = autoregressive.beam_search(model, params, src, beam_size=1, alpha=0.0)
   tokens = np.asarray(tokens)
   greedy_scores = sequence_scores(full_logits, src, greedy_tokens[:, None], default_limits, 0.0)
   np.testing.assert_allclose(
@@ -430,7 +431,7 @@ def test_beam_size_1_is_greedy_except_for_a_more_probable_earlier_eos(
 
 def test_sampling_with_a_fixed_key_is_reproducible(model, params, src, default_limits):
   draw = lambda seed: np.asarray(
-      decoding.sample(model, params, src, jax.random.key(seed), temperature=1.5))
+      autoregressive.sample(model, params, src, jax.random.key(seed), temperature=1.5))
   first = draw(7)
   np.testing.assert_array_equal(draw(7), first)
   assert (draw(8) != first).any()
@@ -438,7 +439,7 @@ def test_sampling_with_a_fixed_key_is_reproducible(model, params, src, default_l
 
 
 def test_sampling_from_the_top_1_is_greedy(model, params, src, greedy_tokens):
-  tokens = decoding.sample(model, params, src, jax.random.key(3), temperature=2.0, top_k=1)
+  tokens = autoregressive.sample(model, params, src, jax.random.key(3), temperature=2.0, top_k=1)
   np.testing.assert_array_equal(tokens, greedy_tokens)
 
 
@@ -466,8 +467,8 @@ def truncated_distribution(logits, sampling):
 def test_sampling_follows_the_truncated_distribution(sampling):
   draws = 20_000
   tables = np.broadcast_to(SAMPLING_LOGITS, (1, 8, 8, 8))
-  pick = decoding.sampling_pick(jax.random.key(0), sampling)
-  state = jax.jit(lambda: decoding.decode_loop(
+  pick = autoregressive.sampling_pick(jax.random.key(0), sampling)
+  state = jax.jit(lambda: autoregressive.decode_loop(
       markov_step_fn(tables), pick, (jnp.zeros(draws, jnp.int32), jnp.full(draws, BOS)),
       jnp.ones(draws, jnp.int32), LoopConfig(max_len=1)))()
   frequency = np.bincount(np.asarray(state.tokens[:, 0]), minlength=8) / draws
@@ -505,21 +506,21 @@ def test_bad_settings_name_the_option(make, message):
 ])
 def test_bad_sources_are_refused_before_compiling(model, params, bad_src, message):
   with pytest.raises(ValueError, match=message):
-    decoding.greedy(model, params, bad_src)
+    autoregressive.greedy(model, params, bad_src)
 
 
 def test_max_len_beyond_the_positional_table_is_refused(model, params, src):
   with pytest.raises(ValueError, match=r'max_len must be an integer in \[1, model.max_len=64\]'):
-    decoding.beam_search(model, params, src, max_len=65)
+    autoregressive.beam_search(model, params, src, max_len=65)
 
 
 def test_default_budget_is_capped_at_model_max_len_with_a_warning():
   src = pad_rows([[5] * 19 + [EOS], [5, EOS]])
   with pytest.warns(UserWarning, match='source length 20 \\+ 50 exceeds model.max_len=64'):
-    total, limits = decoding.output_limits(src, CONFIG, None)
+    total, limits = autoregressive.output_limits(src, CONFIG, None)
   assert total == 64
   np.testing.assert_array_equal(limits, [64, 52])
-  total, limits = decoding.output_limits(pad_rows([[5, EOS], []], width=4), CONFIG, 10)
+  total, limits = autoregressive.output_limits(pad_rows([[5, EOS], []], width=4), CONFIG, 10)
   assert total == 10
   np.testing.assert_array_equal(limits, [10, 0])   # all-PAD rows are batch padding
 
@@ -533,7 +534,7 @@ def stepped_logits(config, variables, src, tgt_in):
 
   @jax.jit
   def run(variables, src, tgt_in):
-    step_fn, cache = decoding.model_step_fn(config, variables, src, length)
+    step_fn, cache = autoregressive.model_step_fn(config, variables, src, length)
     body = lambda cache, position: step_fn(tgt_in[:, position], cache, position)[::-1]
     return jax.lax.scan(body, cache, jnp.arange(length))[1].transpose(1, 0, 2)
 
@@ -551,7 +552,7 @@ def test_bfloat16_step_logits_match_a_float64_reference(params, src):
             for name, config, variables in (
                 ('float32', CONFIG, {'params': params}),
                 ('bfloat16', bf16, {'params': params}),
-                ('bfloat16 cast once', bf16, decoding.cast_matrices({'params': params}, 'bfloat16')))}
+                ('bfloat16 cast once', bf16, autoregressive.cast_matrices({'params': params}, 'bfloat16')))}
   scale = np.abs(want).max()
   assert errors['float32'] < 1e-5 * scale, errors
   # bfloat16 keeps 8 significant bits (relative rounding 2^-9); through 4 layers the logits
@@ -564,11 +565,11 @@ def test_bfloat16_step_logits_match_a_float64_reference(params, src):
 def test_bfloat16_greedy_and_beam_agree_with_float32_on_most_rows(params, src, full_logits,
                                                                   greedy_tokens, beam_result):
   bf16 = Transformer(CONFIG.replace(dtype='bfloat16'))
-  variables = decoding.cast_matrices({'params': params}, 'bfloat16')
+  variables = autoregressive.cast_matrices({'params': params}, 'bfloat16')
   assert variables['params']['embedding']['embedding'].dtype == jnp.bfloat16
   assert variables['params']['decoder']['layer_0']['ffn']['wi']['bias'].dtype == jnp.float32
-  greedy = np.asarray(decoding.greedy(bf16, variables, src))
-  tokens, _ = decoding.beam_search(bf16, variables, src, beam_size=4, alpha=0.6)
+  greedy = np.asarray(autoregressive.greedy(bf16, variables, src))
+  tokens, _ = autoregressive.beam_search(bf16, variables, src, beam_size=4, alpha=0.6)
   same_greedy = (greedy == greedy_tokens).all(axis=1)
   same_beam = (np.asarray(tokens) == beam_result[0][:, 0]).all(axis=1)
   # A random model's logits have near-ties that bfloat16 rounding may break the other way.

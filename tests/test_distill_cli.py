@@ -7,12 +7,12 @@ numbers_corpus; a cmlm teacher is conftest.py's cmlm_run.
 """
 
 import pytest
+from support.script_calls import call, error_line
 
 import distill as distill_cli  # the program at the repository root
-from flax_transformer.data import load_parallel
-from flax_transformer.methods import BeamSearch
-from flax_transformer.translate import Translator
-from support.script_calls import call, error_line
+from flax_transformer.data.corpus import load_parallel
+from flax_transformer.decode.methods import BeamSearch
+from flax_transformer.decode.translator import Translator
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
@@ -95,11 +95,12 @@ def test_student_of_a_packed_teacher_trains_unpacked_and_is_accepted(tmp_path):
   # A teacher trained with --train.packing 64: the cmlm student's EOS fill cannot pack, so
   # its command says so and train.py accepts the settings it names.
   import shlex
-  from flax_transformer import packing
+
   from flax_transformer.cli.options import configs_from_args
   from flax_transformer.cli.train import build_parser
   from flax_transformer.config import run_preset
-  from flax_transformer.distill import student_command
+  from flax_transformer.data import packing
+  from flax_transformer.train.distill import student_command
   model_config, train_config, data_config = run_preset('multi30k')
   train_config = train_config.replace(packing=64)
   command = student_command(tmp_path / 'distilled', model_config.replace(vocab_size=16_000),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer.dropout import Dropout, dropout, keep_threshold
+from flax_transformer.nn.dropout import Dropout, dropout, keep_threshold
 
 RATE = 0.1
 X = jnp.asarray(np.random.default_rng(0).uniform(1.0, 2.0, size=(64, 32, 64)), jnp.float32)

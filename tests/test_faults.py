@@ -18,21 +18,21 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from conftest import CMLM_OPTIONS
-from flax_transformer import training
-from flax_transformer.checkpoint import (DIGESTS_FILE, Checkpoints, CheckpointError,
-                                         DamagedCheckpoint)
-from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
-from flax_transformer.cli import train as train_cli
-from flax_transformer.config import ModelConfig
-from flax_transformer.build import abstract_params
-from flax_transformer.model import count_params
-from flax_transformer.sizes import check_fits, parameter_count
-from flax_transformer.tokenizer import Tokenizer
 from support.lock_holder import lock_holder
 from support.runs import saved_steps
 from support.script_calls import call, error_line, usage_error
+
+from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
+from flax_transformer.cli import train as train_cli
+from flax_transformer.config import ModelConfig
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.nn.build import abstract_params
+from flax_transformer.nn.model import count_params
+from flax_transformer.run.checkpoints import (DIGESTS_FILE, CheckpointError, Checkpoints,
+                                              DamagedCheckpoint)
+from flax_transformer.run.sizes import check_fits, parameter_count
+from flax_transformer.train import loop
 
 pytestmark = [
     pytest.mark.filterwarnings('ignore:source length .* output capped'),
@@ -226,7 +226,7 @@ def test_a_foreign_tokenizer_without_a_digest_is_named_as_such(cmlm_copy, number
 # --- one line, unless --debug ------------------------------------------------------------------
 
 def test_an_unexpected_failure_is_one_line_and_debug_adds_the_traceback(tiny_copy, monkeypatch):
-  from flax_transformer.translate import Translator
+  from flax_transformer.decode.translator import Translator
 
   def broken(*args, **kwargs):
     raise RuntimeError('device lost\nmore detail')

@@ -1,4 +1,4 @@
-"""Stopping training: StopSignals and Interrupted (flax_transformer/interruption.py) in this
+"""Stopping training: StopSignals and Interrupted (flax_transformer/train/interruption.py) in this
 process, and real train.py processes stopped by SIGTERM, SIGINT, kill -9 in the middle of a
 save, a full disk.
 
@@ -43,12 +43,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from flax_transformer.run_directory import file_digest
-from flax_transformer.interruption import Interrupted, StopSignals
-from flax_transformer.toy_task import number_translation
 from support.processes import free_ports, host_name_is_loopback
 from support.runs import assert_trees_equal, saved_steps, train_state
+
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.run.directory import file_digest
+from flax_transformer.train.interruption import Interrupted, StopSignals
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_EVERY = 2

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import masks
+from flax_transformer.nn import masks
 
 A, B, C, PAD = 5, 6, 7, 0  # "a b c PAD"
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer.matmul import Dense, dense_dot
+from flax_transformer.nn.matmul import Dense, dense_dot
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(3, 5, 8)).astype(np.float32)       # [B, L, K]

@@ -1,13 +1,14 @@
-"""Decoding methods as values (flax_transformer/methods.py): settings checked when made, the
+"""Decoding methods as values (flax_transformer/decode/methods.py): settings checked when made, the
 model kinds they decode, their descriptions, the paper's defaults, and decode.py's names."""
 
 import dataclasses
 
 import pytest
 
-from flax_transformer import ConfigError, ModelConfig, decoding
-from flax_transformer.methods import (METHODS, BeamSearch, Greedy, MaskPredict, Sampling,
-                                      default_method, method_from_name)
+from flax_transformer import ConfigError, ModelConfig
+from flax_transformer.decode import autoregressive
+from flax_transformer.decode.methods import (METHODS, BeamSearch, Greedy, MaskPredict, Sampling,
+                                             default_method, method_from_name)
 
 
 @pytest.mark.parametrize('make, message', [
@@ -50,11 +51,11 @@ def test_a_method_by_name_is_the_value_with_those_settings():
 
 
 def test_the_papers_defaults_are_written_once():
-  beam = decoding.BeamConfig()
+  beam = autoregressive.BeamConfig()
   assert (BeamSearch().beam_size, BeamSearch().alpha) == (beam.beam_size, beam.alpha) == (4, 0.6)
-  search_defaults = {f.name: f.default for f in dataclasses.fields(decoding.BeamConfig)}
-  assert decoding.beam_search.__kwdefaults__['beam_size'] == search_defaults['beam_size']
-  assert decoding.beam_search.__kwdefaults__['alpha'] == search_defaults['alpha']
+  search_defaults = {f.name: f.default for f in dataclasses.fields(autoregressive.BeamConfig)}
+  assert autoregressive.beam_search.__kwdefaults__['beam_size'] == search_defaults['beam_size']
+  assert autoregressive.beam_search.__kwdefaults__['alpha'] == search_defaults['alpha']
 
 
 def test_methods_describe_their_decoding():

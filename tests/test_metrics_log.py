@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from flax_transformer.metrics_log import MetricsLog
+from flax_transformer.run.metrics_log import MetricsLog
 
 
 def test_metrics_log_writes_tensorboard_when_installed(tmp_path, monkeypatch):

@@ -10,10 +10,11 @@ import tokenizers
 
 from benchmarks import multi30k
 from flax_transformer.config import run_preset
-from flax_transformer.data import load_parallel
-from flax_transformer.model import count_params
-from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.training import train
+from flax_transformer.data.corpus import load_parallel
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.nn.model import count_params
+from flax_transformer.train.loop import train
+
 
 @pytest.mark.filterwarnings('ignore:source length .* output capped')
 def test_preset_trains_on_multi30k(tmp_path, multi30k_dir):

@@ -13,7 +13,6 @@ the step's global token normalisation must get right.
 
 import numpy as np
 import pytest
-
 from support.device_workers import run_values, run_worker
 
 STEPS = 4
@@ -26,11 +25,11 @@ import sys
 import jax
 import numpy as np
 from flax import traverse_util
-from flax_transformer.batching import Batch
+from flax_transformer.data.batching import Batch
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.model import Transformer
-from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                         make_parallel_step)
+from flax_transformer.nn.model import Transformer
+from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
+                                   make_parallel_step)
 
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 assert jax.device_count() == 4, jax.devices()

@@ -41,13 +41,14 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-
-from flax_transformer.checkpoint import Checkpoints, load_for_inference
-from flax_transformer.run_directory import read_config
-from flax_transformer.model import Transformer
-from flax_transformer.toy_task import number_translation
-from flax_transformer.train_step import TrainState, create_train_state, make_optimizer
 from support.processes import free_ports, host_name_is_loopback
+
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.nn.model import Transformer
+from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.loading import load_for_inference
+from flax_transformer.run.directory import read_config
+from flax_transformer.train import TrainState, create_train_state, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,10 @@ import jax
 import pytest
 
 from flax_transformer import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.build import build_model
-from flax_transformer.checkpoint import Checkpoints
-from flax_transformer.run_directory import write_config
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.nn.build import build_model
+from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.directory import write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60
@@ -91,7 +91,7 @@ import json, sys
 from flax_transformer.cli.decode import main
 status = main(['--checkpoint', {str(untrained_run)!r}, '--method', 'greedy', 'one two'])
 loaded = [name for name in sys.modules if name.split('.')[0] == 'optax'
-          or name in ('flax_transformer.train_step', 'flax_transformer.training')]
+          or name in ('flax_transformer.train.step', 'flax_transformer.train.loop')]
 print(json.dumps({{'status': status, 'loaded': loaded}}))
 '''
   result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,

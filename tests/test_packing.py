@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
-
-from flax_transformer import masks
-from flax_transformer.batching import Batch, EncodedCorpus, _flatten_with_eos
-from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
-from flax_transformer.data import DataError
-from flax_transformer.losses import token_losses
-from flax_transformer.model import Transformer, attention_weights
-from flax_transformer.packing import PackingBatcher, check_settings, pack_rows, padding_share
 from support.device_workers import assert_runs_match, run_values, run_worker
+
+from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
+from flax_transformer.data.batching import Batch, EncodedCorpus, _flatten_with_eos
+from flax_transformer.data.corpus import DataError
+from flax_transformer.data.packing import PackingBatcher, check_settings, pack_rows, padding_share
+from flax_transformer.nn import masks
+from flax_transformer.nn.model import Transformer, attention_weights
+from flax_transformer.train.losses import token_losses
 
 PAD, BOS, EOS = 0, 1, 2
 ROW = 16          # the packed row length
@@ -223,8 +223,8 @@ def test_no_attention_crosses_a_segment(params, packed_batch):
 def test_packed_bfloat16_step_with_gradient_accumulation(batcher, packed_batch):
   """The data-parallel step on packed batches in bfloat16, accumulating 2 batches per update:
   finite losses, no update after the first batch, an update after the second."""
-  from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                           make_parallel_step)
+  from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
+                                   make_parallel_step)
   config = CONFIG.replace(dtype='bfloat16')
   train_config = TrainConfig(grad_accum_steps=2, warmup_steps=10, packing=ROW)
   model, optimizer = Transformer(config), make_optimizer(train_config, config)
@@ -247,7 +247,7 @@ def test_packed_bfloat16_step_with_gradient_accumulation(batcher, packed_batch):
 def test_scheduled_sampling_keeps_every_sentences_bos_gold(packed_batch):
   """With predictions always taken, every position is replaced but PAD and each sentence's
   first (its BOS), which decoding starts from."""
-  from flax_transformer.scheduled_sampling import mix_decoder_inputs, row_keys
+  from flax_transformer.train.scheduled_sampling import mix_decoder_inputs, row_keys
   gold = jnp.asarray(packed_batch.tgt_in)
   predictions = jnp.full_like(gold, VOCAB - 1)
   keys = row_keys(jax.random.key(0), 0, gold.shape[0])
@@ -265,10 +265,10 @@ DEVICE_RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
 WORKER = r'''
 import sys
 import numpy as np
-from flax_transformer.batching import EncodedCorpus, _flatten_with_eos
+from flax_transformer.data.batching import EncodedCorpus, _flatten_with_eos
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.model import Transformer
-from flax_transformer.packing import PackingBatcher
+from flax_transformer.nn.model import Transformer
+from flax_transformer.data.packing import PackingBatcher
 from support.device_workers import train_runs
 
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -307,7 +307,7 @@ CMLM_CONFIG = ModelConfig.tiny(kind='cmlm', vocab_size=VOCAB, max_len=MAX_LEN, d
 
 @pytest.fixture(scope='module')
 def cmlm_inputs_packed(packed_batch):
-  from flax_transformer import cmlm
+  from flax_transformer.nn import cmlm
   return cmlm.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.0)
 
 
@@ -330,7 +330,7 @@ def test_cmlm_masks_and_length_targets_per_segment(packed_batch, cmlm_inputs_pac
   np.testing.assert_array_equal(inputs.targets, packed_batch.tgt_out)
   assert min(counts) < 1 and max(counts) == 1  # counts differ by sentence: drawn per sentence
   with pytest.raises(ValueError, match='eos_fill_rate'):
-    from flax_transformer import cmlm
+    from flax_transformer.nn import cmlm
     cmlm.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.1)
   with pytest.raises(ConfigError, match='train.packing=16.*train.eos_fill_rate=0.1'):
     check_settings(CMLM_CONFIG, TrainConfig(packing=16))
@@ -340,7 +340,7 @@ def test_cmlm_masks_and_length_targets_per_segment(packed_batch, cmlm_inputs_pac
 def test_cmlm_packed_equals_unpacked(packed_batch, cmlm_inputs_packed, decoder_input):
   """Token logits, per-sentence pooled length logits and the loss sums of a packed batch
   equal those of its sentences one per row, masked alike (float32, to 1e-5)."""
-  from flax_transformer import cmlm
+  from flax_transformer.nn import cmlm
   config = CMLM_CONFIG.replace(cmlm_decoder_input=decoder_input)
   model = cmlm.CMLMTransformer(config)
   tokens = jnp.ones((1, 1), jnp.int32)

@@ -20,15 +20,17 @@ transformers = pytest.importorskip('transformers',
 pytest.importorskip('sentencepiece', reason='needs sentencepiece: pip install -e .[pretrained]')
 pytest.importorskip('safetensors', reason='needs safetensors: pip install -e .[pretrained]')
 
+from support.script_calls import call  # noqa: E402
+
 from benchmarks.marian import MarianShape, make_marian_directory  # noqa: E402
-from flax_transformer import decoding  # noqa: E402
-from flax_transformer.build import build_model  # noqa: E402
 from flax_transformer.cli import decode as decode_cli  # noqa: E402
 from flax_transformer.config import ConfigError  # noqa: E402
-from flax_transformer.methods import Greedy  # noqa: E402
-from flax_transformer.pretrained import PretrainedError, load_marian, marian_config  # noqa: E402
-from flax_transformer.translate import Translator  # noqa: E402
-from support.script_calls import call  # noqa: E402
+from flax_transformer.decode import autoregressive  # noqa: E402
+from flax_transformer.decode.methods import Greedy  # noqa: E402
+from flax_transformer.decode.translator import Translator  # noqa: E402
+from flax_transformer.nn.build import build_model  # noqa: E402
+from flax_transformer.pretrained.marian import (PretrainedError, load_marian,  # noqa: E402
+                                                marian_config)
 
 SENTENCES = ['The animal did not cross the street because it was too tired.', 'A man',
              'She sings a song about the sea.', 'Several people are sitting on a bench.']
@@ -106,7 +108,7 @@ def test_greedy_equals_generate(loaded, reference):
   src = _sources(tokenizer)
   for boost in (0.0, 3.0):
     boosted, model = _boost_eos(params, reference, config.eos_id, boost)
-    tokens = np.asarray(decoding.greedy(build_model(config), boosted, src, max_len=NEW_TOKENS))
+    tokens = np.asarray(autoregressive.greedy(build_model(config), boosted, src, max_len=NEW_TOKENS))
     np.testing.assert_array_equal(tokens, _generate(model, src, config.pad_id, num_beams=1))
   # With the boost, some rows end with EOS and some run to the limit: both endings compared.
   ended = (tokens == config.eos_id).any(axis=1)
@@ -117,7 +119,7 @@ def test_beam_search_equals_generate_when_every_hypothesis_runs_to_the_limit(loa
   # alpha 0 and length_penalty 0 both rank by the sum of log-probabilities.
   config, params, tokenizer = loaded
   src = _sources(tokenizer)
-  tokens, _ = decoding.beam_search(build_model(config), params, src, beam_size=4, alpha=0.0,
+  tokens, _ = autoregressive.beam_search(build_model(config), params, src, beam_size=4, alpha=0.0,
                                    max_len=NEW_TOKENS, min_len=NEW_TOKENS)
   expected = _generate(reference, src, config.pad_id, num_beams=4, length_penalty=0.0,
                        min_new_tokens=NEW_TOKENS)
@@ -141,7 +143,7 @@ def test_beam_search_finds_hypotheses_at_least_as_probable_as_generate(loaded, r
   # so it can find a more probable, shorter translation (docs/pretrained.md).
   config, params, tokenizer = loaded
   src = _sources(tokenizer)
-  tokens, _ = decoding.beam_search(build_model(config), params, src, beam_size=4, alpha=0.0,
+  tokens, _ = autoregressive.beam_search(build_model(config), params, src, beam_size=4, alpha=0.0,
                                    max_len=NEW_TOKENS)
   expected = _generate(reference, src, config.pad_id, num_beams=4, length_penalty=0.0)
   ours = _log_probability(config, params, src, np.asarray(tokens))
@@ -244,8 +246,9 @@ def test_train_py_fine_tunes_a_marian_model_into_a_run_that_decodes(marian_dir, 
 
 
 def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(marian_dir):
-  from flax_transformer.cli import train as train_program
   from support.script_calls import usage_error
+
+  from flax_transformer.cli import train as train_program
 
   err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
   assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err

@@ -5,13 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 
-import datasets
-
 from flax_transformer.config import run_preset
-from flax_transformer.toy_task import number_translation
-from flax_transformer.training import train
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / 'README.md'

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from flax_transformer import ConfigError, ModelConfig
-from flax_transformer.tokenizer import FILE_NAME, Tokenizer, TokenizerError
+from flax_transformer.data.tokenizer import FILE_NAME, Tokenizer, TokenizerError
 
 SENTENCES = [
     'A man in an orange hat starring at something.',

@@ -2,8 +2,8 @@
 
 import pytest
 
-from flax_transformer.data import DataError
-from flax_transformer.toy_task import english_words, german_words, number_translation
+from flax_transformer.data.corpus import DataError
+from flax_transformer.data.toy_task import english_words, german_words, number_translation
 
 # Written out by hand from German orthography (Duden: numbers below a million are one word).
 GERMAN = {

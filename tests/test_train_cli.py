@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from flax_transformer import distributed
-from flax_transformer.config import SECTIONS, ModelConfig, TrainConfig
-from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.toy_task import number_translation
-from flax_transformer.training import load_data
-from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
-from flax_transformer.cli import train as train_cli
 from support.runs import finite, read_metrics, saved_steps, train_state
 from support.script_calls import call, error_line, usage_error
+
+from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
+from flax_transformer.cli import train as train_cli
+from flax_transformer.config import SECTIONS, ModelConfig, TrainConfig
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.train import distributed
+from flax_transformer.train.loop import load_data
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')

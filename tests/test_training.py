@@ -9,18 +9,19 @@ import jax
 import numpy as np
 import pytest
 import sacrebleu
-
-from flax_transformer.batching import Batcher
-from flax_transformer.checkpoint import CheckpointError, load_for_inference
-from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.data import load_parallel
-from flax_transformer.evaluation import translation_scores
-from flax_transformer.toy_task import number_translation
-from flax_transformer.train_step import transformer_schedule
-from flax_transformer.methods import Greedy
-from flax_transformer.training import NonFiniteError, train
-from flax_transformer.translate import Translator
 from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
+
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
+from flax_transformer.data.batching import Batcher
+from flax_transformer.data.corpus import load_parallel
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.decode.methods import Greedy
+from flax_transformer.decode.translator import Translator
+from flax_transformer.run.directory import CheckpointError
+from flax_transformer.run.loading import load_for_inference
+from flax_transformer.train.evaluation import translation_scores
+from flax_transformer.train.loop import NonFiniteError, train
+from flax_transformer.train import transformer_schedule
 
 # Dropout stays on: exact resume must reproduce the step-folded dropout keys too. One layer
 # each side and a vocabulary that puts every pair in the 8-token bucket keep compiles short.

@@ -6,12 +6,13 @@ decode.py, the command line over Translator, is tests/test_decode_cli.py's.
 
 import numpy as np
 import pytest
-
-from flax_transformer import ConfigError, Transformer, decoding
-from flax_transformer.cmlm import CMLMTransformer
-from flax_transformer.methods import BeamSearch, Greedy, MaskPredict, Sampling
-from flax_transformer.translate import Translator
 from support.random_run import MAX_LEN, SENTENCES
+
+from flax_transformer import ConfigError, Transformer
+from flax_transformer.decode import autoregressive
+from flax_transformer.decode.methods import BeamSearch, Greedy, MaskPredict, Sampling
+from flax_transformer.decode.translator import Translator
+from flax_transformer.nn.cmlm import CMLMTransformer
 
 # The tiny model's max_len caps the source + 50 budget of the longest sentences;
 # test_decoding.py checks that warning.
@@ -56,7 +57,7 @@ def test_batches_come_back_in_input_order(translator, config, params, tokenizer,
   present = [s for s in SENTENCES if s]
   rows = [ids + [config.eos_id] for ids in tokenizer.encode(present)]
   src = np.array([row + [config.pad_id] * (MAX_LEN - len(row)) for row in rows], np.int32)
-  expected = tokenizer.decode(np.asarray(decoding.greedy(Transformer(config), params, src)))
+  expected = tokenizer.decode(np.asarray(autoregressive.greedy(Transformer(config), params, src)))
   assert [t for s, t in zip(SENTENCES, greedy_translations) if s] == expected
   assert len(set(expected)) > 1, 'the fixture should give different translations'
 
@@ -95,7 +96,7 @@ def test_alignment_is_the_cross_attention_of_the_output(translator, config, toke
 
   # Without a translation, the one decoded from the same source ids.
   decoded = translator.alignment('Ein Hund spielt.', method=Greedy())
-  output = np.asarray(decoding.greedy(translator.model, translator.variables,
+  output = np.asarray(autoregressive.greedy(translator.model, translator.variables,
                                       np.array([source])))[0]
   assert decoded.target_tokens == [tokenizer.id_to_token(i) for i in output if i != 0]
   assert decoded.weights.shape[2] == len(decoded.target_tokens)

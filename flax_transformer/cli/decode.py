@@ -79,12 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
   args = parse_args(argv)
   # Imported here so that --help and argument errors answer at once.
-  from flax_transformer.checkpoint import CheckpointError
   from flax_transformer.cli import text_io
   from flax_transformer.config import ConfigError
-  from flax_transformer.methods import default_method, method_from_name
-  from flax_transformer.tokenizer import TokenizerError
-  from flax_transformer.translate import Translator
+  from flax_transformer.data.tokenizer import TokenizerError
+  from flax_transformer.decode.methods import default_method, method_from_name
+  from flax_transformer.decode.translator import Translator
+  from flax_transformer.run.checkpoints import CheckpointError
 
   settings = method_settings(args)
   try:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from flax_transformer.methods import BeamSearch
+from flax_transformer.decode.methods import BeamSearch
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -44,11 +44,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = print) -> int:
   args = parse_args(argv)
-  from flax_transformer.checkpoint import CheckpointError
   from flax_transformer.config import ConfigError
-  from flax_transformer.data import DataError
-  from flax_transformer.distill import DistillError, distill
-  from flax_transformer.tokenizer import TokenizerError
+  from flax_transformer.data.corpus import DataError
+  from flax_transformer.data.tokenizer import TokenizerError
+  from flax_transformer.run.checkpoints import CheckpointError
+  from flax_transformer.train.distill import DistillError, distill
   try:
     method = BeamSearch(beam_size=args.beam_size, alpha=args.alpha)
     result = distill(args.checkpoint, args.output, data=args.data, method=method,

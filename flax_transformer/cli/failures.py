@@ -114,8 +114,8 @@ def one_line(error: BaseException) -> str:
 
 def train_failure(error: BaseException) -> tuple[str, int] | None:
   """train.py's wording and status of a failure (see the table in the module docstring)."""
-  from flax_transformer.interruption import Interrupted
-  from flax_transformer.training import NonFiniteError
+  from flax_transformer.train.interruption import Interrupted
+  from flax_transformer.train.loop import NonFiniteError
   if isinstance(error, Interrupted):
     return str(error), error.exit_code
   if isinstance(error, NonFiniteError):
@@ -136,11 +136,11 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
 
 def _run_errors() -> tuple[type[Exception], ...]:
   """The errors train.py reports with their own message (they name the problem)."""
-  from flax_transformer.checkpoint import CheckpointError, WriteError
   from flax_transformer.config import ConfigError
-  from flax_transformer.data import DataError
-  from flax_transformer.run_lock import RunDirectoryInUse
-  from flax_transformer.tokenizer import TokenizerError
+  from flax_transformer.data.corpus import DataError
+  from flax_transformer.data.tokenizer import TokenizerError
+  from flax_transformer.run.checkpoints import CheckpointError, WriteError
+  from flax_transformer.run.lock import RunDirectoryInUse
   return (CheckpointError, WriteError, ConfigError, DataError, TokenizerError, RunDirectoryInUse,
           OSError)
 

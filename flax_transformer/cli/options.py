@@ -65,7 +65,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
                    if name.startswith(f'{section}.') and value is not None}
     configs[index] = parse_overrides(configs[index], section, assignments)
     if section == 'model' and getattr(args, 'init_from', None) is not None:
-      from flax_transformer.pretrained import fine_tuning_config
+      from flax_transformer.pretrained.marian import fine_tuning_config
       configs[index] = fine_tuning_config(args.init_from, assignments)
   model_config, train_config, data_config = configs
   source = Path(data_config.source).expanduser()
@@ -82,7 +82,7 @@ METHOD_SETTINGS = ('beam_size', 'alpha', 'temperature', 'top_k', 'top_p', 'seed'
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
   """--method and its settings; a setting not given is None (the method's own default)."""
-  from flax_transformer.methods import METHODS, RENAMED_METHODS, BeamSearch, MaskPredict
+  from flax_transformer.decode.methods import METHODS, RENAMED_METHODS, BeamSearch, MaskPredict
   method = parser.add_argument_group('decoding method', 'beam, greedy and sample decode an '
                                      'autoregressive checkpoint, mask_predict a cmlm one')
   add = method.add_argument

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from flax_transformer.data import DataError, split_lines
+from flax_transformer.data.corpus import DataError, split_lines
 
 
 class InputError(Exception):

@@ -1,4 +1,4 @@
-"""Train a Transformer translation model; a command line over `flax_transformer.training.train`.
+"""Train a Transformer translation model; a command line over `flax_transformer.train.loop.train`.
 
     python train.py                                   # the offline default: the toy task
     python train.py --preset multi30k --data ../shared/data/multi30k --workdir runs/multi30k
@@ -25,7 +25,8 @@ import argparse
 from pathlib import Path
 
 from flax_transformer.cli.failures import add_debug_option, run_program, train_failure
-from flax_transformer.cli.options import add_setting_options, configs_from_args, nonnegative_int, positive_int
+from flax_transformer.cli.options import (add_setting_options, configs_from_args, nonnegative_int,
+                                          positive_int)
 from flax_transformer.config import RUN_PRESETS, ConfigError
 
 
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _start_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   """jax.distributed.initialize when asked; flag mistakes are answered at once."""
-  from flax_transformer import distributed
+  from flax_transformer.train import distributed
   if not (args.coordinator or args.distributed):
     if args.num_processes is not None or args.process_id is not None:
       parser.error('--num-processes and --process-id need --coordinator (or --distributed)')
@@ -103,7 +104,7 @@ def _main(argv: list[str] | None) -> int:
   _start_hosts(parser, args)
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
-  from flax_transformer.training import check_settings, train
+  from flax_transformer.train.loop import check_settings, train
 
   try:
     check_settings(*configs, args.average_last, args.skip_nonfinite,

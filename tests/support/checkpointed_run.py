@@ -10,12 +10,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flax_transformer.checkpoint import Checkpoints
-from flax_transformer.run_directory import write_config
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.model import Transformer
-from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.train_step import create_train_state, make_optimizer
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.nn.model import Transformer
+from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.directory import write_config
+from flax_transformer.train import create_train_state, make_optimizer
 
 TEXTS = ['ein kleiner Hund läuft', 'a small dog runs', 'zwei Männer spielen Fußball',
          'two men play football', 'eine Frau liest ein Buch', 'a woman reads a book']

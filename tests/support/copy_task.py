@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flax_transformer.batching import Batch
+from flax_transformer.data.batching import Batch
 
 PAD, BOS, EOS = 0, 1, 2
 

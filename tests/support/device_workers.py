@@ -41,8 +41,8 @@ def train_runs(model, train_config, runs, steps: int, batch_at) -> dict[str, np.
   import jax
   from flax import traverse_util
 
-  from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                           make_parallel_step)
+  from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
+                                   make_parallel_step)
   optimizer = make_optimizer(train_config, model.config)
   initial = jax.device_get(create_train_state(model, optimizer, seed=0))
   results = {}

@@ -22,16 +22,16 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from flax_transformer.batching import Batcher, encode_corpus
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.model import Transformer
-from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.toy_task import number_translation
-from flax_transformer.train_step import (DataParallel, create_train_state, make_optimizer,
-                                         make_parallel_step)
-from flax_transformer.evaluation import translate_across_processes
-from flax_transformer.methods import Greedy
-from flax_transformer.translate import Translator
+from flax_transformer.data.batching import Batcher, encode_corpus
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.decode.methods import Greedy
+from flax_transformer.decode.translator import Translator
+from flax_transformer.nn.model import Transformer
+from flax_transformer.train.evaluation import translate_across_processes
+from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
+                                   make_parallel_step)
 
 STEPS = 2
 # Eight sentences and an empty one last, which translates to '' without decoding:

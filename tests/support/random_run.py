@@ -11,12 +11,12 @@ import jax
 import numpy as np
 
 from flax_transformer import ModelConfig, Transformer
-from flax_transformer.checkpoint import Checkpoints
-from flax_transformer.methods import Greedy
-from flax_transformer.run_directory import write_config
 from flax_transformer.config import DataConfig, TrainConfig
-from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.translate import Translator
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.decode.methods import Greedy
+from flax_transformer.decode.translator import Translator
+from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.directory import write_config
 
 CORPUS = ['Ein Mann fährt Fahrrad.', 'Zwei Hunde spielen im Schnee.', 'Eine Frau liest ein Buch.',
           'Kinder spielen am Strand.', 'Ein Hund läuft über die Wiese.',

@@ -5,11 +5,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flax_transformer.checkpoint import Checkpoints
-from flax_transformer.run_directory import read_config
-from flax_transformer.metrics_log import MetricsLog
-from flax_transformer.model import Transformer
-from flax_transformer.train_step import create_train_state, make_optimizer
+from flax_transformer.nn.model import Transformer
+from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.directory import read_config
+from flax_transformer.run.metrics_log import MetricsLog
+from flax_transformer.train import create_train_state, make_optimizer
 
 
 def saved_steps(workdir: Path) -> list[int]:

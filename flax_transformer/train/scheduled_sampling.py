@@ -30,9 +30,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from flax_transformer import masks
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
-from flax_transformer.model import Transformer
+from flax_transformer.nn import masks
+from flax_transformer.nn.model import Transformer
 
 _COIN, _SAMPLE = 0, 1  # the two streams of a row's key
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.model import BeamDecodeCache, DecodeCache, Transformer
+from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
 
 # The paper's default output budget: source length + 50 (§6.1).
 EXTRA_OUTPUT_TOKENS = 50

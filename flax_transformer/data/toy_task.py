@@ -20,7 +20,7 @@ from __future__ import annotations
 import datasets
 import numpy as np
 
-from flax_transformer.data import DataError
+from flax_transformer.data.corpus import DataError
 
 LARGEST = 999_999
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import tokenizers
@@ -38,9 +38,64 @@ class TokenizerError(ValueError):
   """A tokenizer cannot be trained, loaded or used; the message says which and why."""
 
 
+@runtime_checkable
+class TextTokenizer(Protocol):
+  """What training, decoding and the run directory need of a tokenizer.
+
+  Satisfied by `Tokenizer` (trained here, tokenizer.json) and by
+  `pretrained.MarianTokenizer` (a Marian model's source.spm, target.spm, vocab.json).
+  """
+
+  FILES: ClassVar[tuple[str, ...]]  # what `save` writes into a directory and `load` reads
+  pad_id: int
+  bos_id: int
+  eos_id: int
+  unk_id: int
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    """Source-side ids per text, without BOS/EOS."""
+
+  def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
+    """Target-side ids per text, without BOS/EOS."""
+
+  def decode(self, ids: Sequence[Sequence[int]] | np.ndarray) -> list[str]:
+    """Texts from rows of target ids, each row cut at its first EOS."""
+
+  def id_to_token(self, token_id: int) -> str: ...
+
+  def check_compatible(self, config: ModelConfig) -> None:
+    """Raises ConfigError unless `config`'s vocabulary and special ids are this tokenizer's."""
+
+  def save(self, directory: str | Path) -> Path:
+    """Writes `FILES` into `directory`."""
+
+
+VOCABULARY_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
+
+
+def vocabulary_mismatches(tokenizer: TextTokenizer, config: ModelConfig
+                          ) -> list[tuple[str, int, int]]:
+  """(field, the model's value, the tokenizer's) for each of `VOCABULARY_FIELDS` that differs:
+  the one rule of a tokenizer fitting a model."""
+  return [(name, getattr(config, name), getattr(tokenizer, name)) for name in VOCABULARY_FIELDS
+          if getattr(config, name) != getattr(tokenizer, name)]
+
+
+def check_compatible(tokenizer: TextTokenizer, config: ModelConfig, what: str = 'the tokenizer'
+                     ) -> None:
+  """Raises ConfigError naming the first of `vocabulary_mismatches` and the setting to change."""
+  for name, model_value, tokenizer_value in vocabulary_mismatches(tokenizer, config):
+    raise ConfigError(f'model.{name}={model_value} but {what} has {tokenizer_value}; set '
+                      f'model.{name}={tokenizer_value}')
+
+
 class Tokenizer:
   """Subword tokenizer with fixed special ids; wraps a `tokenizers.Tokenizer`."""
 
+  FILES = (FILE_NAME,)
   pad_id = 0
   bos_id = 1
   eos_id = 2
@@ -156,19 +211,4 @@ class Tokenizer:
 
   def check_compatible(self, config: ModelConfig) -> None:
     """Raises ConfigError unless the model's vocabulary and special ids match this tokenizer."""
-    if config.vocab_size != self.vocab_size:
-      raise ConfigError(f'model.vocab_size={config.vocab_size} but the tokenizer has '
-                        f'{self.vocab_size} tokens; set model.vocab_size={self.vocab_size}')
-    for name in ('pad_id', 'bos_id', 'eos_id', 'unk_id'):
-      if getattr(config, name) != getattr(self, name):
-        raise ConfigError(f'model.{name}={getattr(config, name)} but the tokenizer uses '
-                          f'{getattr(self, name)}; set model.{name}={getattr(self, name)}')
-
-
-def load_tokenizer(directory: str | Path):
-  """The tokenizer saved in a run directory: tokenizer.json, or a fine-tuned Marian model's
-  source.spm, target.spm and vocab.json (`pretrained.MarianTokenizer`)."""
-  if (Path(directory) / 'source.spm').is_file():
-    from flax_transformer.pretrained import MarianTokenizer
-    return MarianTokenizer(directory)
-  return Tokenizer.load(directory)
+    check_compatible(self, config)

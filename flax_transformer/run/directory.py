@@ -32,14 +32,14 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from flax_transformer.run_lock import LOCK_FILE, RunLock
 from flax_transformer.config import SECTIONS, ConfigError, DataConfig, ModelConfig, TrainConfig
-from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.tokenizer import Tokenizer, load_tokenizer
+from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
+from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
+from flax_transformer.pretrained.marian import MarianTokenizer
+from flax_transformer.run.lock import LOCK_FILE, RunLock
 
 CONFIG_FILE = 'config.json'
 # A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
-MARIAN_TOKENIZER_FILES = ('source.spm', 'target.spm', 'vocab.json')
 # config.json's key for the SHA-256 of tokenizer.json.
 TOKENIZER_DIGEST = 'tokenizer_sha256'
 CHECKPOINT_DIR = 'checkpoints'
@@ -131,7 +131,19 @@ def check_tokenizer(workdir: str | Path) -> None:
         'run in another --workdir (or with --no-resume)')
 
 
-def check_tokenizer_fits(workdir: str | Path, tokenizer: Tokenizer) -> None:
+def saved_tokenizer_class(directory: str | Path) -> type[TextTokenizer]:
+  """The kind of tokenizer saved in `directory`: a fine-tuned Marian model's (its `FILES`,
+  copied by --init-from), else this library's tokenizer.json."""
+  # The first file decides, so that a Marian directory missing another file is reported as one.
+  return MarianTokenizer if (Path(directory) / MarianTokenizer.FILES[0]).is_file() else Tokenizer
+
+
+def load_tokenizer(directory: str | Path) -> TextTokenizer:
+  """The tokenizer saved in a run directory, whichever its kind (`saved_tokenizer_class`)."""
+  return saved_tokenizer_class(directory).load(directory)
+
+
+def check_tokenizer_fits(workdir: str | Path, tokenizer: TextTokenizer) -> None:
   """Raises CheckpointError unless `tokenizer` has the vocabulary of config.json's model.
 
   Without a recorded digest (older runs, or one deleted) `check_tokenizer` cannot
@@ -139,16 +151,12 @@ def check_tokenizer_fits(workdir: str | Path, tokenizer: Tokenizer) -> None:
   model.vocab_size would not help: the checkpoints hold the run's own vocabulary.
   """
   model_config = read_config(workdir)[0]
-  sizes = [(name, getattr(model_config, name), value) for name, value in (
-      ('vocab_size', tokenizer.vocab_size), ('pad_id', tokenizer.pad_id),
-      ('bos_id', tokenizer.bos_id), ('eos_id', tokenizer.eos_id), ('unk_id', tokenizer.unk_id))]
-  for name, saved, actual in sizes:
-    if saved != actual:
-      raise CheckpointError(
-          f'{Path(workdir) / TOKENIZER_FILE} does not belong to this run: it has {name} {actual}, '
-          f'the model in {Path(workdir) / CONFIG_FILE} and its checkpoints were trained with '
-          f'{saved}. Put the run\'s own tokenizer.json back, or start a new run in another '
-          '--workdir (or with --no-resume)')
+  for name, saved, actual in vocabulary_mismatches(tokenizer, model_config):
+    raise CheckpointError(
+        f'{Path(workdir) / TOKENIZER_FILE} does not belong to this run: it has {name} {actual}, '
+        f'the model in {Path(workdir) / CONFIG_FILE} and its checkpoints were trained with '
+        f'{saved}. Put the run\'s own tokenizer.json back, or start a new run in another '
+        '--workdir (or with --no-resume)')
 
 
 def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
@@ -198,7 +206,7 @@ def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> 
 def clear_run(workdir: str | Path) -> None:
   """Deletes what a previous run wrote to `workdir`, and nothing else."""
   workdir = Path(workdir)
-  for name in (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, *MARIAN_TOKENIZER_FILES):
+  for name in (CONFIG_FILE, METRICS_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES):
     (workdir / name).unlink(missing_ok=True)
   for directory in [workdir / CHECKPOINT_DIR, workdir / TENSORBOARD_DIR,
                     *workdir.glob('average-last*')]:
@@ -279,7 +287,7 @@ class RunDirectory:
     file half-written and skip the barrier that the others wait at.
     """
     path = self.path / TOKENIZER_FILE
-    if (self.path / MARIAN_TOKENIZER_FILES[0]).is_file():  # a Marian model's, copied by --init-from
+    if saved_tokenizer_class(self.path) is MarianTokenizer:  # copied by --init-from
       tokenizer = load_tokenizer(self.path)
       say(f'tokenizer: {self.path} (Marian, {tokenizer.vocab_size:,} tokens)')
       return tokenizer

@@ -35,9 +35,9 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from flax_transformer import masks
-from flax_transformer.data import DataError
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.data.corpus import DataError
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.nn import masks
 
 PAD_ID, BOS_ID, EOS_ID = Tokenizer.pad_id, Tokenizer.bos_id, Tokenizer.eos_id
 # Pairs are tokenised this many at a time, so a progress bar moves on large corpora.

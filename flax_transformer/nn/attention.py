@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer import masks
-from flax_transformer.dropout import Dropout
-from flax_transformer.matmul import Dense, dense_dot
+from flax_transformer.nn import masks
+from flax_transformer.nn.dropout import Dropout
+from flax_transformer.nn.matmul import Dense, dense_dot
 
 
 def scaled_dot_product_attention(
@@ -347,7 +347,7 @@ class MultiHeadAttention(nn.Module):
 
     The attention weights `[B, N, T, S]` are sown into the 'intermediates'
     collection (free unless the caller asks for it as mutable); see
-    `flax_transformer.model.attention_weights`.
+    `flax_transformer.nn.model.attention_weights`.
     """
     return self.attend(self._split_heads(self.query(inputs_q)), kv, mask, deterministic)
 

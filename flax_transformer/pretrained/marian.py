@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.tokenizer import TokenizerError
+from flax_transformer.data.tokenizer import TokenizerError, check_compatible
 
 TOKENIZER_FILES = ('source.spm', 'target.spm', 'vocab.json')
 WEIGHTS_FILE = 'model.safetensors'
@@ -78,6 +78,13 @@ class MarianTokenizer:
   MarianTokenizer, the text is not Moses-punctuation-normalised first
   (transformers does that only when sacremoses is installed).
   """
+
+  FILES = TOKENIZER_FILES
+
+  @classmethod
+  def load(cls, directory: str | Path) -> MarianTokenizer:
+    """Reads `FILES` from `directory` (as `Tokenizer.load` reads tokenizer.json)."""
+    return cls(directory)
 
   def __init__(self, directory: str | Path):
     spm = _require('sentencepiece')
@@ -148,10 +155,7 @@ class MarianTokenizer:
 
   def check_compatible(self, config: ModelConfig) -> None:
     """Raises ConfigError unless the model's vocabulary and special ids match this tokenizer."""
-    for name in ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id'):
-      if getattr(config, name) != getattr(self, name):
-        raise ConfigError(f'model.{name}={getattr(config, name)} but the Marian tokenizer in '
-                          f'{self.directory} has {getattr(self, name)}')
+    check_compatible(self, config, f'the Marian tokenizer in {self.directory}')
 
   def save(self, directory: str | Path) -> Path:
     """Copies source.spm, target.spm and vocab.json into `directory`; returns it."""
@@ -285,7 +289,7 @@ def _embeddings(weights: dict, config: ModelConfig) -> dict:
 
 def _check_positions(weights: dict, config: ModelConfig) -> None:
   """Refuses a checkpoint whose stored positional table is not the sinusoids we compute."""
-  from flax_transformer.layers import sinusoidal_positions
+  from flax_transformer.nn.layers import sinusoidal_positions
   expected = np.asarray(sinusoidal_positions(config.max_len, config.d_model, config.positions))
   for side in ('encoder', 'decoder'):
     stored = weights.get(f'{side}.embed_positions.weight')
@@ -326,7 +330,8 @@ def load_marian(directory: str | Path) -> tuple[ModelConfig, dict, MarianTokeniz
 
 def _check_shapes(params: dict, config: ModelConfig) -> None:
   import jax
-  from flax_transformer.build import abstract_params
+
+  from flax_transformer.nn.build import abstract_params
   expected = jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]
   actual = dict(jax.tree_util.tree_flatten_with_path(params)[0])
   for path, shape in expected:

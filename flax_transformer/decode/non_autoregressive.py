@@ -26,7 +26,7 @@ The steps, all in one jit-compiled program:
 4. Per sentence, the candidate with the highest mean log-probability over its N
    positions wins; its tokens are cut at the first EOS.
 
-The output has greedy's format (`decoding.py`): tokens y_1 .., then EOS, then
+The output has greedy's format (`autoregressive.py`): tokens y_1 .., then EOS, then
 PAD. A row in which the model put no EOS gets one appended after its N tokens,
 unless N = model.max_len, where it ends without EOS like a greedy row at its limit. PAD and
 BOS are never predicted; all-PAD source rows (batch padding) give all-PAD rows.
@@ -45,9 +45,11 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from flax_transformer import decoding, masks
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.cmlm import CMLMTransformer, lengths_from_classes, mask_id, num_length_classes
+from flax_transformer.decode import autoregressive
+from flax_transformer.nn import masks
+from flax_transformer.nn.cmlm import (CMLMTransformer, lengths_from_classes, mask_id,
+                                      num_length_classes)
 
 LENGTH_MODES = ('predict', 'fixed')
 # Canvas widths are rounded up to a multiple of this: few compiled programs, little waste.
@@ -142,8 +144,8 @@ def mask_predict(model: CMLMTransformer, params, src, *,
                       f'{num_length_classes(config)} length classes '
                       f'(2 * model.max_length_offset + 1, max_length_offset='
                       f'{config.max_length_offset})')
-  src = decoding.check_source(src, config)
-  variables = decoding.as_variables(params)
+  src = autoregressive.check_source(src, config)
+  variables = autoregressive.as_variables(params)
   memory, lengths = _encode(config, variables, src, settings)
   width = canvas_width(int(jnp.max(lengths, initial=0)), config.max_len)
   # The adjustment is in `lengths` already: without it, refining compiles once per width.
@@ -189,7 +191,7 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
 
   position = jnp.arange(width)
   in_row = position < lengths[:, None]                                          # [R, W]
-  never_target = decoding.never_output(config.vocab_size, config.pad_id, config.bos_id)  # [V]
+  never_target = autoregressive.never_output(config.vocab_size, config.pad_id, config.bos_id)  # [V]
 
   def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Canvas `[R, W]` -> the most likely token at every position and its log-probability."""
@@ -200,7 +202,7 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
     # The best token's log-probability is its logit minus the logsumexp: two reductions
     # over the vocabulary, where log_softmax would write a second [R, W, V] array.
     best_log_prob = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
-    return decoding.argmax_pick(logits, 0), best_log_prob
+    return autoregressive.argmax_pick(logits, 0), best_log_prob
 
   def update(canvas: Canvas, remask: jax.Array) -> Canvas:
     """Predicts the `remask` positions `[R, W]` again; the others keep their tokens and scores."""

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.attention import KVCache, MultiHeadAttention
 from flax_transformer.config import ModelConfig
-from flax_transformer.dropout import Dropout
-from flax_transformer.matmul import Dense
+from flax_transformer.nn.attention import KVCache, MultiHeadAttention
+from flax_transformer.nn.dropout import Dropout
+from flax_transformer.nn.matmul import Dense
 
 
 def sinusoidal_positions(length: int, d_model: int, layout: str = 'interleaved') -> jax.Array:

@@ -77,28 +77,31 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from flax_transformer import scheduled_sampling
-from flax_transformer.batching import Batcher, encode_corpus
-from flax_transformer.build import build_model
-from flax_transformer.checkpoint import (Checkpoints, DamagedCheckpoint, WriteError,
-                                         average_checkpoints, load_for_inference)
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
-from flax_transformer.data import DataError, describe, load_parallel
-from flax_transformer.evaluation import translation_scores
-from flax_transformer.interruption import Interrupted, StopSignals
-from flax_transformer.methods import Greedy, default_method
-from flax_transformer.metrics_log import MetricsLog
-from flax_transformer.model import count_params
-from flax_transformer.packing import PackingBatcher, check_settings as check_packing
-from flax_transformer.pretrained import load_marian
-from flax_transformer.run_directory import RunDirectory
-from flax_transformer.sizes import check_fits
-from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
-from flax_transformer.toy_task import number_translation
-from flax_transformer.train_step import (DataParallel, TrainState, create_train_state,
-                                         length_metrics, make_optimizer, make_parallel_eval,
-                                         make_parallel_step, token_metrics)
-from flax_transformer.translate import Translator
+from flax_transformer.data.batching import Batcher, encode_corpus
+from flax_transformer.data.corpus import DataError, describe, load_parallel
+from flax_transformer.data.packing import PackingBatcher
+from flax_transformer.data.packing import check_settings as check_packing
+from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.decode.methods import Greedy, default_method
+from flax_transformer.decode.translator import Translator
+from flax_transformer.nn.build import build_model
+from flax_transformer.nn.model import count_params
+from flax_transformer.pretrained.marian import load_marian
+from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, WriteError
+from flax_transformer.run.loading import average_checkpoints, load_for_inference
+from flax_transformer.run.directory import RunDirectory
+from flax_transformer.run.metrics_log import MetricsLog
+from flax_transformer.run.sizes import check_fits
+from flax_transformer.train import scheduled_sampling
+from flax_transformer.train.evaluation import translation_scores
+from flax_transformer.train.interruption import Interrupted, StopSignals
+from flax_transformer.train.metrics import length_metrics, token_metrics
+from flax_transformer.train.optimizer import make_optimizer
+from flax_transformer.train.parallel import DataParallel
+from flax_transformer.train.step import (TrainState, create_train_state, make_parallel_eval,
+                                         make_parallel_step)
 
 
 def evaluation_method(model_config: ModelConfig):

@@ -33,13 +33,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flax_transformer import decoding
-from flax_transformer.build import build_model
-from flax_transformer.checkpoint import load_for_inference
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.methods import BeamSearch, DecodingMethod, default_method
-from flax_transformer.model import attention_weights
-from flax_transformer.tokenizer import Tokenizer
+from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.decode import autoregressive
+from flax_transformer.decode.methods import BeamSearch, DecodingMethod, default_method
+from flax_transformer.nn.build import build_model
+from flax_transformer.nn.model import attention_weights
+from flax_transformer.run.loading import load_for_inference
 
 # Source widths are rounded up to a multiple of this, so a corpus compiles a few shapes.
 WIDTH_MULTIPLE = 8
@@ -81,7 +81,7 @@ class Translator:
     self.config = config if dtype is None else config.replace(dtype=dtype)
     self.model = build_model(self.config)
     # Matrices in the compute dtype once here, not at every decoding step.
-    self.variables = decoding.cast_matrices(decoding.as_variables(params), self.config.dtype)
+    self.variables = autoregressive.cast_matrices(autoregressive.as_variables(params), self.config.dtype)
     self.tokenizer = tokenizer
     self._attention_weights = jax.jit(functools.partial(attention_weights, self.model))
 
@@ -99,14 +99,14 @@ class Translator:
   @classmethod
   def from_pretrained(cls, directory: str | Path, dtype: str | None = None) -> Translator:
     """Loads a Hugging Face Marian directory (see `pretrained.load_marian`)."""
-    from flax_transformer.pretrained import load_marian
+    from flax_transformer.pretrained.marian import load_marian
     return cls(*load_marian(directory), dtype=dtype)
 
   @classmethod
   def from_directory(cls, directory: str | Path, step: int | None = None,
                      average_last: int = 0, dtype: str | None = None) -> Translator:
     """A run directory (`from_checkpoint`) or a Marian directory (`from_pretrained`), by its files."""
-    from flax_transformer.pretrained import is_marian_directory
+    from flax_transformer.pretrained.marian import is_marian_directory
     if not is_marian_directory(directory):
       return cls.from_checkpoint(directory, step=step, average_last=average_last, dtype=dtype)
     if step is not None or average_last:
@@ -144,7 +144,7 @@ class Translator:
     """
     if method is not None and not isinstance(method, DecodingMethod):
       raise TypeError(f'method must be a decoding method value such as BeamSearch(beam_size=4) '
-                      f'or Greedy() (flax_transformer.methods), got {method!r}')
+                      f'or Greedy() (flax_transformer.decode.methods), got {method!r}')
     sources = self.encode(sentences)
     for index, count in sources.truncated:
       if on_truncated is not None:

@@ -19,8 +19,8 @@ import numpy as np
 import sacrebleu
 from jax.experimental import multihost_utils
 
-from flax_transformer.methods import DecodingMethod, Greedy
-from flax_transformer.translate import Translator
+from flax_transformer.decode.methods import DecodingMethod, Greedy
+from flax_transformer.decode.translator import Translator
 
 # Sentences per decoding batch when computing BLEU.
 DECODE_BATCH = 128

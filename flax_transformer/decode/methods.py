@@ -6,10 +6,10 @@
 
 Each class checks its own settings when it is made, says in words what it does
 (`describe`), refuses a model it cannot decode (`check_model`), and decodes a
-batch of source ids (`run`) through the functional API (`decoding.greedy`,
-`decoding.sample`, `decoding.beam_search`, `cmlm_decoding.mask_predict`), whose
+batch of source ids (`run`) through the functional API (`autoregressive.greedy`,
+`autoregressive.sample`, `autoregressive.beam_search`, `non_autoregressive.mask_predict`), whose
 defaults it shares: the paper's beam 4 and alpha 0.6 are written once, in
-`decoding.BeamConfig`. Adding a method is adding a class here.
+`autoregressive.BeamConfig`. Adding a method is adding a class here.
 
 Autoregressive methods take `max_len`, the output tokens per sentence (None:
 source length + 50, capped at model.max_len); mask-predict's output length is
@@ -25,8 +25,9 @@ from typing import ClassVar, Literal
 import jax
 import numpy as np
 
-from flax_transformer import cmlm, cmlm_decoding, decoding
 from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.decode import autoregressive, non_autoregressive
+from flax_transformer.nn import cmlm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ class Greedy(DecodingMethod):
     _check_max_len(self.max_len)
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    return np.asarray(decoding.greedy(model, params, src, max_len=self.max_len))
+    return np.asarray(autoregressive.greedy(model, params, src, max_len=self.max_len))
 
   def describe(self) -> str:
     return 'greedy decoding'
@@ -85,16 +86,16 @@ class BeamSearch(DecodingMethod):
   """Beam search with the GNMT length penalty ((5 + |Y|) / 6)^alpha (paper: beam 4, alpha 0.6)."""
 
   name: ClassVar[str] = 'beam'
-  beam_size: int = decoding.BeamConfig.beam_size
-  alpha: float = decoding.BeamConfig.alpha
+  beam_size: int = autoregressive.BeamConfig.beam_size
+  alpha: float = autoregressive.BeamConfig.alpha
   max_len: int | None = None
 
   def __post_init__(self):
-    decoding.BeamConfig(beam_size=self.beam_size, alpha=self.alpha)
+    autoregressive.BeamConfig(beam_size=self.beam_size, alpha=self.alpha)
     _check_max_len(self.max_len)
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    tokens, _ = decoding.beam_search(model, params, src, beam_size=self.beam_size,
+    tokens, _ = autoregressive.beam_search(model, params, src, beam_size=self.beam_size,
                                      alpha=self.alpha, max_len=self.max_len)
     return np.asarray(tokens)
 
@@ -107,14 +108,14 @@ class Sampling(DecodingMethod):
   """Ancestral sampling with temperature, top-k and top-p; `seed` makes the draws repeatable."""
 
   name: ClassVar[str] = 'sample'
-  temperature: float = decoding.SamplingConfig.temperature
-  top_k: int = decoding.SamplingConfig.top_k
-  top_p: float = decoding.SamplingConfig.top_p
+  temperature: float = autoregressive.SamplingConfig.temperature
+  top_k: int = autoregressive.SamplingConfig.top_k
+  top_p: float = autoregressive.SamplingConfig.top_p
   seed: int = 0
   max_len: int | None = None
 
   def __post_init__(self):
-    decoding.SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+    autoregressive.SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
     _check_max_len(self.max_len)
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ConfigError(f'sampling seed must be an integer, got {self.seed!r}')
@@ -122,7 +123,7 @@ class Sampling(DecodingMethod):
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
     # One key per batch: batches draw independently, and a rerun draws the same.
     rng = jax.random.fold_in(jax.random.key(self.seed), batch_index)
-    return np.asarray(decoding.sample(model, params, src, rng, temperature=self.temperature,
+    return np.asarray(autoregressive.sample(model, params, src, rng, temperature=self.temperature,
                                       top_k=self.top_k, top_p=self.top_p, max_len=self.max_len))
 
   def describe(self) -> str:
@@ -143,18 +144,18 @@ class MaskPredict(DecodingMethod):
 
   name: ClassVar[str] = 'mask_predict'
   model_kind: ClassVar[str] = 'cmlm'
-  iterations: int = cmlm_decoding.MaskPredictConfig.iterations
-  length_beam: int = cmlm_decoding.MaskPredictConfig.length_beam
-  length: Literal['predict', 'fixed'] = cmlm_decoding.MaskPredictConfig.length
-  length_ratio: float = cmlm_decoding.MaskPredictConfig.length_ratio
-  length_offset: int = cmlm_decoding.MaskPredictConfig.length_offset
+  iterations: int = non_autoregressive.MaskPredictConfig.iterations
+  length_beam: int = non_autoregressive.MaskPredictConfig.length_beam
+  length: Literal['predict', 'fixed'] = non_autoregressive.MaskPredictConfig.length
+  length_ratio: float = non_autoregressive.MaskPredictConfig.length_ratio
+  length_offset: int = non_autoregressive.MaskPredictConfig.length_offset
 
   def __post_init__(self):
     self.settings()
 
-  def settings(self) -> cmlm_decoding.MaskPredictConfig:
+  def settings(self) -> non_autoregressive.MaskPredictConfig:
     """The functional API's settings (checked when made)."""
-    return cmlm_decoding.MaskPredictConfig(**{field.name: getattr(self, field.name)
+    return non_autoregressive.MaskPredictConfig(**{field.name: getattr(self, field.name)
                                               for field in dataclasses.fields(self)})
 
   def check_model(self, config: ModelConfig) -> None:
@@ -166,7 +167,7 @@ class MaskPredict(DecodingMethod):
                         f'{config.max_length_offset})')
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    return np.asarray(cmlm_decoding.mask_predict(model, params, src,
+    return np.asarray(non_autoregressive.mask_predict(model, params, src,
                                                  **dataclasses.asdict(self.settings())))
 
   def describe(self) -> str:

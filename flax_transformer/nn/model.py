@@ -31,12 +31,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flax_transformer import masks
-from flax_transformer.attention import KVCache
 from flax_transformer.config import ModelConfig
-from flax_transformer.layers import Decoder, Encoder, sinusoidal_positions
-from flax_transformer.dropout import Dropout
-from flax_transformer.matmul import Dense, dense_dot
+from flax_transformer.nn import masks
+from flax_transformer.nn.attention import KVCache
+from flax_transformer.nn.dropout import Dropout
+from flax_transformer.nn.layers import Decoder, Encoder, sinusoidal_positions
+from flax_transformer.nn.matmul import Dense, dense_dot
 
 
 @flax.struct.dataclass

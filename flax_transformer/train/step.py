@@ -1,4 +1,4 @@
-"""Loss, learning-rate schedule, optimizer and the data-parallel training step.
+"""The training step: one update of either objective, per device, and its mapped form.
 
 Axis legend: B batch rows (per device inside a mapped step), S source length,
 T target length, V vocabulary, G devices.
@@ -20,24 +20,23 @@ masked LM's loss on masked target positions plus the weighted length loss.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_transformer import cmlm, packing, scheduled_sampling
-from flax_transformer.batching import Batch, shard
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.losses import label_smoothed_cross_entropy, loss_sums, token_losses
-from flax_transformer.model import Transformer
-
-AXIS = 'data'  # the mapped device axis, in both shard_map and pmap
+from flax_transformer.data import packing
+from flax_transformer.data.batching import Batch
+from flax_transformer.nn.model import Transformer
+from flax_transformer.train import cmlm_objective, scheduled_sampling
+from flax_transformer.train.losses import loss_sums
+from flax_transformer.train.optimizer import make_schedule, schedule_count
+from flax_transformer.train.parallel import AXIS, DataParallel
 
 # Independent random streams derived from TrainConfig.seed.
 _INIT_STREAM, _DROPOUT_STREAM, _MASK_STREAM, _SCHEDULED_SAMPLING_STREAM = 0, 1, 2, 3
@@ -60,108 +59,6 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: optax.OptState
-
-
-# --- the objective ------------------------------------------------------------
-# token_losses, label_smoothed_cross_entropy and loss_sums live in `losses` (the CMLM
-# objective in `nat` uses them too); they stay importable from here.
-
-def token_metrics(sums: Mapping[str, float]) -> dict[str, float]:
-  """Sums from any number of steps -> loss (label-smoothed, per token), ppl, accuracy.
-
-  Perplexity is exp of the plain negative log-likelihood per token: smoothing is
-  a training device, not part of the model's probability of the reference.
-  For a cmlm model the tokens are the masked target positions.
-  """
-  tokens = max(float(sums['tokens']), 1.0)
-  return {'loss': float(sums['loss_sum']) / tokens,
-          'ppl': float(np.exp(min(float(sums['nll_sum']) / tokens, 100.0))),
-          'accuracy': float(sums['correct']) / tokens}
-
-
-def length_metrics(sums: Mapping[str, float]) -> dict[str, float]:
-  """A cmlm model's sums -> length_loss (NLL of the true length class per sentence) and
-  length_accuracy (the fraction of sentences whose length class is the classifier's argmax)."""
-  sentences = max(float(sums['sentences']), 1.0)
-  return {'length_loss': float(sums['length_loss_sum']) / sentences,
-          'length_accuracy': float(sums['length_correct']) / sentences}
-
-
-def cmlm_objective(sums: Mapping[str, jax.Array], global_tokens: jax.Array,
-                   global_sentences: jax.Array, length_loss_weight: float) -> jax.Array:
-  """The CMLM training loss of one device's sums, normalised by the global batch's counts:
-
-    loss_sum / global masked tokens + length_loss_weight * length_loss_sum / global sentences
-
-  Summed over devices it is the per-masked-token loss of the whole batch plus the
-  weighted per-sentence length loss, whatever the number of devices.
-  """
-  tokens = jnp.maximum(global_tokens, 1).astype(jnp.float32)
-  sentences = jnp.maximum(global_sentences, 1).astype(jnp.float32)
-  return sums['loss_sum'] / tokens + length_loss_weight * sums['length_loss_sum'] / sentences
-
-
-# --- schedule and optimizer ------------------------------------------------------
-
-def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
-  """The paper's learning rate (§5.3) as an optax schedule of the update count.
-
-  lrate(n) = scale * d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5), where
-  n = count + 1 is the paper's 1-based step number: optax counts updates from 0,
-  and n = 0 would waste the first update on a zero rate. The rate rises
-  linearly for `warmup_steps` updates, peaks at
-  scale * (d_model * warmup_steps)^-0.5, then decays as n^-0.5.
-  """
-  if warmup_steps <= 0:
-    raise ValueError(f'warmup_steps must be positive, got {warmup_steps}')
-
-  def schedule(count):
-    n = jnp.asarray(count, jnp.float32) + 1.0
-    return scale * d_model ** -0.5 * jnp.minimum(lax.rsqrt(n), n * warmup_steps ** -1.5)
-
-  return schedule
-
-
-def make_schedule(train_config: TrainConfig, model_config: ModelConfig) -> optax.Schedule:
-  return transformer_schedule(model_config.d_model, train_config.warmup_steps,
-                              train_config.lr_scale)
-
-
-def make_optimizer(train_config: TrainConfig, model_config: ModelConfig
-                   ) -> optax.GradientTransformation:
-  """Adam(b1, b2, eps) on the paper's schedule, with the optional extras of TrainConfig.
-
-  - max_grad_norm: clip the global gradient norm first.
-  - weight_decay: decoupled (AdamW) decay of matrices and embeddings only;
-    biases and LayerNorm scales are not decayed.
-  - grad_accum_steps K > 1: optax.MultiSteps averages the gradients of K
-    consecutive steps (each normalised by its own token count) and updates
-    once; the schedule then counts updates, not steps.
-  """
-  c = train_config
-  schedule = make_schedule(train_config, model_config)
-  transforms = []
-  if c.max_grad_norm is not None:
-    transforms.append(optax.clip_by_global_norm(c.max_grad_norm))
-  if c.weight_decay > 0:
-    transforms.append(optax.adamw(schedule, c.adam_b1, c.adam_b2, c.adam_eps,
-                                  weight_decay=c.weight_decay,
-                                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
-  else:
-    transforms.append(optax.adam(schedule, c.adam_b1, c.adam_b2, c.adam_eps))
-  optimizer = optax.chain(*transforms)
-  if c.grad_accum_steps > 1:
-    optimizer = optax.MultiSteps(optimizer, every_k_schedule=c.grad_accum_steps)
-  return optimizer
-
-
-def schedule_count(opt_state) -> jax.Array:
-  """The update count the optimizer's schedule reads for its next update: updates applied,
-  not steps taken (a skipped non-finite step applies none; with grad_accum_steps K, one
-  per K steps), so learning_rate is the rate the update used."""
-  (count,) = [value for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, 'count')
-              if path[-1].tuple_name == 'ScaleByScheduleState']
-  return count
 
 
 def create_train_state(model: Transformer, optimizer: optax.GradientTransformation, seed: int
@@ -300,23 +197,23 @@ def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Arr
     token_logits, length_logits = model.apply(
         {'params': params}, inputs.src, inputs.tokens, train=True,
         rngs={'dropout': dropout_key}, packing=inputs.packing)      # [B, T, V], [B(, Z), 2R + 1]
-    sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config,
+    sums = cmlm_objective.cmlm_loss_sums(token_logits, length_logits, inputs, config,
                                train_config.label_smoothing)
-    loss = cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
+    loss = cmlm_objective.cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
     return loss, {**sums, 'target_tokens': target_tokens}
 
   return loss_fn
 
 
 def _cmlm_inputs(key: jax.Array, batch: Batch, config: ModelConfig, eos_fill_rate: float):
-  """`cmlm.cmlm_inputs` row by row, row r drawing from `key` folded with r's index in the
+  """`cmlm_objective.cmlm_inputs` row by row, row r drawing from `key` folded with r's index in the
   global batch (the device index * rows per device + r): the masks of a row do not depend
   on the number of devices, so 1, 2 or 4 devices train exactly alike. Call it mapped."""
   rows = batch.src.shape[0]
   first = lax.axis_index(AXIS) * rows
   keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(first + jnp.arange(rows))
   one_row = jax.tree.map(lambda x: x[:, None], batch)                   # leaves [B, 1, ...]
-  inputs = jax.vmap(lambda k, b: cmlm.cmlm_inputs(k, b, config, eos_fill_rate))(keys, one_row)
+  inputs = jax.vmap(lambda k, b: cmlm_objective.cmlm_inputs(k, b, config, eos_fill_rate))(keys, one_row)
   return jax.tree.map(lambda x: x[:, 0], inputs)
 
 
@@ -333,94 +230,11 @@ def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: floa
     inputs = _cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
     token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens,
                                               packing=inputs.packing)
-    sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
+    sums = cmlm_objective.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
   else:
     logits = model.apply({'params': params}, batch.src, batch.tgt_in, packing=batch.packing)
     sums = loss_sums(logits, batch.tgt_out, label_smoothing, config.pad_id)
   return lax.psum(sums, AXIS)
-
-
-# --- mapping over devices -------------------------------------------------------
-
-class DataParallel:
-  """Places state and batches on devices and maps per-device functions over them.
-
-  'shard_map': state leaves are global arrays replicated over a `('data',)`
-    mesh (`P()`); batch rows are split over it (`P('data')`).
-  'pmap': state leaves carry a leading axis over this process's devices
-    `[D_local, ...]`; this process's rows of a batch are reshaped to
-    `[G_local, B / G, ...]`. The pmap spans the devices of every process.
-
-  Multi-host: every process builds the same global batch (step-indexed, from
-  the same seed), keeps its contiguous block of rows (`batching.shard`), and
-  `jax.make_array_from_process_local_data` assembles the global array; the
-  collectives in the step span all processes' devices.
-  """
-
-  def __init__(self, devices: Sequence[jax.Device] | None = None,
-               mode: Literal['shard_map', 'pmap'] = 'shard_map'):
-    if mode not in ('shard_map', 'pmap'):
-      raise ValueError(f"parallel mode must be 'shard_map' or 'pmap', got {mode!r}")
-    if devices is None:
-      devices = jax.devices()
-    elif jax.process_count() > 1 and len(devices) != jax.device_count():
-      raise ValueError('with several processes, training uses every device of every process; '
-                       f'got {len(devices)} of {jax.device_count()}')
-    self.mode = mode
-    self.devices = tuple(devices)
-    self.local_devices = tuple(d for d in self.devices if d.process_index == jax.process_index())
-    self.mesh = Mesh(np.array(self.devices), (AXIS,))
-
-  @property
-  def num_devices(self) -> int:
-    return len(self.devices)
-
-  def map(self, fn: Callable, donate_first: bool = False) -> Callable:
-    """`fn(replicated, batch) -> replicated outputs` -> the jitted function over all devices."""
-    if self.mode == 'pmap':
-      # Every device of every process, the same list on each: pmap given only this
-      # process's devices would run its collectives over those alone, and each
-      # process would then train its own model on its share of the batch.
-      return jax.pmap(fn, axis_name=AXIS, devices=self.devices,
-                      donate_argnums=(0,) if donate_first else ())
-    replicated, split = PartitionSpec(), PartitionSpec(AXIS)
-    return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=(replicated, split),
-                                 out_specs=replicated),
-                   donate_argnums=(0,) if donate_first else ())
-
-  def replicate(self, tree):
-    """A host or single-device pytree -> the layout `map`ped functions take."""
-    if self.mode == 'pmap':
-      count = len(self.local_devices)
-      stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (count, *np.shape(x))), tree)
-      # Through an identity pmap, so the state has exactly the layout pmap outputs:
-      # the step then compiles once, not once for host input and again for its own output.
-      return jax.pmap(lambda x: x, axis_name=AXIS, devices=self.devices)(stacked)
-    sharding = NamedSharding(self.mesh, PartitionSpec())
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
-                        tree)
-
-  def unreplicate(self, tree):
-    """Replicated outputs of a `map`ped function -> one host copy (numpy)."""
-    def first(x):
-      local = np.asarray(x.addressable_data(0))
-      return local.reshape(local.shape[1:]) if self.mode == 'pmap' else local
-    return jax.tree.map(first, tree)
-
-  def shard_batch(self, batch: Batch) -> Batch:
-    """The global batch (identical on every process) -> its rows split over all devices."""
-    rows = batch.src.shape[0]
-    if rows % self.num_devices:
-      raise ValueError(f'a batch of {rows} rows does not split over {self.num_devices} devices; '
-                       'build the Batcher with row_multiple = the number of devices')
-    local = shard(batch, jax.process_index(), jax.process_count())
-    if self.mode == 'pmap':
-      count = len(self.local_devices)
-      return jax.tree.map(lambda x: np.asarray(x).reshape(count, -1, *x.shape[1:]), local)
-    sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
-    return jax.tree.map(
-        lambda g, x: jax.make_array_from_process_local_data(sharding, np.asarray(x), g.shape),
-        batch, local)
 
 
 def make_parallel_step(model: Transformer, optimizer: optax.GradientTransformation,

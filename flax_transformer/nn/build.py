@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_transformer.cmlm import CMLMTransformer
 from flax_transformer.config import ModelConfig
-from flax_transformer.model import Transformer
+from flax_transformer.nn.cmlm import CMLMTransformer
+from flax_transformer.nn.model import Transformer
 
 
 def build_model(config: ModelConfig) -> Transformer | CMLMTransformer:

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flax_transformer.batching import Batch, Batcher, EncodedCorpus, rows_per_batch
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
-from flax_transformer.data import DataError
+from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, rows_per_batch
+from flax_transformer.data.corpus import DataError
 
 # Rows kept open for the next pairs while packing; more fill rows a little better and cost
 # time per pair (a pair tries each open row in turn).

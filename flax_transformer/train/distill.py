@@ -36,11 +36,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from flax_transformer.config import RUN_PRESETS, run_preset
-from flax_transformer.data import DataError
-from flax_transformer.methods import BeamSearch, DecodingMethod
-from flax_transformer.run_directory import read_config
-from flax_transformer.training import load_data
-from flax_transformer.translate import Translator
+from flax_transformer.data.corpus import DataError
+from flax_transformer.decode.methods import BeamSearch, DecodingMethod
+from flax_transformer.decode.translator import Translator
+from flax_transformer.run.directory import read_config
+from flax_transformer.train.loop import load_data
 
 # config.json fields a student's train.py command does not repeat: the tokenizer decides the
 # vocabulary and special ids, --objective the kind, --data/--src/--tgt the data.

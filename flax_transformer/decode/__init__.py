@@ -1,0 +1,22 @@
+"""Decoding: the functional API on the explicit KV cache, methods as values, text in and out.
+
+Layer 5 (above `run`, whose checkpoints `Translator` loads). Modules:
+`autoregressive` (greedy, sampling and beam search as one `lax.scan`-style loop
+over steps), `mask_predict` (a cmlm model's iterative refinement), `methods` (one
+frozen class per method: its settings, checked, and how it runs), `translator`
+(`Translator`: text in, text out, for either model kind).
+
+    tokens = decode.greedy(model, variables, src)                           # [B, L]
+    tokens, scores = decode.beam_search(model, variables, src, beam_size=4, alpha=0.6)
+"""
+
+from flax_transformer.decode.autoregressive import beam_search, greedy, length_penalty, sample
+from flax_transformer.decode.non_autoregressive import mask_predict
+from flax_transformer.decode.methods import (METHODS, BeamSearch, DecodingMethod, Greedy,
+                                             MaskPredict, Sampling, default_method)
+from flax_transformer.decode.translator import Translator
+
+__all__ = [
+    'METHODS', 'BeamSearch', 'DecodingMethod', 'Greedy', 'MaskPredict', 'Sampling', 'Translator',
+    'beam_search', 'default_method', 'greedy', 'length_penalty', 'mask_predict', 'sample',
+]

@@ -1,0 +1,22 @@
+"""A training run on disk: its directory, lock, checkpoints, metrics log and memory estimate.
+
+Layer 4 (above `config`, `nn`, `data` and `pretrained`). Modules: `directory`
+(config.json, the tokenizer, resume rules), `lock` (one writer at a time),
+`checkpoints` (the orbax store, digests, damage), `loading` (a finished run for
+decoding; checkpoint averaging), `metrics_log` (metrics.jsonl), `sizes` (memory
+estimates checked before allocating).
+"""
+
+from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint
+from flax_transformer.run.directory import (CheckpointError, RunDirectory, WriteError,
+                                            load_tokenizer, read_config, write_config)
+from flax_transformer.run.loading import average_checkpoints, load_for_inference
+from flax_transformer.run.lock import RunDirectoryInUse, RunLock
+from flax_transformer.run.metrics_log import MetricsLog
+from flax_transformer.run.sizes import check_fits, parameter_count
+
+__all__ = [
+    'CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'MetricsLog', 'RunDirectory',
+    'RunDirectoryInUse', 'RunLock', 'WriteError', 'average_checkpoints', 'check_fits',
+    'load_for_inference', 'load_tokenizer', 'parameter_count', 'read_config', 'write_config',
+]

@@ -1,0 +1,170 @@
+"""A finished run read back: its parameters for decoding, or the mean of its last checkpoints.
+
+    model_config, params, tokenizer = load_for_inference('runs/multi30k', average_last=5)
+    average_checkpoints('runs/multi30k', 5)       # -> runs/multi30k/average-last5, decodable
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from flax_transformer.config import ModelConfig
+from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
+from flax_transformer.nn.build import abstract_params
+from flax_transformer.pretrained.marian import MarianTokenizer
+from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints
+from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE,
+                                            TENSORBOARD_DIR, CheckpointError, check_tokenizer,
+                                            check_tokenizer_fits, load_tokenizer, read_config,
+                                            saved_tokenizer_class)
+from flax_transformer.run.sizes import check_fits
+
+
+# A run directory's own entries, which an output inside it must not replace.
+_RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
+                          *Tokenizer.FILES, *MarianTokenizer.FILES})
+# What averaging writes: an existing output holding only these is an earlier average.
+_AVERAGE_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES})
+
+
+def _check_output(workdir: Path, output: Path) -> None:
+  """Refuses an output whose replacement would delete the run or anything else.
+
+  Paths are compared resolved (symlinks followed): WORKDIR/average-last5 is fine;
+  WORKDIR itself, a directory above it, or WORKDIR/checkpoints/... are not.
+  """
+  run, target = workdir.resolve(), output.resolve()
+  if target == run or target in run.parents:
+    raise CheckpointError(f'averaging output {output} would replace the run directory '
+                          f'{workdir}; choose another directory (default: '
+                          f'{workdir}/average-lastK)')
+  if run in target.parents and target.relative_to(run).parts[0] in _RUN_ENTRIES:
+    part = run / target.relative_to(run).parts[0]
+    raise CheckpointError(f'averaging output {output} would replace {part}, part of the run '
+                          f'{workdir}; choose another directory')
+  if target.exists() and not target.is_dir():
+    raise CheckpointError(f'averaging output {output} is a file; give a directory')
+  if target.is_dir() and not {entry.name for entry in target.iterdir()} <= _AVERAGE_ENTRIES:
+    raise CheckpointError(f'averaging output {output} holds other files than an earlier '
+                          'average (config.json, the tokenizer, checkpoints/); choose another '
+                          'directory')
+
+
+def _open_run(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]:
+  workdir = Path(workdir)
+  if not workdir.is_dir():
+    raise CheckpointError(f'{workdir}: no such directory')
+  model_config, _, _ = read_config(workdir)
+  check_fits(model_config, training=False)
+  if not (workdir / CHECKPOINT_DIR).is_dir():
+    raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: no such directory; the run saved no '
+                          'checkpoint yet')
+  checkpoints = Checkpoints(workdir, read_only=True)
+  steps = checkpoints.steps()
+  if not steps:
+    raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: holds no finished checkpoint')
+  return model_config, checkpoints, steps
+
+
+def _select_steps(steps: Sequence[int], step: int | None, last: int, where: Path) -> list[int]:
+  """The `last` saved steps up to `step` (or the latest), oldest first."""
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise CheckpointError(f'{where}: no checkpoint at step {step} (have: '
+                          f'{", ".join(map(str, steps))})')
+  eligible = [s for s in steps if s <= step]
+  if len(eligible) < last:
+    raise CheckpointError(f'{where}: cannot average the last {last} checkpoints up to step {step}, '
+                          f'only {len(eligible)} exist ({", ".join(map(str, eligible))}); keep '
+                          'more with --train.keep_checkpoints or average fewer')
+  return eligible[-last:]
+
+
+def _mean_params(checkpoints: Checkpoints, steps: Sequence[int], target):
+  """Element-wise mean of the parameters saved at `steps`, accumulated in float64."""
+  total = None
+  for step in steps:
+    params = checkpoints.restore_params(step, target)
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    total = params if total is None else jax.tree.map(np.add, total, params)
+  return jax.tree.map(lambda t, x: (t / len(steps)).astype(x.dtype), total, target)
+
+
+def load_for_inference(workdir: str | Path, step: int | None = None, average_last: int = 0
+                       ) -> tuple[ModelConfig, Any, TextTokenizer]:
+  """(ModelConfig, params, Tokenizer) of a run directory, ready for decoding.
+
+  Args:
+    workdir: a run directory written by training (or by `average_checkpoints`).
+    step: the checkpoint to load; None loads the latest.
+    average_last: if > 0, the element-wise mean of the parameters of the last
+      `average_last` checkpoints up to `step` (paper §6.1 averages 5).
+
+  Returns:
+    The model config, the parameters (the 'params' collection, device arrays)
+    and the tokenizer saved with them, checked to agree with the config.
+  """
+  if average_last < 0:
+    raise CheckpointError(f'average_last must be >= 0, got {average_last}')
+  model_config, checkpoints, steps = _open_run(workdir)
+  try:
+    check_tokenizer(workdir)
+    tokenizer = load_tokenizer(workdir)
+    check_tokenizer_fits(workdir, tokenizer)
+    selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)
+    # Before tracing the layers of a config.json that asks for thousands.
+    checkpoints.check_layers(selected[-1], model_config, PARAMS_OF_CONFIG)
+    target = abstract_params(model_config)
+    if average_last:
+      params = _mean_params(checkpoints, selected, target)
+    else:
+      params = checkpoints.restore_params(selected[-1], target)
+  finally:
+    checkpoints.close()
+  return model_config, jax.device_put(params), tokenizer
+
+
+def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | None = None
+                        ) -> Path:
+  """Writes the mean parameters of WORKDIR's last `last_k` checkpoints as a run directory.
+
+  The output (default WORKDIR/average-last{K}) gets WORKDIR's config.json and
+  tokenizer.json and one checkpoint, numbered as the latest averaged step,
+  holding only 'params': `load_for_inference(output)` and decode.py read it; it
+  cannot be resumed for training. An existing output directory is replaced if it
+  is empty or an earlier average; an output that is the run directory, holds it,
+  or is part of it (checkpoints/, config.json, ...) is refused (`_check_output`).
+  With several processes, every process calls this (as it calls the training
+  step). Returns the output directory.
+  """
+  if last_k < 1:
+    raise CheckpointError(f'average_last must be >= 1, got {last_k}')
+  workdir = Path(workdir)
+  output = Path(output) if output is not None else workdir / f'average-last{last_k}'
+  _check_output(workdir, output)
+  model_config, checkpoints, steps = _open_run(workdir)
+  try:
+    selected = _select_steps(steps, None, last_k, checkpoints.directory)
+    params = _mean_params(checkpoints, selected, abstract_params(model_config))
+  finally:
+    checkpoints.close()
+  if jax.process_index() == 0:
+    if output.exists():
+      shutil.rmtree(output)
+    output.mkdir(parents=True)
+    for name in (CONFIG_FILE, *saved_tokenizer_class(workdir).FILES):
+      shutil.copy2(workdir / name, output / name)
+  # Every process takes part in the orbax save, after process 0 has prepared the directory.
+  multihost_utils.sync_global_devices('average_checkpoints: output directory ready')
+  averaged = Checkpoints(output)
+  averaged.save_params(selected[-1], params)
+  averaged.close()
+  return output
