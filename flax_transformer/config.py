@@ -22,9 +22,54 @@ class ConfigError(ValueError):
   """A configuration value is invalid; the message names the option."""
 
 
-def setting(default, help: str):  # noqa: A002 -- the name argparse gives it
-  """A config field with its default and a one-line help (shown by train.py --help)."""
-  return dataclasses.field(default=default, metadata={'help': help})
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+  """The values a numeric setting admits, declared on its field (`setting(..., bounds=...)`).
+
+  `low` and `high` are inclusive unless `low_open` / `high_open`; `integer` admits
+  ints only (never bools). None passes when the field's annotation admits None.
+  """
+  low: float | None = None
+  high: float | None = None
+  low_open: bool = False
+  high_open: bool = False
+  integer: bool = False
+
+  def admits(self, value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+      return False
+    if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+      return False
+    return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+  def describe(self) -> str:
+    """What the error message says a value must be."""
+    if self == POSITIVE_INT:
+      return 'a positive integer'
+    if self == NONNEGATIVE_INT:
+      return 'a non-negative integer'
+    if self == POSITIVE:
+      return 'a positive number'
+    kind = 'an integer ' if self.integer else ''
+    if self.high is None:
+      return f'{kind}{">" if self.low_open else ">="} {self.low}'
+    if self.low is None:
+      return f'{kind}{"<" if self.high_open else "<="} {self.high}'
+    return (f'{kind}in {"(" if self.low_open else "["}{self.low}, {self.high}'
+            f'{")" if self.high_open else "]"}')
+
+
+POSITIVE_INT = Bounds(low=1, integer=True)
+NONNEGATIVE_INT = Bounds(low=0, integer=True)
+POSITIVE = Bounds(low=0, low_open=True)
+NONNEGATIVE = Bounds(low=0)
+UNIT_INTERVAL = Bounds(low=0, high=1, high_open=True)  # [0, 1): rates and probabilities
+
+
+def setting(default, help: str, bounds: Bounds | None = None):  # noqa: A002 -- argparse's name
+  """A settings field: its default, a one-line help (train.py --help, decode.py --help) and
+  the values it admits (checked by `check_fields`)."""
+  return dataclasses.field(default=default, metadata={'help': help, 'bounds': bounds})
 
 
 def help_of(config_class, name: str) -> str:
@@ -38,37 +83,21 @@ def field_types(config_class) -> dict[str, object]:
   return typing.get_type_hints(config_class)
 
 
-def _check_choices(config, section: str) -> None:
-  """Raises ConfigError naming `section.field` when a Literal field holds another value."""
-  hints = field_types(type(config))
-  for field in dataclasses.fields(config):
-    choices = typing.get_args(hints[field.name])
-    if typing.get_origin(hints[field.name]) is Literal and getattr(config, field.name) not in choices:
+def check_fields(settings, section: str) -> None:
+  """Raises ConfigError naming `section.field` for the first field outside what it admits:
+  a `Literal` annotation's choices, or the `Bounds` declared with `setting`."""
+  hints = field_types(type(settings))
+  for field in dataclasses.fields(settings):
+    value, hint = getattr(settings, field.name), hints[field.name]
+    choices = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal and value not in choices:
       raise ConfigError(f'{section}.{field.name} must be one of {", ".join(map(str, choices))}, '
-                        f'got {getattr(config, field.name)!r}')
-
-
-def _check_fields(config, section: str, positive_ints=(), nonnegative_ints=(), positive_floats=(),
-                  unit_floats=(), nonnegative_floats=()):
-  """Raises ConfigError naming `section.field` for the first value outside its range."""
-  _check_choices(config, section)
-  for name in positive_ints + nonnegative_ints:
-    value, low = getattr(config, name), 1 if name in positive_ints else 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      kind = 'a positive integer' if low else 'a non-negative integer'
-      raise ConfigError(f'{section}.{name} must be {kind}, got {value!r}')
-  for name in positive_floats:
-    value = getattr(config, name)
-    if value is not None and not (isinstance(value, (int, float)) and value > 0):
-      raise ConfigError(f'{section}.{name} must be a positive number, got {value!r}')
-  for name in nonnegative_floats:
-    value = getattr(config, name)
-    if not (isinstance(value, (int, float)) and value >= 0):
-      raise ConfigError(f'{section}.{name} must be >= 0, got {value!r}')
-  for name in unit_floats:
-    value = getattr(config, name)
-    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-      raise ConfigError(f'{section}.{name} must be in [0, 1), got {value!r}')
+                        f'got {value!r}')
+    bounds = field.metadata.get('bounds')
+    if bounds is None or (value is None and type(None) in choices):
+      continue
+    if not bounds.admits(value):
+      raise ConfigError(f'{section}.{field.name} must be {bounds.describe()}, got {value!r}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +107,20 @@ class ModelConfig:
   Frozen and hashable, so it can be a static argument of `jax.jit`.
   """
 
-  vocab_size: int = setting(37_000, 'vocabulary size V (set from the trained tokenizer)')
-  d_model: int = setting(512, 'model width D')
-  num_heads: int = setting(8, 'attention heads N (must divide d_model)')
-  num_encoder_layers: int = setting(6, 'encoder layers')
-  num_decoder_layers: int = setting(6, 'decoder layers')
-  d_ff: int = setting(2048, 'inner width F of the feed-forward layers')
+  vocab_size: int = setting(37_000, 'vocabulary size V (set from the trained tokenizer)',
+                            bounds=POSITIVE_INT)
+  d_model: int = setting(512, 'model width D', bounds=POSITIVE_INT)
+  num_heads: int = setting(8, 'attention heads N (must divide d_model)', bounds=POSITIVE_INT)
+  num_encoder_layers: int = setting(6, 'encoder layers', bounds=POSITIVE_INT)
+  num_decoder_layers: int = setting(6, 'decoder layers', bounds=POSITIVE_INT)
+  d_ff: int = setting(2048, 'inner width F of the feed-forward layers', bounds=POSITIVE_INT)
   dropout_rate: float = setting(0.1, 'dropout on embeddings + positions and on every sub-layer '
-                                     'output (paper §5.4)')
+                                     'output (paper §5.4)', bounds=UNIT_INTERVAL)
   attention_dropout_rate: float = setting(0.0, 'dropout on the attention weights (the paper: '
-                                               'none)')
+                                               'none)', bounds=UNIT_INTERVAL)
   max_len: int = setting(256, 'longest source or target in tokens, EOS included: the length of '
-                              'the positional table (longer training pairs are dropped)')
+                              'the positional table (longer training pairs are dropped)',
+                         bounds=POSITIVE_INT)
   activation: Literal['relu', 'gelu', 'silu'] = setting(
       'relu', 'feed-forward activation (silu: x * sigmoid(x), which Marian calls swish)')
   norm_placement: Literal['post', 'pre'] = setting(
@@ -101,7 +132,8 @@ class ModelConfig:
       "paper) or every sin first, then every cos (Marian)")
   logits_bias: bool = setting(False, 'a learned bias on the output logits (Marian: '
                                      'final_logits_bias; true/false)')
-  layer_norm_epsilon: float = setting(1e-6, 'epsilon of every LayerNorm (Marian: 1e-5)')
+  layer_norm_epsilon: float = setting(1e-6, 'epsilon of every LayerNorm (Marian: 1e-5)',
+                                      bounds=POSITIVE)
   attention_radius: int | None = setting(None, 'restricted self-attention (paper §4): each '
                                                'position sees positions within this distance; '
                                                'none: unrestricted')
@@ -112,7 +144,7 @@ class ModelConfig:
       'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
       'mask-predict')
   max_length_offset: int = setting(32, 'cmlm: the length classifier predicts target length - '
-                                       'source length within +- this')
+                                       'source length within +- this', bounds=NONNEGATIVE_INT)
   cmlm_decoder_input: Literal['mask', 'uniform_copy'] = setting(
       'mask', 'cmlm: a MASKed position is fed the MASK embedding (mask) or the source token at '
       'the same relative position, round(j * S / N) (uniform_copy, Gu et al. 2018)')
@@ -126,12 +158,7 @@ class ModelConfig:
   TOKENIZER_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
 
   def __post_init__(self):
-    _check_fields(self, 'model',
-                  positive_ints=('vocab_size', 'd_model', 'num_heads', 'num_encoder_layers',
-                                 'num_decoder_layers', 'd_ff', 'max_len'),
-                  nonnegative_ints=('max_length_offset',),
-                  positive_floats=('layer_norm_epsilon',),
-                  unit_floats=('dropout_rate', 'attention_dropout_rate'))
+    check_fields(self, 'model')
     if self.d_model % self.num_heads:
       raise ConfigError(f'model.d_model={self.d_model} is not divisible by model.num_heads='
                         f'{self.num_heads}: each head needs d_model / num_heads dimensions')
@@ -193,38 +220,44 @@ class TrainConfig:
   counts those updates.
   """
 
-  seed: int = setting(0, 'seed of the parameters, batch order and dropout')
-  steps: int = setting(100_000, 'batches to train on (with accumulation K: steps / K updates)')
+  seed: int = setting(0, 'seed of the parameters, batch order and dropout', bounds=NONNEGATIVE_INT)
+  steps: int = setting(100_000, 'batches to train on (with accumulation K: steps / K updates)',
+                       bounds=POSITIVE_INT)
   max_tokens: int = setting(25_000, 'padded tokens per batch and side (a batch of length-L rows '
-                                    "holds max_tokens // L rows; the paper's held about 25k)")
+                                    "holds max_tokens // L rows; the paper's held about 25k)",
+                            bounds=POSITIVE_INT)
   packing: int = setting(0, 'pack several sentence pairs into each row of this many positions '
                             '(segment masks keep them apart; longer pairs go to the larger length '
-                            'buckets, packed there too); 0: one pair per row')
-  warmup_steps: int = setting(4000, 'updates of linear learning-rate warmup')
+                            'buckets, packed there too); 0: one pair per row',
+                         bounds=NONNEGATIVE_INT)
+  warmup_steps: int = setting(4000, 'updates of linear learning-rate warmup', bounds=POSITIVE_INT)
   lr_scale: float = setting(1.0, "factor on the paper's rate d_model^-0.5 * min(n^-0.5, "
-                                 'n * warmup_steps^-1.5), n = update + 1')
-  adam_b1: float = setting(0.9, 'Adam beta1')
-  adam_b2: float = setting(0.98, 'Adam beta2')
-  adam_eps: float = setting(1e-9, 'Adam epsilon')
-  label_smoothing: float = setting(0.1, 'label smoothing epsilon')
+                                 'n * warmup_steps^-1.5), n = update + 1', bounds=POSITIVE)
+  adam_b1: float = setting(0.9, 'Adam beta1', bounds=UNIT_INTERVAL)
+  adam_b2: float = setting(0.98, 'Adam beta2', bounds=UNIT_INTERVAL)
+  adam_eps: float = setting(1e-9, 'Adam epsilon', bounds=POSITIVE)
+  label_smoothing: float = setting(0.1, 'label smoothing epsilon', bounds=UNIT_INTERVAL)
   max_grad_norm: float | None = setting(None, 'clip the global gradient norm to this; none: no '
-                                              'clipping (the paper)')
+                                              'clipping (the paper)', bounds=POSITIVE)
   weight_decay: float = setting(0.0, 'decoupled (AdamW) decay of weight matrices and '
-                                     'embeddings; 0: plain Adam (the paper)')
-  grad_accum_steps: int = setting(1, 'batches accumulated per optimizer update')
+                                     'embeddings; 0: plain Adam (the paper)', bounds=NONNEGATIVE)
+  grad_accum_steps: int = setting(1, 'batches accumulated per optimizer update',
+                                  bounds=POSITIVE_INT)
   log_every: int = setting(100, 'steps between lines of training metrics (bar and '
-                                'metrics.jsonl)')
-  eval_every: int = setting(1000, 'steps between validation losses')
-  checkpoint_every: int = setting(1000, 'steps between checkpoints (and one at the end)')
+                                'metrics.jsonl)', bounds=POSITIVE_INT)
+  eval_every: int = setting(1000, 'steps between validation losses', bounds=POSITIVE_INT)
+  checkpoint_every: int = setting(1000, 'steps between checkpoints (and one at the end)',
+                                  bounds=POSITIVE_INT)
   keep_checkpoints: int = setting(5, 'checkpoints kept on disk, the newest (the paper averages '
-                                     'the last 5)')
-  bleu_every: int = setting(0, 'steps between validation BLEU scores; 0: only at the end')
+                                     'the last 5)', bounds=POSITIVE_INT)
+  bleu_every: int = setting(0, 'steps between validation BLEU scores; 0: only at the end',
+                            bounds=NONNEGATIVE_INT)
   length_loss_weight: float = setting(0.1, "cmlm: weight of the length classifier's "
                                            'cross-entropy (per sentence) beside the masked-token '
-                                           "loss (fairseq's CMLM: 0.1)")
+                                           "loss (fairseq's CMLM: 0.1)", bounds=NONNEGATIVE)
   eos_fill_rate: float = setting(0.1, 'cmlm: fraction of target rows whose PAD positions are '
                                       'filled with EOS while training, for fixed-length '
-                                      'decoding')
+                                      'decoding', bounds=UNIT_INTERVAL)
   scheduled_sampling: Literal['off', 'linear', 'exponential', 'inverse_sigmoid'] = setting(
       'off', 'off: teacher forcing (the paper); else scheduled sampling (Mihaylova & Martins '
       '2019): a second decoder pass fed, per token, the first pass prediction with probability '
@@ -246,14 +279,7 @@ class TrainConfig:
                                  'keep_checkpoints', 'bleu_every'})
 
   def __post_init__(self):
-    _check_fields(
-        self, 'train',
-        positive_ints=('steps', 'max_tokens', 'warmup_steps', 'grad_accum_steps', 'log_every',
-                       'eval_every', 'checkpoint_every', 'keep_checkpoints'),
-        nonnegative_ints=('seed', 'bleu_every', 'packing'),
-        positive_floats=('lr_scale', 'adam_eps', 'max_grad_norm'),
-        nonnegative_floats=('length_loss_weight', 'weight_decay'),
-        unit_floats=('adam_b1', 'adam_b2', 'label_smoothing', 'eos_fill_rate'))
+    check_fields(self, 'train')
     _check_scheduled_sampling(self)
 
   def replace(self, **overrides) -> TrainConfig:
@@ -318,7 +344,7 @@ class DataConfig:
   tgt_lang: str = setting('de', 'target language code (file suffix or column)')
   vocab_size: int = setting(8000, "size of the shared subword vocabulary to train; "
                                   "model.vocab_size becomes the trained tokenizer's size, which "
-                                  'a small corpus may leave below this')
+                                  'a small corpus may leave below this', bounds=POSITIVE_INT)
   tokenizer: Literal['bpe', 'unigram'] = setting('bpe', 'subword model of the tokenizer')
   valid_split: str | None = setting(None, 'file stem (or Hub split) to validate on; none: the '
                                           'first of val, valid, validation, dev')
@@ -326,7 +352,7 @@ class DataConfig:
                                          "test_2016_flickr; none: 'test', or the only test* one")
 
   def __post_init__(self):
-    _check_fields(self, 'data', positive_ints=('vocab_size',))
+    check_fields(self, 'data')
     for name in ('valid_split', 'test_split'):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, str) or not value):
