@@ -98,7 +98,7 @@ def lever_decode_dtype(parts):
   for part in parts:
     beams = 1 if part == 'greedy' else int(part.removeprefix('beam'))
     contenders[f'{part}/float32'] = decoder_fn(beams)
-    with patched((decoding, 'cast_matrices', lambda variables, dtype: variables)):
+    with patched((autoregressive, 'cast_matrices', lambda variables, dtype: variables)):
       contenders[f'{part}/bfloat16_cast_per_use'] = decoder_fn(beams, 'bfloat16')
     contenders[f'{part}/bfloat16_cast_once'] = decoder_fn(beams, 'bfloat16', cast_params=True)
   return contenders

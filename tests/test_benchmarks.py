@@ -225,7 +225,7 @@ def test_ab_patches_the_before_variant_only_while_it_is_built():
   from flax_transformer.decode import autoregressive
   original = autoregressive.cast_matrices
   with pytest.raises(RuntimeError):
-    with ab.patched((decoding, 'cast_matrices', None)):
+    with ab.patched((autoregressive, 'cast_matrices', None)):
       assert autoregressive.cast_matrices is None
       raise RuntimeError('a build that fails still restores the library')
   assert autoregressive.cast_matrices is original

@@ -15,7 +15,9 @@ from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, MASK, PAD, SOURCES, R, 
 from flax_transformer import ConfigError
 from flax_transformer.data.batching import Batch
 from flax_transformer.nn import cmlm
-from flax_transformer.nn.cmlm import CMLMInputs, CMLMTransformer
+from flax_transformer.nn.cmlm import CMLMTransformer
+from flax_transformer.train import cmlm_objective
+from flax_transformer.train.cmlm_objective import CMLMInputs
 
 
 def log_softmax64(logits):
@@ -94,7 +96,7 @@ def training_batch():
 
 @pytest.fixture(scope='module')
 def make_inputs():
-  return jax.jit(cmlm.cmlm_inputs, static_argnames=('config', 'eos_fill_rate'))
+  return jax.jit(cmlm_objective.cmlm_inputs, static_argnames=('config', 'eos_fill_rate'))
 
 
 @pytest.fixture(scope='module')
@@ -188,7 +190,7 @@ def test_loss_sums_match_a_float64_reference():
   token_logits = rng.normal(size=(rows, width, vocab)).astype(np.float32) * 3
   length_logits = rng.normal(size=(rows, classes)).astype(np.float32) * 3
   smoothing = 0.1
-  sums = jax.tree.map(float, cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, CONFIG,
+  sums = jax.tree.map(float, cmlm_objective.cmlm_loss_sums(token_logits, length_logits, inputs, CONFIG,
                                                 smoothing))
 
   log_p = log_softmax64(token_logits)

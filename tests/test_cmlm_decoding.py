@@ -16,6 +16,7 @@ from flax_transformer.decode import autoregressive, non_autoregressive
 from flax_transformer.decode.non_autoregressive import MaskPredictConfig
 from flax_transformer.decode.methods import MaskPredict
 from flax_transformer.nn import cmlm
+from flax_transformer.train import cmlm_objective
 from flax_transformer.nn.cmlm import CMLMTransformer
 
 LENGTH_BEAM = 3
@@ -305,11 +306,11 @@ def test_a_model_trained_on_copying_decodes_it_exactly(decoder_input, iterations
   @jax.jit
   def step(params, opt_state, ids, key):
     batch = Batch(src=ids, tgt_in=ids, tgt_out=ids, example_ids=jnp.zeros(ids.shape[0]))
-    inputs = cmlm.cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
+    inputs = cmlm_objective.cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
 
     def loss(params):
       token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens)
-      sums = cmlm.cmlm_loss_sums(token_logits, length_logits, inputs, config, smoothing=0.0)
+      sums = cmlm_objective.cmlm_loss_sums(token_logits, length_logits, inputs, config, smoothing=0.0)
       return sums['loss_sum'] / sums['tokens'] + 0.1 * sums['length_loss_sum'] / sums['sentences']
 
     updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state)

@@ -294,7 +294,7 @@ def test_decode_cli_length_options_reach_mask_predict(cmlm_run, monkeypatch):
     calls.append((settings['length_ratio'], settings['length_offset']))
     return mask_predict(*args, **settings)
 
-  monkeypatch.setattr(cmlm_decoding, 'mask_predict', recorded)
+  monkeypatch.setattr(non_autoregressive, 'mask_predict', recorded)
   status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'mask_predict',
                                             '--iterations', '2', '--length-ratio', '1.5',
                                             '--length-offset=-1', *sentences])

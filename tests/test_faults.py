@@ -250,7 +250,7 @@ def test_sigterm_before_the_first_step_says_so_and_leaves_no_run_directory(tmp_p
     os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
     raise AssertionError('SIGTERM did not stop the run')
 
-  monkeypatch.setattr(training, 'load_data', terminated_while_loading)
+  monkeypatch.setattr(loop, 'load_data', terminated_while_loading)
   status, _, err = call(train_cli.main, ['--workdir', tmp_path / 'run', '--steps=1'])
   assert status == 143 and err == (
       'train.py: stopped by SIGTERM outside the training steps (while loading, or in the final '

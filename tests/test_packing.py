@@ -308,7 +308,7 @@ CMLM_CONFIG = ModelConfig.tiny(kind='cmlm', vocab_size=VOCAB, max_len=MAX_LEN, d
 @pytest.fixture(scope='module')
 def cmlm_inputs_packed(packed_batch):
   from flax_transformer.nn import cmlm
-  return cmlm.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.0)
+  return cmlm_objective.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.0)
 
 
 def test_cmlm_masks_and_length_targets_per_segment(packed_batch, cmlm_inputs_packed):
@@ -331,7 +331,7 @@ def test_cmlm_masks_and_length_targets_per_segment(packed_batch, cmlm_inputs_pac
   assert min(counts) < 1 and max(counts) == 1  # counts differ by sentence: drawn per sentence
   with pytest.raises(ValueError, match='eos_fill_rate'):
     from flax_transformer.nn import cmlm
-    cmlm.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.1)
+    cmlm_objective.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.1)
   with pytest.raises(ConfigError, match='train.packing=16.*train.eos_fill_rate=0.1'):
     check_settings(CMLM_CONFIG, TrainConfig(packing=16))
 
@@ -363,10 +363,10 @@ def test_cmlm_packed_equals_unpacked(packed_batch, cmlm_inputs_packed, decoder_i
     np.testing.assert_allclose(token_logits[row, segments[row] == k], alone_logits[r, :n],
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(length_logits[row, k - 1], alone_lengths[r], rtol=1e-5, atol=1e-5)
-  alone_inputs = cmlm.CMLMInputs(src=alone.src, tokens=alone_tokens, targets=alone.tgt_out,
+  alone_inputs = cmlm_objective.CMLMInputs(src=alone.src, tokens=alone_tokens, targets=alone.tgt_out,
                                  masked=alone_masked, tgt_lengths=(alone.tgt_out != PAD).sum(1))
-  sums = cmlm.cmlm_loss_sums(token_logits, length_logits, packed, config, 0.1)
-  alone_sums = cmlm.cmlm_loss_sums(alone_logits, alone_lengths, alone_inputs, config, 0.1)
+  sums = cmlm_objective.cmlm_loss_sums(token_logits, length_logits, packed, config, 0.1)
+  alone_sums = cmlm_objective.cmlm_loss_sums(alone_logits, alone_lengths, alone_inputs, config, 0.1)
   assert float(sums['sentences']) == len(place)
   for name, value in alone_sums.items():
     np.testing.assert_allclose(sums[name], value, rtol=1e-5, err_msg=name)

@@ -15,7 +15,7 @@ from flax import traverse_util
 from support.copy_task import random_copy_batch
 from support.device_workers import assert_runs_match, run_worker
 
-from flax_transformer import scheduled_sampling as ss
+from flax_transformer.train import scheduled_sampling as ss
 from flax_transformer.config import (ConfigError, DataConfig, ModelConfig, TrainConfig,
                                      parse_overrides)
 from flax_transformer.nn.model import Transformer
