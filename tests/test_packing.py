@@ -307,7 +307,7 @@ CMLM_CONFIG = ModelConfig.tiny(kind='cmlm', vocab_size=VOCAB, max_len=MAX_LEN, d
 
 @pytest.fixture(scope='module')
 def cmlm_inputs_packed(packed_batch):
-  from flax_transformer.nn import cmlm
+  from flax_transformer.train import cmlm_objective
   return cmlm_objective.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.0)
 
 
@@ -330,7 +330,7 @@ def test_cmlm_masks_and_length_targets_per_segment(packed_batch, cmlm_inputs_pac
   np.testing.assert_array_equal(inputs.targets, packed_batch.tgt_out)
   assert min(counts) < 1 and max(counts) == 1  # counts differ by sentence: drawn per sentence
   with pytest.raises(ValueError, match='eos_fill_rate'):
-    from flax_transformer.nn import cmlm
+    from flax_transformer.train import cmlm_objective
     cmlm_objective.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.1)
   with pytest.raises(ConfigError, match='train.packing=16.*train.eos_fill_rate=0.1'):
     check_settings(CMLM_CONFIG, TrainConfig(packing=16))
@@ -341,6 +341,7 @@ def test_cmlm_packed_equals_unpacked(packed_batch, cmlm_inputs_packed, decoder_i
   """Token logits, per-sentence pooled length logits and the loss sums of a packed batch
   equal those of its sentences one per row, masked alike (float32, to 1e-5)."""
   from flax_transformer.nn import cmlm
+  from flax_transformer.train import cmlm_objective
   config = CMLM_CONFIG.replace(cmlm_decoder_input=decoder_input)
   model = cmlm.CMLMTransformer(config)
   tokens = jnp.ones((1, 1), jnp.int32)
