@@ -95,3 +95,20 @@ def test_both_tokenizers_satisfy_the_protocol(tmp_path):
     members = [name for name in dir(TextTokenizer) if not name.startswith('_')]
     missing = [name for name in members if not hasattr(cls, name)]
     assert not missing, f'{cls.__name__} lacks {missing} of TextTokenizer'
+
+
+def test_docs_architecture_places_every_module():
+  """docs/architecture.md has a section per layer naming each of its modules."""
+  text = (PACKAGE.parent / 'docs' / 'architecture.md').read_text()
+  sections = {heading.split('`')[1].strip('/').removesuffix('.py'): body
+              for heading, _, body in (part.partition('\n') for part in text.split('\n## ')[1:])
+              if heading.startswith('`')}
+  missing = []
+  for name in MODULES:
+    parts = name.split('.')
+    if len(parts) == 3 and parts[2] != '__init__':
+      if f'`{parts[2]}`' not in sections.get(parts[1], ''):
+        missing.append(name)
+    elif len(parts) == 2 and parts[1] not in sections:
+      missing.append(name)
+  assert not missing, f'docs/architecture.md does not place {missing}'
