@@ -70,8 +70,7 @@ def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
   """weights `[B, N, T, S]` times values `[B, N, S, H]` -> `[B, T, N, H]`.
 
   The product is taken heads-first and transposed after: asked for `BTNH`
-  directly, XLA:CPU swaps the operands into a dot its fast kernels do not take
-  (8x slower for beam search's 4 x 128 attention, 1.8x at training's 32 x 32).
+  directly, XLA:CPU swaps the operands into a dot its fast kernels do not take.
   """
   return jnp.einsum('BNTS,BNSH->BNTH', weights.astype(v.dtype), v).transpose(0, 2, 1, 3)
 
@@ -241,8 +240,8 @@ class KVCache:
   `masks.beam_history_mask`) picks, per beam, the slots of its own history, so
   reordering the beams never moves a key or a value. A pooled cache holds its
   keys transposed, k `[B, N, H, S]`: its K queries against K * L keys are a
-  product XLA:CPU runs 6x faster in that layout (for one query, `[B, N, S, H]`
-  is as fast or faster).
+  product XLA:CPU runs faster in that layout (for one query, `[B, N, S, H]` is
+  as fast or faster; benchmarks/README.md has the measurements).
   """
   k: jax.Array
   v: jax.Array
@@ -282,8 +281,8 @@ class MultiHeadAttention(nn.Module):
     Their kernels are put side by side, `[D, len(names) * D]`, inside the
     computation: one wide matmul (and one input gradient in training) instead of
     several, while the parameters stay separate layers, as checkpoints and the
-    Marian mapping (pretrained.py) have them. At init each layer runs on its own,
-    which declares its parameters as the unfused module did.
+    Marian mapping (pretrained/marian.py) have them. At init each layer runs on
+    its own, which declares each layer's parameters.
     """
     layers = [getattr(self, name) for name in names]
     if self.is_initializing():
@@ -306,13 +305,13 @@ class MultiHeadAttention(nn.Module):
     of `inputs` `[B, T, D]`.
 
     fuse: one [D, 3D] product (`_fused`) rather than three [D, D]. It pays on a
-    decoding step's few rows (greedy 1.05x faster, base model, 32 rows), not on
-    training's 1024 (float32 step 1.03x slower, bfloat16 even; see benchmarks/ab.py).
+    decoding step's few rows, not on a training batch's many (measured in
+    benchmarks/README.md).
     """
     if fuse:
       q, k, v = self._fused(inputs, ('query', 'key', 'value'))
       return q, KVCache(k=_heads_first(k), v=_heads_first(v))
-    kv = self.project_kv(inputs)  # before the queries, as `__call__`'s callers did: the same sums
+    kv = self.project_kv(inputs)  # before the queries: the order fixes the float sums
     return self._split_heads(self.query(inputs)), kv
 
   def extend_cache(self, inputs: jax.Array, cache: KVCache, index: jax.Array | int) -> KVCache:
