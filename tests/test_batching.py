@@ -217,6 +217,30 @@ def test_batch_is_a_pytree_for_jit(batcher):
   assert int(jax.jit(lambda b: b.num_tokens)(device)) == int(batch.num_tokens)
 
 
+class MarianLetters(Letters):
+  """Letters with Marian's special ids: EOS 0, PAD 2 (bos == pad), so id 0 is a real token."""
+  pad_id = bos_id = 2
+  eos_id = 0
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_num_tokens_counts_with_the_corpus_pad_id(dataset, packed):
+  from flax_transformer.data.packing import PackingBatcher
+  corpus = encode_corpus(dataset, MarianLetters(), MAX_LEN)
+  assert corpus.pad_id == 2
+  batcher = (PackingBatcher(corpus, max_tokens=100, seed=7, row_length=16) if packed
+             else Batcher(corpus, max_tokens=100, seed=7))
+  batches = list(batcher.epoch(0))
+  assert all(batch.pad_id == 2 for batch in batches)
+  # Every target token and its EOS (id 0, ours PAD) counts; the PAD positions (id 2) do not.
+  expected = int(np.diff(corpus.tgt_offsets).sum())
+  assert sum(int(batch.num_tokens) for batch in batches) == expected
+  assert any((batch.tgt_out == 2).any() for batch in batches)
+  # Under jit too: the pad id is static data of the pytree, not an array.
+  batch = batches[0]
+  assert int(jax.jit(lambda b: b.num_tokens)(jax.device_put(batch))) == int(batch.num_tokens)
+
+
 def test_describe(batcher):
   line = batcher.describe()
   assert line.startswith(f'{len(batcher.corpus):,} pairs in {batcher.num_batches_per_epoch} '

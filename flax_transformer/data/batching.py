@@ -57,6 +57,8 @@ class Batch:
   src_segments, tgt_segments, src_positions, tgt_positions: None, or for a
     packed batch (`packing.PackingBatcher`, several pairs per row) `masks.Packing`'s
     fields: each token's pair 1..k in its row (0 = PAD) and its position within that pair.
+  pad_id: the PAD id of the tokenizer that encoded the rows (`EncodedCorpus.pad_id`; a
+    Marian tokenizer's is not ours); static, not an array.
   """
   src: np.ndarray
   tgt_in: np.ndarray
@@ -66,6 +68,7 @@ class Batch:
   tgt_segments: np.ndarray | None = None
   src_positions: np.ndarray | None = None
   tgt_positions: np.ndarray | None = None
+  pad_id: int = flax.struct.field(pytree_node=False, default=PAD_ID)
 
   @property
   def packing(self) -> masks.Packing | None:
@@ -78,7 +81,7 @@ class Batch:
   @property
   def num_tokens(self):
     """Target tokens that carry loss (non-PAD `tgt_out`), EOS included."""
-    return (self.tgt_out != PAD_ID).sum()
+    return (self.tgt_out != self.pad_id).sum()
 
   @property
   def num_pairs(self):
@@ -303,7 +306,7 @@ class Batcher:
       tgt_in[row, 0] = self.corpus.bos_id
       tgt_in[row, 1:len(target)] = target[:-1]  # the target without its EOS
       example_ids[row] = self.corpus.example_ids[pair]
-    return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids)
+    return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids, pad_id=pad)
 
 
 class EpochBatches(Sequence):

@@ -116,7 +116,7 @@ class PackingBatcher(Batcher):
         arrays['tgt_in'][row, tgt_at + 1:tgt_at + len(target)] = target[:-1]  # without its EOS
         example_ids[row, segment - 1] = corpus.example_ids[pair]
         src_at, tgt_at = src_at + len(source), tgt_at + len(target)
-    return Batch(example_ids=example_ids, **arrays)
+    return Batch(example_ids=example_ids, pad_id=pad, **arrays)
 
 
 def pack_rows(order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarray,
