@@ -1,0 +1,315 @@
+"""Mutation testing by hand-picked rules: does the test suite notice a plausible bug?
+
+Each mutant is one textual change to one library file (an exact snippet, which must occur
+exactly once, and its replacement) and the tests that ought to catch it. For each mutant the
+harness copies the working tree (tracked and untracked, not ignored, files) to a temporary
+directory, applies the change there, runs the listed tests with `python -m pytest -x -q`
+from that copy (tests/conftest.py puts the copy's root first on sys.path) and reports
+KILLED (a test failed), SURVIVED (every test passed: the tests miss that bug) or ERROR
+(the snippet is gone or ambiguous: the mutant is stale; or pytest could not run).
+The checkout itself is never modified.
+
+    python tools/mutate.py --list                    # the mutants and their tests
+    python tools/mutate.py --check                   # every snippet still found exactly once?
+    python tools/mutate.py --only lowest_remasks_highest --only mean_becomes_sum
+    python tools/mutate.py                           # all of them (slow: a pytest run each)
+
+Not part of CI; see docs/contributing.md ("Mutation testing").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  file: str          # relative to the repository root
+  original: str      # an exact snippet, found exactly once in `file`
+  replacement: str
+  tests: tuple[str, ...]  # pytest arguments: files or node ids
+
+
+def m(name, file, original, replacement, *tests):
+  return Mutant(name, file, original, replacement, tuple(tests))
+
+
+NN, DEC, TRAIN, DATA = 'flax_transformer/nn/', 'flax_transformer/decode/', 'flax_transformer/train/', 'flax_transformer/data/'
+NAR = DEC + 'non_autoregressive.py'
+
+MUTANTS = [
+    # --- masks ---------------------------------------------------------------------------
+    m('padding_mask_inverted', NN + 'masks.py', 'return (tokens != pad_id)[:, None, None, :]',
+      'return (tokens == pad_id)[:, None, None, :]', 'tests/test_masks.py'),
+    m('causal_mask_strict', NN + 'masks.py', 'return (key_pos <= query_pos)[None, None]',
+      'return (key_pos < query_pos)[None, None]', 'tests/test_masks.py'),
+    m('local_mask_radius_off_by_one', NN + 'masks.py',
+      'return (jnp.abs(query_pos - key_pos) <= radius)[None, None]',
+      'return (jnp.abs(query_pos - key_pos) < radius)[None, None]', 'tests/test_masks.py'),
+    m('segment_mask_sees_padding', NN + 'masks.py',
+      'return (same & (k_segments[:, None, :] != 0))[:, None]', 'return same[:, None]',
+      'tests/test_masks.py'),
+    m('beam_history_sees_future_slots', NN + 'masks.py',
+      'written = jnp.arange(length) <= position', 'written = jnp.arange(length) <= position + 1',
+      'tests/test_masks.py'),
+    # --- attention -----------------------------------------------------------------------
+    m('attention_no_scaling', NN + 'attention.py',
+      'q = q * jnp.asarray(head_dim ** -0.5, q.dtype)', 'q = q',
+      'tests/test_attention.py'),
+    m('attention_scale_by_d_not_sqrt_d', NN + 'attention.py',
+      'q = q * jnp.asarray(head_dim ** -0.5, q.dtype)', 'q = q * jnp.asarray(head_dim ** -1.0, q.dtype)',
+      'tests/test_attention.py'),
+    m('attention_mask_ignored', NN + 'attention.py',
+      'logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)\n  weights = jax.nn.softmax',
+      'logits = logits\n  weights = jax.nn.softmax', 'tests/test_attention.py'),
+    m('attention_no_output_projection', NN + 'attention.py', '    return self.out(out)',
+      '    return out', 'tests/test_attention.py', 'tests/test_model_reference.py'),
+    m('banded_attention_wrong_scale', NN + 'attention.py',
+      'q_blocks = q_blocks * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)',
+      'q_blocks = q_blocks * jnp.asarray(q.shape[-1] ** -1.0, q.dtype)',
+      'tests/test_banded_attention.py'),
+    # --- layers --------------------------------------------------------------------------
+    m('pre_ln_normalizes_nothing', NN + 'layers.py',
+      "return self.norm(x) if self.config.norm_placement == 'pre' else x", 'return x',
+      'tests/test_model_reference.py'),
+    m('post_ln_without_norm', NN + 'layers.py',
+      "return residual if self.config.norm_placement == 'pre' else self.norm(residual)",
+      'return residual', 'tests/test_model_reference.py'),
+    m('no_cross_attention_residual', NN + 'layers.py',
+      'y = self.cross_attention_sublayer(y, self.cross_attention(h, cross_kv, cross_mask, deterministic),',
+      'y = self.cross_attention_sublayer(0 * y, self.cross_attention(h, cross_kv, cross_mask, deterministic),',
+      'tests/test_model_reference.py'),
+    m('no_final_decoder_norm', NN + 'layers.py', '      y = self.final_norm(y)', '      y = y',
+      'tests/test_model_reference.py'),
+    m('ffn_without_activation', NN + 'layers.py',
+      "return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))",
+      "return dense(c.d_model, 'wo')(dense(c.d_ff, 'wi')(x))", 'tests/test_model_reference.py'),
+    m('positions_sin_cos_swapped', NN + 'layers.py',
+      'table = np.stack([np.sin(angle), np.cos(angle)], axis=-1)',
+      'table = np.stack([np.cos(angle), np.sin(angle)], axis=-1)', 'tests/test_attention.py'),
+    # --- model ---------------------------------------------------------------------------
+    m('no_embedding_scale', NN + 'model.py',
+      'x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)', 'x = x',
+      'tests/test_model_reference.py'),
+    m('no_positional_encoding', NN + 'model.py',
+      'return self.embedding_dropout(x + encoding.astype(x.dtype), deterministic=not train)',
+      'return self.embedding_dropout(x, deterministic=not train)',
+      'tests/test_model.py', 'tests/test_model_reference.py'),
+    m('decoder_not_causal', NN + 'model.py',
+      'self_mask = self._self_attention_mask(tgt_in, True, segments)',
+      'self_mask = self._self_attention_mask(tgt_in, False, segments)', 'tests/test_model.py'),
+    m('cross_attention_sees_source_pad', NN + 'model.py',
+      'return masks.padding_mask(src, self.config.pad_id)\n',
+      'return masks.padding_mask(src, -1)\n', 'tests/test_model.py'),
+    m('cached_step_cache_off_by_one', NN + 'model.py',
+      '(masks.causal_mask(tokens.shape[1], cache.max_len, position) if radius is None',
+      '(masks.causal_mask(tokens.shape[1], cache.max_len, position + 1) if radius is None',
+      'tests/test_model.py'),
+    # --- cmlm ----------------------------------------------------------------------------
+    m('cmlm_mask_row_unscaled', NN + 'cmlm.py',
+      'swap = (self.mask_embedding - table.embedding[c.pad_id]) * math.sqrt(c.d_model)',
+      'swap = (self.mask_embedding - table.embedding[c.pad_id])',
+      'tests/test_model_reference.py', 'tests/test_cmlm.py'),
+    m('cmlm_length_pool_includes_pad', NN + 'cmlm.py',
+      "weights = src_mask[:, 0, 0, :, None].astype(jnp.float32)",
+      "weights = jnp.ones_like(src_mask[:, 0, 0, :, None], jnp.float32)",
+      'tests/test_model_reference.py', 'tests/test_cmlm.py'),
+    m('cmlm_length_classes_unclipped', NN + 'cmlm.py',
+      'return jnp.clip(offset, -max_offset, max_offset) + max_offset',
+      'return offset + max_offset', 'tests/test_cmlm.py'),
+    m('cmlm_uniform_copy_rounds_down', NN + 'cmlm.py',
+      'index = (2 * position * src_lengths + lengths) // (2 * lengths)',
+      'index = (position * src_lengths) // lengths', 'tests/test_cmlm.py'),
+    # --- autoregressive decoding ---------------------------------------------------------
+    m('length_penalty_base_off', DEC + 'autoregressive.py',
+      'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
+      'return ((6.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha', 'tests/test_decoding.py'),
+    m('greedy_may_emit_pad', DEC + 'autoregressive.py',
+      'return (vocab == pad_id) | (vocab == bos_id)', 'return vocab == bos_id',
+      'tests/test_decoding.py'),
+    m('argmax_takes_last_tie', DEC + 'autoregressive.py',
+      'return jnp.min(jnp.where(logits == best, jnp.arange(vocab), vocab), axis=-1)',
+      'return jnp.max(jnp.where(logits == best, jnp.arange(vocab), -1), axis=-1)',
+      'tests/test_decoding.py'),
+    # --- mask-predict (non_autoregressive.py) --------------------------------------------
+    m('lowest_remasks_highest', NAR, 'keys = jnp.where(in_row, scores, jnp.inf)',
+      'keys = jnp.where(in_row, -scores, jnp.inf)', 'tests/test_mask_predict_rules.py'),
+    m('lowest_one_too_many', NAR, 'return rank < count[:, None]', 'return rank <= count[:, None]',
+      'tests/test_mask_predict_rules.py'),
+    m('mean_becomes_sum', NAR,
+      'mean_scores = (jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1)\n                 / jnp.maximum(lengths, 1))',
+      'mean_scores = (jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1)\n                 / 1)',
+      'tests/test_mask_predict_rules.py'),
+    m('refinement_keeps_first_pass', NAR,
+      'tokens=jnp.where(remask, tokens, canvas.tokens).astype(jnp.int32)',
+      'tokens=jnp.where(remask & (canvas.tokens == config.pad_id), tokens, canvas.tokens).astype(jnp.int32)',
+      'tests/test_mask_predict_rules.py'),
+    m('refinement_scores_not_updated', NAR, 'scores=jnp.where(remask, scores, canvas.scores))',
+      'scores=jnp.where(remask & (canvas.tokens == config.pad_id), scores, canvas.scores))',
+      'tests/test_mask_predict_rules.py'),
+    m('refinement_sees_unmasked_canvas', NAR,
+      'tokens, scores = predict(jnp.where(remask, mask_id(config), canvas.tokens))',
+      'tokens, scores = predict(jnp.where(canvas.tokens == config.pad_id, mask_id(config), canvas.tokens))',
+      'tests/test_mask_predict_rules.py'),
+    m('remask_schedule_off_by_one', NAR, 'count = lengths * (iterations - t) // iterations',
+      'count = lengths * (iterations - t + 1) // iterations', 'tests/test_mask_predict_rules.py'),
+    m('cut_keeps_tokens_after_eos', NAR,
+      'output = jnp.where(position < end[:, None], tokens, config.pad_id)',
+      'output = jnp.where(position < lengths[:, None], tokens, config.pad_id)',
+      'tests/test_mask_predict_rules.py'),
+    # --- scheduled sampling --------------------------------------------------------------
+    m('scheduled_sampling_not_shifted', TRAIN + 'scheduled_sampling.py',
+      'shifted = jnp.concatenate([gold_in[:, :1], predictions[:, :-1]], axis=1)',
+      'shifted = predictions', 'tests/test_scheduled_sampling.py'),
+    m('scheduled_sampling_replaces_bos', TRAIN + 'scheduled_sampling.py',
+      'use = use & (gold_in != pad_id) & (position > 0)', 'use = use & (gold_in != pad_id)',
+      'tests/test_scheduled_sampling.py'),
+    m('scheduled_sampling_linear_unclipped', TRAIN + 'scheduled_sampling.py',
+      'return jnp.clip(k - c.scheduled_sampling_c * i, c.scheduled_sampling_eps, 1.0)',
+      'return jnp.clip(k - c.scheduled_sampling_c * i, 0.0, 1.0)',
+      'tests/test_scheduled_sampling.py'),
+    # --- packing -------------------------------------------------------------------------
+    m('packing_positions_do_not_restart', DATA + 'packing.py',
+      "arrays[f'{side}_positions'][row, span] = np.arange(len(ids))",
+      "arrays[f'{side}_positions'][row, span] = np.arange(at, at + len(ids))",
+      'tests/test_packing.py'),
+    m('packing_tgt_in_keeps_eos', DATA + 'packing.py',
+      "arrays['tgt_in'][row, tgt_at + 1:tgt_at + len(target)] = target[:-1]",
+      "arrays['tgt_in'][row, tgt_at:tgt_at + len(target)] = target",
+      'tests/test_packing.py'),
+    # --- losses and the training step ----------------------------------------------------
+    m('smoothing_weights_swapped', TRAIN + 'losses.py',
+      'return (1.0 - smoothing) * nll + smoothing * uniform, nll',
+      'return smoothing * nll + (1.0 - smoothing) * uniform, nll', 'tests/test_train_step.py'),
+    m('loss_counts_pad', TRAIN + 'losses.py',
+      "weights = (targets != pad_id).astype(jnp.float32)\n  # Correct",
+      "weights = jnp.ones_like(targets, jnp.float32)\n  # Correct", 'tests/test_train_step.py'),
+    m('step_counter_frozen', TRAIN + 'step.py',
+      'new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)',
+      'new_state = TrainState(step=state.step, params=params, opt_state=opt_state)',
+      'tests/test_train_step.py'),
+    m('step_loss_not_normalised', TRAIN + 'step.py',
+      "return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums",
+      "return sums['loss_sum'], sums", 'tests/test_train_step.py'),
+    m('cmlm_objective_length_weight_ignored', TRAIN + 'cmlm_objective.py',
+      "return sums['loss_sum'] / tokens + length_loss_weight * sums['length_loss_sum'] / sentences",
+      "return sums['loss_sum'] / tokens + sums['length_loss_sum'] / sentences",
+      'tests/test_cmlm.py', 'tests/test_cmlm_training.py'),
+    m('cmlm_inputs_mask_one_too_many', TRAIN + 'cmlm_objective.py',
+      '  masked = rank < count[:, None]\n', '  masked = rank <= count[:, None]\n',
+      'tests/test_cmlm.py'),
+]
+
+
+def working_tree_files(root: Path) -> list[str]:
+  out = subprocess.run(['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'],
+                       cwd=root, capture_output=True, check=True).stdout
+  return [name for name in out.decode().split('\0') if name and (root / name).is_file()]
+
+
+def check(mutant: Mutant, root: Path = ROOT) -> str | None:
+  """None when the mutant applies; otherwise why not."""
+  path = root / mutant.file
+  if not path.is_file():
+    return f'{mutant.file} does not exist'
+  found = path.read_text().count(mutant.original)
+  if found != 1:
+    return f'snippet found {found} times in {mutant.file} (stale mutant?)'
+  missing = [t for t in mutant.tests if not (root / t.split('::')[0]).is_file()]
+  return f'test files missing: {missing}' if missing else None
+
+
+def run(mutant: Mutant, timeout: float, keep: bool) -> tuple[str, float, str]:
+  """(KILLED | SURVIVED | ERROR, seconds, the tail of pytest's output)."""
+  problem = check(mutant)
+  if problem:
+    return 'ERROR', 0.0, problem
+  workdir = Path(tempfile.mkdtemp(prefix=f'mutant-{mutant.name}-'))
+  try:
+    for name in working_tree_files(ROOT):
+      target = workdir / name
+      target.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(ROOT / name, target)
+    path = workdir / mutant.file
+    path.write_text(path.read_text().replace(mutant.original, mutant.replacement, 1))
+    env = {**os.environ, 'PYTHONDONTWRITEBYTECODE': '1'}
+    env.pop('PYTHONPATH', None)
+    start = time.monotonic()
+    try:
+      proc = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-p', 'no:cacheprovider',
+                             *mutant.tests], cwd=workdir, env=env, capture_output=True,
+                            text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+      return 'ERROR', time.monotonic() - start, f'timed out after {timeout:.0f} s'
+    seconds = time.monotonic() - start
+    tail = '\n'.join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    if proc.returncode == 0:
+      return 'SURVIVED', seconds, tail
+    if proc.returncode == 1:
+      return 'KILLED', seconds, tail
+    return 'ERROR', seconds, f'pytest exit code {proc.returncode}: {tail}'
+  finally:
+    if keep:
+      print(f'  kept {workdir}')
+    else:
+      shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--only', action='append', metavar='NAME',
+                      help='run this mutant only (repeatable; comma-separated names allowed)')
+  parser.add_argument('--list', action='store_true', help='list the mutants and exit')
+  parser.add_argument('--check', action='store_true',
+                      help='check that every snippet is found exactly once, run nothing')
+  parser.add_argument('--timeout', type=float, default=900, help='seconds per mutant (900)')
+  parser.add_argument('--keep', action='store_true', help='keep each mutant directory')
+  args = parser.parse_args(argv)
+
+  names = [n for arg in args.only or [] for n in arg.split(',') if n]
+  known = {mutant.name: mutant for mutant in MUTANTS}
+  assert len(known) == len(MUTANTS), 'mutant names must be unique'
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    parser.error(f'unknown mutant(s): {", ".join(unknown)}; see --list')
+  selected = [known[n] for n in names] if names else MUTANTS
+
+  if args.list:
+    for mutant in selected:
+      print(f'{mutant.name:40s} {mutant.file:45s} {" ".join(mutant.tests)}')
+    return 0
+  if args.check:
+    problems = [(mutant.name, check(mutant)) for mutant in selected]
+    for name, problem in problems:
+      if problem:
+        print(f'STALE    {name}: {problem}')
+    print(f'{sum(p is None for _, p in problems)} of {len(problems)} mutants apply')
+    return int(any(problems[i][1] for i in range(len(problems))))
+
+  results = []
+  for mutant in selected:
+    outcome, seconds, tail = run(mutant, args.timeout, args.keep)
+    results.append((mutant.name, outcome))
+    print(f'{outcome:8s} {mutant.name} ({seconds:.0f} s) {" ".join(mutant.tests)}', flush=True)
+    if outcome != 'KILLED':
+      print('         ' + tail.replace('\n', '\n         '), flush=True)
+  counts = {o: sum(1 for _, r in results if r == o) for o in ('KILLED', 'SURVIVED', 'ERROR')}
+  survivors = [n for n, r in results if r == 'SURVIVED']
+  print(f'mutation score: {counts["KILLED"]}/{len(results)} killed, {counts["SURVIVED"]} survived'
+        f'{" (" + ", ".join(survivors) + ")" if survivors else ""}, {counts["ERROR"]} errors')
+  return 0 if counts['SURVIVED'] == counts['ERROR'] == 0 else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
