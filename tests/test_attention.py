@@ -22,6 +22,20 @@ def reference_attention(q, k, v, mask):
   return np.einsum('bnts,bsnh->btnh', weights, v), weights
 
 
+def reference_attention_grads(q, k, v, mask, cotangent):
+  """float64 (dq, dk, dv) of sum(reference_attention(q, k, v, mask)[0] * cotangent)."""
+  q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, cotangent))
+  scale = 1.0 / np.sqrt(q.shape[-1])
+  _, weights = reference_attention(q, k, v, mask)                       # [B, N, T, S]
+  dv = np.einsum('bnts,btnh->bsnh', weights, g)
+  dweights = np.einsum('btnh,bsnh->bnts', g, v)
+  # Softmax backward; masked keys have weight 0, so their logits get no gradient.
+  dlogits = weights * (dweights - (weights * dweights).sum(-1, keepdims=True))
+  dq = np.einsum('bnts,bsnh->btnh', dlogits, k) * scale
+  dk = np.einsum('bnts,btnh->bsnh', dlogits, q) * scale
+  return dq, dk, dv
+
+
 @pytest.fixture
 def qkv_and_mask():
   rng = np.random.default_rng(0)
@@ -77,9 +91,25 @@ def test_jit_vmap_grad(qkv_and_mask):
                              rtol=1e-5, atol=1e-6)
   per_example = jax.vmap(lambda *a: scaled_dot_product_attention(*(x[None] for x in a))[0][0])
   np.testing.assert_allclose(per_example(q, k, v, mask), eager, rtol=1e-5, atol=1e-7)
-  grads = jax.grad(lambda q, k, v: scaled_dot_product_attention(q, k, v, mask)[0].sum(),
+  # A random cotangent: with sum() alone, dL/dweights would be the same for every query.
+  cotangent = np.random.default_rng(1).normal(size=eager.shape)
+  grads = jax.grad(lambda q, k, v: (scaled_dot_product_attention(q, k, v, mask)[0]
+                                    * cotangent.astype(np.float32)).sum(),
                    argnums=(0, 1, 2))(q, k, v)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  # The values: the float64 gradient of softmax(QK^T / sqrt(d)) V, itself checked against a
+  # central finite difference of the float64 reference. Gradients are O(1); float32 through
+  # the softmax stays within ~1e-6 of float64.
+  want = reference_attention_grads(q, k, v, mask, cotangent)
+  for name, got, expected in zip('qkv', grads, want):
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=f'd{name}')
+  directions = [np.random.default_rng(2 + i).normal(size=x.shape) for i, x in enumerate((q, k, v))]
+  loss = lambda e: (reference_attention(*(np.asarray(x, np.float64) + e * d
+                                          for x, d in zip((q, k, v), directions)), mask)[0]
+                    * cotangent).sum()
+  finite_difference = (loss(1e-5) - loss(-1e-5)) / 2e-5
+  np.testing.assert_allclose(sum((g * d).sum() for g, d in zip(want, directions)),
+                             finite_difference, rtol=1e-6)
   # A masked key influences nothing: its gradient is exactly zero where no query may see it.
   unseen = ~mask.any(axis=(1, 2))  # [B, S]
   np.testing.assert_array_equal(np.asarray(grads[1])[unseen], 0.0)

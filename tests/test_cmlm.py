@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import numpy_transformer
 from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, MASK, PAD, SOURCES, R, pad_rows,
                                source_lengths)
 
@@ -230,6 +231,15 @@ def test_outputs_cover_the_vocabulary_and_the_length_classes(forward, params, sr
   assert length_logits.shape == (len(SOURCES), 2 * R + 1)
   assert token_logits.dtype == length_logits.dtype == jnp.float32
   assert params['mask_embedding'].shape == (CONFIG.d_model,)
+  # The values: the non-causal decoder with its MASK row, and the length head over the mean
+  # of the memory at real source positions, in NumPy float64 (tests/test_model_reference.py
+  # has more configurations). Both are O(1); float32 stays within ~1e-6 of float64.
+  want_tokens, want_lengths = numpy_transformer.cmlm_outputs(CONFIG, params, src, decoder_input)
+  for got, want in ((token_logits, want_tokens), (length_logits, want_lengths)):
+    assert 0.1 < np.abs(want).max() < 20
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  # Each sentence's length scores differ: the head reads the source, not a constant.
+  assert np.abs(length_logits - length_logits[:1]).max() > 1e-3
 
 
 def test_the_decoder_sees_later_positions(forward, params, src, decoder_input):

@@ -231,7 +231,7 @@ def check(mutant: Mutant, root: Path = ROOT) -> str | None:
 
 
 def run(mutant: Mutant, timeout: float, keep: bool) -> tuple[str, float, str]:
-  """(KILLED | SURVIVED | ERROR, seconds, the tail of pytest's output)."""
+  """(KILLED | SURVIVED | ERROR, seconds, the failing test or the tail of pytest's output)."""
   problem = check(mutant)
   if problem:
     return 'ERROR', 0.0, problem
@@ -257,7 +257,8 @@ def run(mutant: Mutant, timeout: float, keep: bool) -> tuple[str, float, str]:
     if proc.returncode == 0:
       return 'SURVIVED', seconds, tail
     if proc.returncode == 1:
-      return 'KILLED', seconds, tail
+      failed = [line for line in proc.stdout.splitlines() if line.startswith('FAILED')]
+      return 'KILLED', seconds, failed[0] if failed else tail
     return 'ERROR', seconds, f'pytest exit code {proc.returncode}: {tail}'
   finally:
     if keep:
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
                       help='check that every snippet is found exactly once, run nothing')
   parser.add_argument('--timeout', type=float, default=900, help='seconds per mutant (900)')
   parser.add_argument('--keep', action='store_true', help='keep each mutant directory')
+  parser.add_argument('--tests', nargs='+', metavar='TEST',
+                      help="run these pytest arguments instead of each mutant's own tests")
   args = parser.parse_args(argv)
 
   names = [n for arg in args.only or [] for n in arg.split(',') if n]
@@ -284,6 +287,8 @@ def main(argv=None) -> int:
   if unknown:
     parser.error(f'unknown mutant(s): {", ".join(unknown)}; see --list')
   selected = [known[n] for n in names] if names else MUTANTS
+  if args.tests:
+    selected = [dataclasses.replace(mutant, tests=tuple(args.tests)) for mutant in selected]
 
   if args.list:
     for mutant in selected:
@@ -302,8 +307,7 @@ def main(argv=None) -> int:
     outcome, seconds, tail = run(mutant, args.timeout, args.keep)
     results.append((mutant.name, outcome))
     print(f'{outcome:8s} {mutant.name} ({seconds:.0f} s) {" ".join(mutant.tests)}', flush=True)
-    if outcome != 'KILLED':
-      print('         ' + tail.replace('\n', '\n         '), flush=True)
+    print('         ' + tail.replace('\n', '\n         '), flush=True)
   counts = {o: sum(1 for _, r in results if r == o) for o in ('KILLED', 'SURVIVED', 'ERROR')}
   survivors = [n for n, r in results if r == 'SURVIVED']
   print(f'mutation score: {counts["KILLED"]}/{len(results)} killed, {counts["SURVIVED"]} survived'
