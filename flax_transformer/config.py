@@ -16,6 +16,7 @@ import typing
 from typing import Literal
 
 import jax.numpy as jnp
+import numpy as np
 
 
 class ConfigError(ValueError):
@@ -27,7 +28,9 @@ class Bounds:
   """The values a numeric setting admits, declared on its field (`setting(..., bounds=...)`).
 
   `low` and `high` are inclusive unless `low_open` / `high_open`; `integer` admits
-  ints only (never bools). None passes when the field's annotation admits None.
+  ints only (never bools); NaN is outside any limit. None passes when the field's
+  annotation admits None. `check_bounds` checks a function's raw argument with the same
+  rule and message.
   """
   low: float | None = None
   high: float | None = None
@@ -38,7 +41,7 @@ class Bounds:
   def admits(self, value) -> bool:
     if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
       return False
-    if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+    if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
       return False
     return self.high is None or (value < self.high if self.high_open else value <= self.high)
 
@@ -51,6 +54,8 @@ class Bounds:
     if self == POSITIVE:
       return 'a positive number'
     kind = 'an integer ' if self.integer else ''
+    if self.low is None and self.high is None:
+      return 'an integer' if self.integer else 'a number'
     if self.high is None:
       return f'{kind}{">" if self.low_open else ">="} {self.low}'
     if self.low is None:
@@ -64,6 +69,17 @@ NONNEGATIVE_INT = Bounds(low=0, integer=True)
 POSITIVE = Bounds(low=0, low_open=True)
 NONNEGATIVE = Bounds(low=0)
 UNIT_INTERVAL = Bounds(low=0, high=1, high_open=True)  # [0, 1): rates and probabilities
+NUMBER = Bounds()                                       # any int or float, no limit
+
+
+def check_bounds(value, bounds: Bounds, name: str, error: type[Exception] = ConfigError,
+                 why: str = '') -> None:
+  """Raises `error('{name} must be {bounds}{why}, got {value!r}')` unless `bounds` admit
+  `value`: the range check of a public function's raw argument (a settings field declares
+  its range instead, `setting(..., bounds=...)`). A numpy scalar counts as the number it holds."""
+  plain = value.item() if isinstance(value, np.generic) else value
+  if not bounds.admits(plain):
+    raise error(f'{name} must be {bounds.describe()}{why}, got {value!r}')
 
 
 def setting(default, help: str, bounds: Bounds | None = None):  # noqa: A002 -- argparse's name
@@ -136,7 +152,7 @@ class ModelConfig:
                                       bounds=POSITIVE)
   attention_radius: int | None = setting(None, 'restricted self-attention (paper §4): each '
                                                'position sees positions within this distance; '
-                                               'none: unrestricted')
+                                               'none: unrestricted', bounds=NONNEGATIVE_INT)
   dtype: Literal['float32', 'bfloat16'] = setting('float32', 'compute dtype (parameters, logits '
                                                              'and loss stay float32)')
   kind: Literal['autoregressive', 'cmlm'] = setting(
@@ -165,8 +181,6 @@ class ModelConfig:
     if self.cmlm_decoder_input != 'mask' and self.kind != 'cmlm':
       raise ConfigError(f"model.cmlm_decoder_input={self.cmlm_decoder_input!r} is for "
                         f"model.kind='cmlm'; an {self.kind} decoder is fed its previous tokens")
-    if self.attention_radius is not None and self.attention_radius < 0:
-      raise ConfigError(f'model.attention_radius must be >= 0 or None, got {self.attention_radius!r}')
     special = {'pad_id': self.pad_id, 'bos_id': self.bos_id, 'eos_id': self.eos_id,
                'unk_id': self.unk_id}
     # BOS may be PAD (a decoder that starts from PAD); the others must differ.
@@ -265,11 +279,13 @@ class TrainConfig:
       '2015: linear min(1, max(eps, k - c*i)), exponential k^i, inverse_sigmoid k/(k + exp(i/k))')
   scheduled_sampling_k: float = setting(1.0, 'scheduled sampling: k of the decay (linear: the '
                                              'start, > 1 holds eps_i at 1 for (k - 1) / c steps; '
-                                             'exponential: 0 < k <= 1; inverse_sigmoid: k >= 1)')
+                                             'exponential: 0 < k <= 1; inverse_sigmoid: k >= 1)',
+                                        bounds=NUMBER)
   scheduled_sampling_c: float = setting(1e-4, 'scheduled sampling, linear: the decrease of the '
-                                              'gold-token probability per step')
+                                              'gold-token probability per step', bounds=NUMBER)
   scheduled_sampling_eps: float = setting(0.0, 'scheduled sampling, linear: the lowest '
-                                               'gold-token probability, in [0, 1]')
+                                               'gold-token probability, in [0, 1]',
+                                          bounds=NUMBER)
   scheduled_sampling_choice: Literal['argmax', 'sample'] = setting(
       'argmax', "scheduled sampling: the first pass's prediction is its argmax, or a token "
       'sampled from its softmax')
@@ -319,10 +335,8 @@ def _check_scheduled_sampling(config: TrainConfig) -> None:
     if getattr(config, field) != defaults[field].default:
       raise ConfigError(f'train.{field}={getattr(config, field)!r} is not read with '
                         f'train.scheduled_sampling={schedule!r}')
+  # Numbers, each (check_fields); their ranges depend on the schedule.
   numbers = {name: getattr(config, f'scheduled_sampling_{name}') for name in ('k', 'c', 'eps')}
-  for name, value in numbers.items():
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise ConfigError(f'train.scheduled_sampling_{name} must be a number, got {value!r}')
   ranges = {'linear': (k >= 0 and numbers['c'] >= 0 and 0 <= numbers['eps'] <= 1,
                        'k >= 0, c >= 0 and 0 <= eps <= 1'),
             'exponential': (0 < k <= 1, '0 < k <= 1'),

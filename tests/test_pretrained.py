@@ -11,6 +11,7 @@ import copy
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -243,6 +244,44 @@ def test_train_py_fine_tunes_a_marian_model_into_a_run_that_decodes(marian_dir, 
                                             '--max-len', NEW_TOKENS, SENTENCES[0]])
   assert status == 0 and out.splitlines() == translator.translate(SENTENCES[:1],
                                                                   Greedy(max_len=NEW_TOKENS))
+
+
+def test_averaging_a_fine_tuned_marian_run_keeps_its_tokenizer(marian_dir, loaded, tmp_path):
+  # --average-last copied only tokenizer.json, which a Marian run does not have: training
+  # finished, then failed on WORKDIR/tokenizer.json. The average is a run directory that loads
+  # and decodes with the Marian tokenizer, as the run itself does.
+  from benchmarks.marian import SAMPLE_TEXT
+  from flax_transformer.cli import train as train_program
+  from flax_transformer.pretrained.marian import MarianTokenizer
+  from flax_transformer.run.loading import load_for_inference
+
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  (corpus / 'train.en').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[0::2]))
+  (corpus / 'train.de').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[1::2]))
+  workdir = tmp_path / 'run'
+  status, out, err = call(train_program.main, ['--init-from', marian_dir, '--data', corpus,
+                                               '--workdir', workdir, '--steps', 4,
+                                               '--average-last', 2, *FINE_TUNING])
+  assert status == 0, err
+  averaged = workdir / 'average-last2'
+  assert f'wrote {averaged}' in out
+  assert {p.name for p in averaged.iterdir()} == {'config.json', 'checkpoints',
+                                                  *MarianTokenizer.FILES}
+  for name in MarianTokenizer.FILES:
+    assert (averaged / name).read_bytes() == (workdir / name).read_bytes()
+  config, params, tokenizer = load_for_inference(averaged)
+  assert isinstance(tokenizer, MarianTokenizer)
+  assert config == loaded[0].replace(dropout_rate=0.0)
+  assert tokenizer.encode(SENTENCES[:2]) == loaded[2].encode(SENTENCES[:2])
+  _, mean, _ = load_for_inference(workdir, average_last=2)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(mean)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  translator = Translator.from_checkpoint(averaged)
+  status, out, err = call(decode_cli.main, ['--checkpoint', averaged, '--method', 'greedy',
+                                            '--max-len', NEW_TOKENS, SENTENCES[0]])
+  assert status == 0, err
+  assert out.splitlines() == translator.translate(SENTENCES[:1], Greedy(max_len=NEW_TOKENS))
 
 
 def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(marian_dir):

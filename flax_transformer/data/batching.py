@@ -35,11 +35,14 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from flax_transformer.config import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, Bounds, check_bounds
 from flax_transformer.data.corpus import DataError
 from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn import masks
 
 PAD_ID, BOS_ID, EOS_ID = Tokenizer.pad_id, Tokenizer.bos_id, Tokenizer.eos_id
+# A sequence holds at least a token and its EOS.
+SEQUENCE_LENGTH = Bounds(low=2, integer=True)
 # Pairs are tokenised this many at a time, so a progress bar moves on large corpora.
 _ENCODE_CHUNK = 10_000
 
@@ -142,8 +145,7 @@ def encode_corpus(dataset: datasets.Dataset, tokenizer: Tokenizer, max_len: int)
   if not {'source', 'target'} <= set(dataset.column_names):
     raise DataError(f"encode_corpus needs columns 'source' and 'target', the dataset has "
                     f'{dataset.column_names}')
-  if not isinstance(max_len, int) or max_len < 2:
-    raise DataError(f'max_len must be an integer >= 2 (a token and EOS), got {max_len!r}')
+  check_bounds(max_len, SEQUENCE_LENGTH, 'max_len', DataError, why=' (a token and EOS)')
   src_rows, tgt_rows, kept = [], [], []
   chunks = dataset.select_columns(['source', 'target']).iter(batch_size=_ENCODE_CHUNK)
   for start, chunk in zip(itertools.count(0, _ENCODE_CHUNK),
@@ -216,11 +218,9 @@ class Batcher:
   def __init__(self, corpus: EncodedCorpus, max_tokens: int, seed: int,
                length_buckets: Sequence[int] | None = None, row_multiple: int = 1,
                shuffle: bool = True):
-    for name, value in (('max_tokens', max_tokens), ('row_multiple', row_multiple)):
-      if not isinstance(value, (int, np.integer)) or value < 1:
-        raise DataError(f'{name} must be a positive integer, got {value!r}')
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-      raise DataError(f'seed must be a non-negative integer, got {seed!r}')
+    check_bounds(max_tokens, POSITIVE_INT, 'max_tokens', DataError)
+    check_bounds(row_multiple, POSITIVE_INT, 'row_multiple', DataError)
+    check_bounds(seed, NONNEGATIVE_INT, 'seed', DataError)
     if not len(corpus):
       raise DataError(f'the corpus holds no pairs ({corpus.num_dropped:,} were longer than '
                       f'max_len={corpus.max_len}); raise max_len')
@@ -256,8 +256,7 @@ class Batcher:
 
   def batch_at(self, step: int) -> Batch:
     """The batch of global step `step` (0-based), counting across epochs."""
-    if step < 0:
-      raise DataError(f'step must be >= 0, got {step}')
+    check_bounds(step, NONNEGATIVE, 'step', DataError)
     epoch_index, index = divmod(step, self.num_batches_per_epoch)
     return self._build(*self._plan(epoch_index)[index])
 
@@ -273,8 +272,7 @@ class Batcher:
 
   def _plan(self, epoch_index: int) -> list[tuple[int, np.ndarray]]:
     """[(bucket, pair indices)] per batch of the epoch; the last epoch's plan is memoised."""
-    if epoch_index < 0:
-      raise DataError(f'epoch_index must be >= 0, got {epoch_index}')
+    check_bounds(epoch_index, NONNEGATIVE, 'epoch_index', DataError)
     if self._cached_plan is not None and self._cached_plan[0] == epoch_index:
       return self._cached_plan[1]
     rng = np.random.default_rng([self.seed, epoch_index])

@@ -27,8 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
-from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, rows_per_batch
+from flax_transformer.config import NONNEGATIVE, ConfigError, ModelConfig, TrainConfig, check_bounds
+from flax_transformer.data.batching import (SEQUENCE_LENGTH, Batch, Batcher, EncodedCorpus,
+                                            rows_per_batch)
 from flax_transformer.data.corpus import DataError
 
 # Rows kept open for the next pairs while packing; more fill rows a little better and cost
@@ -52,9 +53,7 @@ class PackingBatcher(Batcher):
                length_buckets: Sequence[int] | None = None, row_multiple: int = 1,
                shuffle: bool = True):
     super().__init__(corpus, max_tokens, seed, length_buckets, row_multiple, shuffle)
-    if not isinstance(row_length, (int, np.integer)) or row_length < 2:
-      raise DataError(f'train.packing (the packed row length) must be an integer >= 2, got '
-                      f'{row_length!r}')
+    check_bounds(row_length, SEQUENCE_LENGTH, 'train.packing (the packed row length)', DataError)
     self.row_length = int(row_length)
     buckets = (self.row_length,) + tuple(b for b in self.length_buckets if b > self.row_length)
     self.rows = tuple(rows_per_batch(max_tokens, length, row_multiple) for length in buckets)
@@ -68,8 +67,7 @@ class PackingBatcher(Batcher):
 
   def batch_at(self, step: int) -> Batch:
     """The batch of global step `step` (0-based), counting across epochs of any length."""
-    if step < 0:
-      raise DataError(f'step must be >= 0, got {step}')
+    check_bounds(step, NONNEGATIVE, 'step', DataError)
     epoch_index = 0
     while True:
       if epoch_index == len(self._epoch_sizes):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datasets
 import numpy as np
 
+from flax_transformer.config import POSITIVE_INT, check_bounds
 from flax_transformer.data.corpus import DataError
 
 LARGEST = 999_999
@@ -105,8 +106,7 @@ def number_translation(num_train: int = 8000, num_validation: int = 1000, num_te
   """
   counts = {'num_train': num_train, 'num_validation': num_validation, 'num_test': num_test}
   for name, count in counts.items():
-    if not isinstance(count, int) or count < 1:
-      raise DataError(f'{name} must be a positive integer, got {count!r}')
+    check_bounds(count, POSITIVE_INT, name, DataError)
   if not isinstance(max_number, int) or not 0 <= max_number <= LARGEST:
     raise DataError(f'max_number must be an integer in 0..{LARGEST:,}, got {max_number!r}')
   total = sum(counts.values())

@@ -49,7 +49,7 @@ class PretrainedError(ConfigError):
   """
 
 
-def _require(module: str):
+def _import_optional(module: str):
   """Imports an optional dependency or says how to install it."""
   try:
     return __import__(module)
@@ -87,7 +87,7 @@ class MarianTokenizer:
     return cls(directory)
 
   def __init__(self, directory: str | Path):
-    spm = _require('sentencepiece')
+    spm = _import_optional('sentencepiece')
     directory = Path(directory)
     for name in TOKENIZER_FILES:
       if not (directory / name).is_file():
@@ -227,7 +227,7 @@ def _read_weights(directory: Path) -> dict[str, np.ndarray]:
           f".save_pretrained('{directory}', safe_serialization=True)\"")
     raise PretrainedError(f'{path}: no such file; a Marian directory holds config.json, '
                           f'{WEIGHTS_FILE}, {", ".join(TOKENIZER_FILES)}')
-  _require('safetensors')
+  _import_optional('safetensors')
   from safetensors.numpy import load_file
   weights = load_file(str(path))
   return {name.removeprefix('model.'): value.astype(np.float32) for name, value in weights.items()}

@@ -177,7 +177,7 @@ class Checkpoints:
     """The named items saved at `step`: files checked, then layout, then read."""
     self._check_step(step)
     where = self.directory / str(step)
-    self.verify(step)
+    self.check_digests(step)
     for name, tree in abstract_items.items():
       _check_layout(_item_metadata(where, name, step), tree, where, what)
     args = {name: ocp.args.StandardRestore(_host_target(tree))
@@ -191,7 +191,7 @@ class Checkpoints:
     _check_shapes(restored, abstract_items, where)
     return restored
 
-  def verify(self, step: int) -> None:
+  def check_digests(self, step: int) -> None:
     """Raises DamagedCheckpoint if a file of `step` differs from its recorded SHA-256.
 
     A checkpoint without recorded digests (its process was killed before the save
@@ -226,7 +226,7 @@ class Checkpoints:
     every layer of a config.json that asks for thousands.
     """
     where = self.directory / str(step)
-    self.verify(step)
+    self.check_digests(step)
     saved = _shapes_by_name(_item_metadata(where, 'params', step))
     needed = {}
     for name, shape in saved.items():

@@ -60,7 +60,7 @@ class WriteError(OSError):
   """
 
 
-def ensure_writable(workdir: str | Path) -> None:
+def check_writable(workdir: str | Path) -> None:
   """Creates WORKDIR if needed and checks that a file can be written in it.
 
   Called before training, so that an unwritable directory is reported before
@@ -246,7 +246,7 @@ class RunDirectory:
 
   def check_writable(self) -> None:
     """Raises WriteError now, rather than at the first save hours later."""
-    ensure_writable(self.path)
+    check_writable(self.path)
 
   @contextlib.contextmanager
   def locked(self) -> Iterator[None]:

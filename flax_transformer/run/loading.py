@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flax_transformer.config import ModelConfig
+from flax_transformer.config import NONNEGATIVE, Bounds, ModelConfig, check_bounds
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
@@ -24,6 +24,7 @@ from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS
                                             TENSORBOARD_DIR, CheckpointError, check_tokenizer,
                                             check_tokenizer_fits, load_tokenizer, read_config,
                                             saved_tokenizer_class)
+from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.run.sizes import check_fits
 
 
@@ -34,30 +35,22 @@ _RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD
 _AVERAGE_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES})
 
 
-def _check_output(workdir: Path, output: Path) -> None:
-  """Refuses an output whose replacement would delete the run or anything else.
-
-  Paths are compared resolved (symlinks followed): WORKDIR/average-last5 is fine;
-  WORKDIR itself, a directory above it, or WORKDIR/checkpoints/... are not.
-  """
-  run, target = workdir.resolve(), output.resolve()
-  if target == run or target in run.parents:
-    raise CheckpointError(f'averaging output {output} would replace the run directory '
-                          f'{workdir}; choose another directory (default: '
-                          f'{workdir}/average-lastK)')
-  if run in target.parents and target.relative_to(run).parts[0] in _RUN_ENTRIES:
-    part = run / target.relative_to(run).parts[0]
-    raise CheckpointError(f'averaging output {output} would replace {part}, part of the run '
-                          f'{workdir}; choose another directory')
-  if target.exists() and not target.is_dir():
-    raise CheckpointError(f'averaging output {output} is a file; give a directory')
-  if target.is_dir() and not {entry.name for entry in target.iterdir()} <= _AVERAGE_ENTRIES:
-    raise CheckpointError(f'averaging output {output} holds other files than an earlier '
-                          'average (config.json, the tokenizer, checkpoints/); choose another '
-                          'directory')
+def _check_output(workdir: Path, output: Path, last_k: int) -> None:
+  """Refuses an output whose replacement would delete the run or anything else
+  (`outputs.check_output`): WORKDIR/average-last5 is fine; WORKDIR itself, a directory
+  above it, or WORKDIR/checkpoints/... are not, symlinks followed."""
+  run = Protected(workdir, f'the run directory {workdir}', may_hold=True)
+  parts = [Protected(workdir / name, f'{workdir / name}, part of the run {workdir}')
+           for name in sorted(_RUN_ENTRIES)]
+  check_output(output, [run, *parts], 'averaging output', CheckpointError,
+               replaceable=_AVERAGE_ENTRIES,
+               occupied='holds other files than an earlier average (config.json, the tokenizer, '
+                        'checkpoints/); choose another directory',
+               advice=f'choose another directory (default: {workdir}/average-last{last_k})')
 
 
-def _open_run(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]:
+def _open_checkpoints(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]:
+  """A finished run's model config, its checkpoints opened read-only, and their steps."""
   workdir = Path(workdir)
   if not workdir.is_dir():
     raise CheckpointError(f'{workdir}: no such directory')
@@ -112,9 +105,8 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
     The model config, the parameters (the 'params' collection, device arrays)
     and the tokenizer saved with them, checked to agree with the config.
   """
-  if average_last < 0:
-    raise CheckpointError(f'average_last must be >= 0, got {average_last}')
-  model_config, checkpoints, steps = _open_run(workdir)
+  check_bounds(average_last, NONNEGATIVE, 'average_last', CheckpointError)
+  model_config, checkpoints, steps = _open_checkpoints(workdir)
   try:
     check_tokenizer(workdir)
     tokenizer = load_tokenizer(workdir)
@@ -145,12 +137,11 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
   With several processes, every process calls this (as it calls the training
   step). Returns the output directory.
   """
-  if last_k < 1:
-    raise CheckpointError(f'average_last must be >= 1, got {last_k}')
+  check_bounds(last_k, Bounds(low=1), 'average_last', CheckpointError)
   workdir = Path(workdir)
   output = Path(output) if output is not None else workdir / f'average-last{last_k}'
-  _check_output(workdir, output)
-  model_config, checkpoints, steps = _open_run(workdir)
+  _check_output(workdir, output, last_k)
+  model_config, checkpoints, steps = _open_checkpoints(workdir)
   try:
     selected = _select_steps(steps, None, last_k, checkpoints.directory)
     params = _mean_params(checkpoints, selected, abstract_params(model_config))

@@ -40,6 +40,7 @@ from flax_transformer.data.corpus import DataError
 from flax_transformer.decode.methods import BeamSearch, DecodingMethod
 from flax_transformer.decode.translator import Translator
 from flax_transformer.run.directory import read_config
+from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.train.loop import load_data
 
 # config.json fields a student's train.py command does not repeat: the tokenizer decides the
@@ -104,7 +105,11 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   if data is not None:
     data_config = data_config.replace(source=data)
   source = Path(data_config.source).expanduser()
-  _check_output(output, overwrite, [checkpoint_dir] + ([source] if source.exists() else []))
+  check_output(output, [Protected(path, f'{path}, an input of the distillation')
+                        for path in [checkpoint_dir] + ([source] if source.exists() else [])],
+               '--output', DistillError, replaceable=None if overwrite else (),
+               occupied='exists and is not empty; choose another directory or pass '
+                        '--overwrite to replace it')
 
   dataset = load_data(data_config)
   if 'train' not in dataset:
@@ -159,21 +164,6 @@ def _write_splits(directory: Path, source: Path, dataset, sources: Sequence[str]
     if split in dataset:
       _write_lines(directory / f'{split}.{src}', dataset[split]['source'])
       _write_lines(directory / f'{split}.{tgt}', dataset[split]['target'])
-
-
-def _check_output(output: Path, overwrite: bool, protected: Sequence[Path]) -> None:
-  """Refuses an output that holds files (unless overwrite) or that holds the inputs."""
-  resolved = output.resolve()
-  for path in protected:
-    path = path.resolve()
-    if resolved == path or resolved in path.parents:
-      raise DistillError(f'--output {output} would replace {path}, an input of the '
-                         'distillation; choose another directory')
-  if output.exists() and not output.is_dir():
-    raise DistillError(f'--output {output} is a file; give a directory')
-  if output.is_dir() and any(output.iterdir()) and not overwrite:
-    raise DistillError(f'--output {output} exists and is not empty; choose another directory '
-                       'or pass --overwrite to replace it')
 
 
 def _write_lines(path: Path, lines: Sequence[str]) -> None:

@@ -6,7 +6,7 @@
 
 A run goes through four stages, each a function or a small object below:
 
-  1. `_open_run`: the run directory (writable, cleared unless resuming), the
+  1. `_prepare_training_run`: the run directory (writable, cleared unless resuming), the
      parallel text (`data_config.source`, or the `dataset` given), the
      tokenizer (WORKDIR/tokenizer.json, or trained on the training split and
      saved), the settings checked against WORKDIR/config.json and written;
@@ -77,7 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from flax_transformer.config import (NONNEGATIVE_INT, ConfigError, DataConfig, ModelConfig,
+                                     TrainConfig, check_bounds)
 from flax_transformer.data.batching import Batcher, encode_corpus
 from flax_transformer.data.corpus import DataError, describe, load_parallel
 from flax_transformer.data.packing import PackingBatcher
@@ -166,8 +167,7 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
     raise ConfigError(f'--average-last={average_last} needs that many checkpoints on disk, but '
                       f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
                       'it or average fewer')
-  if not isinstance(skip_nonfinite, int) or skip_nonfinite < 0:
-    raise ConfigError(f'--skip-nonfinite must be a non-negative integer, got {skip_nonfinite!r}')
+  check_bounds(skip_nonfinite, NONNEGATIVE_INT, '--skip-nonfinite')
   picked = [f'data.{name}' for name in ('valid_split', 'test_split') if getattr(data_config, name)]
   if data_config.source == 'toy' and picked:
     raise ConfigError(f'{picked[0]} picks a split of a data directory or Hub dataset; the toy '
@@ -220,8 +220,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
                  pretrained=init_from is not None)
   directory = RunDirectory(workdir)
   with directory.locked():
-    run = _open_run(model_config, train_config, data_config, directory, dataset, devices,
-                    parallel, resume, print_fn, init_from)
+    run = _prepare_training_run(model_config, train_config, data_config, directory, dataset,
+                                devices, parallel, resume, print_fn, init_from)
     loop = TrainingLoop(run, skip_nonfinite)
     state, start = _initial_state(run, loop, parallel)
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
@@ -246,7 +246,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
 # --- stage 1: the run directory, the data and the settings ----------------------------------
 
 @dataclasses.dataclass
-class _Run:
+class _TrainingRun:
   """What the stages share: the settings, data, devices and the run directory's writers."""
   directory: RunDirectory
   model_config: ModelConfig
@@ -267,10 +267,11 @@ class _Run:
       self.log.write(step, values)
 
 
-def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
-              directory: RunDirectory, dataset: datasets.DatasetDict | None,
-              devices: int | None, parallel: str, resume: bool,
-              print_fn: Callable[[str], None], init_from: str | Path | None = None) -> _Run:
+def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
+                          data_config: DataConfig, directory: RunDirectory,
+                          dataset: datasets.DatasetDict | None, devices: int | None, parallel: str,
+                          resume: bool, print_fn: Callable[[str], None],
+                          init_from: str | Path | None = None) -> _TrainingRun:
   """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
   say = print_fn if directory.is_main else (lambda message: None)
   data_parallel = DataParallel(_local_devices(devices), mode=parallel)
@@ -291,7 +292,7 @@ def _open_run(model_config: ModelConfig, train_config: TrainConfig, data_config:
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
   directory.check_settings(model_config, train_config, data_config)
-  return _Run(directory=directory, model_config=model_config, train_config=train_config,
+  return _TrainingRun(directory=directory, model_config=model_config, train_config=train_config,
               dataset=dataset, tokenizer=tokenizer, data_parallel=data_parallel,
               checkpoints=checkpoints, say=say, pretrained_params=pretrained_params)
 
@@ -313,7 +314,7 @@ def _local_devices(count: int | None) -> list[jax.Device] | None:
 
 # --- stage 2: the initial state ---------------------------------------------------------------
 
-def _initial_state(run: _Run, loop: TrainingLoop, parallel: str) -> tuple[TrainState, int]:
+def _initial_state(run: _TrainingRun, loop: TrainingLoop, parallel: str) -> tuple[TrainState, int]:
   """The replicated state to train from and its step: the latest checkpoint's, or fresh."""
   model, optimizer, seed = loop.model, loop.optimizer, run.train_config.seed
   abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, seed))
@@ -333,7 +334,7 @@ def _initial_state(run: _Run, loop: TrainingLoop, parallel: str) -> tuple[TrainS
   return run.data_parallel.replicate(state), start
 
 
-def _restore_latest_intact(run: _Run, abstract_state) -> tuple[TrainState, int] | None:
+def _restore_latest_intact(run: _TrainingRun, abstract_state) -> tuple[TrainState, int] | None:
   """The newest checkpoint that can be read, and its step; None when there is none.
 
   Damaged ones (files changed, missing or unreadable) are moved aside, saying so;
@@ -389,7 +390,7 @@ class MetricBuffer:
 class TrainingLoop:
   """Steps from the start to train.steps, with their logging, validation and checkpoints."""
 
-  def __init__(self, run: _Run, skip_nonfinite: int):
+  def __init__(self, run: _TrainingRun, skip_nonfinite: int):
     self.run = run
     self.skip_nonfinite = skip_nonfinite
     config = run.train_config
@@ -484,7 +485,7 @@ class TrainingLoop:
             f'token accuracy {values["accuracy"]:.1%}{length}')
 
 
-def _eval_batches(run: _Run, split: str) -> list:
+def _eval_batches(run: _TrainingRun, split: str) -> list:
   """The split's batches in a fixed order (no shuffling), or [] when it is absent."""
   if split not in run.dataset:
     run.say(f'no {split} split: validation loss is not computed')
@@ -555,7 +556,7 @@ def check_finite(metrics: list[dict], first_step: int, skipped: list[int], limit
 
 # --- stage 4: the final scores ----------------------------------------------------------------
 
-def _final_scores(run: _Run, state: TrainState, average_last: int) -> None:
+def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> None:
   """Test (else validation) scores of the final parameters, and of the averaged checkpoints."""
   split = next((name for name in ('test', 'validation') if name in run.dataset), None)
   if split is None:
@@ -580,6 +581,6 @@ def _final_scores(run: _Run, state: TrainState, average_last: int) -> None:
             f'{values["exact_match"]:.1%}')
 
 
-def _split_scores(run: _Run, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
+def _split_scores(run: _TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
   translator = Translator(run.model_config, params, run.tokenizer)
   return translation_scores(translator, run.dataset[split], evaluation_method(run.model_config))

@@ -1,4 +1,4 @@
-"""A process that holds a run directory's lock (run_lock.RunLock) until it is killed:
+"""A process that holds a run directory's lock (run.lock.RunLock) until it is killed:
 tests/test_run_directory.py and tests/test_faults.py."""
 
 import contextlib
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# Imports run_lock.py alone (not the package, which imports JAX): the holder starts at once.
+# Imports run/lock.py alone (not the package, which imports JAX): the holder starts at once.
 HOLD = ('import importlib.util, sys, time\n'
         'spec = importlib.util.spec_from_file_location("run_lock", sys.argv[1])\n'
         'run_lock = importlib.util.module_from_spec(spec)\n'
@@ -23,8 +23,9 @@ HOLD = ('import importlib.util, sys, time\n'
 def lock_holder(workdir: Path) -> Iterator[subprocess.Popen]:
   """A process holding WORKDIR's lock for the block (WORKDIR created); killed after it."""
   workdir.mkdir(parents=True, exist_ok=True)
+  lock_module = ROOT / 'flax_transformer' / 'run' / 'lock.py'
   process = subprocess.Popen(
-      [sys.executable, '-c', HOLD, str(ROOT / 'flax_transformer' / 'run_lock.py'), str(workdir)],
+      [sys.executable, '-c', HOLD, str(lock_module), str(workdir)],
       stdout=subprocess.PIPE, text=True, env={**os.environ, 'PYTHONPATH': str(ROOT)})
   try:
     assert process.stdout.readline() == 'held\n'
