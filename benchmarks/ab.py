@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from benchmarks import common
+from benchmarks import common, workloads
 
 PARTS = ('train_float32', 'train_bfloat16', 'greedy', 'beam4')
 BATCH, SOURCE_LEN, NEW_TOKENS = 32, 32, 32
@@ -42,45 +42,47 @@ def patched(*replacements):
       setattr(obj, name, value)
 
 
-def base_config(dtype: str = 'float32'):
-  from flax_transformer.config import ModelConfig
-  return ModelConfig.base(vocab_size=8000, max_len=256, dtype=dtype)
-
-
 def train_step_fn(dtype: str):
-  """One compiled training step (benchmarks.train_step.OurStep on one device)."""
+  """One compiled training step (`workloads.OurStep` on one device)."""
   import jax
 
-  from benchmarks.train_step import SHAPE, OurStep
   from flax_transformer.config import TrainConfig
-  return OurStep(base_config(dtype), TrainConfig(), SHAPE, jax.devices()[:1]).step
+  return workloads.OurStep(workloads.model_config('base', dtype=dtype), TrainConfig(),
+                           workloads.SHAPE, jax.devices()[:1]).step
 
 
 def decoder_fn(beams: int, dtype: str = 'float32', cast_params: bool = False):
   """Compiled greedy (beams == 1) or beam search on random base-model weights; 32 tokens forced.
 
+  The loop `autoregressive.greedy` and `beam_search` run, from the module's public
+  pieces (`model_step_fn`, then `decode_loop` or `beam_loop`), compiled ahead of
+  time here so that a lever's "before" variant is traced while it is patched in.
   cast_params: hand the decoder bfloat16 matrices (as `Translator(dtype='bfloat16')` does).
   """
   import jax
   import numpy as np
 
   from flax_transformer.decode import autoregressive
+  from flax_transformer.decode.methods import BeamSearch
   from flax_transformer.nn.model import Transformer
-  config = base_config(dtype).replace(dropout_rate=0.0)
-  rng = np.random.default_rng(0)
-  src = rng.integers(4, config.vocab_size, (BATCH, SOURCE_LEN)).astype(np.int32)
-  src[:, -1] = config.eos_id
+  config = workloads.model_config('base', dtype=dtype, dropout_rate=0.0)
+  src = workloads.decode_sources(config, BATCH, SOURCE_LEN)
   params = jax.jit(Transformer(config).init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
   variables = {'params': params}
   if cast_params:
     variables = jax.device_put(autoregressive.cast_matrices(variables, config.compute_dtype))
   limits = np.full(BATCH, NEW_TOKENS, np.int32)
   loop = autoregressive.LoopConfig.for_model(config, NEW_TOKENS, min_len=NEW_TOKENS)
-  if beams == 1:
-    run = lambda v, s, l: autoregressive._greedy.__wrapped__(config, v, s, l, loop)
-  else:
-    beam = autoregressive.BeamConfig(beam_size=beams, alpha=0.6, n_best=1)
-    run = lambda v, s, l: autoregressive._beam_search.__wrapped__(config, v, s, l, loop, beam)
+
+  def run(variables, src, limits):
+    step_fn, cache = autoregressive.model_step_fn(config, variables, src, loop.max_len, beams)
+    if beams == 1:
+      return autoregressive.decode_loop(step_fn, autoregressive.argmax_pick, cache, limits,
+                                        loop).tokens[:, :loop.max_len]
+    state = autoregressive.beam_loop(step_fn, cache, limits, loop,
+                                     BeamSearch(beam_size=beams, alpha=0.6))
+    return state.finished_tokens[:, :, :loop.max_len], state.finished_scores
+
   compiled = jax.jit(run).lower(variables, src, limits).compile()
   return lambda: jax.block_until_ready(compiled(variables, src, limits))
 
@@ -106,14 +108,20 @@ def lever_decode_dtype(parts):
 
 def lever_fused_qkv(parts):
   """A decoding step's self-attention Q, K, V as three [D, D] products against one [D, 3D]."""
-  from flax_transformer.nn.attention import MultiHeadAttention
-  unfused = lambda self, x, names: [self._split_heads(getattr(self, name)(x)) for name in names]
   contenders = {}
   for part in parts:
-    with patched((MultiHeadAttention, '_fused', unfused)):
+    with patched(unfused_qkv()):
       contenders[f'{part}/unfused'] = part_fn(part)
     contenders[f'{part}/fused'] = part_fn(part)
   return contenders
+
+
+def unfused_qkv():
+  """The patch that switches the fused Q/K/V product off: `project_qkv` with fuse=False always."""
+  from flax_transformer.nn.attention import MultiHeadAttention
+  project_qkv = MultiHeadAttention.project_qkv
+  return MultiHeadAttention, 'project_qkv', lambda self, inputs, fuse=False: project_qkv(
+      self, inputs, fuse=False)
 
 
 LEVERS = {'decode_dtype': (lever_decode_dtype, ('greedy', 'beam4')),

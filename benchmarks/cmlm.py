@@ -2,12 +2,12 @@
 
   python -m benchmarks.cmlm [--quick]
 
-The first Multi30k preset's size (3+3 layers, d=256, vocabulary 8,000, bfloat16
-compute; README's mask-predict rows were trained at it) with random weights,
-sources of 16 tokens and outputs of exactly 16 tokens for every method: the
-autoregressive searches run with min_len = max_len = 16, and the length
-classifier of the non-autoregressive model is set to predict the source
-length, so every method produces the same number of tokens
+The first Multi30k preset's size (benchmarks/results/first_preset.json: 3+3
+layers, d=256, vocabulary 8,000; README's mask-predict rows were trained at it),
+bfloat16 compute, random weights, sources of 16 tokens and outputs of exactly 16
+tokens for every method: the autoregressive searches run with min_len = max_len
+= 16, and the length classifier of the non-autoregressive model is set to
+predict the source length, so every method produces the same number of tokens
 (with a length beam of 3, the other two candidates are 15 and 17 tokens).
 Sentences/s at batch 1 and batch 64, medians of interleaved rounds after
 compilation. Quality is not measured here (random weights).
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import common, first_preset
+from benchmarks import common, workloads
 from flax_transformer import ModelConfig
 from flax_transformer.decode import autoregressive, non_autoregressive
 from flax_transformer.nn.build import build_model
@@ -33,10 +33,12 @@ RESULTS = Path(__file__).resolve().parent / 'results'
 LENGTH = 16
 
 
-def models(vocab: int = first_preset.VOCAB_SIZE):
-  """(autoregressive, cmlm) models and variables of the first Multi30k preset's size."""
-  shape = dict(vocab_size=vocab, **first_preset.MODEL, max_len=128, dropout_rate=0.0,
-               dtype='bfloat16')
+def models(vocab: int | None = None):
+  """(autoregressive, cmlm) models and variables of the first Multi30k preset's size
+  (`workloads.first_preset`; its vocabulary unless `vocab`)."""
+  preset = workloads.first_preset()
+  shape = dict(vocab_size=vocab or preset['vocab_size'], **preset['model'], max_len=128,
+               dropout_rate=0.0, dtype='bfloat16')
   built = []
   for kind in ('autoregressive', 'cmlm'):
     config = ModelConfig(kind=kind, **shape)

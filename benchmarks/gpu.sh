@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The training-step table on an NVIDIA GPU: base and big models, float32 and bfloat16, with
+# Our training step on an NVIDIA GPU: base and big models, float32 and bfloat16, with
 # model FLOPs utilisation against the card's measured matmul peak (8192^3, same dtype).
 #
 #   bash benchmarks/gpu.sh            # from a checkout, on a machine with jax[cuda] installed
 #
-# Two shapes: the CPU table's 32 x 32+32 tokens, and 768 rows of the same lengths
-# (24,576 target tokens, about the paper's 25k-token batches), where a GPU is busy enough for
-# the utilisation to mean something. "float32" is JAX's default matmul precision, which uses
-# TF32 tensor cores on Ampere and newer, in the step and in the peak alike. Runs in about
-# 5 minutes on an H100 (most of it compilation; compile times are in the table).
+# benchmarks.solo with ours alone (no peer), two shapes: the CPU table's 32 x 32+32 tokens,
+# and 768 rows of the same lengths (24,576 target tokens, about the paper's 25k-token batches),
+# where a GPU is busy enough for the utilisation to mean something. "float32" is JAX's default
+# matmul precision, which uses TF32 tensor cores on Ampere and newer, in the step and in the peak
+# alike. A few minutes on an H100, most of it compilation (build times are in the table).
 # Then Table 1's complexity per layer: one attention layer, full against banded (radius 64), for
 # n = 128 .. 16,384 (benchmarks/complexity.py; about a minute).
-# Results: benchmarks/results/train_step_gpu.json, train_step_gpu_32rows.json, complexity_gpu.json.
+# Results: benchmarks/results/solo_gpu_{base,big}[_32rows].json, complexity_gpu.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,9 +34,11 @@ if ! python3 -c 'import flax, optax' 2>/dev/null; then
 fi
 
 run() {
-  python3 -m benchmarks.train_step --sections table --configs base,big \
-    --dtypes float32,bfloat16 --peers '' --rounds 10 --warmup 3 --peak-size 8192 "$@"
+  python3 -m benchmarks.solo --contenders ours --tasks train --train-dtypes float32,bfloat16 \
+    --rounds 10 --warmup 3 --peak-size 8192 "$@"
 }
-run --shape 768x32x32 --output benchmarks/results/train_step_gpu.json
-run --shape 32x32x32 --output benchmarks/results/train_step_gpu_32rows.json
+for model in base big; do
+  run --model "$model" --shape 768x32x32 --output "benchmarks/results/solo_gpu_$model.json"
+  run --model "$model" --shape 32x32x32 --output "benchmarks/results/solo_gpu_${model}_32rows.json"
+done
 python3 -m benchmarks.complexity --output benchmarks/results/complexity_gpu.json

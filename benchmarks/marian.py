@@ -7,9 +7,9 @@
 Helsinki-NLP/opus-mt-...` gives (config.json, model.safetensors, source.spm,
 target.spm, vocab.json), from a `MarianMTModel` with random weights (and a random
 final_logits_bias: the real models' are not zero either) saved by transformers'
-`save_pretrained`, and sentencepiece models trained on a few sentences. The
-tests, notebook 04 and this benchmark build theirs with it; nothing is
-downloaded. It needs torch, transformers and sentencepiece
+`save_pretrained`, and sentencepiece models trained on a few sentences.
+Notebook 04 and this benchmark build theirs with it (the tests with their own
+copy, tests/support/marian_directory.py); nothing is downloaded. It needs torch, transformers and sentencepiece
 (`pip install -e .[pretrained-test]`).
 
 The benchmark decodes one batch of random sources with the same weights in two

@@ -9,7 +9,8 @@ absent), tokenizer (the preset's 16,000 BPE pieces trained on it, or
 `--vocab-size`), model (4+4 layers, d=128,
 bfloat16, dropout 0.3) and batching (4,096 tokens per side, the default length
 buckets) as `train.py --preset multi30k` uses them; `--first-preset` takes the
-first preset's model and vocabulary instead, which the recorded results measured.
+first preset's model and vocabulary instead (benchmarks/results/first_preset.json),
+which the recorded results measured.
 Contenders: unpacked buckets ('unpacked', one pair per row, `--train.packing=0`)
 and `PackingBatcher` at each row length of `--row-lengths` ('packed-L',
 `--train.packing=L`).
@@ -28,7 +29,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks import common, first_preset
+from benchmarks import common, workloads
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 
@@ -72,9 +73,10 @@ def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
   from flax_transformer.data.tokenizer import Tokenizer
 
   model_config, train_config, data_config = run_preset('multi30k')
+  preset = workloads.first_preset()
   if first:
-    model_config = model_config.replace(**first_preset.MODEL)
-    data_config = data_config.replace(vocab_size=first_preset.VOCAB_SIZE)
+    model_config = model_config.replace(**preset['model'])
+    data_config = data_config.replace(vocab_size=preset['vocab_size'])
   data_config = data_config.replace(vocab_size=vocab_size or data_config.vocab_size)
   dataset = load_parallel(str(data), data_config.src_lang, data_config.tgt_lang)
   texts = list(dataset['train']['source']) + list(dataset['train']['target'])
@@ -111,7 +113,7 @@ def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
                          best_target_tokens_per_s=rate(name, 'min_s'),
                          best_speedup=rate(name, 'min_s') / rate('unpacked', 'min_s'),
                          timed_shapes=[list(shape) for shape in contender.shapes])
-  model = {name: getattr(model_config, name) for name in first_preset.MODEL}
+  model = {name: getattr(model_config, name) for name in preset['model']}
   return {'pairs': len(corpus), 'vocab_size': tokenizer.vocab_size, 'model': model,
           'contenders': results}
 
@@ -128,7 +130,8 @@ def main(argv=None):
   parser.add_argument('--vocab-size', type=int, default=None,
                       help="BPE vocabulary (default: the multi30k preset's)")
   parser.add_argument('--first-preset', action='store_true',
-                      help='the first multi30k preset: 3+3 layers, d=256, 8,000 pieces')
+                      help='the first multi30k preset: 3+3 layers, d=256, 8,000 pieces '
+                           '(benchmarks/results/first_preset.json)')
   parser.add_argument('--out', type=Path, default=None,
                       help='JSON file (default: results/packing.json with --first-preset, '
                            'results/packing_preset.json without)')

@@ -2,7 +2,9 @@
 
     python -m benchmarks.solo                  # the issue's setting; ~10-15 minutes on 2 CPU cores
     python -m benchmarks.solo --quick          # a tiny model, to check that it all runs
-    python -m benchmarks.solo --peer-python flaxmarian=/work/venvs/flaxmarian/bin/python
+    python -m benchmarks.solo --peer-python flaxmarian=VENV/bin/python   # make_peer_env.sh VENV
+    python -m benchmarks.solo --contenders ours --tasks train --model big --shape 768x32x32
+                                               # our step alone, e.g. on a GPU (gpu.sh)
 
 Contenders (`--contenders`): ours, marian (Hugging Face MarianMTModel, PyTorch,
 eager), flaxmarian (FlaxMarianMTModel, transformers < 5, JAX: an environment of
@@ -18,19 +20,21 @@ that only one process computes at a time and a burst of outside load hits all
 alike; the others block on stdin. Numbers are medians of `--rounds` calls;
 build and first-call (compile) times are reported apart.
 
-Setting: the paper's base model (d=512, 6+6 layers, 8 heads, d_ff 2048),
-vocabulary 8,000, random weights. Training step: batch 32 x (32 + 32) tokens,
+Setting: the paper's base model (d=512, 6+6 layers, 8 heads, d_ff 2048;
+`--model small` or `big` for the others of `workloads.model_config`),
+vocabulary 8,000, random weights. Training step: batch 32 x (32 + 32) tokens
+(`--shape`),
 dropout 0.1, label smoothing 0.1, Adam on the paper's schedule. Decoding: 32
 sources of 32 tokens, 32 new tokens forced (EOS banned until then); tokens/s =
 batch x new tokens / time. Each worker also times its own framework's matmul
-peak, in alternating rounds as well: 4096^3, and rows 1024 (the step's 32 x 32
+peak, in alternating rounds as well: 4096^3 (`--peak-size`), and rows 1024 (the step's 32 x 32
 tokens), 32 and 128 (greedy and beam 4 decode steps) times the model's weights
 [D, F], [F, D], [D, D] and [D, V], float32 and bfloat16 (float32 accumulation). GFLOP/s divide the
-analytic matmul FLOPs (`train_step.train_flops`, `decode.decode_flops`) by the
+analytic matmul FLOPs (`workloads.train_flops`, `workloads.decode_flops`) by the
 median time; each is read against (a) the 4096^3 peak and (b) the FLOP-weighted
 peak at the task's own shapes (`weighted_peak`).
 
-Results: benchmarks/results/solo[_quick][_partial].json (machine, each env's versions,
+Results: benchmarks/results/solo[_quick][_MODEL][_partial].json (machine, each env's versions,
 load average at start and end, settings, every timed call).
 """
 
@@ -48,8 +52,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.decode import decode_flops
-from benchmarks.train_step import Shape, train_flops
+from benchmarks.workloads import (MODELS, Shape, decode_flop_classes, decode_flops, model_config,
+                                  train_flop_classes, train_flops)
 
 CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch')
 DTYPES = ('float32', 'bfloat16')
@@ -66,7 +70,7 @@ ENV_HINT = {
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  model: tuple[tuple[str, object], ...]  # ModelConfig.base overrides
+  model: tuple[tuple[str, object], ...]  # overrides of `workloads.model_config`'s
   shape: Shape                           # the training step's batch
   batch: int                             # decoding: sources ...
   source_len: int                        # ... of this many tokens ...
@@ -76,7 +80,7 @@ class Setting:
   peak_size: int
 
 
-FULL = Setting(model=(('vocab_size', 8000),), shape=Shape(32, 32, 32), batch=32, source_len=32,
+FULL = Setting(model=(), shape=Shape(32, 32, 32), batch=32, source_len=32,
                new_tokens=32, rounds=5, warmup=2, peak_size=4096)
 QUICK = Setting(model=(('vocab_size', 512), ('d_model', 64), ('num_heads', 4), ('d_ff', 128),
                        ('num_encoder_layers', 2), ('num_decoder_layers', 2)),
@@ -86,55 +90,6 @@ QUICK = Setting(model=(('vocab_size', 512), ('d_model', 64), ('num_heads', 4), (
 
 # --- FLOPs by matmul shape ----------------------------------------------------------------
 
-def _encoder_classes(classes: collections.Counter, config, batch: int, src_len: int) -> None:
-  """Adds the encoder's forward matmuls over batch x src_len rows to `classes`."""
-  D, F, rs = config.d_model, config.d_ff, batch * src_len
-  for _ in range(config.num_encoder_layers):
-    classes[rs, D, D] += 2 * rs * 4 * D * D + 4 * batch * src_len * src_len * D
-    classes[rs, D, F] += 2 * rs * D * F
-    classes[rs, F, D] += 2 * rs * F * D
-  # The decoder's cross-attention keys and values, projected from the encoder's output.
-  classes[rs, D, D] += config.num_decoder_layers * 2 * rs * 2 * D * D
-
-
-def train_flop_classes(config, shape: Shape) -> dict[tuple[int, int, int], int]:
-  """`train_flops` split by the matmul shape it is done at: {(rows, K, N): FLOPs}.
-
-  The weight products go to their own [rows, K] @ [K, N]; attention's QK^T
-  and AV (about 1% at 32 tokens) are counted at the [rows, D] @ [D, D] class;
-  the backward pass (2x) at the forward's shapes. Sums to `train_flops`.
-  """
-  classes = collections.Counter()
-  B, S, T = shape.batch, shape.src_len, shape.tgt_len
-  D, F, V = config.d_model, config.d_ff, config.vocab_size
-  _encoder_classes(classes, config, B, S)
-  rt = B * T
-  for _ in range(config.num_decoder_layers):
-    classes[rt, D, D] += 2 * rt * 6 * D * D + 4 * B * T * T * D + 4 * B * T * S * D
-    classes[rt, D, F] += 2 * rt * D * F
-    classes[rt, F, D] += 2 * rt * F * D
-  classes[rt, D, V] += 2 * rt * D * V
-  return {key: 3 * flops for key, flops in classes.items()}
-
-
-def decode_flop_classes(config, batch: int, src_len: int, new_tokens: int,
-                        beams: int = 1) -> dict[tuple[int, int, int], int]:
-  """`decode_flops` split by matmul shape: the prefix at batch x src_len rows, every step at
-  batch x beams rows (attention products at the [rows, D] @ [D, D] class). Sums to `decode_flops`.
-  """
-  D, F, V = config.d_model, config.d_ff, config.vocab_size
-  classes = collections.Counter()
-  _encoder_classes(classes, config, batch, src_len)
-  R = batch * beams
-  for t in range(new_tokens):
-    for _ in range(config.num_decoder_layers):
-      classes[R, D, D] += 2 * R * 6 * D * D + 4 * R * src_len * D + 4 * R * (t + 1) * D
-      classes[R, D, F] += 2 * R * D * F
-      classes[R, F, D] += 2 * R * F * D
-    classes[R, D, V] += 2 * R * D * V
-  return dict(classes)
-
-
 def weighted_peak(classes: dict, peaks: dict) -> float:
   """GFLOP/s of the whole task if each class ran at its shape's peak {(rows, K, N): GFLOP/s}.
 
@@ -143,11 +98,12 @@ def weighted_peak(classes: dict, peaks: dict) -> float:
   return sum(classes.values()) / sum(flops / peaks[key] for key, flops in classes.items())
 
 
-def peak_shapes(config, setting: Setting) -> list[tuple[int, int, int]]:
-  """The matmuls each worker times: size^3, and every task's (rows, K, N) classes."""
+def peak_shapes(config, setting: Setting, tasks=TASKS) -> list[tuple[int, int, int]]:
+  """The matmuls each worker times: size^3, and the (rows, K, N) classes of `tasks`."""
   shapes = {(setting.peak_size,) * 3}
-  for classes in task_classes(config, setting).values():
-    shapes.update(classes)
+  for task, classes in task_classes(config, setting).items():
+    if task in tasks:
+      shapes.update(classes)
   return sorted(shapes)
 
 
@@ -370,6 +326,14 @@ def format_table(results: list[dict], peaks: dict, size: int) -> str:
 
 # --- command line --------------------------------------------------------------------------
 
+def _shape(text: str) -> Shape:
+  try:
+    batch, src_len, tgt_len = (int(x) for x in text.lower().split('x'))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'--shape must be BATCHxSRCxTGT like 32x32x32, got {text!r}')
+  return Shape(batch, src_len, tgt_len)
+
+
 def _csv(choices):
   def parse(text):
     values = tuple(x for x in text.split(',') if x)
@@ -385,11 +349,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog='python -m benchmarks.solo',
                                    description=__doc__.split('\n\n')[0])
   parser.add_argument('--quick', action='store_true', help='a tiny model and batch, 2 rounds')
+  parser.add_argument('--model', choices=MODELS, default='base',
+                      help="base (default), small (the first multi30k preset's size) or big; "
+                           'vocabulary 8,000 (workloads.model_config)')
+  parser.add_argument('--shape', type=_shape,
+                      help="the training step's batch, BATCHxSRCxTGT (default 32x32x32)")
   parser.add_argument('--contenders', type=_csv(CONTENDERS), default=CONTENDERS,
                       help=f'comma-separated subset of {",".join(CONTENDERS)}')
   parser.add_argument('--peer-python', type=parse_peer_python, default={},
                       help='NAME=PYTHON,...: the python each contender runs under '
-                           '(default: this one), e.g. flaxmarian=/work/venvs/flaxmarian/bin/python')
+                           '(default: this one), e.g. flaxmarian=VENV/bin/python')
   parser.add_argument('--train-dtypes', type=_csv(DTYPES), default=DTYPES,
                       help='training-step dtypes (bfloat16: bfloat16 compute, float32 parameters)')
   parser.add_argument('--decode-dtypes', type=_csv(DTYPES), default=DTYPES,
@@ -397,12 +366,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--tasks', type=_csv(TASKS), default=TASKS,
                       help=f'comma-separated subset of {",".join(TASKS)}')
   parser.add_argument('--rounds', type=int, help='timed calls per contender and task (default 5)')
+  parser.add_argument('--warmup', type=int, help='untimed calls after the first (default 2)')
+  parser.add_argument('--peak-size', type=int,
+                      help='N of the N^3 matmul peak GFLOP/s are read against (default 4096)')
   parser.add_argument('--threads', type=int, help='cores for every contender (default: all)')
   parser.add_argument('--output', type=Path,
-                      help='JSON file (default benchmarks/results/solo[_quick][_partial].json)')
+                      help='JSON file (default '
+                           'benchmarks/results/solo[_quick][_MODEL][_partial].json)')
   args = parser.parse_args(argv)
-  if args.rounds is not None and args.rounds < 1:
-    parser.error(f'--rounds must be at least 1, got {args.rounds}')
+  for option, low in (('rounds', 1), ('warmup', 0), ('peak_size', 1)):
+    value = getattr(args, option)
+    if value is not None and value < low:
+      parser.error(f'--{option.replace("_", "-")} must be at least {low}, got {value}')
   return args
 
 
@@ -426,12 +401,12 @@ def run_tasks(args, workers, config, setting, peaks, bar, save) -> list[dict]:
 def main(argv=None) -> int:
   args = parse_args(argv)
   setting = QUICK if args.quick else FULL
-  if args.rounds:
-    setting = dataclasses.replace(setting, rounds=args.rounds)
+  given = {'rounds': args.rounds, 'warmup': args.warmup, 'peak_size': args.peak_size,
+           'shape': args.shape}
+  setting = dataclasses.replace(setting, **{k: v for k, v in given.items() if v is not None})
   from tqdm import tqdm
 
-  from flax_transformer.config import ModelConfig
-  config = ModelConfig.base(**dict(setting.model))
+  config = model_config(args.model, **dict(setting.model))
   load_at_start = [round(x, 2) for x in os.getloadavg()]
   log = tempfile.TemporaryFile('w+')
   workers = []
@@ -446,8 +421,11 @@ def main(argv=None) -> int:
     return 2
   # A partial run never overwrites the full one's file.
   chosen = (args.contenders, args.tasks, args.train_dtypes, args.decode_dtypes)
-  partial = [set(c) for c in chosen] != [set(CONTENDERS), set(TASKS), set(DTYPES), set(DTYPES)]
-  output = args.output or common.RESULTS / f'solo{"_quick" * args.quick}{"_partial" * partial}.json'
+  partial = ([set(c) for c in chosen] != [set(CONTENDERS), set(TASKS), set(DTYPES), set(DTYPES)]
+             or any(v is not None for v in (args.shape, args.warmup, args.peak_size)))
+  model = '' if args.model == 'base' else f'_{args.model}'
+  output = args.output or common.RESULTS / (
+      f'solo{"_quick" * args.quick}{model}{"_partial" * partial}.json')
   record = {'benchmark': 'solo', 'machine': common.machine_info(args.threads or os.cpu_count()),
             'load_average_at_start': load_at_start, 'setting': dataclasses.asdict(setting),
             'model': dataclasses.asdict(config), 'command': ' '.join(sys.argv),
@@ -456,7 +434,7 @@ def main(argv=None) -> int:
       **record, 'peaks': peaks, 'results': results,
       'bfloat16_step_over_fastest_peer_float32': bfloat16_over_peer_float32(results),
       'load_average_at_end': list(os.getloadavg())})
-  shapes = peak_shapes(config, setting)
+  shapes = peak_shapes(config, setting, args.tasks)
   tasks = sum(len(args.train_dtypes if t == 'train' else args.decode_dtypes) for t in args.tasks)
   peaks, results = {}, []
   try:

@@ -15,6 +15,8 @@ and answers one request at a time, so that it computes only when asked:
   {"op": "build", "task": "train"|"greedy"|"beam4", "dtype": ..., "model": {...}, ...}
       -> {"built": true, "setup_s", "first_call_s"} or {"unsupported": reason}
   {"op": "time"}  -> {"seconds": one call of the built task}
+  {"op": "time", "result": true}  -> also {"result": {"loss": the step's loss} or
+                                     {"tokens": the decoded tokens [B, n]}}
   {"op": "drop"}  -> {"dropped": true}
   {"op": "quit"}  -> exits
 
@@ -37,8 +39,8 @@ import time
 import traceback
 import types
 
-from benchmarks import common, peers
-from benchmarks.train_step import Shape, synthetic_arrays
+from benchmarks import common, peers, workloads
+from benchmarks.workloads import Shape, decode_sources, synthetic_arrays
 
 CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch')
 FRAMEWORK = {'ours': 'jax', 'flaxmarian': 'jax', 'marian': 'torch', 'torch': 'torch'}
@@ -143,27 +145,20 @@ def time_matmuls(framework: str, shapes, dtypes, repeats: int, loops: dict) -> l
 
 # --- the tasks -----------------------------------------------------------------------------
 
-def decode_sources(config, batch: int, source_len: int):
-  """benchmarks.decode's sources: random ordinary ids [batch, source_len], EOS last."""
-  import numpy as np
-  rng = np.random.default_rng(0)
-  src = rng.integers(4, config.vocab_size, (batch, source_len)).astype(np.int32)
-  src[:, -1] = config.eos_id
-  return src
-
-
 def ours_task(request: dict, config):
-  """Our jit-compiled training step, or greedy / beam 4 decoding, on the request's setting."""
+  """Our jit-compiled training step, or greedy / beam 4 decoding, on the request's setting.
+
+  Every task returns what it computed: the step its loss, a decoder its tokens `[B, n]`.
+  """
   import jax
 
-  from benchmarks import train_step
   from flax_transformer import Transformer
   from flax_transformer.config import ModelConfig, TrainConfig
   from flax_transformer.decode import autoregressive
   model_config = ModelConfig(**request['model']).replace(dtype=request['dtype'])
   if request['task'] == 'train':
-    step = train_step.OurStep(model_config, TrainConfig(**request['train']),
-                              Shape(*request['shape']), jax.devices()[:1])
+    step = workloads.OurStep(model_config, TrainConfig(**request['train']),
+                             Shape(*request['shape']), jax.devices()[:1])
     return step.step
   model_config = model_config.replace(dropout_rate=0.0)
   model = Transformer(model_config)
@@ -174,11 +169,11 @@ def ours_task(request: dict, config):
     return lambda: jax.block_until_ready(
         autoregressive.greedy(model, params, src, max_len=n, min_len=n))
   return lambda: jax.block_until_ready(
-      autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))
+      autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))[0]
 
 
 def torch_task(contender: str, request: dict, config, threads: int):
-  """`peers.PeerStep`, or `MarianMTModel.generate` (benchmarks.decode's, float32 only)."""
+  """`peers.PeerStep`, or `MarianMTModel.generate` (float32 only)."""
   if request['task'] == 'train':
     src, tgt_in, tgt_out = synthetic_arrays(config, Shape(*request['shape']))
     step = peers.PeerStep(contender, config, types.SimpleNamespace(**request['train']),
@@ -192,7 +187,7 @@ def torch_task(contender: str, request: dict, config, threads: int):
 
 
 def marian_generate(config, request: dict):
-  """`MarianMTModel.generate` of n forced tokens (EOS banned until then), as benchmarks.decode's."""
+  """`MarianMTModel.generate` of n forced tokens (EOS banned until then); returns them `[B, n]`."""
   import torch
 
   model = peers.build_model('marian', config).eval()
@@ -207,6 +202,7 @@ def marian_generate(config, request: dict):
                            forced_eos_token_id=None)                             # [B, 1 + n]
     if out.shape[1] != n + 1:
       raise RuntimeError(f'Marian generated {out.shape[1] - 1} tokens, expected {n}')
+    return out[:, 1:]
 
   return run
 
@@ -279,6 +275,7 @@ def flaxmarian_task(request: dict, config):
     def run():
       holder['state'], loss = step(holder['state'], batch)
       jax.block_until_ready((holder['state'], loss))
+      return float(loss)
 
     return run
   n, beams = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
@@ -292,7 +289,7 @@ def flaxmarian_task(request: dict, config):
     out = jax.block_until_ready(generate(model.params, src))                         # [B, 1 + n]
     if out.shape[1] != n + 1 or bool((out[:, 1:] == config.eos_id).any()):
       raise RuntimeError(f'FlaxMarian generate did not give {n} tokens without EOS')
-    return out
+    return out[:, 1:]
 
   return run
 
@@ -305,6 +302,14 @@ def build(contender: str, request: dict, threads: int):
   if contender == 'flaxmarian':
     return flaxmarian_task(request, config)
   return torch_task(contender, request, config, threads)
+
+
+def describe(output) -> dict:
+  """What a task's call computed, as JSON: {'loss': float} or {'tokens': [[int, ...], ...]}."""
+  if isinstance(output, float):
+    return {'loss': output}
+  import numpy as np
+  return {'tokens': np.asarray(output).tolist()}
 
 
 # --- the loop ------------------------------------------------------------------------------
@@ -336,7 +341,12 @@ def serve(contender: str, threads: int, reply, lines) -> None:
       elif op == 'time' and task is None:
         reply({'error': 'no task built'})
       elif op == 'time':
-        reply({'seconds': common.time_calls(task, 1)[0]})
+        start = time.perf_counter()
+        output = task()
+        answer = {'seconds': time.perf_counter() - start}
+        if request.get('result'):
+          answer['result'] = describe(output)
+        reply(answer)
       elif op == 'drop':
         task = None
         reply({'dropped': True})

@@ -7,11 +7,11 @@ timed in one process in interleaved rounds, each variant compiled ahead of time:
 
   mapped step    the library's step (`train.make_parallel_step`, shard_map on
                  one device, with its metrics: what train.py and benchmarks.solo run)
-  jit step       the plain `jax.jit` step (`train.PlainStep`: loss, gradient, Adam)
+  jit step       the plain `jax.jit` step (`PlainStep`: loss, gradient, Adam)
   no dropout     the same with dropout_rate = attention_dropout_rate = 0
   gradients      loss and gradient only, no optimizer update (dropout on)
   forward        the loss only (dropout on)
-  matmul floor   the step's matmul FLOPs split by shape (`solo.train_flop_classes`),
+  matmul floor   the step's matmul FLOPs split by shape (`workloads.train_flop_classes`),
                  each class at the speed of a lone jitted [rows, K] @ [K, N] timed in
                  the same rounds: what the step would take if it did nothing but its
                  matmuls, each as fast as XLA runs that shape alone
@@ -24,11 +24,58 @@ Writes benchmarks/results/step_parts[_<dtype>].json.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import time
 
-from benchmarks import common
+from benchmarks import common, workloads
 
-BATCH, SOURCE_LEN, TARGET_LEN = 32, 32, 32
+
+class PlainStep:
+  """The reference single-device step a user would write: `jax.jit`, no mapping, no metrics.
+
+  Loss, gradient and Adam update from the library's public pieces
+  (`label_smoothed_cross_entropy`, `make_optimizer`), the same model and batch,
+  state donated. The gap to `workloads.OurStep` on one device is the cost of the
+  mapped step's psums and its metrics (NLL, accuracy, gradient norm).
+  """
+
+  def __init__(self, model_config, train_config, shape: workloads.Shape):
+    import jax
+    import jax.numpy as jnp
+
+    from flax_transformer import train
+    from flax_transformer.nn.model import Transformer
+    model = Transformer(model_config)
+    optimizer = train.make_optimizer(train_config, model_config)
+    state = train.create_train_state(model, optimizer, seed=0)
+    batch = jax.device_put(workloads.synthetic_batch(model_config, shape))
+    base_key = jax.random.key(train_config.seed)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def plain_step(state, batch):
+      def loss_fn(params):
+        logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
+                             rngs={'dropout': jax.random.fold_in(base_key, state.step)})
+        loss_sum, tokens = train.label_smoothed_cross_entropy(
+            logits, batch.tgt_out, train_config.label_smoothing, model_config.pad_id)
+        return loss_sum / jnp.maximum(tokens, 1.0)
+
+      loss, grads = jax.value_and_grad(loss_fn)(state.params)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      return state.replace(step=state.step + 1, opt_state=opt_state,
+                           params=jax.tree.map(jnp.add, state.params, updates)), loss
+
+    start = time.perf_counter()
+    compiled = plain_step.lower(state, batch).compile()
+    self.compile_s = time.perf_counter() - start
+    self._state = state
+
+    def step():
+      self._state, loss = compiled(self._state, batch)
+      jax.block_until_ready((self._state, loss))
+
+    self.step = step
 
 
 def variants(dtype: str) -> dict:
@@ -36,18 +83,17 @@ def variants(dtype: str) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from benchmarks import train_step as bench
   from flax_transformer import train
-  from flax_transformer.config import ModelConfig, TrainConfig
+  from flax_transformer.config import TrainConfig
   from flax_transformer.nn.model import Transformer
 
-  config = ModelConfig.base(vocab_size=8000, max_len=256, dtype=dtype)
-  train_config, shape = TrainConfig(), bench.Shape(BATCH, SOURCE_LEN, TARGET_LEN)
-  batch = jax.device_put(bench.synthetic_batch(config, shape))
-  runs = {'mapped step': bench.OurStep(config, train_config, shape, jax.devices()[:1]).step,
-          'jit step': bench.PlainStep(config, train_config, shape).step,
-          'no dropout': bench.PlainStep(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0),
-                                        train_config, shape).step}
+  config = workloads.model_config('base', dtype=dtype)
+  train_config, shape = TrainConfig(), workloads.SHAPE
+  batch = jax.device_put(workloads.synthetic_batch(config, shape))
+  runs = {'mapped step': workloads.OurStep(config, train_config, shape, jax.devices()[:1]).step,
+          'jit step': PlainStep(config, train_config, shape).step,
+          'no dropout': PlainStep(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0),
+                                  train_config, shape).step}
   model = Transformer(config)
   params = train.create_train_state(
       model, train.make_optimizer(train_config, config), seed=0).params
@@ -86,10 +132,9 @@ def main(argv=None) -> int:
   parser.add_argument('--output', help='JSON file (default benchmarks/results/step_parts[_DTYPE].json)')
   args = parser.parse_args(argv)
   cores = common.pin_threads(None)
-  from benchmarks.solo import train_flop_classes
   load_at_start = os.getloadavg()
   runs, config, shape = variants(args.dtype)
-  classes = train_flop_classes(config, shape)
+  classes = workloads.train_flop_classes(config, shape)
   matmuls = matmul_runs(classes, args.dtype)
   contenders = {**runs, **{f'matmul {m}x{k}x{n}': run for (m, k, n), (run, _) in matmuls.items()}}
   timings = common.interleaved_medians(contenders, args.rounds)

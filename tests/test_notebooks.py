@@ -40,8 +40,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-
-from benchmarks.common import first_processor
+from support.cpuinfo import first_processor
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / 'notebooks'
