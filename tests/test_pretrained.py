@@ -1,7 +1,7 @@
 """A Marian model imported from transformers computes what transformers computes.
 
 The reference is transformers' own `MarianMTModel` (PyTorch), built with random
-weights by `benchmarks.marian.make_marian_directory` and saved with
+weights by `support.marian_directory.make_marian_directory` and saved with
 `save_pretrained`, beside sentencepiece models trained on the spot: nothing is
 downloaded. Skipped without torch, transformers and sentencepiece
 (`pip install -e .[pretrained-test]`).
@@ -21,9 +21,9 @@ transformers = pytest.importorskip('transformers',
 pytest.importorskip('sentencepiece', reason='needs sentencepiece: pip install -e .[pretrained]')
 pytest.importorskip('safetensors', reason='needs safetensors: pip install -e .[pretrained]')
 
+from support.marian_directory import MarianShape, make_marian_directory  # noqa: E402
 from support.script_calls import call  # noqa: E402
 
-from benchmarks.marian import MarianShape, make_marian_directory  # noqa: E402
 from flax_transformer.cli import decode as decode_cli  # noqa: E402
 from flax_transformer.config import ConfigError  # noqa: E402
 from flax_transformer.decode import autoregressive  # noqa: E402
@@ -212,7 +212,7 @@ FINE_TUNING = ['--train.max_tokens=256', '--train.warmup_steps=2', '--train.log_
 
 def test_train_py_fine_tunes_a_marian_model_into_a_run_that_decodes(marian_dir, loaded,
                                                                      tmp_path):
-  from benchmarks.marian import SAMPLE_TEXT
+  from support.marian_directory import SAMPLE_TEXT
   from flax_transformer.cli import train as train_program
 
   corpus = tmp_path / 'corpus'
@@ -250,7 +250,7 @@ def test_averaging_a_fine_tuned_marian_run_keeps_its_tokenizer(marian_dir, loade
   # --average-last copied only tokenizer.json, which a Marian run does not have: training
   # finished, then failed on WORKDIR/tokenizer.json. The average is a run directory that loads
   # and decodes with the Marian tokenizer, as the run itself does.
-  from benchmarks.marian import SAMPLE_TEXT
+  from support.marian_directory import SAMPLE_TEXT
   from flax_transformer.cli import train as train_program
   from flax_transformer.pretrained.marian import MarianTokenizer
   from flax_transformer.run.loading import load_for_inference
