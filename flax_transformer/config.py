@@ -385,8 +385,14 @@ class DataConfig:
 # The three sections of a run's settings, as config.json and train.py's options name them.
 SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig}
 RUN_PRESETS = ('toy', 'multi30k', 'base')
-# Settings renamed since earlier versions: old option -> new one.
-RENAMED = {'model.nat_decoder_input': 'model.cmlm_decoder_input'}
+# Names of earlier versions, old -> new, the one table every reader reads: a setting is
+# 'SECTION.NAME', its section a config's ('model': train.py refuses the old option naming the
+# new one, config.json's old key is read as the new) or a decoding method's name
+# ('mask_predict': decode.py refuses the old option); a decoding method is 'method.NAME'
+# (decode.py's --method). The non-autoregressive model was called nat before it was cmlm.
+RENAMED = {'model.nat_decoder_input': 'model.cmlm_decoder_input',
+           'method.nat': 'method.mask_predict',
+           'mask_predict.nat_length': 'mask_predict.length'}
 
 
 def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:

@@ -10,7 +10,7 @@ import pytest
 
 from flax_transformer import ConfigError, ModelConfig, Transformer
 from flax_transformer.decode import autoregressive
-from flax_transformer.decode.autoregressive import BeamConfig, LoopConfig, SamplingConfig
+from flax_transformer.decode.autoregressive import BeamSearch, LoopConfig, Sampling
 
 CONFIG = ModelConfig.tiny(dropout_rate=0.0)
 PAD, BOS, EOS = CONFIG.pad_id, CONFIG.bos_id, CONFIG.eos_id
@@ -162,7 +162,7 @@ def test_pooled_beam_cache_searches_like_gathered_copies(params, src, default_li
   """The pooled cache reorders a history table; the reference moves every key and value."""
   config = CONFIG.replace(attention_radius=attention_radius)
   loop = LoopConfig.for_model(config, int(default_limits.max()))
-  beam = BeamConfig(beam_size=4, alpha=0.6, n_best=N_BEST)
+  beam = BeamSearch(beam_size=4, alpha=0.6)
   limits = jnp.asarray(default_limits, jnp.int32)
 
   @functools.partial(jax.jit, static_argnums=1)
@@ -172,7 +172,7 @@ def test_pooled_beam_cache_searches_like_gathered_copies(params, src, default_li
       assert isinstance(cache, autoregressive.BeamDecodeCache)
     else:
       step_fn, cache = row_cache_step_fn(config, params, src, loop.max_len, 4)
-    state = autoregressive.beam_loop(step_fn, cache, limits, loop, beam)
+    state = autoregressive.beam_loop(step_fn, cache, limits, loop, beam, N_BEST)
     return state.finished_tokens, state.finished_scores
 
   pooled_tokens, pooled_scores = search(src, True)
@@ -269,11 +269,11 @@ def run_greedy(tables, limits, loop):
                                               markov_cache(len(limits)), limits, loop))()
 
 
-def run_beam(tables, limits, loop, beam):
+def run_beam(tables, limits, loop, beam, n_best=1):
   limits = jnp.asarray(limits, jnp.int32)
   return jax.jit(lambda: autoregressive.beam_loop(markov_step_fn(tables),
                                             markov_cache(len(limits), beam.beam_size),
-                                            limits, loop, beam))()
+                                            limits, loop, beam, n_best))()
 
 
 def eos_after(min_len, vocab=6):
@@ -293,7 +293,7 @@ def test_loop_stops_once_every_row_is_done(steps_per_check, steps_run):
   # when one chunk spans max_len (a plain scan with a done mask).
   assert int(state.position) == steps_run
 
-  beam = run_beam(eos_after(3), [40, 40], loop, BeamConfig(beam_size=2, alpha=0.0))
+  beam = run_beam(eos_after(3), [40, 40], loop, BeamSearch(beam_size=2, alpha=0.0))
   np.testing.assert_array_equal(beam.finished_tokens[:, 0, :40], [expected, expected])
   assert int(beam.position) == steps_run
 
@@ -337,7 +337,7 @@ def test_beam_search_finds_the_sequence_greedy_misses():
   greedy = np.asarray(run_greedy(hand_table(), [6], loop).tokens[0])
   np.testing.assert_array_equal(greedy, [A, C, EOS, PAD, PAD, PAD])
 
-  state = run_beam(hand_table(), [6], loop, BeamConfig(beam_size=2, alpha=0.0))
+  state = run_beam(hand_table(), [6], loop, BeamSearch(beam_size=2, alpha=0.0))
   best_score, best = all_hypotheses(hand_table()[0], 6, alpha=0.0)[0]
   np.testing.assert_array_equal(state.finished_tokens[0, 0], best + [PAD] * (6 - len(best)))
   assert best == [B, EOS]
@@ -353,7 +353,7 @@ def test_wide_beam_search_equals_exhaustive_search(alpha, min_len):
   tables = np.random.default_rng(1).normal(scale=2.0, size=(3, 6, 6, 6))
   limits = [4, 3, 0]                     # the last row is batch padding
   loop = LoopConfig(max_len=4, min_len=min_len)
-  state = run_beam(tables, limits, loop, BeamConfig(beam_size=27, alpha=alpha, n_best=5))
+  state = run_beam(tables, limits, loop, BeamSearch(beam_size=27, alpha=alpha), n_best=5)
   for row, limit in enumerate(limits[:2]):
     best = all_hypotheses(tables[row], limit, alpha, min_len)[:5]
     np.testing.assert_allclose(state.finished_scores[row], [s for s, _ in best], rtol=1e-5)
@@ -365,7 +365,7 @@ def test_wide_beam_search_equals_exhaustive_search(alpha, min_len):
 def test_slots_without_a_hypothesis_score_minus_inf_and_hold_pad():
   # One token, EOS banned: only 'a', 'b' and 'c' exist, so the 4th slot stays empty.
   state = run_beam(hand_table(), [1], LoopConfig(max_len=1, min_len=1),
-                   BeamConfig(beam_size=4, alpha=0.6, n_best=4))
+                   BeamSearch(beam_size=4, alpha=0.6), n_best=4)
   np.testing.assert_array_equal(state.finished_tokens[0, :, 0], [A, B, C, PAD])
   np.testing.assert_allclose(state.finished_scores[0, :3], np.log([0.5, 0.4, 0.05]) - np.log(0.95),
                              rtol=1e-6)
@@ -385,7 +385,7 @@ def test_length_penalty_decides_between_short_and_long():
   # penalty prefers neither by probability alone: check the winner follows the formula.
   loop = LoopConfig(max_len=6)
   for alpha in (0.0, 4.0):
-    state = run_beam(hand_table(), [6], loop, BeamConfig(beam_size=4, alpha=alpha, n_best=4))
+    state = run_beam(hand_table(), [6], loop, BeamSearch(beam_size=4, alpha=alpha), n_best=4)
     best_score, best = all_hypotheses(hand_table()[0], 6, alpha)[0]
     length = hypothesis_length(np.asarray(state.finished_tokens[0, 0]), 6)
     assert list(np.asarray(state.finished_tokens[0, 0, :length])) == best
@@ -461,9 +461,9 @@ def truncated_distribution(logits, sampling):
 
 
 @pytest.mark.parametrize('sampling', [
-    SamplingConfig(temperature=0.5), SamplingConfig(top_k=3), SamplingConfig(temperature=1.5,
+    Sampling(temperature=0.5), Sampling(top_k=3), Sampling(temperature=1.5,
                                                                              top_p=0.8),
-    SamplingConfig(top_k=4, top_p=0.6), SamplingConfig(top_p=1e-6)], ids=str)
+    Sampling(top_k=4, top_p=0.6), Sampling(top_p=1e-6)], ids=str)
 def test_sampling_follows_the_truncated_distribution(sampling):
   draws = 20_000
   tables = np.broadcast_to(SAMPLING_LOGITS, (1, 8, 8, 8))
@@ -482,13 +482,15 @@ def test_sampling_follows_the_truncated_distribution(sampling):
 
 
 @pytest.mark.parametrize('make, message', [
-    (lambda: SamplingConfig(temperature=0.0), 'temperature must be > 0'),
-    (lambda: SamplingConfig(top_k=-1), 'top_k must be an integer >= 0'),
-    (lambda: SamplingConfig(top_p=0.0), r'top_p must be in \(0, 1\]'),
-    (lambda: SamplingConfig(top_p=1.5), r'top_p must be in \(0, 1\]'),
-    (lambda: BeamConfig(beam_size=0), 'beam_size must be a positive integer'),
-    (lambda: BeamConfig(alpha=-0.1), 'alpha must be >= 0'),
-    (lambda: BeamConfig(beam_size=4, n_best=5), r'n_best must be an integer in \[1, beam_size=4\]'),
+    (lambda: Sampling(temperature=0.0), r'sample\.temperature must be a positive number, got 0.0'),
+    (lambda: Sampling(top_k=-1), r'sample\.top_k must be a non-negative integer, got -1'),
+    (lambda: Sampling(top_p=0.0), r'top_p must be in \(0, 1\]'),
+    (lambda: Sampling(top_p=1.5), r'top_p must be in \(0, 1\]'),
+    (lambda: BeamSearch(beam_size=0), 'beam_size must be a positive integer'),
+    (lambda: BeamSearch(alpha=-0.1), 'alpha must be >= 0'),
+    (lambda: autoregressive.beam_loop(None, None, jnp.ones(1, jnp.int32), LoopConfig(max_len=1),
+                                      BeamSearch(beam_size=4), n_best=5),
+     r'n_best must be an integer in \[1, beam_size=4\]'),
     (lambda: LoopConfig(max_len=0), 'max_len must be a positive integer'),
     (lambda: LoopConfig(max_len=5, min_len=6), r'min_len must be an integer in \[0, max_len=5\]'),
     (lambda: LoopConfig(max_len=5, steps_per_check=0), 'steps_per_check must be a positive'),

@@ -13,14 +13,14 @@ from flax_transformer.decode.methods import (METHODS, BeamSearch, Greedy, MaskPr
 
 @pytest.mark.parametrize('make, message', [
     (lambda: Sampling(top_p=1.5), r'top_p must be in \(0, 1\]'),
-    (lambda: Sampling(temperature=0.0), 'temperature must be > 0'),
+    (lambda: Sampling(temperature=0.0), 'sample.temperature must be a positive number, got 0.0'),
     (lambda: BeamSearch(beam_size=0), 'beam_size must be a positive integer, got 0'),
-    (lambda: BeamSearch(alpha=-1.0), 'beam alpha must be >= 0'),
-    (lambda: Greedy(max_len=0), 'max_len must be a positive integer or None, got 0'),
+    (lambda: BeamSearch(alpha=-1.0), r'beam\.alpha must be >= 0, got -1.0'),
+    (lambda: Greedy(max_len=0), r'greedy\.max_len must be a positive integer, got 0'),
     (lambda: MaskPredict(iterations=0), 'iterations must be a positive integer, got 0'),
     (lambda: MaskPredict(length='fixed'), "length='fixed' decodes one length per sentence"),
     (lambda: MaskPredict(length='auto'), 'length must be one of predict, fixed'),
-    (lambda: MaskPredict(length_ratio=-0.5), 'length_ratio must be a finite number > 0'),
+    (lambda: MaskPredict(length_ratio=-0.5), r'length_ratio must be in \(0, inf\), got -0.5'),
     (lambda: MaskPredict(length_offset='2'), "length_offset must be an integer, got '2'"),
 ])
 def test_settings_are_checked_when_a_method_is_made(make, message):
@@ -51,11 +51,12 @@ def test_a_method_by_name_is_the_value_with_those_settings():
 
 
 def test_the_papers_defaults_are_written_once():
-  beam = autoregressive.BeamConfig()
-  assert (BeamSearch().beam_size, BeamSearch().alpha) == (beam.beam_size, beam.alpha) == (4, 0.6)
-  search_defaults = {f.name: f.default for f in dataclasses.fields(autoregressive.BeamConfig)}
-  assert autoregressive.beam_search.__kwdefaults__['beam_size'] == search_defaults['beam_size']
-  assert autoregressive.beam_search.__kwdefaults__['alpha'] == search_defaults['alpha']
+  assert (BeamSearch().beam_size, BeamSearch().alpha) == (4, 0.6)
+  # The functional API has no defaults of its own for a method's settings: it builds the method.
+  for function, method in ((autoregressive.beam_search, BeamSearch),
+                           (autoregressive.greedy, Greedy), (autoregressive.sample, Sampling)):
+    own = set(function.__kwdefaults__) & {f.name for f in dataclasses.fields(method)}
+    assert not own, f'{function.__name__} repeats the defaults of {own}'
 
 
 def test_methods_describe_their_decoding():

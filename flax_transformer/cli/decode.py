@@ -13,9 +13,8 @@ bar on standard error counts the sentences of a file or standard input. Empty
 lines give empty lines; a line longer than the model's max_len is truncated with
 a warning naming it. --reference prints sacreBLEU's BLEU and chrF with their
 signatures. A failure part way keeps the translations already written and says
-how many. Exit status: 0; 2 for bad arguments, input or checkpoint (one line,
-before any translation); 1 when writing fails or anything unexpected happens
-part way; 130 on Ctrl-C, 143 on SIGTERM; --debug adds the traceback.
+how many. A failure is one line on standard error (--debug adds the traceback) and
+an exit status, as the table in flax_transformer/cli/failures.py lists them.
 """
 
 from __future__ import annotations
@@ -60,14 +59,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add_method_options(parser)
   add_debug_option(parser)
   args = parser.parse_args(argv)
-  if args.nat_length is not None:
-    parser.error('--nat-length is now called --length')
-  # Refused here, naming the option, rather than deep in loading or decoding.
-  for option, low in (('step', 0), ('average_last', 0), ('beam_size', 1), ('top_k', 0),
-                      ('iterations', 1), ('length_beam', 1), ('max_len', 1), ('batch_size', 1)):
+  # Refused here, naming the option, rather than deep in loading or decoding (the method
+  # settings' ranges when parsed, from their fields).
+  for option, low in (('step', 0), ('average_last', 0), ('batch_size', 1)):
     value = getattr(args, option)
     if value is not None and value < low:
       parser.error(f'argument --{option.replace("_", "-")}: must be >= {low}, got {value}')
+  args.method_settings = method_settings(parser, args)
   return args
 
 
@@ -86,7 +84,7 @@ def _main(argv: Sequence[str] | None) -> int:
   from flax_transformer.decode.translator import Translator
   from flax_transformer.run.checkpoints import CheckpointError
 
-  settings = method_settings(args)
+  settings = args.method_settings
   try:
     sentences, show_progress = text_io.read_input(args.sentences, args.input)
     references = (text_io.read_references(args.reference, len(sentences))
@@ -95,7 +93,7 @@ def _main(argv: Sequence[str] | None) -> int:
     method = method_from_name(args.method, **settings) if args.method else None
     translator = Translator.from_directory(args.checkpoint, step=args.step,
                                            average_last=args.average_last, dtype=args.dtype)
-    method = method or method_from_name(default_method(translator.config).name, **settings)
+    method = method or default_method(translator.config, **settings)
     method.check_model(translator.config)
     output = text_io.open_output(args.output)
   except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:

@@ -4,17 +4,22 @@ an autoregressive checkpoint's beam-search translations, to train a cmlm student
     python distill.py --checkpoint runs/m30k/average-last5 --data ../shared/data/multi30k \\
         --output data/m30k-distilled
 
-Exit status: 0; 2 for a bad option, checkpoint, data or output (one line); 1 when writing fails.
+A failure is one line on standard error (--debug adds the traceback) and an exit status, as
+the table in flax_transformer/cli/failures.py lists them.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from flax_transformer.cli.failures import Failure, add_debug_option, run_program
+from flax_transformer.cli.options import add_method_options, method_settings
 from flax_transformer.decode.methods import BeamSearch
+
+# How the teacher decodes; its fields are the method options (--beam-size, --alpha, ...).
+TEACHER_METHOD = BeamSearch
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -29,20 +34,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--output', required=True, type=Path,
                       help='directory to write <split>.<lang> files into (must be new or empty)')
   parser.add_argument('--overwrite', action='store_true', help='replace --output if it exists')
-  parser.add_argument('--beam-size', type=int, default=BeamSearch.beam_size,
-                      help=f'beams (default {BeamSearch.beam_size})')
-  parser.add_argument('--alpha', type=float, default=BeamSearch.alpha,
-                      help=f'length penalty ((5 + |Y|) / 6)^alpha (default {BeamSearch.alpha})')
   parser.add_argument('--batch-size', type=int, default=64, help='sentences per batch')
+  add_method_options(parser, [TEACHER_METHOD], title="the teacher's decoding")
+  add_debug_option(parser)
   args = parser.parse_args(argv)
-  for option in ('beam_size', 'batch_size'):
-    if getattr(args, option) < 1:
-      parser.error(f'argument --{option.replace("_", "-")}: must be >= 1, '
-                   f'got {getattr(args, option)}')
+  if args.batch_size < 1:
+    parser.error(f'argument --batch-size: must be >= 1, got {args.batch_size}')
+  args.method_settings = method_settings(parser, args, [TEACHER_METHOD])
   return args
 
 
 def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = print) -> int:
+  """The program; failures: one line and a status (cli/failures.py)."""
+  return run_program('distill.py', lambda: _main(argv, print_fn), argv, lambda error: None)
+
+
+def _main(argv: Sequence[str] | None, print_fn: Callable[[str], None]) -> int:
   args = parse_args(argv)
   from flax_transformer.config import ConfigError
   from flax_transformer.data.corpus import DataError
@@ -50,16 +57,13 @@ def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = pr
   from flax_transformer.run.checkpoints import CheckpointError
   from flax_transformer.train.distill import DistillError, distill
   try:
-    method = BeamSearch(beam_size=args.beam_size, alpha=args.alpha)
+    method = TEACHER_METHOD(**args.method_settings)
     result = distill(args.checkpoint, args.output, data=args.data, method=method,
                      batch_size=args.batch_size, overwrite=args.overwrite)
   except (DistillError, CheckpointError, ConfigError, DataError, TokenizerError) as error:
-    print(f'distill.py: error: {error}', file=sys.stderr)
-    return 2
+    raise Failure(str(error), 2) from error  # one line; its traceback with --debug
   except OSError as error:
-    print(f'distill.py: error: writing {args.output} failed ({error.strerror or error})',
-          file=sys.stderr)
-    return 1
+    raise Failure(f'writing {args.output} failed ({error.strerror or error})', 1) from error
   notes = [f'{result.empty:,} empty (their pairs are dropped when loaded)'] if result.empty else []
   if result.truncated:
     notes.append(f'{result.truncated:,} sources longer than the teacher\'s max_len translated '

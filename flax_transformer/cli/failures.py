@@ -1,23 +1,26 @@
-"""How train.py and decode.py fail: one line on standard error and a documented exit status.
+"""How train.py, decode.py and distill.py fail: one line on standard error and an exit status.
 
     def main(argv=None):
       return run_program('train.py', lambda: _main(argv), argv, train_failure)
 
-Exit status of the programs:
+Exit status of the programs (the one table; their docstrings point here):
 
-  status  train.py                                  decode.py
-  0       trained and evaluated                     translated
-  1       an error in the data, the run directory   writing the output failed, or anything
-          (in use by another run, a checkpoint of   unexpected part way (the translations
-          another model, a foreign tokenizer), a    written stay)
-          write (full disk), or anything unexpected
-  2       a bad option or setting, refused before   bad arguments, input or checkpoint (missing,
-          any work (a model too large for the       damaged, another model, too large for the
-          machine's memory included)                machine, a foreign tokenizer), before any
-                                                    translation
-  3       a step's loss or gradient not finite      -
-  130     SIGINT (Ctrl-C)                           SIGINT (Ctrl-C)
-  143     SIGTERM                                   SIGTERM
+  0    train.py trained and evaluated; decode.py translated; distill.py wrote its output
+  1    train.py: an error in the data, the run directory (in use by another run, a checkpoint
+         of another model, a foreign tokenizer), a write (full disk), or anything unexpected
+         (the checkpoints written stay)
+       decode.py: writing the output failed, or anything unexpected part way (the
+         translations written stay)
+       distill.py: writing the output failed, or anything unexpected (the output directory
+         is complete or untouched)
+  2    refused before any work, naming the problem:
+       train.py: a bad option or setting (a model too large for the machine's memory included)
+       decode.py: bad arguments, input or checkpoint (missing, damaged, another model, too
+         large for the machine, a foreign tokenizer), before any translation
+       distill.py: a bad option, teacher checkpoint (missing, a cmlm model), data or output
+  3    train.py: a step's loss or gradient not finite (more than --skip-nonfinite times)
+  130  SIGINT (Ctrl-C); train.py saves the step reached first
+  143  SIGTERM; train.py saves the step reached first
 
 No Python traceback reaches the user unless `--debug` is given or the
 environment sets FLAX_TRANSFORMER_DEBUG=1: then the traceback comes first, and

@@ -1,18 +1,24 @@
-"""The settings of ModelConfig, TrainConfig and DataConfig as command-line options.
+"""Settings as command-line options: ModelConfig, TrainConfig and DataConfig (train.py), and the
+decoding methods' (decode.py, distill.py).
 
-Each field becomes `--SECTION.NAME VALUE` with the help written beside the field
+Each config field becomes `--SECTION.NAME VALUE` with the help written beside the field
 (`config.setting`) and each preset's value; the values are parsed by the
-field's annotation (`config.parse_overrides`), so nothing here names a field.
+field's annotation (`config.parse_overrides`). Each decoding method's field becomes
+`--NAME` (underscores as dashes: `--beam-size`), read by its annotation and refused outside
+its `Bounds` when parsed. Nothing here names a field.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from pathlib import Path
+from typing import Literal
 
-from flax_transformer.config import (RENAMED, RUN_PRESETS, SECTIONS, DataConfig, ModelConfig,
-                                     TrainConfig, help_of, parse_overrides, run_preset)
+from flax_transformer.config import (RENAMED, RUN_PRESETS, SECTIONS, Bounds, DataConfig,
+                                     ModelConfig, TrainConfig, field_types, help_of,
+                                     parse_overrides, run_preset)
 
 
 def add_setting_options(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +53,8 @@ def add_setting_options(parser: argparse.ArgumentParser) -> None:
       group.add_argument(f'--{option}', dest=option, metavar='VALUE',
                          help=f'{help_of(cls, name)} [{values}]')
   for old in RENAMED:  # accepted only to be refused by parse_overrides, naming the new option
-    parser.add_argument(f'--{old}', dest=old, help=argparse.SUPPRESS)
+    if old.split('.', 1)[0] in SECTIONS:
+      parser.add_argument(f'--{old}', dest=old, help=argparse.SUPPRESS)
 
 
 def setting_options(section: str, cls) -> list[str]:
@@ -75,51 +82,98 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
   return model_config, train_config, data_config
 
 
-# Options that set a field of the decoding method, named as the field.
-METHOD_SETTINGS = ('beam_size', 'alpha', 'temperature', 'top_k', 'top_p', 'seed', 'iterations',
-                   'length_beam', 'length', 'length_ratio', 'length_offset', 'max_len')
+def add_method_options(parser: argparse.ArgumentParser, methods=None,
+                       title: str = 'decoding method') -> None:
+  """One option per setting of the decoding `methods` (default: all, chosen by --method), named
+  and documented as the method class's field (`--beam-size`: `BeamSearch.beam_size`), its
+  range refused when parsed; a setting not given is None, the method's own default. The old
+  names in config.RENAMED are accepted only to be refused by `method_settings`, naming the new."""
+  from flax_transformer.decode.methods import METHODS, renamed_methods
+  choose = methods is None
+  methods = list(METHODS.values()) if choose else list(methods)
+  group = parser.add_argument_group(title, (
+      'beam, greedy and sample decode an autoregressive checkpoint, mask_predict a cmlm one'
+      if choose else None))
+  if choose:
+    group.add_argument(
+        '--method', choices=[*METHODS, *renamed_methods()], metavar='{' + ','.join(METHODS) + '}',
+        help='default: beam for an autoregressive checkpoint, mask_predict for a cmlm one (it '
+             'predicts the output length, fills all positions at once, then re-predicts the '
+             'least confident ones)')
+  for name, (field, owners) in _method_fields(methods).items():
+    kind, choices = _option_type(field_types(owners[0])[name])
+    default = '' if field.default is None else f' (default {field.default})'
+    group.add_argument(
+        f'--{name.replace("_", "-")}', dest=name, choices=choices,
+        metavar=None if choices else {int: 'N', float: 'X'}.get(kind),
+        type=_bounded(kind, field.metadata.get('bounds')) if choices is None else kind,
+        help=(f'{", ".join(owner.name for owner in owners)}: ' if choose else '')
+        + field.metadata['help'] + default)
+  for old, new in RENAMED.items():
+    section, old_name = old.split('.', 1)
+    if any(section == method.name for method in methods):
+      group.add_argument(f'--{old_name.replace("_", "-")}', dest=old, help=argparse.SUPPRESS)
 
 
-def add_method_options(parser: argparse.ArgumentParser) -> None:
-  """--method and its settings; a setting not given is None (the method's own default)."""
-  from flax_transformer.decode.methods import METHODS, RENAMED_METHODS, BeamSearch, MaskPredict
-  method = parser.add_argument_group('decoding method', 'beam, greedy and sample decode an '
-                                     'autoregressive checkpoint, mask_predict a cmlm one')
-  add = method.add_argument
-  add('--method', choices=[*METHODS, *RENAMED_METHODS], metavar='{' + ','.join(METHODS) + '}',
-      help='default: beam for an autoregressive checkpoint, mask_predict for a cmlm one (it '
-           'predicts the output length, fills all positions at once, then re-predicts the '
-           'least confident ones)')
-  add('--beam-size', type=int, help=f'beam: beams (default {BeamSearch.beam_size})')
-  add('--alpha', type=float,
-      help=f'beam: length penalty ((5 + |Y|) / 6)^alpha (default {BeamSearch.alpha})')
-  add('--temperature', type=float, help='sample: temperature (default 1)')
-  add('--top-k', type=int, help='sample: keep the k best (default 0: all)')
-  add('--top-p', type=float, help='sample: nucleus mass (default 1: all)')
-  add('--seed', type=int, help='sample: random seed (default 0)')
-  add('--iterations', type=int, help='mask_predict: decoding passes; each after the first '
-      f're-masks the least confident tokens (default {MaskPredict.iterations})')
-  add('--length-beam', type=int, help='mask_predict: output lengths decoded per sentence, the '
-      f'best kept (default {MaskPredict.length_beam}; 1 with --length fixed)')
-  add('--length', choices=('predict', 'fixed'), help='mask_predict: predict the length '
-      "(default), or decode source length + the model's max_length_offset, cut at the first EOS")
-  add('--length-ratio', type=float, metavar='X', help='mask_predict: multiply each length '
-      '(predicted, or with --length fixed the canvas) by X > 0 and round (default 1)')
-  add('--length-offset', type=int, metavar='N', help='mask_predict: add N tokens (may be '
-      "negative) to each length after --length-ratio; lengths stay in [1, the model's max_len] "
-      '(default 0)')
-  add('--max-len', type=int, help='beam, greedy, sample: output tokens per sentence (default: '
-      "source length + 50, at most the model's max_len)")
-  add('--nat-length', help=argparse.SUPPRESS)
-
-
-def method_settings(args: argparse.Namespace) -> dict[str, object]:
-  """The method settings given on the command line, by field name."""
-  settings = {name: getattr(args, name) for name in METHOD_SETTINGS
-              if getattr(args, name) is not None}
-  if args.length == 'fixed' and args.length_beam is None:
+def method_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    methods=None) -> dict[str, object]:
+  """The method settings given on the command line, by field name (parser.error for an old
+  option)."""
+  from flax_transformer.decode.methods import METHODS
+  for old, new in RENAMED.items():
+    if getattr(args, old, None) is not None:
+      parser.error(f'--{old.split(".", 1)[1].replace("_", "-")} is now called '
+                   f'--{new.split(".", 1)[1].replace("_", "-")}')
+  names = _method_fields(METHODS.values() if methods is None else methods)
+  settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+  if settings.get('length') == 'fixed' and 'length_beam' not in settings:
     settings['length_beam'] = 1  # a fixed length is one candidate per sentence
   return settings
+
+
+def _method_fields(methods) -> dict[str, tuple[dataclasses.Field, list]]:
+  """Each setting's name -> (its field in the first method that has it, the methods that do)."""
+  found = {}
+  for method in methods:
+    for field in dataclasses.fields(method):
+      found.setdefault(field.name, (field, []))[1].append(method)
+  return found
+
+
+def _option_type(annotation) -> tuple[type, tuple | None]:
+  """(the type an option's text is read as, its choices) for a field's annotation."""
+  args = [a for a in typing.get_args(annotation) if a is not type(None)]
+  if typing.get_origin(annotation) is Literal:
+    return str, tuple(args)
+  if type(None) in typing.get_args(annotation):
+    return _option_type(args[0])
+  return annotation, None
+
+
+def _bounded(kind: type, bounds: Bounds | None):
+  """An argparse type: `kind(text)`, refused unless `bounds` admits it."""
+  if bounds is None:
+    return kind
+
+  def parse(text: str):
+    value = kind(text)  # a ValueError: argparse's "invalid int value: 'x'"
+    if not bounds.admits(value):
+      raise argparse.ArgumentTypeError(f'must be {_limits(bounds)}, got {value}')
+    return value
+  parse.__name__ = kind.__name__
+  return parse
+
+
+def _limits(bounds: Bounds) -> str:
+  """'>= 1', '> 0', 'in (0, 1]': a range as an option's error states it."""
+  if bounds.low is None and bounds.high is None:
+    return bounds.describe()
+  if bounds.high is None:
+    return f'{">" if bounds.low_open else ">="} {bounds.low:g}'
+  if bounds.low is None:
+    return f'{"<" if bounds.high_open else "<="} {bounds.high:g}'
+  return (f'in {"(" if bounds.low_open else "["}{bounds.low:g}, {bounds.high:g}'
+          f'{")" if bounds.high_open else "]"}')
 
 
 def positive_int(text: str) -> int:

@@ -10,13 +10,9 @@ Every setting of ModelConfig, TrainConfig and DataConfig is an option `--model.N
 `--train.NAME=VALUE`, `--data.NAME=VALUE` over the preset's values (`--help` lists them). A
 run directory that holds checkpoints is resumed exactly, unless `--no-resume` is given.
 
-Exit status: 0 trained and evaluated; 1 an error in the data, the run directory (another
-run writing it, a checkpoint of another model) or a write, or anything unexpected (one line;
-the checkpoints written stay); 2 a bad option or setting (a model too large for the memory
-included), refused before any work; 3 a step's loss or gradient was not finite (more than
---skip-nonfinite times; the checkpoints on disk are those saved before it); 130 SIGINT, 143
-SIGTERM: the step reached was saved first (after a second Ctrl-C, or before training started,
-nothing new is saved). --debug adds the traceback (table: flax_transformer/cli/failures.py).
+A failure is one line on standard error (--debug adds the traceback) and an exit status, as
+the table in flax_transformer/cli/failures.py lists them (SIGTERM or Ctrl-C: the step reached
+is saved first; after a second Ctrl-C, or before training started, nothing new is saved).
 """
 
 from __future__ import annotations

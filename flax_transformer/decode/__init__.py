@@ -2,9 +2,10 @@
 
 Layer 5 (above `run`, whose checkpoints `Translator` loads). Modules:
 `autoregressive` (greedy, sampling and beam search as one `lax.scan`-style loop
-over steps), `mask_predict` (a cmlm model's iterative refinement), `methods` (one
-frozen class per method: its settings, checked, and how it runs), `translator`
-(`Translator`: text in, text out, for either model kind).
+over steps), `non_autoregressive` (mask-predict, a cmlm model's iterative refinement),
+each with its methods' classes (one frozen class per method: its settings, checked, and
+how it runs), `methods` (the list of methods, decode.py's names, the default),
+`translator` (`Translator`: text in, text out, for either model kind).
 
     tokens = decode.greedy(model, variables, src)                           # [B, L]
     tokens, scores = decode.beam_search(model, variables, src, beam_size=4, alpha=0.6)

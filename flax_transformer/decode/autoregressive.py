@@ -13,6 +13,11 @@ Two levels:
       tokens = sample(model, params, src, jax.random.key(0), top_p=0.9)
       tokens, scores = beam_search(model, params, src, beam_size=4, alpha=0.6)
 
+  Their keyword settings are the fields of the methods defined here, `BeamSearch`,
+  `Greedy` and `Sampling` (decode/methods.py lists every method), which hold
+  each setting's default, help and range once; `method.run(model, params, src)`
+  decodes with a method value.
+
 * On a step function: `decode_loop` and `beam_loop` drive any
   `step_fn(tokens [B], cache, position) -> (logits [B, V], cache)` whose cache
   leaves all have the batch (or batch * beam) axis first, or, for beam search,
@@ -37,19 +42,20 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.config import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, Bounds,
+                                     ConfigError, ModelConfig, check_fields, setting)
 from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
 
 # The paper's default output budget: source length + 50 (§6.1).
 EXTRA_OUTPUT_TOKENS = 50
-# Steps between two checks for "every row is done"; measured in benchmarks/decode.py.
+# Steps between two checks for "every row is done" (benchmarks/README.md: how it was chosen).
 DEFAULT_STEPS_PER_CHECK = 8
 
 Cache = Any
@@ -103,51 +109,121 @@ class LoopConfig:
     return -(-self.max_len // self.chunk) * self.chunk
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """Ancestral sampling from softmax(logits / temperature), optionally truncated.
-
-  top_k: keep the k most probable tokens (0: all).
-  top_p: keep the smallest set of most probable tokens whose mass reaches p
-    (nucleus sampling; 1.0: all). Applied after top_k, on the tempered distribution.
-  """
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  def __post_init__(self):
-    if not self.temperature > 0.0:
-      raise ConfigError(f'sampling temperature must be > 0 (use greedy for the argmax), '
-                        f'got {self.temperature!r}')
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ConfigError(f'sampling top_k must be an integer >= 0 (0 keeps all tokens), '
-                        f'got {self.top_k!r}')
-    if not 0.0 < self.top_p <= 1.0:
-      raise ConfigError(f'sampling top_p must be in (0, 1], got {self.top_p!r}')
+# --- the methods: each one's settings, checked, and how it runs ---------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class BeamConfig:
-  """Beam search settings (paper: beam 4, alpha 0.6).
+class DecodingMethod:
+  """What every decoding method has: a `name` (decode.py's --method), the model kind it decodes.
 
-  alpha: exponent of the GNMT length penalty ((5 + |Y|) / 6)^alpha; 0 ranks by
-    plain log-probability.
-  n_best: finished hypotheses kept and returned per sentence (<= beam_size).
+  A method is a frozen dataclass whose fields are its settings, each a
+  `config.setting(default, help, bounds=...)`: the default and the range are
+  written there once, checked when the value is made (`check_fields`, errors
+  naming 'NAME.field'), and decode.py's and distill.py's options are generated
+  from them (cli/options.py). The functional API (`beam_search(..., beam_size=8)`)
+  builds the method value from its keyword arguments.
   """
-  beam_size: int = 4
-  alpha: float = 0.6
-  n_best: int = 1
+
+  name: ClassVar[str]
+  model_kind: ClassVar[str] = 'autoregressive'
 
   def __post_init__(self):
-    if not isinstance(self.beam_size, int) or self.beam_size < 1:
-      raise ConfigError(f'beam_size must be a positive integer, got {self.beam_size!r}')
-    if not self.alpha >= 0.0:
-      # The early stop bounds a live beam's best final score by its score at the
-      # longest length, which holds only when the penalty grows with length.
-      raise ConfigError(f'beam alpha must be >= 0, got {self.alpha!r}')
-    if not isinstance(self.n_best, int) or not 1 <= self.n_best <= self.beam_size:
-      raise ConfigError(f'n_best must be an integer in [1, beam_size={self.beam_size}], '
-                        f'got {self.n_best!r}')
+    check_fields(self, self.name)
+
+  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
+    """Output ids `[B, L]` for source ids `[B, S]`; batch_index seeds per-batch randomness."""
+    raise NotImplementedError
+
+  def describe(self) -> str:
+    """The method and its settings in words, for reports."""
+    raise NotImplementedError
+
+  def check_model(self, config: ModelConfig) -> None:
+    """Raises ConfigError unless this method and its settings can decode a model of `config`."""
+    if config.kind != self.model_kind:
+      names = [repr(cls.name) for cls in _method_classes() if cls.model_kind == config.kind]
+      usable = ', '.join(names[:-1]) + ' or ' * (len(names) > 1) + names[-1]
+      raise ConfigError(f'method {self.name!r} decodes {self.model_kind} models, but this model '
+                        f'is model.kind={config.kind!r}; use method {usable}')
+    max_len = getattr(self, 'max_len', None)
+    if max_len is not None and max_len > config.max_len:
+      raise ConfigError(f"max_len must be in [1, {config.max_len}] (the model's max_len, the "
+                        f'length of its positional table), got {max_len}')
+
+
+def _method_classes() -> list[type[DecodingMethod]]:
+  """Every method class defined (here and in non_autoregressive), in the order defined."""
+  found, pending = [], list(DecodingMethod.__subclasses__())
+  while pending:
+    cls = pending.pop(0)
+    found.append(cls)
+    pending.extend(cls.__subclasses__())
+  return [cls for cls in found if 'name' in vars(cls)]
+
+
+# An autoregressive method's output budget, one field shared by all three.
+_MAX_LEN_HELP = ("output tokens per sentence (default: source length + 50, at most the model's "
+                 'max_len)')
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearch(DecodingMethod):
+  """Beam search with the GNMT length penalty ((5 + |Y|) / 6)^alpha (paper: beam 4, alpha 0.6)."""
+
+  name: ClassVar[str] = 'beam'
+  beam_size: int = setting(4, 'beams K kept per sentence', bounds=POSITIVE_INT)
+  # alpha >= 0: the early stop bounds a live beam's best final score by its score at the
+  # longest length, which holds only when the penalty grows with length.
+  alpha: float = setting(0.6, 'length penalty ((5 + |Y|) / 6)^alpha; 0 ranks by plain '
+                              'log-probability', bounds=NONNEGATIVE)
+  max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
+
+  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
+    tokens, _ = beam_search(model, params, src, **dataclasses.asdict(self))
+    return np.asarray(tokens)
+
+  def describe(self) -> str:
+    return f'beam search (beam {self.beam_size}, alpha {self.alpha})'
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy(DecodingMethod):
+  """The most probable token at each step."""
+
+  name: ClassVar[str] = 'greedy'
+  max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
+
+  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
+    return np.asarray(greedy(model, params, src, **dataclasses.asdict(self)))
+
+  def describe(self) -> str:
+    return 'greedy decoding'
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling(DecodingMethod):
+  """Ancestral sampling from softmax(logits / temperature), optionally truncated: top_k keeps
+  the k most probable tokens, then top_p the smallest set of them whose mass reaches p
+  (nucleus sampling), on the tempered distribution. `seed` makes `run`'s draws repeatable."""
+
+  name: ClassVar[str] = 'sample'
+  temperature: float = setting(1.0, 'divides the logits: above 1 flattens the distribution, '
+                                    'below 1 sharpens it', bounds=POSITIVE)
+  top_k: int = setting(0, 'keep the k most probable tokens (0: all)', bounds=NONNEGATIVE_INT)
+  top_p: float = setting(1.0, 'nucleus sampling: keep the most probable tokens whose mass '
+                              'reaches p (1: all)', bounds=Bounds(low=0, high=1, low_open=True))
+  seed: int = setting(0, 'random seed (batch i draws from the seed folded with i)',
+                      bounds=Bounds(integer=True))
+  max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
+
+  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
+    # One key per batch: batches draw independently, and a rerun draws the same.
+    rng = jax.random.fold_in(jax.random.key(self.seed), batch_index)
+    return np.asarray(sample(model, params, src, rng, **dataclasses.asdict(self)))
+
+  def describe(self) -> str:
+    return (f'sampling (temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}, '
+            f'seed {self.seed})')
 
 
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
@@ -240,7 +316,7 @@ def decode_loop(step_fn: StepFn, pick: PickFn, cache: Cache, limits: jax.Array,
 
 
 def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConfig,
-              beam: BeamConfig) -> BeamState:
+              beam: BeamSearch, n_best: int = 1) -> BeamState:
   """Beam search with finished hypotheses kept apart and the cache reordered with the beams.
 
   At each step the 2K best one-token extensions of the live beams are scored
@@ -258,19 +334,24 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
       leaves, the K beams of a sentence adjacent (see `reorder_beams`).
     limits: int32 `[B]` per-sentence length limits (0: batch padding).
     config: loop settings.
-    beam: beam settings.
+    beam: the beam settings (beam_size K, alpha).
+    n_best: finished hypotheses kept per sentence, in [1, K].
 
   Returns:
     The final state; `finished_tokens[:, :, :config.max_len]` and
     `finished_scores` are the n best hypotheses per sentence.
   """
-  batch, k, n = limits.shape[0], beam.beam_size, beam.n_best
+  if isinstance(n_best, bool) or not isinstance(n_best, int) or not 1 <= n_best <= beam.beam_size:
+    # n_best is the functional API's, not a method setting: a method's run returns the best.
+    raise ConfigError(f'n_best must be an integer in [1, beam_size={beam.beam_size}], '
+                      f'got {n_best!r}')
+  batch, beam_size, n = limits.shape[0], beam.beam_size, n_best
   length = config.buffer_len
   state = BeamState(
       position=jnp.int32(0),
-      live_tokens=jnp.full((batch, k, length), config.pad_id, jnp.int32),
+      live_tokens=jnp.full((batch, beam_size, length), config.pad_id, jnp.int32),
       # Only beam 0 is live at the start: K copies of BOS would fill the beam with duplicates.
-      live_logprobs=jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf)[None].repeat(batch, 0),
+      live_logprobs=jnp.where(jnp.arange(beam_size) == 0, 0.0, -jnp.inf)[None].repeat(batch, 0),
       finished_tokens=jnp.full((batch, n, length), config.pad_id, jnp.int32),
       finished_scores=jnp.full((batch, n), -jnp.inf),
       done=limits <= 0,
@@ -278,20 +359,22 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
 
   def step(state: BeamState) -> BeamState:
     position = state.position
-    flat_tokens = state.live_tokens.reshape(batch * k, length)
+    flat_tokens = state.live_tokens.reshape(batch * beam_size, length)
     logits, cache = step_fn(_last_tokens(flat_tokens, position, config), state.cache,
                             _cache_position(position, config))
     logits = _allowed_logits(logits, position, config)                          # [B*K, V]
     # The 2K best extensions of all beams are among the 2K best of each beam,
     # so only those are normalised and ranked: no log_softmax is written out
     # over all K * V values.
-    per_beam = min(2 * k, logits.shape[-1])
+    per_beam = min(2 * beam_size, logits.shape[-1])
     top_logits, top_tokens = jax.lax.top_k(logits, per_beam)                  # [B*K, 2K]
     top_logprobs = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    extended = state.live_logprobs[:, :, None] + top_logprobs.reshape(batch, k, per_beam)
-    cand_logprobs, cand_index = jax.lax.top_k(extended.reshape(batch, k * per_beam), 2 * k)
+    extended = state.live_logprobs[:, :, None] + top_logprobs.reshape(batch, beam_size, per_beam)
+    cand_logprobs, cand_index = jax.lax.top_k(extended.reshape(batch, beam_size * per_beam),
+                                              2 * beam_size)
     cand_parent = cand_index // per_beam                                        # [B, 2K]
-    cand_token = jnp.take_along_axis(top_tokens.reshape(batch, k * per_beam), cand_index, axis=1)
+    cand_token = jnp.take_along_axis(top_tokens.reshape(batch, beam_size * per_beam), cand_index,
+                                     axis=1)
     cand_tokens = _write_column(
         jnp.take_along_axis(state.live_tokens, cand_parent[:, :, None], axis=1),
         cand_token, position)                                                   # [B, 2K, Lb]
@@ -310,7 +393,7 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
         jnp.concatenate([state.finished_tokens, cand_tokens_or_pad], axis=1), best[:, :, None],
         axis=1)
 
-    live_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logprobs), k)
+    live_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logprobs), beam_size)
     live_tokens = jnp.take_along_axis(cand_tokens, keep[:, :, None], axis=1)
     parent = jnp.take_along_axis(cand_parent, keep, axis=1)                     # [B, K]
     cache = reorder_beams(cache, parent)
@@ -331,10 +414,10 @@ def reorder_beams(cache: Cache, parent: jax.Array) -> Cache:
   """
   if isinstance(cache, BeamDecodeCache):
     return cache.reorder(parent)
-  batch, k = parent.shape
-  if k == 1:
+  batch, beam_size = parent.shape
+  if beam_size == 1:
     return cache
-  rows = (jnp.arange(batch)[:, None] * k + parent).reshape(-1)
+  rows = (jnp.arange(batch)[:, None] * beam_size + parent).reshape(-1)
   return jax.tree.map(lambda x: x[rows], cache)
 
 
@@ -392,7 +475,7 @@ def argmax_pick(logits: jax.Array, position: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(logits == best, jnp.arange(vocab), vocab), axis=-1)
 
 
-def sampling_pick(rng: jax.Array, config: SamplingConfig) -> PickFn:
+def sampling_pick(rng: jax.Array, config: Sampling) -> PickFn:
   """A pick function drawing from the truncated, tempered distribution.
 
   The key of step p is `fold_in(rng, p)`: the draws do not depend on the
@@ -408,7 +491,7 @@ def sampling_pick(rng: jax.Array, config: SamplingConfig) -> PickFn:
   return pick
 
 
-def truncated_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
+def truncated_logits(logits: jax.Array, config: Sampling) -> jax.Array:
   """Tempered logits `[B, V]` with everything outside top-k and the top-p nucleus at -inf.
 
   Tokens tied with the last kept one are kept too.
@@ -430,48 +513,53 @@ def truncated_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
 # --- on the model --------------------------------------------------------------
 
 
-def greedy(model: Transformer, params, src, *, max_len: int | None = None, min_len: int = 0,
-           steps_per_check: int = DEFAULT_STEPS_PER_CHECK) -> jax.Array:
+def greedy(model: Transformer, params, src, *, min_len: int = 0,
+           steps_per_check: int = DEFAULT_STEPS_PER_CHECK, **settings) -> jax.Array:
   """Greedy decoding: the most probable token at each step.
 
   Args:
     model: the `Transformer` (only its config is used).
     params: the parameter dict, or the full variables `{'params': ...}`.
     src: int source ids `[B, S]` (numpy or jax), PAD-padded, EOS-terminated as in training.
-    max_len: output tokens per sentence. None: each sentence's source length
-      (non-PAD tokens) + 50, capped at `model.config.max_len` with a warning.
     min_len: EOS is forbidden before this many tokens.
     steps_per_check: steps between checks for "every sentence is done".
+    **settings: `Greedy`'s fields, its defaults and checks: max_len, the output tokens
+      per sentence (None: each sentence's source length (non-PAD tokens) + 50, capped at
+      `model.config.max_len` with a warning).
 
   Returns:
     int32 tokens `[B, L]`: EOS-terminated, PAD after EOS (see the module docstring).
   """
-  variables, src, limits, loop = _prepare(model, params, src, max_len, min_len, steps_per_check)
+  method = Greedy(**settings)
+  variables, src, limits, loop = _prepare(model, params, src, method.max_len, min_len,
+                                          steps_per_check)
   return _greedy(model.config, variables, src, limits, loop)
 
 
-def sample(model: Transformer, params, src, rng: jax.Array, *,
-           temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-           top_p: float = SamplingConfig.top_p, max_len: int | None = None, min_len: int = 0,
-           steps_per_check: int = DEFAULT_STEPS_PER_CHECK) -> jax.Array:
-  """Ancestral sampling with temperature, top-k and top-p (see `SamplingConfig`).
+def sample(model: Transformer, params, src, rng: jax.Array, *, min_len: int = 0,
+           steps_per_check: int = DEFAULT_STEPS_PER_CHECK, **settings) -> jax.Array:
+  """Ancestral sampling with temperature, top-k and top-p: `settings` are `Sampling`'s fields
+  (temperature, top_k, top_p, max_len; a seed is not read: `rng` draws).
 
   The same `rng` gives the same tokens; `top_k=1` gives greedy's tokens. Other
   arguments and the result are as in `greedy`.
   """
-  sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-  variables, src, limits, loop = _prepare(model, params, src, max_len, min_len, steps_per_check)
-  return _sample(model.config, variables, src, limits, rng, loop, sampling)
+  method = Sampling(**settings)
+  variables, src, limits, loop = _prepare(model, params, src, method.max_len, min_len,
+                                          steps_per_check)
+  # Compiled once per what the loop reads: the seed is in `rng`, the output length in `loop`.
+  static = dataclasses.replace(method, seed=0, max_len=None)
+  return _sample(model.config, variables, src, limits, rng, loop, static)
 
 
-def beam_search(model: Transformer, params, src, *, beam_size: int = BeamConfig.beam_size,
-                alpha: float = BeamConfig.alpha, n_best: int = BeamConfig.n_best,
-                max_len: int | None = None, min_len: int = 0,
-                steps_per_check: int = DEFAULT_STEPS_PER_CHECK) -> tuple[jax.Array, jax.Array]:
-  """Beam search with the GNMT length penalty (see `beam_loop` and `BeamConfig`).
+def beam_search(model: Transformer, params, src, *, n_best: int = 1, min_len: int = 0,
+                steps_per_check: int = DEFAULT_STEPS_PER_CHECK, **settings
+                ) -> tuple[jax.Array, jax.Array]:
+  """Beam search with the GNMT length penalty (see `beam_loop`): `settings` are
+  `BeamSearch`'s fields (beam_size, alpha, max_len), its defaults the paper's beam 4, alpha 0.6.
 
   Returns:
-    n_best == 1: tokens `[B, L]` and scores `[B]`; n_best > 1: tokens
+    n_best == 1: tokens `[B, L]` and scores `[B]`; n_best (<= beam_size) > 1: tokens
     `[B, n_best, L]` and scores `[B, n_best]`, best first. A score is
     log P(Y | X) / length_penalty(|Y|, alpha), |Y| counting EOS; batch-padding
     rows (all-PAD source) score -inf. With beam_size=1 and alpha=0 the result is
@@ -479,9 +567,11 @@ def beam_search(model: Transformer, params, src, *, beam_size: int = BeamConfig.
     greedy's whole sequence: then it is that shorter, more probable hypothesis.
   Other arguments are as in `greedy`.
   """
-  beam = BeamConfig(beam_size=beam_size, alpha=alpha, n_best=n_best)
-  variables, src, limits, loop = _prepare(model, params, src, max_len, min_len, steps_per_check)
-  tokens, scores = _beam_search(model.config, variables, src, limits, loop, beam)
+  method = BeamSearch(**settings)
+  variables, src, limits, loop = _prepare(model, params, src, method.max_len, min_len,
+                                          steps_per_check)
+  static = dataclasses.replace(method, max_len=None)  # the output length is in `loop`
+  tokens, scores = _beam_search(model.config, variables, src, limits, loop, static, n_best)
   return (tokens[:, 0], scores[:, 0]) if n_best == 1 else (tokens, scores)
 
 
@@ -555,7 +645,7 @@ def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check)
   if config.kind != 'autoregressive':
     # Its parameters would load into the causal decoder and give fluent-looking garbage.
     raise ValueError(f"greedy, sample and beam_search decode an autoregressive model; "
-                     f"model.kind={config.kind!r} decodes with cmlm_decoding.mask_predict")
+                     f"model.kind={config.kind!r} decodes with non_autoregressive.mask_predict")
   src = check_source(src, config)
   total, limits = output_limits(src, config, max_len)
   loop = LoopConfig.for_model(config, total, min_len=min_len, steps_per_check=steps_per_check)
@@ -602,15 +692,15 @@ def _greedy(config: ModelConfig, variables, src, limits, loop: LoopConfig) -> ja
 
 @functools.partial(jax.jit, static_argnames=('config', 'loop', 'sampling'))
 def _sample(config: ModelConfig, variables, src, limits, rng, loop: LoopConfig,
-            sampling: SamplingConfig) -> jax.Array:
+            sampling: Sampling) -> jax.Array:
   step_fn, cache = model_step_fn(config, variables, src, loop.max_len)
   pick = sampling_pick(rng, sampling)
   return decode_loop(step_fn, pick, cache, limits, loop).tokens[:, :loop.max_len]
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'loop', 'beam'))
-def _beam_search(config: ModelConfig, variables, src, limits, loop: LoopConfig, beam: BeamConfig
-                 ) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=('config', 'loop', 'beam', 'n_best'))
+def _beam_search(config: ModelConfig, variables, src, limits, loop: LoopConfig, beam: BeamSearch,
+                 n_best: int = 1) -> tuple[jax.Array, jax.Array]:
   step_fn, cache = model_step_fn(config, variables, src, loop.max_len, beam.beam_size)
-  state = beam_loop(step_fn, cache, limits, loop, beam)
+  state = beam_loop(step_fn, cache, limits, loop, beam, n_best)
   return state.finished_tokens[:, :, :loop.max_len], state.finished_scores

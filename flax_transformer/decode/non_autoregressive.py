@@ -39,59 +39,79 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.config import POSITIVE_INT, Bounds, ConfigError, ModelConfig, setting
 from flax_transformer.decode import autoregressive
 from flax_transformer.nn import masks
 from flax_transformer.nn.cmlm import (CMLMTransformer, lengths_from_classes, mask_id,
                                       num_length_classes)
 
-LENGTH_MODES = ('predict', 'fixed')
 # Canvas widths are rounded up to a multiple of this: few compiled programs, little waste.
 WIDTH_MULTIPLE = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class MaskPredictConfig:
-  """Mask-predict settings (static under jit).
+# Bounds of a length ratio: positive and finite.
+_FINITE_POSITIVE = Bounds(low=0, high=math.inf, low_open=True, high_open=True)
 
-  iterations: I >= 1 passes over the canvas; 1 is one-pass decoding.
-  length_beam: M >= 1 candidate lengths per sentence, the classifier's top M.
-  length: 'predict' (the classifier) or 'fixed' (min(source length + O,
-    model.max_len) positions, the output cut at the first EOS; needs M = 1).
-  length_ratio, length_offset: each candidate length N becomes
-    clip(round(length_ratio * N) + length_offset, 1, model.max_len) (`adjust_lengths`):
-    ratio > 0 scales, an integer offset adds tokens. With length='fixed' they
-    resize the canvas, which bounds the output (still cut at the first EOS).
+
+@dataclasses.dataclass(frozen=True)
+class MaskPredict(autoregressive.DecodingMethod):
+  """Mask-predict decoding of a cmlm model (Ghazvininejad et al. 2019); its settings are static
+  under jit.
+
+  `iterations` refinement passes over the `length_beam` most probable lengths
+  (length 'predict'), or over one canvas of source length +
+  model.max_length_offset tokens cut at the first EOS (length 'fixed',
+  length_beam 1). Each length N is then adjusted to round(length_ratio * N) +
+  length_offset, clipped to [1, model.max_len] (`adjust_lengths`; with length
+  'fixed' the canvas, which bounds the output, still cut at the first EOS).
   """
-  iterations: int = 10
-  length_beam: int = 3
-  length: Literal['predict', 'fixed'] = 'predict'
-  length_ratio: float = 1.0
-  length_offset: int = 0
+
+  name: ClassVar[str] = 'mask_predict'
+  model_kind: ClassVar[str] = 'cmlm'
+  iterations: int = setting(10, 'decoding passes I; each after the first re-masks the least '
+                                'confident tokens (1: one-pass decoding)', bounds=POSITIVE_INT)
+  length_beam: int = setting(3, 'output lengths M decoded per sentence, the length '
+                                "classifier's best, the most confident output kept (1 with "
+                                'length fixed)', bounds=POSITIVE_INT)
+  length: Literal['predict', 'fixed'] = setting(
+      'predict', "predict the length, or decode source length + the model's "
+      'max_length_offset, cut at the first EOS')
+  length_ratio: float = setting(1.0, 'multiply each length (predicted, or with length fixed '
+                                     'the canvas) by this and round', bounds=_FINITE_POSITIVE)
+  length_offset: int = setting(0, 'add this many tokens (may be negative) to each length after '
+                                  "length_ratio; lengths stay in [1, the model's max_len]",
+                               bounds=Bounds(integer=True))
 
   def __post_init__(self):
-    for name in ('iterations', 'length_beam'):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f'mask-predict {name} must be a positive integer, got {value!r}')
-    if self.length not in LENGTH_MODES:
-      raise ConfigError(f'mask-predict length must be one of {", ".join(LENGTH_MODES)}, '
-                        f'got {self.length!r}')
+    super().__post_init__()
     if self.length == 'fixed' and self.length_beam != 1:
-      raise ConfigError(f"mask-predict length='fixed' decodes one length per sentence: "
+      raise ConfigError(f"mask_predict length='fixed' decodes one length per sentence: "
                         f'length_beam must be 1, got {self.length_beam}')
-    ratio, offset = self.length_ratio, self.length_offset
-    if (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio)
-        or ratio <= 0):
-      raise ConfigError(f'mask-predict length_ratio must be a finite number > 0, got {ratio!r}')
-    if isinstance(offset, bool) or not isinstance(offset, int):
-      raise ConfigError(f'mask-predict length_offset must be an integer, got {offset!r}')
+
+  def check_model(self, config: ModelConfig) -> None:
+    super().check_model(config)
+    classes = num_length_classes(config)
+    if self.length_beam > classes:
+      raise ConfigError(f"length_beam={self.length_beam} exceeds the model's {classes} length "
+                        f'classes (2 * model.max_length_offset + 1, max_length_offset='
+                        f'{config.max_length_offset})')
+
+  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
+    return np.asarray(mask_predict(model, params, src, **dataclasses.asdict(self)))
+
+  def describe(self) -> str:
+    parts = [f'{self.iterations} iterations',
+             'fixed length' if self.length == 'fixed' else f'length beam {self.length_beam}']
+    if self.length_ratio != 1 or self.length_offset:
+      parts.append(f'lengths x {self.length_ratio} {self.length_offset:+d}')
+    return f'mask-predict decoding ({", ".join(parts)})'
 
 
 @flax.struct.dataclass
@@ -106,21 +126,17 @@ class Canvas:
   scores: jax.Array
 
 
-def mask_predict(model: CMLMTransformer, params, src, *,
-                 iterations: int = MaskPredictConfig.iterations,
-                 length_beam: int = MaskPredictConfig.length_beam,
-                 length: Literal['predict', 'fixed'] = MaskPredictConfig.length,
-                 length_ratio: float = MaskPredictConfig.length_ratio,
-                 length_offset: int = MaskPredictConfig.length_offset,
-                 return_history: bool = False):
+def mask_predict(model: CMLMTransformer, params, src, *, return_history: bool = False,
+                 **settings):
   """Non-autoregressive decoding with iterative refinement (see the module docstring).
 
   Args:
     model: the `CMLMTransformer` (only its config is used).
     params: the parameter dict, or the full variables `{'params': ...}`.
     src: int source ids `[B, S]` (numpy or jax), PAD-padded, EOS-terminated.
-    iterations, length_beam, length, length_ratio, length_offset: see `MaskPredictConfig`.
     return_history: also return the per-iteration record.
+    **settings: `MaskPredict`'s fields, its defaults and checks: iterations,
+      length_beam, length, length_ratio, length_offset.
 
   Returns:
     int32 tokens `[B, W]`, W = `canvas_width(longest candidate, model.max_len)`; with `return_history`,
@@ -136,8 +152,7 @@ def mask_predict(model: CMLMTransformer, params, src, *,
   if not isinstance(model, CMLMTransformer):
     raise TypeError(f"mask_predict needs a CMLMTransformer (model.kind='cmlm'), "
                     f'got {type(model).__name__}')
-  settings = MaskPredictConfig(iterations=iterations, length_beam=length_beam, length=length,
-                               length_ratio=length_ratio, length_offset=length_offset)
+  settings = MaskPredict(**settings)
   config = model.config
   if settings.length_beam > num_length_classes(config):
     raise ConfigError(f'mask-predict length_beam={settings.length_beam} exceeds the '
@@ -164,7 +179,7 @@ def canvas_width(longest: int, max_len: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'settings'))
-def _encode(config: ModelConfig, variables, src: jax.Array, settings: MaskPredictConfig
+def _encode(config: ModelConfig, variables, src: jax.Array, settings: MaskPredict
             ) -> tuple[jax.Array, jax.Array]:
   """Source `[B, S]` -> (memory `[B, S, D]`, candidate lengths int32 `[R]`)."""
   def encode(module: CMLMTransformer, src: jax.Array):
@@ -178,7 +193,7 @@ def _encode(config: ModelConfig, variables, src: jax.Array, settings: MaskPredic
 
 @functools.partial(jax.jit, static_argnames=('config', 'settings', 'width'))
 def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
-            lengths: jax.Array, settings: MaskPredictConfig, width: int
+            lengths: jax.Array, settings: MaskPredict, width: int
             ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The I passes over the canvas `[R, W]` and the choice among each sentence's M candidates."""
   model = CMLMTransformer(config)
@@ -237,7 +252,7 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
 
 
 def _candidate_lengths(length_logits: jax.Array, src: jax.Array, config: ModelConfig,
-                       settings: MaskPredictConfig) -> jax.Array:
+                       settings: MaskPredict) -> jax.Array:
   """int32 `[B, M]`: the top-M predicted lengths, or the fixed one, adjusted; 0 for all-PAD
   sources."""
   src_lengths = jnp.sum(src != config.pad_id, axis=1, dtype=jnp.int32)[:, None]  # [B, 1]

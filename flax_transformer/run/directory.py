@@ -32,7 +32,8 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from flax_transformer.config import SECTIONS, ConfigError, DataConfig, ModelConfig, TrainConfig
+from flax_transformer.config import (RENAMED, SECTIONS, ConfigError, DataConfig, ModelConfig,
+                                     TrainConfig)
 from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
 from flax_transformer.pretrained.marian import MarianTokenizer
@@ -45,8 +46,6 @@ TOKENIZER_DIGEST = 'tokenizer_sha256'
 CHECKPOINT_DIR = 'checkpoints'
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
-# config.json keys of earlier versions, read under their new names.
-_RENAMED_KEYS = {'model': {'nat_decoder_input': 'cmlm_decoder_input'}}
 
 
 class CheckpointError(ValueError):
@@ -167,10 +166,10 @@ def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConf
                           'train.py (it needs config.json, tokenizer.json and checkpoints/)')
   try:
     content = json.loads(path.read_text())
-    for section, renamed in _RENAMED_KEYS.items():
-      for old, new in renamed.items():
-        if old in content[section]:
-          content[section][new] = content[section].pop(old)
+    for old, new in RENAMED.items():  # config.json keys of earlier versions, read as the new
+      section, key = old.split('.', 1)
+      if section in SECTIONS and key in content[section]:
+        content[section][new.split('.', 1)[1]] = content[section].pop(key)
     return tuple(cls(**content[section]) for section, cls in SECTIONS.items())
   except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as error:
     raise CheckpointError(f'{path}: not a valid run configuration ({error})') from error
