@@ -21,15 +21,15 @@ alike; the others block on stdin. Numbers are medians of `--rounds` calls;
 build and first-call (compile) times are reported apart.
 
 Setting: the paper's base model (d=512, 6+6 layers, 8 heads, d_ff 2048;
-`--model small` or `big` for the others of `workloads.model_config`),
-vocabulary 8,000, random weights. Training step: batch 32 x (32 + 32) tokens
-(`--shape`),
-dropout 0.1, label smoothing 0.1, Adam on the paper's schedule. Decoding: 32
-sources of 32 tokens, 32 new tokens forced (EOS banned until then); tokens/s =
-batch x new tokens / time. Each worker also times its own framework's matmul
-peak, in alternating rounds as well: 4096^3 (`--peak-size`), and rows 1024 (the step's 32 x 32
-tokens), 32 and 128 (greedy and beam 4 decode steps) times the model's weights
-[D, F], [F, D], [D, D] and [D, V], float32 and bfloat16 (float32 accumulation). GFLOP/s divide the
+`--model small` or `big`: `workloads.model_config`), vocabulary 8,000, random
+weights. Training step: batch 32 x (32 + 32) tokens (`--shape`), dropout 0.1,
+label smoothing 0.1, Adam on the paper's schedule. Decoding: 32 sources of 32
+tokens, 32 new tokens forced (EOS banned until then); tokens/s = batch x new
+tokens / time. Each worker also times its own framework's matmul peak, in
+alternating rounds as well: 4096^3 (`--peak-size`), and rows 1024 (the step's
+32 x 32 tokens), 32 and 128 (greedy and beam 4 decode steps) times the model's
+weights [D, F], [F, D], [D, D] and [D, V], float32 and bfloat16 (float32
+accumulation); only the shapes of the tasks run. GFLOP/s divide the
 analytic matmul FLOPs (`workloads.train_flops`, `workloads.decode_flops`) by the
 median time; each is read against (a) the 4096^3 peak and (b) the FLOP-weighted
 peak at the task's own shapes (`weighted_peak`).
