@@ -117,13 +117,6 @@ def torch_matmul_peak(dtype: str, size: int = 2048, repeats: int = 7) -> dict:
   return _peak(time_calls(run, repeats), size, dtype, 'torch')
 
 
-def encoder_layer_flops(config, batch: int, src_len: int) -> int:
-  """Matmul FLOPs of one encoder layer's forward pass over B rows of S tokens (2 per multiply-add):
-  2BS(4D^2 + 2DF) for Q, K, V, O and the FFN, 4BS^2 D for QK^T and AV."""
-  B, S, D, F = batch, src_len, config.d_model, config.d_ff
-  return 2 * B * S * (4 * D * D + 2 * D * F) + 4 * B * S * S * D
-
-
 def measure_peaks(dtypes, with_torch: bool, size: int) -> dict:
   """{dtype: {'jax': {...}, 'torch': {...}, 'gflops': the faster}} for [size, size] matmuls."""
   peaks = {}
