@@ -1,4 +1,4 @@
-"""What every benchmark here needs: pinned threads, medians, the matmul peak, machine facts, JSON.
+"""What every benchmark here needs: pinned threads, medians, machine facts, JSON.
 
 Nothing in here knows about a model. Numbers are medians of timed calls after
 warm-up calls; when several contenders are compared they are timed in
@@ -87,53 +87,6 @@ def interleaved_medians(contenders: Mapping[str, Callable[[], object]], rounds: 
 def summarize_times(times: list[float]) -> dict:
   return {'median_s': statistics.median(times), 'min_s': min(times),
           'times_s': [round(t, 6) for t in times]}
-
-
-def jax_matmul_peak(dtype: str, size: int = 2048, repeats: int = 7) -> dict:
-  """Achieved FLOP/s of one jitted `[size, size] @ [size, size]` in `dtype` on JAX's default device.
-
-  bfloat16 accumulates in float32 (`preferred_element_type`), as the model's
-  bfloat16 matmuls do.
-  """
-  import jax
-  import jax.numpy as jnp
-
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
-  b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(dtype)
-  matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  run = lambda: matmul(a, b).block_until_ready()
-  run()
-  return _peak(time_calls(run, repeats), size, dtype, 'jax')
-
-
-def torch_matmul_peak(dtype: str, size: int = 2048, repeats: int = 7) -> dict:
-  """The same matmul in PyTorch (its bfloat16 matmul also accumulates in float32)."""
-  import torch
-
-  generator = torch.Generator().manual_seed(0)
-  a, b = (torch.randn(size, size, generator=generator).to(getattr(torch, dtype)) for _ in range(2))
-  run = lambda: a @ b
-  run()
-  return _peak(time_calls(run, repeats), size, dtype, 'torch')
-
-
-def measure_peaks(dtypes, with_torch: bool, size: int) -> dict:
-  """{dtype: {'jax': {...}, 'torch': {...}, 'gflops': the faster}} for [size, size] matmuls."""
-  peaks = {}
-  for dtype in dtypes:
-    entry = {'jax': jax_matmul_peak(dtype, size)}
-    if with_torch:
-      entry['torch'] = torch_matmul_peak(dtype, size)
-    entry['gflops'] = max(e['gflops'] for e in entry.values())
-    peaks[dtype] = entry
-  return peaks
-
-
-def _peak(times: list[float], size: int, dtype: str, framework: str) -> dict:
-  flops = 2 * size ** 3
-  return {'framework': framework, 'dtype': dtype, 'size': size,
-          'gflops': flops / statistics.median(times) / 1e9,
-          'best_gflops': flops / min(times) / 1e9}
 
 
 # The instructions that decide CPU matmul speed, float32 (avx2/fma, avx512f) against
