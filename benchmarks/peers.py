@@ -1,4 +1,4 @@
-"""PyTorch peers of our training step, for the side-by-side benchmark.
+"""PyTorch peers of our training step, for `benchmarks.solo`'s workers.
 
 Two models with our architecture, loss and optimizer, so that a step does the
 same arithmetic as ours:
@@ -13,7 +13,7 @@ same arithmetic as ours:
 
 Both train with label-smoothed cross-entropy summed over non-PAD targets and
 divided by their count (`F.cross_entropy(..., label_smoothing=eps)` is the
-same smoothed target as `train_step.token_losses`), and Adam(b1, b2, eps) on
+same smoothed target as `train.losses.token_losses`), and Adam(b1, b2, eps) on
 the paper's schedule. Their trainable parameter counts equal ours
 (`tests/test_benchmarks.py` checks it).
 
@@ -160,7 +160,7 @@ class PeerStep:
     c, t = model_config, train_config
     self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0, betas=(t.adam_b1, t.adam_b2),
                                       eps=t.adam_eps, fused=True)
-    # The paper's schedule (train_step.transformer_schedule) on top of lr=1.
+    # The paper's schedule (train.optimizer.transformer_schedule) on top of lr=1.
     self.scheduler = torch.optim.lr_scheduler.LambdaLR(
         self.optimizer, lambda count: t.lr_scale * c.d_model ** -0.5 * min(
             (count + 1) ** -0.5, (count + 1) * t.warmup_steps ** -1.5))
