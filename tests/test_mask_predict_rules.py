@@ -14,7 +14,8 @@
     float64 (attention and feed-forward outputs zeroed, so each position's prediction is its
     MASK embedding plus its position, computed by tests/support/numpy_transformer.py), with
     candidate lengths set through the length head so that the candidate with the best MEAN
-    log-probability (the paper's rule) is neither the first nor the one with the best SUM.
+    log-probability (the paper's rule) is neither the first nor the one with the best SUM;
+    its tokens hold an EOS mid-row, where the output must be cut.
 """
 
 import jax
@@ -220,8 +221,18 @@ def test_the_candidate_with_the_best_mean_log_probability_wins_not_the_best_sum(
   src_len = int(source_lengths(src)[0])
   # Position j's log-probability, in float64 from the reference: with no attention it is the
   # same in every pass and for every candidate length.
+  all_masks = np.full((1, CONFIG.max_len), MASK)
   probe = position_only_model(cmlm_params, [0])
-  logits, _ = numpy_transformer.cmlm_outputs(CONFIG, probe, src, np.full((1, CONFIG.max_len), MASK))
+  best, _, _ = best_tokens(numpy_transformer.cmlm_outputs(CONFIG, probe, src, all_masks)[0][0])
+  # EOS's row becomes 1.2 x the row of the token position `src_len - 1` predicts, so that EOS
+  # wins there and wherever that token did: the output is then cut at its first EOS. (Only
+  # the output projection reads EOS's row: the decoder's inputs are MASKs, and nothing reads
+  # the encoder's memory once attention and the length kernel are zeroed.)
+  params = jax.tree.map(np.array, cmlm_params)
+  table = params['embedding']['embedding']
+  table[EOS] = 1.2 * table[best[src_len - 1]]
+  logits, _ = numpy_transformer.cmlm_outputs(CONFIG, position_only_model(params, [0]), src,
+                                             all_masks)
   best, position_scores, gap = best_tokens(logits[0])
   assert gap.min() > MARGIN
   # Candidate lengths src_len - R .. src_len + R; mean and sum of the first N positions.
@@ -229,19 +240,20 @@ def test_the_candidate_with_the_best_mean_log_probability_wins_not_the_best_sum(
   mean = np.array([position_scores[:n].mean() for n in candidates])
   total = np.array([position_scores[:n].sum() for n in candidates])
   # Three candidates: the best mean, a shorter one (whose sum is better: every log-probability
-  # is negative) listed FIRST, and the worst mean.
+  # is negative) listed FIRST, and the worst mean of the others.
   best_mean = int(mean.argmax())
   shorter = [c for c in range(best_mean) if mean[best_mean] - mean[c] > MARGIN]
   assert shorter, 'the hand-made model needs a shorter candidate with a worse mean'
-  order = [shorter[0], best_mean, int(mean.argmin())]
-  assert len(set(order)) == 3
+  others = [c for c in range(len(candidates)) if c not in (shorter[0], best_mean)]
+  order = [shorter[0], best_mean, min(others, key=lambda c: mean[c])]
   assert total[order].argmax() != 1 and mean[order].argmax() == 1          # sum and mean disagree
+  n = candidates[best_mean]
+  assert 0 < list(best[:n]).index(EOS) < n - 1, 'the winner should hold an EOS to cut at'
   tokens, history = jax.tree.map(np.asarray, non_autoregressive.mask_predict(
-      model, position_only_model(cmlm_params, order), src, iterations=3, length_beam=3,
+      model, position_only_model(params, order), src, iterations=3, length_beam=3,
       return_history=True))
   np.testing.assert_array_equal(history['lengths'], candidates[order])
   np.testing.assert_allclose(history['scores'][0], mean[order], rtol=0, atol=1e-5)
   assert history['chosen'][0] == 1
-  n = candidates[best_mean]
   np.testing.assert_array_equal(tokens[0], cut_at_eos(best[:n], n, tokens.shape[1]))
   assert num_length_classes(CONFIG) == 2 * R + 1
