@@ -12,6 +12,7 @@ The checkout itself is never modified.
     python tools/mutate.py --list                    # the mutants and their tests
     python tools/mutate.py --check                   # every snippet still found exactly once?
     python tools/mutate.py --only lowest_remasks_highest --only mean_becomes_sum
+    python tools/mutate.py --baseline --only ...     # the tests pass unmutated, first
     python tools/mutate.py                           # all of them (slow: a pytest run each)
 
 Not part of CI; see docs/contributing.md ("Mutation testing").
@@ -79,6 +80,13 @@ MUTANTS = [
       'q_blocks = q_blocks * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)',
       'q_blocks = q_blocks * jnp.asarray(q.shape[-1] ** -1.0, q.dtype)',
       'tests/test_banded_attention.py'),
+    m('attention_logits_in_compute_dtype', NN + 'attention.py',
+      "logits = jnp.einsum(f'BTNH,{key_axes}->BNTS', q, k, preferred_element_type=jnp.float32)",
+      "logits = jnp.einsum(f'BTNH,{key_axes}->BNTS', q, k)",
+      'tests/test_model.py::test_bfloat16_compute_keeps_float32_params_and_logits'),
+    m('bfloat16_never_used', 'flax_transformer/config.py', 'return jnp.dtype(self.dtype)',
+      "return jnp.dtype('float32')",
+      'tests/test_model.py::test_bfloat16_compute_keeps_float32_params_and_logits'),
     # --- layers --------------------------------------------------------------------------
     m('pre_ln_normalizes_nothing', NN + 'layers.py',
       "return self.norm(x) if self.config.norm_placement == 'pre' else x", 'return x',
@@ -232,7 +240,7 @@ def check(mutant: Mutant, root: Path = ROOT) -> str | None:
 
 def run(mutant: Mutant, timeout: float, keep: bool) -> tuple[str, float, str]:
   """(KILLED | SURVIVED | ERROR, seconds, the failing test or the tail of pytest's output)."""
-  problem = check(mutant)
+  problem = None if mutant.original == mutant.replacement == '' else check(mutant)
   if problem:
     return 'ERROR', 0.0, problem
   workdir = Path(tempfile.mkdtemp(prefix=f'mutant-{mutant.name}-'))
@@ -241,8 +249,9 @@ def run(mutant: Mutant, timeout: float, keep: bool) -> tuple[str, float, str]:
       target = workdir / name
       target.parent.mkdir(parents=True, exist_ok=True)
       shutil.copy2(ROOT / name, target)
-    path = workdir / mutant.file
-    path.write_text(path.read_text().replace(mutant.original, mutant.replacement, 1))
+    if mutant.original:
+      path = workdir / mutant.file
+      path.write_text(path.read_text().replace(mutant.original, mutant.replacement, 1))
     env = {**os.environ, 'PYTHONDONTWRITEBYTECODE': '1'}
     env.pop('PYTHONPATH', None)
     start = time.monotonic()
@@ -276,6 +285,9 @@ def main(argv=None) -> int:
                       help='check that every snippet is found exactly once, run nothing')
   parser.add_argument('--timeout', type=float, default=900, help='seconds per mutant (900)')
   parser.add_argument('--keep', action='store_true', help='keep each mutant directory')
+  parser.add_argument('--baseline', action='store_true',
+                      help="first run each selected mutant's tests unmutated: they must pass, or "
+                           'a kill means nothing (others may be editing the working tree)')
   parser.add_argument('--tests', nargs='+', metavar='TEST',
                       help="run these pytest arguments instead of each mutant's own tests")
   args = parser.parse_args(argv)
@@ -301,6 +313,15 @@ def main(argv=None) -> int:
         print(f'STALE    {name}: {problem}')
     print(f'{sum(p is None for _, p in problems)} of {len(problems)} mutants apply')
     return int(any(problems[i][1] for i in range(len(problems))))
+
+  if args.baseline:
+    for tests in dict.fromkeys(mutant.tests for mutant in selected):
+      outcome, seconds, tail = run(Mutant('baseline', '', '', '', tests), args.timeout, args.keep)
+      print(f'BASELINE {"passes" if outcome == "SURVIVED" else "FAILS"} ({seconds:.0f} s) '
+            f'{" ".join(tests)}', flush=True)
+      if outcome != 'SURVIVED':
+        print('         ' + tail.replace('\n', '\n         '), flush=True)
+        return 2
 
   results = []
   for mutant in selected:
