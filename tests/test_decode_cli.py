@@ -39,6 +39,11 @@ pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
     (['--step', '-3'], 'decode.py: error: argument --step: must be >= 0, got -3'),
     (['--beams', '4'], 'decode.py: error: unrecognized arguments: --beams'),
     (['--dtype', 'float16'], "decode.py: error: argument --dtype: invalid choice: 'float16'"),
+    # Every method setting's range, from its field's Bounds, and the old names of config.RENAMED.
+    (['--top-p', '1.5'], 'decode.py: error: argument --top-p: must be in (0, 1], got 1.5'),
+    (['--temperature', 'nan'], 'decode.py: error: argument --temperature: must be > 0, got nan'),
+    (['--top-k', 'x'], "decode.py: error: argument --top-k: invalid int value: 'x'"),
+    (['--nat-length', 'fixed'], 'decode.py: error: --nat-length is now called --length'),
 ])
 def test_decode_refuses_bad_options_naming_them(argv, expected, tmp_path):
   status, _, err = call(decode_cli.main, ['--checkpoint', tmp_path, *argv, 'Hallo'])

@@ -91,6 +91,28 @@ def test_distill_refuses_a_teacher_that_only_emits_empty_translations(teacher, c
   assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.parametrize('argv, expected', [
+    (['--beam-size', '0'], 'distill.py: error: argument --beam-size: must be >= 1, got 0'),
+    (['--alpha', '-1'], 'distill.py: error: argument --alpha: must be >= 0, got -1.0'),
+    (['--temperature', '2'], 'distill.py: error: unrecognized arguments: --temperature 2'),
+])
+def test_distill_refuses_bad_options_naming_them(argv, expected, tmp_path):
+  status, _, err = call(distill_cli.main, ['--checkpoint', tmp_path, '--output', tmp_path / 'out',
+                                           *argv])
+  assert status == 2 and expected in err
+
+
+def test_distill_fails_as_the_other_programs_do(tmp_path):
+  # cli/failures.py: one line and status 2 for a missing teacher; --debug adds the traceback.
+  argv = ['--checkpoint', tmp_path / 'missing', '--output', tmp_path / 'out']
+  status, _, err = call(distill_cli.main, argv)
+  assert status == 2 and 'Traceback' not in err
+  assert error_line(err, 'distill.py').startswith(f'distill.py: error: {tmp_path}/missing')
+  status, _, debug_err = call(distill_cli.main, [*argv, '--debug'])
+  assert status == 2 and 'Traceback' in debug_err
+  assert error_line(debug_err, 'distill.py') == error_line(err, 'distill.py')
+
+
 def test_student_of_a_packed_teacher_trains_unpacked_and_is_accepted(tmp_path):
   # A teacher trained with --train.packing 64: the cmlm student's EOS fill cannot pack, so
   # its command says so and train.py accepts the settings it names.
