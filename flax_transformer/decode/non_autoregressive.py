@@ -197,11 +197,11 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
             ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The I passes over the canvas `[R, W]` and the choice among each sentence's M candidates."""
   model = CMLMTransformer(config)
-  batch, k, iterations = src.shape[0], settings.length_beam, settings.iterations
+  batch, length_beam, iterations = src.shape[0], settings.length_beam, settings.iterations
   cross_kv = model.apply(variables, memory, method=CMLMTransformer.cross_kv)
   src_mask = masks.padding_mask(src, config.pad_id)
   # Candidate rows b * M + j: the M candidates of a sentence share its memory.
-  cross_kv, src_mask, candidate_src = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0),
+  cross_kv, src_mask, candidate_src = jax.tree.map(lambda x: jnp.repeat(x, length_beam, axis=0),
                                                    (cross_kv, src_mask, src))
 
   position = jnp.arange(width)
@@ -225,8 +225,8 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
     return Canvas(tokens=jnp.where(remask, tokens, canvas.tokens).astype(jnp.int32),
                   scores=jnp.where(remask, scores, canvas.scores))
 
-  first = update(Canvas(tokens=jnp.full((batch * k, width), config.pad_id, jnp.int32),
-                        scores=jnp.zeros((batch * k, width), jnp.float32)), in_row)
+  first = update(Canvas(tokens=jnp.full((batch * length_beam, width), config.pad_id, jnp.int32),
+                        scores=jnp.zeros((batch * length_beam, width), jnp.float32)), in_row)
 
   def refine(canvas: Canvas, t: jax.Array):
     count = lengths * (iterations - t) // iterations                            # [R]
@@ -237,9 +237,9 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
   last, (counts, canvases) = jax.lax.scan(refine, first, jnp.arange(1, iterations))
 
   mean_scores = (jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1)
-                 / jnp.maximum(lengths, 1)).reshape(batch, k)                   # [B, M]
+                 / jnp.maximum(lengths, 1)).reshape(batch, length_beam)         # [B, M]
   chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)                   # [B]
-  rows = jnp.arange(batch) * k + chosen
+  rows = jnp.arange(batch) * length_beam + chosen
   output = _cut_at_eos(last.tokens[rows], lengths[rows], config)
   history = {
       'lengths': lengths,
