@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -289,7 +290,8 @@ def main(argv=None) -> int:
                       help="first run each selected mutant's tests unmutated: they must pass, or "
                            'a kill means nothing (others may be editing the working tree)')
   parser.add_argument('--tests', nargs='+', metavar='TEST',
-                      help="run these pytest arguments instead of each mutant's own tests")
+                      help="run these pytest arguments instead of each mutant's own tests "
+                           "(each split like a shell word list: 'tests/test_x.py -k name')")
   args = parser.parse_args(argv)
 
   names = [n for arg in args.only or [] for n in arg.split(',') if n]
@@ -300,7 +302,8 @@ def main(argv=None) -> int:
     parser.error(f'unknown mutant(s): {", ".join(unknown)}; see --list')
   selected = [known[n] for n in names] if names else MUTANTS
   if args.tests:
-    selected = [dataclasses.replace(mutant, tests=tuple(args.tests)) for mutant in selected]
+    tests = tuple(word for arg in args.tests for word in shlex.split(arg))
+    selected = [dataclasses.replace(mutant, tests=tests) for mutant in selected]
 
   if args.list:
     for mutant in selected:
