@@ -1,0 +1,569 @@
+"""The tokenized corpus, cached on disk: encoded once, in parallel, memory-mapped on every later start.
+
+    source = TextPairFiles('data/train.en', 'data/train.de')   # or DatasetPairs(ds['train'], fp)
+    corpus = load_or_encode(source, tokenizer, file_digest('run/tokenizer.json'), max_len=256,
+                            cache_dir='data/.encoded')
+    # an EncodedCorpus whose five arrays are read-only np.memmap views of files on disk,
+    # equal, id for id, to encode_corpus(load_parallel('data', 'en', 'de')['train'], tokenizer, 256)
+
+Layout: `cache_dir/<key[:32]>/` holds five raw little-endian arrays (`src_ids.i32`,
+`src_offsets.i64`, `tgt_ids.i32`, `tgt_offsets.i64`, `example_ids.i64`, exactly the
+fields of `EncodedCorpus`) and `manifest.json`: the full key and what made it, the counts,
+and each array's dtype, length, byte size and SHA-256. Raw arrays rather than `.npy` or
+Arrow because they are written as a stream, block after block, before their length is
+known (a `.npy` header needs the shape up front), and `np.memmap` reads them back with no
+copy; rather than the `datasets` Arrow cache because that one would hold the ids as lists
+per row, and its fingerprint of an in-memory table is random, so it would not survive a
+restart.
+
+The key (`cache_key`) is a SHA-256 over the source's content fingerprint, the tokenizer's
+digest (the SHA-256 of its file(s), as the run directory records it), `max_len`, the
+special ids and `FORMAT_VERSION`: a changed data file or tokenizer, or another max_len,
+is another key and so another directory, encoded afresh; a resume finds its own. The
+fingerprint of text files is each file's size and the SHA-256 of its bytes, not paths and
+mtimes: the content is what the ids depend on, so a moved, copied or touched corpus keeps
+its cache, and an edit that keeps the size and mtime (`cp -p`, a restore, a clock skew)
+still changes the key. Hashing is ~1-2 s per GB on one core (SHA-NI), seconds at WMT14's
+size, and the same pass counts the lines for the progress bar.
+
+A build writes into `.<name>.partial-<pid>-<random>/`, the manifest last (through a
+rename), then renames the directory into place: a crash leaves a partial directory,
+never a complete-looking one. Loading trusts nothing it cannot check: a missing or
+unparsable manifest, another key or format, a missing file, a wrong size, inconsistent
+offsets or (with `verify=True`, the default) a digest mismatch make the cache invalid,
+and the writer sets it aside and encodes again.
+
+Encoding runs in a process pool (spawned, so it is safe beside JAX's threads; a script
+that calls this must guard its main code with `if __name__ == '__main__'`, as for any
+spawned pool): the main process reads the text a block of lines at a time, each worker
+decodes, cleans and tokenizes a block single-threaded and returns flat int32 arrays, and
+the main process appends them to the files in order, so memory is bounded by the blocks
+in flight, never by the corpus. Why processes and not the `tokenizers` library's own
+batch threads: those parallelise only the Rust tokenizing and only for `Tokenizer`,
+while the decoding, cleaning, `Encoding.ids` lists and their flattening are Python work
+(about a tenth of the per-pair CPU, measured), a Marian (sentencepiece) tokenizer has no
+such threads, and workers leave the main process free to read, hash and write. A worker
+costs one import of the package (about 4 s of CPU), so corpora under `POOL_MIN_LINES`
+lines are encoded in the calling process.
+
+Multi-host: every process calls `load_or_encode` with `is_writer=(process_index == 0)` and
+`wait`, a barrier all processes reach (e.g. `jax.experimental.multihost_utils.
+sync_global_devices`). The writer makes sure the cache is valid (building it if need be)
+and then waits; the others wait first and then read, so the corpus is encoded once per
+job. `cache_dir` must then be on a filesystem every process sees.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import pickle
+import secrets
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import datasets
+import numpy as np
+from tqdm.auto import tqdm
+
+from flax_transformer.config import check_bounds
+from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
+from flax_transformer.data.corpus import DataError
+from flax_transformer.data.tokenizer import TextTokenizer
+
+FORMAT_VERSION = 1
+MANIFEST = 'manifest.json'
+# EncodedCorpus field -> (file name, dtype). Little-endian on every platform we run on.
+ARRAYS = {'src_ids': ('src_ids.i32', '<i4'), 'src_offsets': ('src_offsets.i64', '<i8'),
+          'tgt_ids': ('tgt_ids.i32', '<i4'), 'tgt_offsets': ('tgt_offsets.i64', '<i8'),
+          'example_ids': ('example_ids.i64', '<i8')}
+# Lines a worker encodes at a time: large enough to amortise the hand-over, small enough
+# that the blocks in flight (2 per worker) stay a few tens of MB.
+BLOCK_LINES = 20_000
+# Smaller corpora are encoded in the calling process: starting workers would cost more.
+POOL_MIN_LINES = 100_000
+_HASH_BLOCK = 8 << 20
+
+
+class CacheError(DataError):
+  """The cache cannot be used or written; the message names the directory and what to do."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Sources: what is encoded, its fingerprint, and its text in blocks.
+
+
+def files_fingerprint(paths: Sequence[str | Path]) -> dict:
+  """{'files': [{'name', 'size', 'sha256', 'lines'}]} for each path, in order: the content key.
+
+  `lines` counts '\\n'-separated lines as `corpus.split_lines` does (a last line without a
+  newline counts), from the same read that hashes the bytes.
+  """
+  entries = []
+  for path in paths:
+    path = Path(path)
+    digest, size, newlines, last = hashlib.sha256(), 0, 0, b'\n'
+    try:
+      with open(path, 'rb') as file:
+        while block := file.read(_HASH_BLOCK):
+          digest.update(block)
+          size += len(block)
+          newlines += block.count(b'\n')
+          last = block[-1:]
+    except OSError as error:
+      raise DataError(f'{path}: cannot read it ({error.strerror or error})') from error
+    entries.append({'name': path.name, 'size': size, 'sha256': digest.hexdigest(),
+                    'lines': newlines + (last != b'\n')})
+  return {'files': entries}
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPairFiles:
+  """One split as two UTF-8 text files, line N of `target` translating line N of `source`.
+
+  Read and cleaned exactly as `corpus.load_parallel` reads a text directory: lines split on
+  '\\n' only, both sides stripped, pairs with an empty side dropped; `example_ids` count
+  the pairs kept by that cleaning, as the rows of `load_parallel(...)[split]` do.
+  """
+  source: str | Path
+  target: str | Path
+
+  def fingerprint(self) -> dict:
+    return {'kind': 'text-pair-files', 'clean': 'strip-drop-empty',
+            **files_fingerprint([self.source, self.target])}
+
+  def describe(self) -> str:
+    return f'{self.source} + {self.target}'
+
+  def blocks(self, lines: int) -> Iterator[tuple]:
+    """('text', src bytes, tgt bytes, first line number (0-based), file names) per `lines` lines."""
+    with open(self.source, 'rb') as src_file, open(self.target, 'rb') as tgt_file:
+      for first in itertools.count(0, lines):
+        src_lines = list(itertools.islice(src_file, lines))
+        tgt_lines = list(itertools.islice(tgt_file, lines))
+        if len(src_lines) != len(tgt_lines):
+          src_total = first + len(src_lines) + sum(1 for _ in src_file)
+          tgt_total = first + len(tgt_lines) + sum(1 for _ in tgt_file)
+          raise DataError(f'{self.source} has {src_total:,} lines but {self.target} has '
+                          f'{tgt_total:,}; line N of one must translate line N of the other')
+        if not src_lines:
+          return
+        yield ('text', b''.join(src_lines), b''.join(tgt_lines), first,
+               (str(self.source), str(self.target)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetPairs:
+  """A `datasets.Dataset` split with 'source' and 'target' columns, taken as it is (as
+  `encode_corpus` takes it), with a `content` fingerprint the caller vouches for: e.g.
+  `files_fingerprint` of the files it was read from plus how they were read. (A
+  `datasets` fingerprint of an in-memory table is random per process, so it cannot be
+  the key.)"""
+  dataset: datasets.Dataset
+  content: str | dict
+
+  def fingerprint(self) -> dict:
+    return {'kind': 'dataset', 'rows': len(self.dataset), 'content': self.content}
+
+  def describe(self) -> str:
+    return f'a dataset of {len(self.dataset):,} pairs'
+
+  def blocks(self, lines: int) -> Iterator[tuple]:
+    columns = self.dataset.select_columns(['source', 'target'])
+    for first in range(0, len(columns), lines):
+      chunk = columns[first:first + lines]
+      yield ('list', chunk['source'], chunk['target'], first, None)
+
+
+PairSource = TextPairFiles | DatasetPairs
+
+
+# ------------------------------------------------------------------------------------------------
+# The key.
+
+
+def cache_key(fingerprint: dict, tokenizer_digest: str, max_len: int,
+              special_ids: tuple[int, int, int] = (0, 1, 2)) -> str:
+  """SHA-256 hex of everything the encoded arrays depend on: the source's content
+  fingerprint, the tokenizer's digest, `max_len`, the (pad, bos, eos) ids and the format."""
+  if not tokenizer_digest:
+    raise CacheError('cache_key needs the tokenizer digest (the SHA-256 of its files)')
+  inputs = {'format': FORMAT_VERSION, 'source': fingerprint, 'tokenizer': tokenizer_digest,
+            'max_len': int(max_len), 'special_ids': [int(i) for i in special_ids]}
+  return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_files_digest(paths: Sequence[str | Path]) -> str:
+  """One SHA-256 over a tokenizer's files (name and bytes each, in order): for a Marian
+  tokenizer's several files; for ours, pass [tokenizer.json] or use the run's
+  `directory.file_digest`, which hashes the one file (either is a sound digest)."""
+  digest = hashlib.sha256()
+  for path in paths:
+    digest.update(Path(path).name.encode() + b'\0')
+    digest.update(Path(path).read_bytes())
+  return digest.hexdigest()
+
+
+def cache_path(cache_dir: str | Path, key: str) -> Path:
+  """The directory of the cache with `key`."""
+  return Path(cache_dir) / key[:32]
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and checking.
+
+
+def load(cache_dir: str | Path, key: str, verify: bool = True) -> EncodedCorpus:
+  """The cached corpus with `key`, memory-mapped; raises CacheError (saying what is wrong)
+  for a missing, partial or damaged one."""
+  directory = cache_path(cache_dir, key)
+  manifest_file = directory / MANIFEST
+  try:
+    manifest = json.loads(manifest_file.read_text())
+  except FileNotFoundError:
+    raise CacheError(f'{directory}: no {MANIFEST} (absent or never finished)') from None
+  except (OSError, ValueError) as error:
+    raise CacheError(f'{manifest_file}: unreadable ({error})') from None
+  if not isinstance(manifest, dict) or manifest.get('format') != FORMAT_VERSION or \
+      manifest.get('key') != key:
+    raise CacheError(f'{manifest_file}: written for another format or key')
+  arrays = {}
+  try:
+    for field, (name, dtype) in ARRAYS.items():
+      entry = manifest['arrays'][field]
+      path = directory / name
+      count, expected = int(entry['count']), int(entry['count']) * np.dtype(dtype).itemsize
+      if entry['dtype'] != dtype or int(entry['bytes']) != expected:
+        raise CacheError(f'{manifest_file}: {field} recorded as {entry}, not {dtype}')
+      try:
+        size = path.stat().st_size
+      except FileNotFoundError:
+        raise CacheError(f'{path}: missing') from None
+      if size != expected:
+        raise CacheError(f'{path}: {size:,} bytes, the manifest says {expected:,}')
+      if verify and _file_sha256(path) != entry['sha256']:
+        raise CacheError(f'{path}: its SHA-256 differs from the manifest\'s (damaged)')
+      arrays[field] = (np.memmap(path, dtype=dtype, mode='r', shape=(count,)) if count
+                       else np.zeros(0, dtype))
+    num_pairs = int(manifest['num_pairs'])
+    corpus = EncodedCorpus(max_len=int(manifest['max_len']),
+                           num_dropped=int(manifest['num_dropped']),
+                           pad_id=int(manifest['pad_id']), bos_id=int(manifest['bos_id']),
+                           **arrays)
+  except (KeyError, TypeError, ValueError) as error:
+    raise CacheError(f'{manifest_file}: incomplete ({type(error).__name__}: {error})') from None
+  for side in ('src', 'tgt'):
+    offsets, ids = getattr(corpus, f'{side}_offsets'), getattr(corpus, f'{side}_ids')
+    if len(offsets) != num_pairs + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
+      raise CacheError(f'{directory}: {side}_offsets do not span {side}_ids')
+  if len(corpus.example_ids) != num_pairs:
+    raise CacheError(f'{directory}: {len(corpus.example_ids):,} example ids for {num_pairs:,} '
+                     'pairs')
+  return corpus
+
+
+def _file_sha256(path: Path) -> str:
+  digest = hashlib.sha256()
+  with open(path, 'rb') as file:
+    while block := file.read(_HASH_BLOCK):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# The entry point.
+
+
+def load_or_encode(source: PairSource, tokenizer: TextTokenizer, tokenizer_digest: str,
+                   max_len: int, cache_dir: str | Path, *, is_writer: bool = True,
+                   wait: Callable[[], None] | None = None, workers: int | None = None,
+                   block_lines: int = BLOCK_LINES, verify: bool = True, progress: bool = True,
+                   say: Callable[[str], None] | None = None) -> EncodedCorpus:
+  """The encoded corpus of `source`: read from `cache_dir` when a valid cache of the same key
+  is there, else encoded (by the writer) and cached first.
+
+  Args:
+    source: `TextPairFiles` or `DatasetPairs`.
+    tokenizer: encodes the text (`encode`, `encode_target`, the special ids); sent to the
+      worker processes by pickle.
+    tokenizer_digest: the SHA-256 of the tokenizer's file(s) (`run.directory.file_digest`
+      of tokenizer.json, or `tokenizer_files_digest`): part of the key.
+    max_len: as `encode_corpus`: pairs with a side of max_len tokens or more are dropped.
+    cache_dir: where the caches live, one subdirectory per key (created).
+    is_writer: whether this process may encode and write (process 0 of a job).
+    wait: a barrier every process of the job reaches; the writer calls it after the cache
+      is in place, the others before reading it. None for a single process.
+    workers: encoding processes; None = the CPUs this process may use. 1 encodes in this
+      process (also used when the corpus is a single block).
+    block_lines: lines per block handed to a worker.
+    verify: check each array's SHA-256 on loading (reads every byte once; seconds at WMT14's
+      size); False checks sizes and offsets only.
+    progress: show a bar (pairs, rate, ETA) while encoding.
+    say: called with one line per stage ('cache: hit ...', 'cache: encoded ...').
+  Raises:
+    CacheError: a non-writer found no valid cache after the barrier; or writing failed.
+    DataError: the text is unreadable (invalid UTF-8, unequal line counts).
+  """
+  check_bounds(max_len, SEQUENCE_LENGTH, 'max_len', DataError, why=' (a token and EOS)')
+  say = say or (lambda line: None)
+  special = (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
+  started = time.perf_counter()
+  fingerprint = source.fingerprint()
+  key = cache_key(fingerprint, tokenizer_digest, max_len, special)
+  directory = cache_path(cache_dir, key)
+  if not is_writer:
+    if wait is not None:
+      wait()
+    try:
+      corpus = load(cache_dir, key, verify)
+    except CacheError as error:
+      raise CacheError(f'process 0 left no valid encoded corpus at {directory} ({error}); '
+                       'cache_dir must be on a filesystem every process shares') from None
+    say(f'cache: read {len(corpus):,} pairs from {directory} '
+        f'({time.perf_counter() - started:.1f}s)')
+    return corpus
+  try:
+    corpus = load(cache_dir, key, verify)
+    say(f'cache: hit, {len(corpus):,} pairs from {directory} '
+        f'({time.perf_counter() - started:.1f}s)')
+  except CacheError as error:
+    if directory.exists():
+      say(f'cache: {error}; encoding again')
+    _build(source, fingerprint, tokenizer, key, max_len, Path(cache_dir), workers, block_lines,
+           progress)
+    corpus = load(cache_dir, key, verify=False)  # just written and hashed as written
+    say(f'cache: encoded {len(corpus):,} pairs ({corpus.num_dropped:,} longer than max_len='
+        f'{max_len} dropped) into {directory} in {time.perf_counter() - started:.1f}s')
+  if wait is not None:
+    wait()
+  return corpus
+
+
+# ------------------------------------------------------------------------------------------------
+# Building.
+
+
+class _ArrayFile:
+  """An array written as a stream: raw bytes appended, counted and hashed as they go."""
+
+  def __init__(self, path: Path, dtype: str):
+    self.path, self.dtype = path, np.dtype(dtype)
+    self.file = open(path, 'wb')
+    self.digest = hashlib.sha256()
+    self.count = 0
+
+  def append(self, values: np.ndarray) -> None:
+    data = np.ascontiguousarray(values, self.dtype).tobytes()
+    self.file.write(data)
+    self.digest.update(data)
+    self.count += len(values)
+
+  def close(self) -> dict:
+    self.file.flush()
+    os.fsync(self.file.fileno())
+    self.file.close()
+    return {'dtype': self.dtype.str, 'count': self.count,
+            'bytes': self.count * self.dtype.itemsize, 'sha256': self.digest.hexdigest()}
+
+
+def _build(source: PairSource, fingerprint: dict, tokenizer: TextTokenizer, key: str,
+           max_len: int, cache_dir: Path, workers: int | None, block_lines: int,
+           progress: bool) -> None:
+  """Encodes `source` into a partial directory, then renames it to `cache_path(key)`."""
+  final = cache_path(cache_dir, key)
+  try:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_dead_partials(cache_dir, final.name)
+    partial = cache_dir / f'.{final.name}.partial-{os.getpid()}-{secrets.token_hex(4)}'
+    partial.mkdir()
+  except OSError as error:
+    raise CacheError(f'{cache_dir}: cannot write the encoded-corpus cache '
+                     f'({error.strerror or error}); choose another cache directory') from error
+  try:
+    files = {field: _ArrayFile(partial / name, dtype) for field, (name, dtype) in ARRAYS.items()}
+    files['src_offsets'].append(np.zeros(1, np.int64))
+    files['tgt_offsets'].append(np.zeros(1, np.int64))
+    src_total = tgt_total = rows = kept = 0
+    total_lines = (len(source.dataset) if isinstance(source, DatasetPairs)
+                   else fingerprint['files'][0]['lines'])
+    with tqdm(total=total_lines, desc='encode', unit='pairs', unit_scale=True, disable=not progress,
+              dynamic_ncols=True, mininterval=1.0) as bar:
+      for block_rows, result in _encoded_blocks(source, tokenizer, max_len, workers, block_lines,
+                                                   total_lines):
+        src_ids, src_lengths, tgt_ids, tgt_lengths, kept_rows, clean_rows = result
+        files['src_ids'].append(src_ids)
+        files['tgt_ids'].append(tgt_ids)
+        files['src_offsets'].append(src_total + np.cumsum(src_lengths))
+        files['tgt_offsets'].append(tgt_total + np.cumsum(tgt_lengths))
+        files['example_ids'].append(rows + kept_rows)
+        src_total += int(src_lengths.sum())
+        tgt_total += int(tgt_lengths.sum())
+        rows += clean_rows
+        kept += len(kept_rows)
+        bar.update(block_rows)
+    manifest = {'format': FORMAT_VERSION, 'key': key, 'fingerprint': fingerprint,
+                'source': source.describe(), 'tokenizer': type(tokenizer).__name__,
+                'max_len': int(max_len), 'num_pairs': kept, 'num_dropped': rows - kept,
+                'pad_id': int(tokenizer.pad_id), 'bos_id': int(tokenizer.bos_id),
+                'eos_id': int(tokenizer.eos_id), 'created': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
+                'arrays': {field: file.close() for field, file in files.items()}}
+    temporary = partial / f'.{MANIFEST}.tmp'
+    temporary.write_text(json.dumps(manifest, indent=1))
+    os.replace(temporary, partial / MANIFEST)
+    _install(partial, final)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+
+
+def _remove_dead_partials(cache_dir: Path, name: str) -> None:
+  """Deletes partial builds of `name` left by processes of this host that no longer run (a
+  crash mid-build); a live builder's directory stays."""
+  for path in cache_dir.glob(f'.{name}.partial-*'):
+    try:
+      os.kill(int(path.name.rsplit('-', 2)[-2]), 0)
+    except ProcessLookupError:
+      shutil.rmtree(path, ignore_errors=True)
+    except (ValueError, IndexError, PermissionError, OSError):
+      pass
+
+
+def _install(partial: Path, final: Path) -> None:
+  """Renames the finished `partial` directory to `final`, setting aside what was there (an
+  invalid cache: a valid one would have been loaded)."""
+  if final.exists():
+    stale = final.with_name(f'.{final.name}.stale-{os.getpid()}-{secrets.token_hex(4)}')
+    try:
+      os.rename(final, stale)
+    except FileNotFoundError:
+      stale = None  # another writer set it aside first
+    if stale is not None:
+      shutil.rmtree(stale, ignore_errors=True)
+  try:
+    os.rename(partial, final)
+  except OSError:
+    # Another writer of the same key installed its copy in between: identical content.
+    shutil.rmtree(partial, ignore_errors=True)
+    if not (final / MANIFEST).is_file():
+      raise
+
+
+def _encoded_blocks(source: PairSource, tokenizer: TextTokenizer, max_len: int,
+                    workers: int | None, block_lines: int, total_lines: int | None
+                    ) -> Iterator[tuple[int, tuple]]:
+  """(lines in the block, `_encode_block`'s result) per block, in order."""
+  if workers is None:
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  blocks = source.blocks(block_lines)
+  first = next(blocks, None)
+  if first is None:
+    return
+  second = next(blocks, None)
+  blocks = itertools.chain([first] + ([second] if second is not None else []), blocks)
+  if workers > 1 and second is not None and (total_lines is None or
+                                             total_lines >= POOL_MIN_LINES):
+    try:
+      payload = pickle.dumps(tokenizer)
+    except Exception:  # a tokenizer that cannot travel is encoded here instead
+      payload = None
+    if payload is not None:
+      yield from _pool_blocks(blocks, payload, max_len, workers)
+      return
+  for block in blocks:
+    yield _block_rows(block), _encode_block(tokenizer, max_len, block)
+
+
+def _pool_blocks(blocks: Iterator[tuple], tokenizer_pickle: bytes, max_len: int,
+                 workers: int) -> Iterator[tuple[int, tuple]]:
+  context = multiprocessing.get_context('spawn')
+  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                              initializer=_start_worker,
+                                              initargs=(tokenizer_pickle, max_len)) as pool:
+    in_flight: deque = deque()
+    for block in blocks:
+      in_flight.append((_block_rows(block), pool.submit(_encode_in_worker, block)))
+      if len(in_flight) >= 2 * workers:
+        rows, future = in_flight.popleft()
+        yield rows, future.result()
+    while in_flight:
+      rows, future = in_flight.popleft()
+      yield rows, future.result()
+
+
+def _block_rows(block: tuple) -> int:
+  kind, sources = block[0], block[1]
+  return sources.count(b'\n') + (not sources.endswith(b'\n')) if kind == 'text' else len(sources)
+
+
+_WORKER: dict = {}
+
+
+def _start_worker(tokenizer_pickle: bytes, max_len: int) -> None:
+  # One thread per worker: the workers are the parallelism (no oversubscription).
+  os.environ['TOKENIZERS_PARALLELISM'] = 'false'
+  _WORKER['tokenizer'] = pickle.loads(tokenizer_pickle)
+  _WORKER['max_len'] = max_len
+
+
+def _encode_in_worker(block: tuple) -> tuple:
+  return _encode_block(_WORKER['tokenizer'], _WORKER['max_len'], block)
+
+
+def _encode_block(tokenizer: TextTokenizer, max_len: int, block: tuple) -> tuple:
+  """One block -> (src ids with EOS, src lengths, tgt ids with EOS, tgt lengths, kept rows
+  (0-based among the block's rows after cleaning), rows after cleaning); arrays, no lists."""
+  kind, sources, targets, first, names = block
+  if kind == 'text':
+    sources = _decode_lines(sources, names[0], first)
+    targets = _decode_lines(targets, names[1], first)
+    pairs = [(s, t) for s, t in zip(sources, targets) if s and t]
+    sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
+  src_ids, src_lengths = _flat(tokenizer.encode(sources))
+  tgt_ids, tgt_lengths = _flat(tokenizer.encode_target(targets))
+  keep = (src_lengths < max_len) & (tgt_lengths < max_len)
+  eos = tokenizer.eos_id
+  src_ids, src_lengths = _with_eos(src_ids, src_lengths, keep, eos)
+  tgt_ids, tgt_lengths = _with_eos(tgt_ids, tgt_lengths, keep, eos)
+  return src_ids, src_lengths, tgt_ids, tgt_lengths, np.flatnonzero(keep), len(sources)
+
+
+def _decode_lines(data: bytes, where: str, first: int) -> list[str]:
+  """The block's lines, stripped (as `corpus.load_parallel` cleans them)."""
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as error:
+    line = first + data.count(b'\n', 0, error.start) + 1
+    raise DataError(f'{where}, line {line}: invalid UTF-8 ({error.reason} at byte '
+                    f'{error.start} of the block); re-encode the file as UTF-8') from None
+  lines = text.split('\n')
+  if lines[-1] == '':
+    lines.pop()
+  return [line.strip() for line in lines]
+
+
+def _flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+  lengths = np.fromiter(map(len, rows), np.int64, count=len(rows))
+  ids = np.fromiter(itertools.chain.from_iterable(rows), np.int32, count=int(lengths.sum()))
+  return ids, lengths
+
+
+def _with_eos(ids: np.ndarray, lengths: np.ndarray, keep: np.ndarray,
+              eos: int) -> tuple[np.ndarray, np.ndarray]:
+  """The kept rows' ids, each followed by EOS, and their lengths with EOS."""
+  ids = ids[np.repeat(keep, lengths)]
+  lengths = lengths[keep]
+  out = np.empty(len(ids) + len(lengths), np.int32)
+  ends = np.cumsum(lengths + 1) - 1
+  is_eos = np.zeros(len(out), bool)
+  is_eos[ends] = True
+  out[is_eos] = eos
+  out[~is_eos] = ids
+  return out, lengths + 1
