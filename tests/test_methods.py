@@ -86,3 +86,23 @@ def test_check_model_refuses_a_length_beam_beyond_the_length_classes_and_long_ou
     MaskPredict(length_beam=4).check_model(config)
   with pytest.raises(ConfigError, match=r'max_len must be in \[1, 64\]'):
     Greedy(max_len=65).check_model(ModelConfig.tiny())
+
+
+def test_the_default_method_takes_the_settings_given_without_a_method():
+  assert default_method(ModelConfig.tiny(), beam_size=8) == BeamSearch(beam_size=8)
+  assert default_method(ModelConfig.tiny(kind='cmlm', max_length_offset=0), iterations=2) == (
+      MaskPredict(iterations=2, length_beam=1))
+  with pytest.raises(ConfigError, match="temperature only applies to method 'sample', not 'beam'"):
+    default_method(ModelConfig.tiny(), temperature=0.5)
+
+
+def test_every_setting_is_a_documented_option_of_decode_py():
+  """A method's field is its setting: its help, its option, its range (cli/options.py)."""
+  from flax_transformer.cli.decode import parse_args
+  for cls in METHODS.values():
+    for field in dataclasses.fields(cls):
+      assert field.metadata['help'].strip(), f'{cls.__name__}.{field.name} has no help'
+      option = '--' + field.name.replace('_', '-')
+      value = {str: field.default}.get(type(field.default), 1)
+      args = parse_args(['--checkpoint', 'run', '--method', cls.name, option, str(value)])
+      assert args.method_settings[field.name] == value, option
