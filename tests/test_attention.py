@@ -81,6 +81,25 @@ def test_fully_masked_row_gives_zeros_not_nan(qkv_and_mask, dtype):
   np.testing.assert_array_equal(weights[0, 1, 2], 0.0)
 
 
+def test_bfloat16_inputs_are_scored_in_float32():
+  # bfloat16 q and k: their products are exact in float32 and summed there, so the weights are
+  # float32 and equal the float64 softmax of the same (bfloat16) inputs to float32 precision.
+  # Head dim 16: the 1/sqrt(16) scale is exact in bfloat16 too. Logits rounded to bfloat16
+  # (2^-9 relative, up to ~0.006 on these logits of up to ~3) would move the weights by ~1e-3.
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+             for shape in ((2, 6, 2, 16), (2, 9, 2, 16), (2, 9, 2, 16)))
+  mask = rng.random((2, 2, 6, 9)) < 0.7
+  mask[..., 0] = True
+  out, weights = scaled_dot_product_attention(q, k, v, mask)
+  assert out.dtype == jnp.bfloat16 and weights.dtype == jnp.float32
+  want_out, want_weights = reference_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), mask)
+  np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-6)
+  # The output rounds the weights and itself to bfloat16: a half-ulp is 0.004 on its values of
+  # 1..2 (0.005 off here).
+  np.testing.assert_allclose(np.asarray(out, np.float64), want_out, rtol=0, atol=1e-2)
+
+
 def test_jit_vmap_grad(qkv_and_mask):
   q, k, v, mask = qkv_and_mask
   eager, _ = scaled_dot_product_attention(q, k, v, mask)
