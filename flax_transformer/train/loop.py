@@ -79,7 +79,7 @@ from tqdm.auto import tqdm
 
 from flax_transformer.config import (NONNEGATIVE_INT, ConfigError, DataConfig, ModelConfig,
                                      TrainConfig, check_bounds)
-from flax_transformer.data.batching import Batcher, encode_corpus
+from flax_transformer.data.batching import SEQUENCE_LENGTH, Batcher, encode_corpus
 from flax_transformer.data.corpus import DataError, describe, load_parallel
 from flax_transformer.data.packing import PackingBatcher
 from flax_transformer.data.packing import check_settings as check_packing
@@ -160,9 +160,9 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
     raise ConfigError(f'data.vocab_size={data_config.vocab_size} leaves no room for text: the '
                       f'{len(SPECIAL_TOKENS)} special tokens {", ".join(SPECIAL_TOKENS)} take '
                       f'ids 0-{len(SPECIAL_TOKENS) - 1}; ask for more')
-  if model_config.max_len < 2:
+  if not SEQUENCE_LENGTH.admits(model_config.max_len):
     raise ConfigError(f'model.max_len={model_config.max_len} cannot hold a token and EOS; '
-                      'it must be at least 2')
+                      f'it must be at least {SEQUENCE_LENGTH.low}')
   if average_last < 0 or average_last > train_config.keep_checkpoints:
     raise ConfigError(f'--average-last={average_last} needs that many checkpoints on disk, but '
                       f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
