@@ -18,49 +18,26 @@ A run goes through four stages, each a function or a small object below:
      and WORKDIR/metrics.jsonl, evaluates the validation loss and saves
      checkpoints at their cadence;
   4. `_final_scores`: decodes the test split (else validation) with
-     `methods.default_method(config, Greedy())`: greedy for the paper's model,
+     `default_method(config, Greedy())`: greedy for the paper's model,
      mask-predict for a cmlm one; BLEU and chrF (sacreBLEU, signatures printed),
      exact match and sample translations; the same for the averaged checkpoints
      when asked.
 
-A model.kind='cmlm' run (train.py --objective cmlm) trains `cmlm.CMLMTransformer`
-on the conditional masked LM objective (`train_step.cmlm_objective`): its loss,
-ppl and accuracy are over the masked target positions, beside length_loss and
-length_accuracy of the length classifier.
+A cmlm model (`ModelConfig.kind`) trains on the conditional masked LM
+objective (`cmlm_objective`); its loss, ppl and accuracy are over the masked
+target positions, beside the length classifier's length_loss and length_accuracy.
 
-Failures, and what they leave on disk:
-  * SIGTERM or SIGINT during training: the step in progress finishes, its
-    checkpoint is saved, and `interruption.Interrupted` is raised (train.py
-    exits with 128 + the signal number). A second SIGINT stops at once.
-  * A step whose loss or gradient is not finite applies no update (see
-    `train_step.train_step`); the run raises `NonFiniteError` naming the step,
-    or skips up to `skip_nonfinite` such steps. Such a step's metrics are read
-    before any later checkpoint is saved, so every checkpoint on disk is finite.
-  * A checkpoint that cannot be written (full disk, no permission) raises
-    `WriteError` as soon as its background write ends; an unwritable WORKDIR is
-    refused before the data is loaded.
-  * Killed at any moment (kill -9): every checkpoint on disk is complete, and
-    running again resumes from the latest one.
-  * A second run on the same WORKDIR is refused (`run_lock.RunDirectoryInUse`,
-    naming the holder's pid and host) before anything in WORKDIR is cleared or
-    written; the lock dies with its process.
-  * A damaged checkpoint (a file changed, missing or unreadable) is moved to
-    checkpoints/damaged-<step> and the run resumes from the newest intact one,
-    saying which it skipped; config.json is rewritten only once a checkpoint is
-    restored. One of another model (config.json does not fit its arrays) stops
-    the run with CheckpointError.
-  * A model too large for the machine's memory is refused by `check_settings`
-    (`sizes.check_fits`) before the data is loaded.
+Failures leave valid state on disk: a signal saves the step reached and raises
+`interruption.Interrupted`; a non-finite step applies no update and raises
+`NonFiniteError` (or is skipped, up to `skip_nonfinite`); a checkpoint that
+cannot be written raises `WriteError`; a damaged checkpoint is set aside and
+the run resumes from the newest intact one. README's failure table lists each
+case and what the programs answer.
 
-Multi-host: run the same command on every host after `jax.distributed.initialize()`
-(train.py --distributed). Every process builds each step's global batch from the
-same seed and puts only its own rows on its own devices; the step's collectives
-span all devices. Process 0 alone prints, shows the progress bar, writes
-config.json and metrics.jsonl, and trains the tokenizer (the others wait, then
-load its file). Every process takes part in orbax's checkpoint saves, which
-write one copy, and restores from them. The validation loss evaluates each
-sentence once, on one device; BLEU's decoding is split between the processes.
-WORKDIR must be on a filesystem that every host sees.
+Multi-host: every process builds the same step's batch and keeps its own rows;
+process 0 alone prints, writes config.json and metrics.jsonl and trains the
+tokenizer (the others wait, then load it); every process takes part in the
+checkpoint saves. docs/scaling_out.md has the details.
 """
 
 from __future__ import annotations
