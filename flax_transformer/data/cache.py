@@ -33,18 +33,27 @@ unparsable manifest, another key or format, a missing file, a wrong size, incons
 offsets or (with `verify=True`, the default) a digest mismatch make the cache invalid,
 and the writer sets it aside and encodes again.
 
-Encoding runs in a process pool (spawned, so it is safe beside JAX's threads; a script
-that calls this must guard its main code with `if __name__ == '__main__'`, as for any
-spawned pool): the main process reads the text a block of lines at a time, each worker
-decodes, cleans and tokenizes a block single-threaded and returns flat int32 arrays, and
-the main process appends them to the files in order, so memory is bounded by the blocks
-in flight, never by the corpus. Why processes and not the `tokenizers` library's own
-batch threads: those parallelise only the Rust tokenizing and only for `Tokenizer`,
-while the decoding, cleaning, `Encoding.ids` lists and their flattening are Python work
-(about a tenth of the per-pair CPU, measured), a Marian (sentencepiece) tokenizer has no
-such threads, and workers leave the main process free to read, hash and write. A worker
-costs one import of the package (about 4 s of CPU), so corpora under `POOL_MIN_LINES`
-lines are encoded in the calling process.
+Encoding is parallel over the cores in one of two ways, chosen by `workers`:
+
+  * in this process, one block of lines at a time, through the tokenizer's batch call:
+    `Tokenizer.encode` is `tokenizers`' `encode_batch_fast`, whose Rust threads (rayon)
+    tokenize a batch on every core. The default for a `Tokenizer` (`workers=None`);
+  * in a pool of spawned processes (safe beside JAX's threads; a script calling this must
+    guard its main code with `if __name__ == '__main__'`, as for any spawned pool): the
+    main process reads blocks of lines, each worker decodes, cleans and tokenizes a block
+    single-threaded and returns flat arrays, the main process appends them in order. The
+    default for any other tokenizer (a Marian tokenizer's sentencepiece call is a Python
+    loop per sentence, so a pool is its only parallelism); `workers=N` forces it.
+
+Measured on this project's 2-core host (benchmarks/results/data_pipeline_dev.json): the
+in-process batch call reached 9,700 pairs/s on 100,000 stand-in pairs (about 1.7 cores
+busy), and spent 176 µs of CPU per pair against the pool's 214 (each worker imports the
+package, ~4 s of CPU, and blocks are pickled both ways); the Python share it leaves
+serial (decoding, `Encoding.ids`, flattening) is about a tenth of the CPU. So on a few
+cores the library's own threads win; on a many-core host, where that serial tenth caps
+the speed-up, pass `workers=os.cpu_count()`. Corpora under `POOL_MIN_LINES` lines never
+start a pool. Either way memory is bounded by the blocks in flight, never by the corpus:
+no Python list outlives its block.
 
 Multi-host: every process calls `load_or_encode` with `is_writer=(process_index == 0)` and
 `wait`, a barrier all processes reach (e.g. `jax.experimental.multihost_utils.
@@ -77,7 +86,7 @@ from tqdm.auto import tqdm
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
 from flax_transformer.data.corpus import DataError
-from flax_transformer.data.tokenizer import TextTokenizer
+from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 
 FORMAT_VERSION = 1
 MANIFEST = 'manifest.json'
@@ -301,8 +310,10 @@ def load_or_encode(source: PairSource, tokenizer: TextTokenizer, tokenizer_diges
     is_writer: whether this process may encode and write (process 0 of a job).
     wait: a barrier every process of the job reaches; the writer calls it after the cache
       is in place, the others before reading it. None for a single process.
-    workers: encoding processes; None = the CPUs this process may use. 1 encodes in this
-      process (also used when the corpus is a single block).
+    workers: 1 encodes in this process, through the tokenizer's batch call (for a
+      `Tokenizer`, Rust threads on every core); N > 1 in a pool of N processes. None: 1 for
+      a `Tokenizer`, else the CPUs this process may use. A corpus of one block or under
+      `POOL_MIN_LINES` lines is always encoded in this process.
     block_lines: lines per block handed to a worker.
     verify: check each array's SHA-256 on loading (reads every byte once; seconds at WMT14's
       size); False checks sizes and offsets only.
@@ -460,8 +471,9 @@ def _encoded_blocks(source: PairSource, tokenizer: TextTokenizer, max_len: int,
                     workers: int | None, block_lines: int, total_lines: int | None
                     ) -> Iterator[tuple[int, tuple]]:
   """(lines in the block, `_encode_block`'s result) per block, in order."""
-  if workers is None:
-    workers = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  if workers is None:  # a `Tokenizer` parallelises its batch call itself (module docstring)
+    workers = 1 if isinstance(tokenizer, Tokenizer) else (
+        len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())
   blocks = source.blocks(block_lines)
   first = next(blocks, None)
   if first is None:
