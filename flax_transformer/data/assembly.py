@@ -122,18 +122,19 @@ def _spans(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _side(ids: np.ndarray, offsets: np.ndarray, pairs: np.ndarray):
-  """(lengths [P], token -> pair [K], token position [K], token ids [K]) of one side."""
-  starts = np.asarray(offsets[pairs], np.int64)
-  lengths = np.asarray(offsets[pairs + 1], np.int64) - starts
+  """(lengths [P], token -> pair [K], token position [K], index into ids [K], token ids [K])
+  of one side. `np.asarray` views a memmap as a plain array (its `__getitem__` is Python)."""
+  ids, offsets = np.asarray(ids), np.asarray(offsets)
+  starts = offsets[pairs]
+  lengths = offsets[pairs + 1] - starts
   items, positions = _spans(lengths)
   flat = starts[items] + positions
-  return lengths, items, positions, flat, np.asarray(ids[flat], np.int32)
+  return lengths, items, positions, flat, ids[flat]
 
 
-def _shifted(ids: np.ndarray, flat: np.ndarray, positions: np.ndarray, tokens: np.ndarray,
-             bos: int) -> np.ndarray:
+def _shifted(ids: np.ndarray, flat: np.ndarray, positions: np.ndarray, bos: int) -> np.ndarray:
   """tgt_in's tokens: BOS at each pair's first position, else the previous target id."""
-  previous = np.asarray(ids[np.maximum(flat - 1, 0)], np.int32)
+  previous = np.asarray(ids)[np.maximum(flat - 1, 0)]
   return np.where(positions == 0, np.int32(bos), previous)
 
 
@@ -149,11 +150,12 @@ def build_bucketed(corpus: EncodedCorpus, pairs: np.ndarray, rows: int, length: 
   tgt_out = np.full((size, length), pad, np.int32)
   example_ids = np.full((size,), -1, np.int32)
   _, row, column, _, tokens = _side(corpus.src_ids, corpus.src_offsets, pairs)
-  src[row, column] = tokens
+  src.ravel()[row * length + column] = tokens
   _, row, column, flat, tokens = _side(corpus.tgt_ids, corpus.tgt_offsets, pairs)
-  tgt_out[row, column] = tokens
-  tgt_in[row, column] = _shifted(corpus.tgt_ids, flat, column, tokens, corpus.bos_id)
-  example_ids[:len(pairs)] = corpus.example_ids[pairs]
+  at = row * length + column
+  tgt_out.ravel()[at] = tokens
+  tgt_in.ravel()[at] = _shifted(corpus.tgt_ids, flat, column, corpus.bos_id)
+  example_ids[:len(pairs)] = np.asarray(corpus.example_ids)[pairs]
   return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids, pad_id=pad)
 
 
@@ -180,16 +182,16 @@ def build_packed(corpus: EncodedCorpus, rows_of_pairs: PackedRows | Sequence[np.
     before = np.zeros(len(pairs) + 1, np.int64)  # tokens of the pairs before each
     np.cumsum(lengths, out=before[1:])
     at = before[:-1] - before[mine.splits[row_of_pair]]  # each pair's first column in its row
-    row, column = row_of_pair[item], at[item] + position
+    cell = row_of_pair[item] * length + at[item] + position  # index into the [B * L] arrays
     if side == 'src':
-      arrays['src'][row, column] = tokens
+      arrays['src'].ravel()[cell] = tokens
     else:
-      arrays['tgt_out'][row, column] = tokens
-      arrays['tgt_in'][row, column] = _shifted(ids, flat, position, tokens, corpus.bos_id)
-    arrays[f'{side}_segments'][row, column] = segment[item] + 1
-    arrays[f'{side}_positions'][row, column] = position
+      arrays['tgt_out'].ravel()[cell] = tokens
+      arrays['tgt_in'].ravel()[cell] = _shifted(ids, flat, position, corpus.bos_id)
+    arrays[f'{side}_segments'].ravel()[cell] = segment[item] + 1
+    arrays[f'{side}_positions'].ravel()[cell] = position
   example_ids = np.full((size, length), -1, np.int32)
-  example_ids[row_of_pair, segment] = corpus.example_ids[pairs]
+  example_ids[row_of_pair, segment] = np.asarray(corpus.example_ids)[pairs]
   return Batch(example_ids=example_ids, pad_id=pad, **arrays)
 
 
