@@ -7,7 +7,6 @@ import datasets
 import pandas as pd
 import pytest
 
-from flax_transformer import data
 from flax_transformer.data.corpus import DataError, describe, load_parallel
 
 EN = ['A dog runs.', '  Two men talk.  ', 'A child plays.', '', 'Birds fly.']
@@ -216,7 +215,7 @@ def test_hub_translation_column_is_unpacked(monkeypatch):
       'validation': datasets.Dataset.from_dict(
           {'translation': [{'de': 'Baum.', 'en': 'Tree.'}]}, features=translation)})
   calls = []
-  monkeypatch.setattr(data.datasets, 'load_dataset',
+  monkeypatch.setattr(datasets, 'load_dataset',
                       lambda name, config: calls.append((name, config)) or hub)
   ds = load_parallel('wmt14:de-en', 'en', 'de')
   assert calls == [('wmt14', 'de-en')]
@@ -228,7 +227,7 @@ def test_hub_translation_column_is_unpacked(monkeypatch):
 def test_hub_failure_explains_offline_use(monkeypatch):
   def offline(name, config):
     raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
-  monkeypatch.setattr(data.datasets, 'load_dataset', offline)
+  monkeypatch.setattr(datasets, 'load_dataset', offline)
   with pytest.raises(DataError) as info:
     load_parallel('bentrevett/multi30k', 'en', 'de')
   message = str(info.value)

@@ -133,10 +133,10 @@ def test_train_argument_errors():
 
 def test_check_compatible(bpe):
   bpe.check_compatible(ModelConfig.tiny(vocab_size=200))
-  with pytest.raises(ConfigError, match=r'model\.vocab_size=64 but the tokenizer has 200 tokens; '
+  with pytest.raises(ConfigError, match=r'model\.vocab_size=64 but the tokenizer has 200; '
                      r'set model.vocab_size=200'):
     bpe.check_compatible(ModelConfig.tiny())
-  with pytest.raises(ConfigError, match=r'model\.eos_id=5 but the tokenizer uses 2'):
+  with pytest.raises(ConfigError, match=r'model\.eos_id=5 but the tokenizer has 2; set model\.eos_id=2'):
     bpe.check_compatible(ModelConfig.tiny(vocab_size=200, eos_id=5))
 
 

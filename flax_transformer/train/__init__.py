@@ -9,15 +9,27 @@ the paper's schedule), `scheduled_sampling`, `step` (one update, per device),
 (multi-host start-up), `distill` (sequence-level distillation).
 """
 
-from flax_transformer.train.losses import label_smoothed_cross_entropy, loss_sums, token_losses
-from flax_transformer.train.metrics import length_metrics, token_metrics
-from flax_transformer.train.optimizer import make_optimizer, make_schedule, transformer_schedule
-from flax_transformer.train.parallel import DataParallel
-from flax_transformer.train.step import (TrainState, create_train_state, eval_step,
-                                         make_parallel_eval, make_parallel_step, train_step)
+import importlib
 
-__all__ = [
-    'DataParallel', 'TrainState', 'create_train_state', 'eval_step', 'label_smoothed_cross_entropy',
-    'length_metrics', 'loss_sums', 'make_optimizer', 'make_parallel_eval', 'make_parallel_step',
-    'make_schedule', 'token_losses', 'token_metrics', 'train_step', 'transformer_schedule',
-]
+# Public name -> its module. Loaded on first use, not here: `train.distributed` must start
+# JAX's processes (and silence progress bars off process 0) before anything imports tqdm or
+# `datasets`, which read their settings when imported.
+_EXPORTS = {
+    'label_smoothed_cross_entropy': 'losses', 'loss_sums': 'losses', 'token_losses': 'losses',
+    'length_metrics': 'metrics', 'token_metrics': 'metrics',
+    'make_optimizer': 'optimizer', 'make_schedule': 'optimizer',
+    'transformer_schedule': 'optimizer',
+    'DataParallel': 'parallel',
+    'TrainState': 'step', 'create_train_state': 'step', 'eval_step': 'step',
+    'make_parallel_eval': 'step', 'make_parallel_step': 'step', 'train_step': 'step',
+    'train': 'loop',
+}
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f'{__name__}.{_EXPORTS[name]}'), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+__all__ = sorted(_EXPORTS)
