@@ -2,8 +2,8 @@
 (a subprocess, as tests/test_multidevice.py), its loss falls on a tiny copy task, and its
 validation sums are deterministic.
 
-train.py --objective cmlm is tests/test_train_cli.py's, decode.py --method nat
-tests/test_decode_cli.py's, the distillation that makes a cmlm corpus test_distill.py's.
+train.py --objective cmlm is tests/test_train_cli.py's, decode.py --method mask_predict
+tests/test_decode_cli.py's, the distillation that makes a cmlm corpus test_distill_cli.py's.
 """
 
 import jax

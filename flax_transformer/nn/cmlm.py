@@ -4,7 +4,7 @@ Ghazvininejad et al. (2019), "Mask-Predict": the encoder is the paper's; the
 decoder is the same stack with a self-attention that sees the whole target row
 (padding mask only, no look-ahead mask), fed a row in which some or all tokens
 are replaced by MASK; a length classifier over the mean-pooled encoder output
-predicts how long the target is. Decoding (`cmlm_decoding.py`) starts from a row
+predicts how long the target is. Decoding (`decode/non_autoregressive.py`) starts from a row
 of N MASKs and fills it in, in parallel, in a few refinement passes.
 
 Axis legend: B batch, S source length, T target length (the canvas), D model dim,

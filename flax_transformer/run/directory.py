@@ -3,7 +3,7 @@
     WORKDIR/config.json      {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
                               "tokenizer_sha256": digest of tokenizer.json}
     WORKDIR/tokenizer.json   the shared subword vocabulary (Tokenizer.save)
-    WORKDIR/checkpoints/     orbax checkpoints, one directory per step (checkpoint.py)
+    WORKDIR/checkpoints/     orbax checkpoints, one directory per step (checkpoints.py)
     WORKDIR/metrics.jsonl    one JSON object per logged step (metrics_log.py)
 
 `RunDirectory` is what training asks of it: `locked` (the directory created,
