@@ -181,7 +181,7 @@ def test_damaged_cache_is_rebuilt(data, tokenizer, tmp_path, monkeypatch, damage
   elif damage == 'missing_file':
     ids.unlink()
   else:  # a crash mid-build: only a partial directory, the manifest never written
-    dead = root / f'.{directory.name}.partial-999999999-abcd'  # no such process
+    dead = root / f'.{directory.name}.partial-{cache._HOST}-999999999-abcd'  # no such process
     directory.rename(dead)
     (dead / cache.MANIFEST).unlink()
   with pytest.raises(cache.CacheError):

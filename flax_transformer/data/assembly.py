@@ -32,7 +32,8 @@ Three parts, each a drop-in for a loop of `batching`/`packing`:
          that type (a stable sort by type: slots and pairs meet in order), then shuffle
          the rows (seeded), so that a batch, cut from consecutive rows, is a random draw.
 
-    First-fit-decreasing packs within 11/9 of the optimum in one dimension; the online
+    In one dimension first- and best-fit decreasing need at most 11/9 of the fewest rows
+    possible (plus one); the online
     first fit of `packing.pack_rows` (at most 16 open rows, pairs in shuffled order)
     cannot look ahead, so it leaves more padding (both are measured in
     benchmarks/results/data_pipeline_dev.json and tests/test_assembly.py checks this

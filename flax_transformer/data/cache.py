@@ -74,6 +74,7 @@ import os
 import pickle
 import secrets
 import shutil
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -100,6 +101,8 @@ BLOCK_LINES = 20_000
 # Smaller corpora are encoded in the calling process: starting workers would cost more.
 POOL_MIN_LINES = 100_000
 _HASH_BLOCK = 8 << 20
+# Names a partial build's directory, so that only this host's dead builders' are removed.
+_HOST = socket.gethostname().replace('-', '_').replace('/', '_') or 'host'
 
 
 class CacheError(DataError):
@@ -393,7 +396,7 @@ def _build(source: PairSource, fingerprint: dict, tokenizer: TextTokenizer, key:
   try:
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(cache_dir, final.name)
-    partial = cache_dir / f'.{final.name}.partial-{os.getpid()}-{secrets.token_hex(4)}'
+    partial = cache_dir / f'.{final.name}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}'
     partial.mkdir()
   except OSError as error:
     raise CacheError(f'{cache_dir}: cannot write the encoded-corpus cache '
@@ -437,8 +440,8 @@ def _build(source: PairSource, fingerprint: dict, tokenizer: TextTokenizer, key:
 
 def _remove_dead_partials(cache_dir: Path, name: str) -> None:
   """Deletes partial builds of `name` left by processes of this host that no longer run (a
-  crash mid-build); a live builder's directory stays."""
-  for path in cache_dir.glob(f'.{name}.partial-*'):
+  crash mid-build); a live builder's directory stays, and so does another host's."""
+  for path in cache_dir.glob(f'.{name}.partial-{_HOST}-*'):
     try:
       os.kill(int(path.name.rsplit('-', 2)[-2]), 0)
     except ProcessLookupError:
