@@ -59,6 +59,12 @@ MUTANTS = [
     m('local_mask_radius_off_by_one', NN + 'masks.py',
       'return (jnp.abs(query_pos - key_pos) <= radius)[None, None]',
       'return (jnp.abs(query_pos - key_pos) < radius)[None, None]', 'tests/test_masks.py'),
+    m('segment_mask_sees_earlier_sentences', NN + 'masks.py',
+      'same = q_segments[:, :, None] == k_segments[:, None, :]',
+      'same = q_segments[:, :, None] >= k_segments[:, None, :]',
+      'tests/test_masks.py', 'tests/test_packing.py'),
+    # Observable only in PAD query rows (segment 0), whose outputs nothing reads: survived
+    # tests/test_masks.py when last run; a test of the docstring's "!= 0" would kill it.
     m('segment_mask_sees_padding', NN + 'masks.py',
       'return (same & (k_segments[:, None, :] != 0))[:, None]', 'return same[:, None]',
       'tests/test_masks.py'),
