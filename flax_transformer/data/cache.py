@@ -45,13 +45,13 @@ Encoding is parallel over the cores in one of two ways, chosen by `workers`:
     default for any other tokenizer (a Marian tokenizer's sentencepiece call is a Python
     loop per sentence, so a pool is its only parallelism); `workers=N` forces it.
 
-Measured on this project's 2-core host (benchmarks/results/data_pipeline_dev.json): the
-in-process batch call reached 9,700 pairs/s on 100,000 stand-in pairs (about 1.7 cores
-busy), and spent 176 µs of CPU per pair against the pool's 214 (each worker imports the
-package, ~4 s of CPU, and blocks are pickled both ways); the Python share it leaves
-serial (decoding, `Encoding.ids`, flattening) is about a tenth of the CPU. So on a few
-cores the library's own threads win; on a many-core host, where that serial tenth caps
-the speed-up, pass `workers=os.cpu_count()`. Corpora under `POOL_MIN_LINES` lines never
+Measured on this project's 2-core host, 450,000 stand-in pairs, 37k BPE vocabulary
+(benchmarks/results/data_pipeline_dev.json): in this process 11,650 pairs/s, both cores
+busy (176 µs of CPU a pair), against 6,560 pairs/s for a pool of 2 (214 µs a pair: each
+worker imports the package, ~4 s of CPU, and blocks are pickled both ways); the Python
+share left serial (decoding, `Encoding.ids`, flattening) is about a tenth of the CPU. So
+on a few cores the library's own threads win; on a many-core host, where that serial
+tenth caps the speed-up, try `workers=os.cpu_count()`. Corpora under `POOL_MIN_LINES` lines never
 start a pool. Either way memory is bounded by the blocks in flight, never by the corpus:
 no Python list outlives its block.
 
