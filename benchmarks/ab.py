@@ -51,7 +51,7 @@ def train_step_fn(dtype: str):
                            workloads.SHAPE, jax.devices()[:1]).step
 
 
-def decoder_fn(beams: int, dtype: str = 'float32', cast_params: bool = False):
+def decoder_fn(beam_size: int, dtype: str = 'float32', cast_params: bool = False):
   """Compiled greedy (beams == 1) or beam search on random base-model weights; 32 tokens forced.
 
   The loop `autoregressive.greedy` and `beam_search` run, from the module's public
@@ -75,12 +75,12 @@ def decoder_fn(beams: int, dtype: str = 'float32', cast_params: bool = False):
   loop = autoregressive.LoopConfig.for_model(config, NEW_TOKENS, min_len=NEW_TOKENS)
 
   def run(variables, src, limits):
-    step_fn, cache = autoregressive.model_step_fn(config, variables, src, loop.max_len, beams)
-    if beams == 1:
+    step_fn, cache = autoregressive.model_step_fn(config, variables, src, loop.max_len, beam_size)
+    if beam_size == 1:
       return autoregressive.decode_loop(step_fn, autoregressive.argmax_pick, cache, limits,
                                         loop).tokens[:, :loop.max_len]
     state = autoregressive.beam_loop(step_fn, cache, limits, loop,
-                                     BeamSearch(beam_size=beams, alpha=0.6))
+                                     BeamSearch(beam_size=beam_size, alpha=0.6))
     return state.finished_tokens[:, :, :loop.max_len], state.finished_scores
 
   compiled = jax.jit(run).lower(variables, src, limits).compile()
@@ -98,11 +98,11 @@ def lever_decode_dtype(parts):
   from flax_transformer.decode import autoregressive
   contenders = {}
   for part in parts:
-    beams = 1 if part == 'greedy' else int(part.removeprefix('beam'))
-    contenders[f'{part}/float32'] = decoder_fn(beams)
+    beam_size = 1 if part == 'greedy' else int(part.removeprefix('beam'))
+    contenders[f'{part}/float32'] = decoder_fn(beam_size)
     with patched((autoregressive, 'cast_matrices', lambda variables, dtype: variables)):
-      contenders[f'{part}/bfloat16_cast_per_use'] = decoder_fn(beams, 'bfloat16')
-    contenders[f'{part}/bfloat16_cast_once'] = decoder_fn(beams, 'bfloat16', cast_params=True)
+      contenders[f'{part}/bfloat16_cast_per_use'] = decoder_fn(beam_size, 'bfloat16')
+    contenders[f'{part}/bfloat16_cast_once'] = decoder_fn(beam_size, 'bfloat16', cast_params=True)
   return contenders
 
 

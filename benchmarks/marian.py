@@ -201,7 +201,8 @@ def theirs(directory: Path, setting: Setting, threads: int) -> dict:
       raise RuntimeError(f'generate gave {out.shape[1] - 1} tokens, expected {n}')
 
   return common.interleaved_medians(
-      {name: lambda beams=beams: run(beams) for name, beams in METHODS.items()}, setting.rounds)
+      {name: lambda beam_size=beam_size: run(beam_size) for name, beam_size in METHODS.items()},
+      setting.rounds)
 
 
 def _worker(args) -> int:

@@ -109,8 +109,8 @@ def peak_shapes(config, setting: Setting, tasks=TASKS) -> list[tuple[int, int, i
 
 def task_classes(config, setting: Setting) -> dict[str, dict]:
   """{task: FLOP classes} for 'train', 'greedy' and 'beam4'."""
-  decode = lambda beams: decode_flop_classes(config, setting.batch, setting.source_len,
-                                             setting.new_tokens, beams)
+  decode = lambda beam_size: decode_flop_classes(config, setting.batch, setting.source_len,
+                                             setting.new_tokens, beam_size)
   return {'train': train_flop_classes(config, setting.shape), 'greedy': decode(1),
           'beam4': decode(4)}
 
@@ -263,8 +263,8 @@ def summarize_cell(cell: dict, task: str, dtype: str, config, setting: Setting,
   if task == 'train':
     flops, tokens = train_flops(config, setting.shape), setting.shape.target_tokens
   else:
-    beams = 4 if task == 'beam4' else 1
-    flops = decode_flops(config, setting.batch, setting.source_len, setting.new_tokens, beams)
+    beam_size = 4 if task == 'beam4' else 1
+    flops = decode_flops(config, setting.batch, setting.source_len, setting.new_tokens, beam_size)
     tokens = setting.batch * setting.new_tokens
   gflops = flops / median / 1e9
   cell = {**cell, 'median_s': median, 'min_s': min(cell['times_s']),

@@ -193,11 +193,11 @@ def marian_generate(config, request: dict):
   model = peers.build_model('marian', config).eval()
   src = torch.as_tensor(decode_sources(config, request['batch'], request['source_len']),
                         dtype=torch.long)
-  n, beams = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
+  n, beam_size = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
 
   def run():
     with torch.inference_mode():
-      out = model.generate(input_ids=src, attention_mask=torch.ones_like(src), num_beams=beams,
+      out = model.generate(input_ids=src, attention_mask=torch.ones_like(src), num_beams=beam_size,
                            do_sample=False, max_new_tokens=n, min_new_tokens=n,
                            forced_eos_token_id=None)                             # [B, 1 + n]
     if out.shape[1] != n + 1:
@@ -278,12 +278,12 @@ def flaxmarian_task(request: dict, config):
       return float(loss)
 
     return run
-  n, beams = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
+  n, beam_size = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
   src = jnp.asarray(decode_sources(config, request['batch'], request['source_len']))
   # Lengths count the start token; EOS is banned until then (min_length), none forced at the end.
   generate = jax.jit(lambda params, src: model.generate(
       src, attention_mask=jnp.ones_like(src), params=params, max_length=n + 1, min_length=n + 1,
-      num_beams=beams, do_sample=False, forced_eos_token_id=None).sequences)
+      num_beams=beam_size, do_sample=False, forced_eos_token_id=None).sequences)
 
   def run():
     out = jax.block_until_ready(generate(model.params, src))                         # [B, 1 + n]

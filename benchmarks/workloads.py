@@ -140,14 +140,14 @@ def step_flops(config, rows: int, src_len: int, attended: int) -> int:
   return config.num_decoder_layers * layer + 2 * R * D * V
 
 
-def decode_flops(config, batch: int, src_len: int, new_tokens: int, beams: int = 1) -> int:
+def decode_flops(config, batch: int, src_len: int, new_tokens: int, beam_size: int = 1) -> int:
   """Model FLOPs of decoding `new_tokens` for B sources: the prefix plus every step on B * beams rows.
 
   The same count for every contender, so GFLOP/s compare like tokens/s; not
   counted: softmax, LayerNorm, top-k and the cache reorder.
   """
   return prefix_flops(config, batch, src_len) + sum(
-      step_flops(config, batch * beams, src_len, t + 1) for t in range(new_tokens))
+      step_flops(config, batch * beam_size, src_len, t + 1) for t in range(new_tokens))
 
 
 def _encoder_classes(classes: collections.Counter, config, batch: int, src_len: int) -> None:
@@ -182,14 +182,14 @@ def train_flop_classes(config, shape: Shape) -> dict[tuple[int, int, int], int]:
 
 
 def decode_flop_classes(config, batch: int, src_len: int, new_tokens: int,
-                        beams: int = 1) -> dict[tuple[int, int, int], int]:
+                        beam_size: int = 1) -> dict[tuple[int, int, int], int]:
   """`decode_flops` split by matmul shape: the prefix at batch x src_len rows, every step at
   batch x beams rows (attention products at the [rows, D] @ [D, D] class). Sums to `decode_flops`.
   """
   D, F, V = config.d_model, config.d_ff, config.vocab_size
   classes = collections.Counter()
   _encoder_classes(classes, config, batch, src_len)
-  R = batch * beams
+  R = batch * beam_size
   for t in range(new_tokens):
     for _ in range(config.num_decoder_layers):
       classes[R, D, D] += 2 * R * 6 * D * D + 4 * R * src_len * D + 4 * R * (t + 1) * D

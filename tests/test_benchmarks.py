@@ -126,7 +126,7 @@ def test_beams_share_the_encoder_pass_and_multiply_every_step():
   config, batch, src_len = ModelConfig.tiny(d_ff=96, vocab_size=80), 2, 9
   prefix = prefix_flops(config, batch, src_len)
   greedy = decode_flops(config, batch, src_len, 4)
-  beam = decode_flops(config, batch, src_len, 4, beams=3)
+  beam = decode_flops(config, batch, src_len, 4, beam_size=3)
   assert beam - prefix == 3 * (greedy - prefix)
   # One more attended position: QK^T and AV each grow by one D-vector product per row and layer.
   assert step_flops(config, batch, src_len, 2) - step_flops(config, batch, src_len, 1) == (
@@ -285,10 +285,10 @@ def test_solo_flop_classes_sum_to_the_analytic_counts():
   for config in (ModelConfig.tiny(d_ff=96, vocab_size=80), ModelConfig.base(vocab_size=8000)):
     assert sum(workloads.train_flop_classes(config, TINY_SHAPE).values()) == train_flops(
         config, TINY_SHAPE)
-    for beams in (1, 4):
-      classes = workloads.decode_flop_classes(config, 3, 7, 5, beams)
-      assert sum(classes.values()) == decode_flops(config, 3, 7, 5, beams)
-      assert {rows for rows, _, _ in classes} == {3 * 7, 3 * beams}  # prefix rows, step rows
+    for beam_size in (1, 4):
+      classes = workloads.decode_flop_classes(config, 3, 7, 5, beam_size)
+      assert sum(classes.values()) == decode_flops(config, 3, 7, 5, beam_size)
+      assert {rows for rows, _, _ in classes} == {3 * 7, 3 * beam_size}  # prefix rows, step rows
 
 
 def test_solo_weighted_peak_by_hand():

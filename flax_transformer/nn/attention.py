@@ -214,9 +214,10 @@ def _write_beam_blocks(buf: jax.Array, x: jax.Array, index: jax.Array | int, slo
   buf has K * L slots on `slot_axis`; x has the K beams on that same axis.
   Reshaped to `[..., K, L, ...]`, the write is one dynamic_update_slice.
   """
-  beams = x.shape[slot_axis]
+  beam_size = x.shape[slot_axis]
   shape = buf.shape
-  blocks = buf.reshape(*shape[:slot_axis], beams, shape[slot_axis] // beams, *shape[slot_axis + 1:])
+  blocks = buf.reshape(*shape[:slot_axis], beam_size, shape[slot_axis] // beam_size,
+                       *shape[slot_axis + 1:])
   update = jnp.expand_dims(x, slot_axis + 1).astype(buf.dtype)
   return jax.lax.dynamic_update_slice_in_dim(blocks, update, index, axis=slot_axis + 1).reshape(shape)
 
@@ -234,7 +235,7 @@ class KVCache:
   past the current position are zeros (hidden by the causal mask). For
   cross-attention, S is the source length and the values never change.
 
-  Beam search pools the K beams of a sentence into one row: `beams=K`, B counts
+  Beam search pools the K beams of a sentence into one row: `beam_size=K`, B counts
   sentences and S = K * L, beam j's key for position p in slot j * L + p. Each
   step writes the K beams' new keys into their own blocks, and a mask (see
   `masks.beam_history_mask`) picks, per beam, the slots of its own history, so
@@ -245,7 +246,7 @@ class KVCache:
   """
   k: jax.Array
   v: jax.Array
-  beams: int = flax.struct.field(pytree_node=False, default=1)
+  beam_size: int = flax.struct.field(pytree_node=False, default=1)
 
 
 class MultiHeadAttention(nn.Module):
@@ -323,19 +324,20 @@ class MultiHeadAttention(nn.Module):
     """Writes keys and values `new` (`[B, N, T, H]`) into the cache at position `index`.
 
     A plain cache takes T consecutive tokens into slots index..index+T-1. A
-    pooled cache (`cache.beams == K`) takes one token per beam, T = K, each into
+    pooled cache (`cache.beam_size == K`) takes one token per beam, T = K, each into
     its own beam's block at position `index`.
     """
-    if cache.beams == 1:
+    if cache.beam_size == 1:
       write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), index,
                                                                  axis=2)
       return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
-    if new.k.shape[2] != cache.beams:
-      raise ValueError(f'a cache pooling {cache.beams} beams takes one token per beam, '
+    if new.k.shape[2] != cache.beam_size:
+      raise ValueError(f'a cache pooling {cache.beam_size} beams takes one token per beam, '
                        f'got {new.k.shape[2]}')
     # Keys [B, N, H, K * L] take their new column on the last axis, values [B, N, K * L, H] on axis 2.
     return KVCache(k=_write_beam_blocks(cache.k, new.k.transpose(0, 1, 3, 2), index, slot_axis=3),
-                   v=_write_beam_blocks(cache.v, new.v, index, slot_axis=2), beams=cache.beams)
+                   v=_write_beam_blocks(cache.v, new.v, index, slot_axis=2),
+                   beam_size=cache.beam_size)
 
   def __call__(self, inputs_q: jax.Array, kv: KVCache, mask: jax.Array | masks.Band | None,
                deterministic: bool = True) -> jax.Array:
@@ -364,7 +366,7 @@ class MultiHeadAttention(nn.Module):
       # Asked for the weights `[B, N, T, S]`, a Band is materialized: they are that big anyway.
       if isinstance(mask, masks.Band):
         mask = mask.dense(q.shape[1], k.shape[2])
-      out, weights = _masked_attention(q, k, v, mask, weights_fn, keys_transposed=kv.beams > 1)
+      out, weights = _masked_attention(q, k, v, mask, weights_fn, keys_transposed=kv.beam_size > 1)
       self.sow('intermediates', 'attention_weights', weights)
     out = out.reshape(*out.shape[:-2], self.d_model)                 # [B, T, D]
     return self.out(out)

@@ -154,7 +154,7 @@ def beam_history_mask(history: jax.Array, position: jax.Array | int) -> jax.Arra
 
   Beam search keeps the keys of beam j's token at position p in slot j * L + p
   of a cache pooled over the K beams of a sentence (`attention.KVCache` with
-  `beams=K`), and records, instead of moving keys when beams are reordered,
+  `beam_size=K`), and records, instead of moving keys when beams are reordered,
   where each live beam's history lies.
 
   Args:
@@ -171,10 +171,10 @@ def beam_history_mask(history: jax.Array, position: jax.Array | int) -> jax.Arra
       k=0:  0 1 0 | 1 0 0
       k=1:  0 0 0 | 1 1 0
   """
-  batch, beams, length = history.shape
-  in_block = history[:, :, None, :] == jnp.arange(beams)[None, None, :, None]    # [B, K, K, L]
+  batch, beam_size, length = history.shape
+  in_block = history[:, :, None, :] == jnp.arange(beam_size)[None, None, :, None]    # [B, K, K, L]
   written = jnp.arange(length) <= position                                        # [L]
-  return (in_block & written).reshape(batch, 1, beams, beams * length)
+  return (in_block & written).reshape(batch, 1, beam_size, beam_size * length)
 
 
 def combine(*masks: jax.Array | None) -> jax.Array | None:

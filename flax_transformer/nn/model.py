@@ -64,7 +64,7 @@ class BeamDecodeCache:
 
   self_kv: per decoder layer, keys `[B, N, H, K * L]` and values
     `[B, N, K * L, H]` pooled over the K beams of a sentence (`KVCache` with
-    beams=K): beam k writes its token at position p into slot k * L + p.
+    beam_size=K): beam k writes its token at position p into slot k * L + p.
   history: int32 `[B, K, L]`; history[b, k, p] is the beam block that holds
     live beam k's keys for position p (`masks.beam_history_mask`).
   cross_kv: per decoder layer, keys and values of the encoder memory,
@@ -90,21 +90,22 @@ class BeamDecodeCache:
 
 
 def empty_self_cache(config: ModelConfig, batch_size: int, max_len: int,
-                     dtype: jnp.dtype | None = None, beams: int = 1) -> tuple[KVCache, ...]:
+                     dtype: jnp.dtype | None = None, beam_size: int = 1) -> tuple[KVCache, ...]:
   """Zero self-attention caches, one `[B, N, L, H]` pair per decoder layer.
 
-  With beams=K, one pair per layer pooling the K beams of each of B sentences:
+  With beam_size=K, one pair per layer pooling the K beams of each of B sentences:
   keys `[B, N, H, K * L]`, values `[B, N, K * L, H]` (see `KVCache`). Built
   from the config alone: no forward pass is traced to discover shapes.
   """
   if max_len > config.max_len:
     raise ValueError(f'decoding length {max_len} exceeds model.max_len={config.max_len}, '
                      'the length of the positional-encoding table')
-  v_shape = (batch_size, config.num_heads, beams * max_len, config.head_dim)
+  v_shape = (batch_size, config.num_heads, beam_size * max_len, config.head_dim)
   # A pooled cache holds its keys transposed, `[B, N, H, K * L]` (see KVCache).
-  k_shape = v_shape if beams == 1 else (*v_shape[:2], v_shape[3], v_shape[2])
+  k_shape = v_shape if beam_size == 1 else (*v_shape[:2], v_shape[3], v_shape[2])
   dtype = config.compute_dtype if dtype is None else dtype
-  return tuple(KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype), beams=beams)
+  return tuple(KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype),
+                       beam_size=beam_size)
                for _ in range(config.num_decoder_layers))
 
 
@@ -280,7 +281,7 @@ class Transformer(nn.Module):
     memory = self.encode(src)
     batch = src.shape[0]
     return BeamDecodeCache(
-        self_kv=empty_self_cache(self.config, batch, max_len, beams=beam_size),
+        self_kv=empty_self_cache(self.config, batch, max_len, beam_size=beam_size),
         history=jnp.zeros((batch, beam_size, max_len), jnp.int32),
         cross_kv=self.decoder.cross_kv(memory),
         src_mask=masks.padding_mask(src, self.config.pad_id))
@@ -299,16 +300,16 @@ class Transformer(nn.Module):
     (unlike `decode_step`, which slices the r + 1 slots it can see): a beam's
     keys lie scattered over the K beam blocks, so no slice holds its last r + 1.
     """
-    batch, beams = tokens.shape
+    batch, beam_size = tokens.shape
     max_len = cache.max_len
-    own_block = jnp.broadcast_to(jnp.arange(beams, dtype=jnp.int32), (batch, beams))
+    own_block = jnp.broadcast_to(jnp.arange(beam_size, dtype=jnp.int32), (batch, beam_size))
     history = jax.lax.dynamic_update_index_in_dim(cache.history, own_block, position, axis=2)
     radius = self.config.attention_radius
     window = None if radius is None else masks.local_mask(1, radius, max_len, position)  # [1, 1, 1, L]
     self_mask = masks.combine(masks.beam_history_mask(history, position),
-                              None if window is None else jnp.tile(window, (1, 1, 1, beams)))
-    x = self._embed(tokens.reshape(batch * beams, 1), 'target', position, False)
-    y, self_kv = self.decoder(x.reshape(batch, beams, -1), cache.cross_kv, self_mask,
+                              None if window is None else jnp.tile(window, (1, 1, 1, beam_size)))
+    x = self._embed(tokens.reshape(batch * beam_size, 1), 'target', position, False)
+    y, self_kv = self.decoder(x.reshape(batch, beam_size, -1), cache.cross_kv, self_mask,
                               cache.src_mask, False, cache.self_kv, position)
     return self._logits(y), cache.replace(self_kv=self_kv, history=history)
 
