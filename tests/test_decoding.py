@@ -584,3 +584,14 @@ def test_bfloat16_greedy_and_beam_agree_with_float32_on_most_rows(params, src, f
     logits = np.asarray(full_logits(src[row:row + 1], tgt_in), np.float64)[0, -1]
     gap = logits[greedy_tokens[row, t]] - logits[greedy[row, t]]
     assert 0 <= gap < 0.03 * np.abs(logits).max(), (row, t, gap)
+
+
+def test_argmax_pick_breaks_ties_by_the_lowest_id_as_jnp_argmax():
+  """Greedy's own reduction (two passes, not jnp.argmax) takes the first of tied logits, so a
+  tie decodes as jnp.argmax would; random logits never tie, hence these hand-made rows."""
+  logits = jnp.array([[0.5, 2.0, 2.0, -1.0],        # tie between ids 1 and 2
+                      [3.0, 3.0, 3.0, 3.0],         # all tied
+                      [-1.0, -2.0, -1.0, -5.0]])    # tie at ids 0 and 2
+  picked = np.asarray(autoregressive.argmax_pick(logits, jnp.zeros((3,), jnp.int32)))
+  np.testing.assert_array_equal(picked, [1, 0, 0])
+  np.testing.assert_array_equal(picked, np.argmax(np.asarray(logits), axis=-1))

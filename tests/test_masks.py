@@ -93,3 +93,12 @@ def test_builders_jit_and_vmap(builder):
   tokens = jnp.array([[1, 2, 0], [3, 0, 0]])
   np.testing.assert_array_equal(jax.vmap(lambda t: masks.padding_mask(t[None])[0])(tokens),
                                 masks.padding_mask(tokens))
+
+
+def test_segment_mask_hides_padding_keys_from_every_query_pad_included():
+  """Segment 0 (PAD) matches nothing: a PAD query's row is all False too, so no query, real
+  or padding, reads a PAD key (the docstring's 4 x 4 example)."""
+  segments = jnp.array([[1, 1, 2, 0]])
+  want = np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]], bool)
+  np.testing.assert_array_equal(np.asarray(masks.segment_mask(segments, segments))[0, 0], want)
+

@@ -210,6 +210,24 @@ def test_step_loss_equals_float64_reference(single, setup):
   np.testing.assert_allclose(float(metrics['loss_sum']), want_loss, rtol=1e-5)
 
 
+def test_step_gradient_is_that_of_the_per_token_mean_loss(single, setup):
+  """grad_norm is the norm of d(loss_sum / target tokens)/d(params), computed here with jax.grad
+  of the label-smoothed loss outside the step: a step that forgot to divide by the tokens (Adam
+  alone would not notice the scale) reports a norm that many times larger."""
+  model, _, step, initial = setup
+  batch = random_copy_batch(np.random.default_rng(6), ROWS, LENGTH, WORDS)
+
+  def mean_loss(params):
+    logits = model.apply({'params': params}, batch.src, batch.tgt_in)
+    total, tokens = label_smoothed_cross_entropy(logits, batch.tgt_out, 0.1, PAD)
+    return total / tokens
+
+  grads = jax.grad(mean_loss)(initial.params)
+  want = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+  _, metrics = step(single.replicate(initial), single.shard_batch(batch))
+  np.testing.assert_allclose(float(single.unreplicate(metrics)['grad_norm']), want, rtol=1e-4)
+
+
 def test_gradient_accumulation_equals_one_large_batch(single, setup):
   """K=2 micro-batches with equal token counts update like one step on both at once.
 
