@@ -262,3 +262,14 @@ def test_free_running_accuracy_counts_reference_positions():
   assert positionwise_correct(np.array([5, EOS]), reference) == 1
   assert positionwise_correct(np.array([6, 7, EOS, PAD]), reference) == 0   # shifted: all wrong
   assert positionwise_correct(np.array([5, 6, 7, 8, 9, EOS]), reference) == 3
+
+
+def test_every_sentence_of_a_packed_row_keeps_its_gold_bos():
+  """With probability 1 every real position but a sentence's first takes the prediction; in a
+  packed row each sentence's BOS (its position 0) stays gold, as a row's first position does."""
+  gold = np.array([[BOS, 5, 6, BOS, 7, PAD]])
+  positions = np.array([[0, 1, 2, 0, 1, 0]])
+  predictions = np.array([[11, 12, 13, 14, 15, 16]])
+  keys = ss.row_keys(jax.random.key(0), 0, 1)
+  mixed = np.asarray(ss.mix_decoder_inputs(gold, predictions, 1.0, keys, PAD, positions))
+  np.testing.assert_array_equal(mixed, [[BOS, 11, 12, BOS, 14, PAD]])
