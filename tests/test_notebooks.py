@@ -63,9 +63,14 @@ TIMING = re.compile(r'\s*\d+(?:\.\d+)?(?=\s*(?:ms|s|x)\b)')
 NUMBER = re.compile(r'(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?(?![\w.])')
 # Relative tolerance of each printed number on another platform, by notebook: float32 sums in
 # another order move the last digits; a notebook that trains its model (03) ends a step or two
-# of accuracy elsewhere (greedy exact match 97.5% on one CPU, 98.5% on another).
+# of accuracy elsewhere (greedy exact match 97.5% on one CPU, 98.5% on another), and what that
+# model writes may differ in words, so its cells' text is compared by shape where it differs.
 NUMBER_TOLERANCE = {'03_translate.ipynb': 0.05}
 DEFAULT_NUMBER_TOLERANCE = 1e-3
+TRAINS_ITS_MODEL = {'03_translate.ipynb'}
+# Numbers this small are float32 roundoff itself (the notebooks print errors of ~1e-7), which
+# another instruction set changes by a factor.
+ROUNDOFF = 1e-5
 
 
 def numerics_platform() -> dict:
@@ -174,13 +179,13 @@ def last_digit_unit(number: str) -> float:
 def numbers_differ(old: str, new: str, rtol: float) -> list[str]:
   """What differs between two printed texts, numbers compared within tolerance: the text with
   every number replaced by '#' must be equal, and each number within one unit of the committed
-  one's last printed digit plus rtol of its size. Empty when they agree."""
+  one's last printed digit plus rtol of its size (or `ROUNDOFF`). Empty when they agree."""
   old_numbers, new_numbers = NUMBER.findall(old), NUMBER.findall(new)
   if NUMBER.sub('#', old) != NUMBER.sub('#', new):
     return ['the text around the numbers differs']
   problems = []
   for index, (was, now) in enumerate(zip(old_numbers, new_numbers)):
-    allowed = last_digit_unit(was) + max(last_digit_unit(now), rtol * abs(float(was)))
+    allowed = last_digit_unit(was) + max(last_digit_unit(now), rtol * abs(float(was)), ROUNDOFF)
     if abs(float(was) - float(now)) > allowed:
       problems.append(f'number {index}: committed {was}, now {now} (allowed +- {allowed:.3g})')
   return problems
@@ -240,6 +245,9 @@ def test_committed_outputs(path, executed):
       # Another platform's rounding: the same text, each number within its tolerance.
       differences = numbers_differ(old_text, new_text,
                                    NUMBER_TOLERANCE.get(path.name, DEFAULT_NUMBER_TOLERANCE))
+      if (differences == ['the text around the numbers differs'] and path.name in TRAINS_ITS_MODEL
+          and text_shape(old_text) == text_shape(new_text)):
+        differences = []  # the trained model's own words; the same streams and line counts
       if differences:
         problems.append(f'{where}: ' + '; '.join(differences[:5]) + '\n' + '\n'.join(
             difflib.unified_diff(text_shape(old_text).splitlines(),
@@ -250,7 +258,7 @@ def test_committed_outputs(path, executed):
       problems.append(f'{where}: text output differs\n' + '\n'.join(diff))
     if image_count(old) != image_count(new):
       problems.append(f'{where}: {image_count(old)} figure(s) committed, {image_count(new)} drawn now')
-  platform_note = ('' if exact else f'\n\n(Compared by shape: the outputs were made on {made_on}, this is '
+  platform_note = ('' if exact else f'\n\n(Compared within tolerances: the outputs were made on {made_on}, this is '
                                      f'{here}.)')
   assert not problems, ('\n\n'.join(problems) + '\n\nRegenerate the outputs (see the docstring) if the '
                         'change is intended.' + platform_note)
@@ -264,6 +272,8 @@ def test_numbers_are_compared_within_their_printed_precision():
   # Roundoff in the last digits passes; a value that moved does not.
   assert not numbers_differ('weights [0.2500 0.7500]', 'weights [0.2501 0.7499]', 1e-3)
   assert not numbers_differ('max error 0.0', 'max error 2.4e-07', 1e-3)
+  assert not numbers_differ('max error 5.4e-07', 'max error 8.3e-07', 1e-3)  # roundoff
+  assert numbers_differ('max error 5.4e-07', 'max error 0.02', 1e-3)
   assert numbers_differ('weights [0.2500 0.7500]', 'weights [0.2600 0.7400]', 1e-3)
   # A training notebook's looser tolerance admits a point of accuracy, not ten.
   assert not numbers_differ('greedy 97.5%', 'greedy 98.5%', 0.05)
