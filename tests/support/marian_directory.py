@@ -6,8 +6,8 @@ target.spm, vocab.json, tokenizer_config.json), from a `MarianMTModel` with
 random weights (and a random final_logits_bias: the real models' are not zero
 either) saved by transformers' `save_pretrained`, and sentencepiece models
 trained on SAMPLE_TEXT; nothing is downloaded. Needs torch, transformers and
-sentencepiece (`pip install -e .[pretrained-test]`). (benchmarks/marian.py keeps
-its own copy for its Marian-base-size benchmark: benchmarks do not import tests.)
+sentencepiece (`pip install -e .[pretrained-test]`). benchmarks/marian.py and
+notebook 04 build their random models with it too (from the repository root).
 """
 
 import dataclasses
