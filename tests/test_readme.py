@@ -44,6 +44,37 @@ def toy_run_directory(tmp_path_factory) -> Path:
   return directory
 
 
+# What the comments of README's Python blocks state, as code run right after the block it is keyed
+# by (its place among the blocks), in the same namespace. A comment that drifts fails here.
+STATED_RESULTS = {
+    0: """
+import numpy as np
+B, S, T = src.shape[0], src.shape[1], tgt_in.shape[1]
+# model.apply: [B, T, vocab] float32; one decode_step: the logits of one position
+full = model.apply(variables, src, tgt_in)
+assert full.shape == (B, T, config.vocab_size) and full.dtype == np.float32, full.shape
+assert logits.shape == (B, 1, config.vocab_size), logits.shape
+np.testing.assert_allclose(logits[:, 0], full[:, 0], atol=1e-5)   # the cached step = the full pass
+# attention weights [B, heads, T, S]: PAD columns are exactly 0
+cross = np.asarray(weights['decoder/layer_1/cross_attention'])
+assert cross.shape == (B, config.num_heads, T, S), cross.shape
+assert (cross[..., np.asarray(src[0]) == 0] == 0).all()
+np.testing.assert_allclose(cross.sum(-1), 1.0, rtol=1e-5)
+# beam_search: tokens [B, L] and a score per sentence
+assert tokens.ndim == 2 and tokens.shape[0] == B and scores.shape == (B,), (tokens.shape, scores.shape)
+""",
+    1: """
+assert default_method(translator.config).describe() == 'beam search (beam 4, alpha 0.6)'
+assert tokens.shape[0] == src.shape[0] and tokens.shape[1] <= 16   # Greedy(max_len=16): [B, L]
+""",
+    2: """
+# length offsets in [-32, 32]: 65 length classes; token logits [B, T, V]
+assert token_logits.shape == (src.shape[0], tgt_in.shape[1], config.vocab_size)
+assert length_logits.shape == (src.shape[0], 65) and config.max_length_offset == 32
+""",
+}
+
+
 def test_every_python_block_runs_as_written(toy_run_directory):
   blocks = python_blocks(README.read_text())
   assert len(blocks) >= 3
@@ -51,9 +82,11 @@ def test_every_python_block_runs_as_written(toy_run_directory):
   # interpreter, so that nothing this test session imported makes a block pass.
   runner = '\n'.join([
       'import sys', 'namespace = {"__name__": "__main__"}',
-      *(f'exec(compile({code!r}, "README.md, block at line {line}", "exec"), namespace)'
-        for line, code in blocks),
+      *(f'exec(compile({code + STATED_RESULTS.get(index, "")!r}, "README.md, block at line {line}", '
+        '"exec"), namespace)' for index, (line, code) in enumerate(blocks)),
       'print("all blocks ran")'])
   result = subprocess.run([sys.executable, '-c', runner], cwd=toy_run_directory,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0 and 'all blocks ran' in result.stdout, result.stderr[-3000:]
+  # print(default_method(translator.config).describe()) in the tour prints what its comment says.
+  assert 'beam search (beam 4, alpha 0.6)' in result.stdout
