@@ -2,14 +2,13 @@
 
 `nn.Dropout` draws 32 threefry bits per element and leaves the mask to XLA,
 which on CPU fuses the whole random-number computation into every consumer of
-the mask: the forward select and each backward use recompute it, so the base
-model's 32 dropout sites ran threefry about five times each (9% of a training
-step). Here the mask is materialised once (`lax.optimization_barrier`) and kept
+the mask: the forward select and each backward use recompute it, so each
+dropout site runs threefry several times a step. Here the mask is materialised once (`lax.optimization_barrier`) and kept
 for the backward pass, from half as many random bits: each 32-bit word that
 threefry makes gives two elements their 16 bits. (Asked for uint16 directly,
 JAX draws a whole 32-bit word per element and drops half of it; on CPU, where
-threefry runs as a rolled loop over the whole counter array, that doubled the
-mask's cost: 32 base-model masks took 200 ms instead of 100.)
+threefry runs as a rolled loop over the whole counter array, that doubles the
+mask's cost.)
 
 The keep probability is rounded to a multiple of 2^-16 (rate 0.1 keeps with
 probability 58982 / 65536 = 0.899994), and kept values are scaled by the
