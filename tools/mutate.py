@@ -161,6 +161,8 @@ MUTANTS = [
     # --- mask-predict (non_autoregressive.py) --------------------------------------------
     m('lowest_remasks_highest', NAR, 'keys = jnp.where(in_row, scores, jnp.inf)',
       'keys = jnp.where(in_row, -scores, jnp.inf)', 'tests/test_mask_predict_rules.py'),
+    m('lowest_remasks_first_positions', NAR, 'keys = jnp.where(in_row, scores, jnp.inf)',
+      'keys = jnp.where(in_row, jnp.zeros_like(scores), jnp.inf)', 'tests/test_mask_predict_rules.py'),
     m('lowest_one_too_many', NAR, 'return rank < count[:, None]', 'return rank <= count[:, None]',
       'tests/test_mask_predict_rules.py'),
     m('mean_becomes_sum', NAR,
