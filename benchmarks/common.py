@@ -18,6 +18,9 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+# The notebooks' and the results' platform fingerprint read /proc/cpuinfo alike (one parser).
+from tests.support.cpuinfo import first_processor
+
 RESULTS = Path(__file__).resolve().parent / 'results'
 
 
@@ -95,13 +98,6 @@ def summarize_times(times: list[float]) -> dict:
 MATMUL_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16')
 
 
-def first_processor(cpuinfo: str) -> dict[str, str]:
-  """The fields of the first processor of a /proc/cpuinfo text ('model name', 'flags', ...)."""
-  fields = {}
-  for line in cpuinfo.split('\n\n')[0].splitlines():
-    key, _, value = line.partition(':')
-    fields.setdefault(key.strip(), value.strip())
-  return fields
 
 
 def cpu_description(cpuinfo: str) -> dict:

@@ -53,15 +53,18 @@ class Bounds:
       return 'a non-negative integer'
     if self == POSITIVE:
       return 'a positive number'
-    kind = 'an integer ' if self.integer else ''
     if self.low is None and self.high is None:
       return 'an integer' if self.integer else 'a number'
-    if self.high is None:
-      return f'{kind}{">" if self.low_open else ">="} {self.low}'
-    if self.low is None:
-      return f'{kind}{"<" if self.high_open else "<="} {self.high}'
-    return (f'{kind}in {"(" if self.low_open else "["}{self.low}, {self.high}'
-            f'{")" if self.high_open else "]"}')
+    return ('an integer ' if self.integer else '') + self.limits()
+
+  def limits(self, number: str = '') -> str:
+    """The range alone: '>= 1', '> 0', 'in [0, 1)'; `number` formats the limits (e.g. 'g')."""
+    low, high = (None if x is None else format(x, number) for x in (self.low, self.high))
+    if high is None:
+      return f'{">" if self.low_open else ">="} {low}'
+    if low is None:
+      return f'{"<" if self.high_open else "<="} {high}'
+    return f'in {"(" if self.low_open else "["}{low}, {high}{")" if self.high_open else "]"}'
 
 
 POSITIVE_INT = Bounds(low=1, integer=True)

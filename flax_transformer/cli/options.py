@@ -168,12 +168,7 @@ def _limits(bounds: Bounds) -> str:
   """'>= 1', '> 0', 'in (0, 1]': a range as an option's error states it."""
   if bounds.low is None and bounds.high is None:
     return bounds.describe()
-  if bounds.high is None:
-    return f'{">" if bounds.low_open else ">="} {bounds.low:g}'
-  if bounds.low is None:
-    return f'{"<" if bounds.high_open else "<="} {bounds.high:g}'
-  return (f'in {"(" if bounds.low_open else "["}{bounds.low:g}, {bounds.high:g}'
-          f'{")" if bounds.high_open else "]"}')
+  return bounds.limits('g')
 
 
 def positive_int(text: str) -> int:

@@ -54,7 +54,7 @@ from typing import Literal
 import numpy as np
 
 from flax_transformer.config import NONNEGATIVE, check_bounds
-from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus
+from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, process_rows
 from flax_transformer.data.corpus import DataError
 from flax_transformer.data.packing import PackingBatcher, pack_rows
 
@@ -104,17 +104,6 @@ class PackedRows:
 # Builders.
 
 
-def _local(rows: int, index: int, count: int) -> tuple[int, int]:
-  """(first global row, rows) of process `index` of `count`, as `batching.shard` splits."""
-  if not 0 <= index < count:
-    raise DataError(f'shard index {index} is outside [0, {count})')
-  if rows % count:
-    raise DataError(f'a batch of {rows} rows does not split into {count} equal shards; '
-                    f'make row_multiple a multiple of {count}')
-  size = rows // count
-  return index * size, size
-
-
 def _spans(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """For K = sum(lengths) tokens: the item each belongs to and its position within it."""
   items = np.repeat(np.arange(len(lengths)), lengths)
@@ -143,7 +132,7 @@ def build_bucketed(corpus: EncodedCorpus, pairs: np.ndarray, rows: int, length: 
                    index: int = 0, count: int = 1) -> Batch:
   """`Batcher._build(bucket, pairs)` for a bucket of `rows` x `length`, or with `count` > 1
   only rows `[index * rows / count, (index + 1) * rows / count)` of it (`shard`'s part)."""
-  first, size = _local(rows, index, count)
+  first, size = process_rows(rows, index, count)
   pairs = np.asarray(pairs, np.int64)[first:first + size]
   pad = corpus.pad_id
   src = np.full((size, length), pad, np.int32)
@@ -166,7 +155,7 @@ def build_packed(corpus: EncodedCorpus, rows_of_pairs: PackedRows | Sequence[np.
   with `count` > 1 only this process's rows of it (`shard`'s part)."""
   if not isinstance(rows_of_pairs, PackedRows):
     rows_of_pairs = PackedRows.from_rows(rows_of_pairs)
-  first, size = _local(rows, index, count)
+  first, size = process_rows(rows, index, count)
   mine = rows_of_pairs[first:first + size]
   pairs = mine.pairs
   counts = np.diff(mine.splits)

@@ -330,11 +330,16 @@ def shard(batch: Batch, index: int, count: int) -> Batch:
   order, process p's devices hold exactly these rows of the global batch. B must
   be a multiple of `count` (make `row_multiple` one).
   """
-  rows = batch.src.shape[0]
+  first, size = process_rows(batch.src.shape[0], index, count)
+  return jax.tree.map(lambda array: array[first:first + size], batch)
+
+
+def process_rows(rows: int, index: int, count: int) -> tuple[int, int]:
+  """(first row, rows) of process `index` of `count` in a batch of `rows`: `shard`'s block."""
   if not 0 <= index < count:
     raise DataError(f'shard index {index} is outside [0, {count})')
   if rows % count:
     raise DataError(f'a batch of {rows} rows does not split into {count} equal shards; '
                     f'make row_multiple a multiple of {count}')
   size = rows // count
-  return jax.tree.map(lambda array: array[index * size:(index + 1) * size], batch)
+  return index * size, size

@@ -1,4 +1,4 @@
-"""/proc/cpuinfo, read for the fingerprint of the machine a notebook's outputs were made on."""
+"""/proc/cpuinfo, read for the fingerprint of the machine a notebook's outputs or a benchmark's results were made on."""
 
 
 def first_processor(cpuinfo: str) -> dict[str, str]:
