@@ -330,3 +330,35 @@ def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
   status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_run['workdir'], *argv, 'one'])
   assert status == 2
   assert message in error_line(err, 'decode.py')
+
+
+def tree_bytes(directory: Path) -> dict[str, bytes]:
+  """Every file under `directory` and its bytes."""
+  return {str(path.relative_to(directory)): path.read_bytes()
+          for path in sorted(directory.rglob('*')) if path.is_file()}
+
+
+def test_decode_refuses_an_output_over_its_inputs_and_writes_nothing(decode_run, tmp_path):
+  """--output that is the input, the references, or anything inside the checkpoint directory
+  (its config.json, a symlink into it) is refused in one line, status 2, before any work; the
+  files are byte for byte what they were."""
+  workdir, _ = decode_run
+  sources = tmp_path / 'sources.txt'
+  sources.write_text('ein hund\n', encoding='utf-8')
+  references = tmp_path / 'refs.txt'
+  references.write_text('a dog\n', encoding='utf-8')
+  (tmp_path / 'link').symlink_to(workdir)
+  before = {**tree_bytes(workdir), 'sources': sources.read_bytes(), 'refs': references.read_bytes()}
+  cases = [(sources, 'would replace the input'), (references, 'would replace the references'),
+           (workdir / 'config.json', 'would write inside the checkpoint directory'),
+           (tmp_path / 'link' / 'out.txt', 'would write inside the checkpoint directory'),
+           (workdir, 'would replace the checkpoint directory')]
+  for output, message in cases:
+    status, out, err = call(decode_cli.main, ['--checkpoint', str(workdir), '--input', str(sources),
+                                              '--reference', str(references), '--output',
+                                              str(output)])
+    assert status == 2 and out == '', (output, status, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('decode.py: error: --output') and message in lines[0], err
+  after = {**tree_bytes(workdir), 'sources': sources.read_bytes(), 'refs': references.read_bytes()}
+  assert after == before

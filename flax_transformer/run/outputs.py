@@ -3,8 +3,8 @@
     check_output(output, [Protected(workdir, f'the run directory {workdir}', may_hold=True)],
                  'averaging output', CheckpointError, replaceable=AVERAGE_ENTRIES, ...)
 
-One rule for every program that writes a directory (checkpoint averaging,
-distillation): paths are compared resolved, symlinks followed, and an output
+One rule for every program that writes an output (checkpoint averaging and
+distillation a directory, decode.py a file): paths are compared resolved, symlinks followed, and an output
 that is a protected input, holds one, or lies inside one (unless the input may
 hold outputs, as a run directory holds its average-lastK) is refused in one
 line naming both. An existing output is replaced only if it holds only what
@@ -34,15 +34,17 @@ class Protected:
 
 
 def check_output(output: Path, protected: Sequence[Protected], label: str,
-                 error: type[Exception], replaceable: Collection[str] | None,
-                 occupied: str, advice: str = 'choose another directory') -> None:
-  """Raises `error`, in one line starting '{label} {output}', for an output directory
-  that the program must not (re)write.
+                 error: type[Exception], replaceable: Collection[str] | None = None,
+                 occupied: str = '', advice: str = 'choose another directory',
+                 is_file: bool = False) -> None:
+  """Raises `error`, in one line starting '{label} {output}', for an output that the
+  program must not (re)write.
 
-  Refused: an output that is, holds or lies inside a `protected` path (resolved);
-  an output that is a file; an existing directory that holds entries other than
-  the names in `replaceable` (None: any entry may be replaced), with the message
-  tail `occupied`. `advice` ends the message of a protected path.
+  Refused: an output that is, holds or lies inside a `protected` path (resolved).
+  For an output directory (`is_file` False) also: an output that is a file; an
+  existing directory that holds entries other than the names in `replaceable`
+  (None: any entry may be replaced), with the message tail `occupied`. `advice`
+  ends the message of a protected path.
   """
   target = output.resolve()
   for item in protected:
@@ -51,6 +53,8 @@ def check_output(output: Path, protected: Sequence[Protected], label: str,
       raise error(f'{label} {output} would replace {item.described}; {advice}')
     if path in target.parents and not item.may_hold:
       raise error(f'{label} {output} would write inside {item.described}; {advice}')
+  if is_file:
+    return
   if target.exists() and not target.is_dir():
     raise error(f'{label} {output} is a file; give a directory')
   if (replaceable is not None and target.is_dir()
