@@ -362,20 +362,6 @@ class ArrayPackingBatcher(PackingBatcher):
     return build_packed(self.corpus, rows_of_pairs, self.rows[bucket],
                         self.length_buckets[bucket])
 
-  def _entry(self, step: int) -> tuple[int, PackedRows]:
-    check_bounds(step, NONNEGATIVE, 'step', DataError)
-    epoch_index = 0
-    while True:
-      if epoch_index == len(self._epoch_sizes):
-        self._epoch_sizes.append(len(self._plan(epoch_index)))
-      if step < self._epoch_sizes[epoch_index]:
-        return self._plan(epoch_index)[step]
-      step -= self._epoch_sizes[epoch_index]
-      epoch_index += 1
-
-  def batch_at(self, step: int) -> Batch:
-    return self._build(*self._entry(step))
-
   def local_batch_at(self, step: int, index: int, count: int) -> Batch:
     """`shard(batch_at(step), index, count)`, building only those rows."""
     bucket, rows_of_pairs = self._entry(step)

@@ -67,13 +67,17 @@ class PackingBatcher(Batcher):
 
   def batch_at(self, step: int) -> Batch:
     """The batch of global step `step` (0-based), counting across epochs of any length."""
+    return self._build(*self._entry(step))
+
+  def _entry(self, step: int):
+    """(bucket, rows of pairs) of global step `step`: its epoch's plan entry."""
     check_bounds(step, NONNEGATIVE, 'step', DataError)
     epoch_index = 0
     while True:
       if epoch_index == len(self._epoch_sizes):
         self._epoch_sizes.append(len(self._plan(epoch_index)))
       if step < self._epoch_sizes[epoch_index]:
-        return self._build(*self._plan(epoch_index)[step])
+        return self._plan(epoch_index)[step]
       step -= self._epoch_sizes[epoch_index]
       epoch_index += 1
 
