@@ -363,47 +363,61 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
     logits, cache = step_fn(_last_tokens(flat_tokens, position, config), state.cache,
                             _cache_position(position, config))
     logits = _allowed_logits(logits, position, config)                          # [B*K, V]
-    # The 2K best extensions of all beams are among the 2K best of each beam,
-    # so only those are normalised and ranked: no log_softmax is written out
-    # over all K * V values.
-    per_beam = min(2 * beam_size, logits.shape[-1])
-    top_logits, top_tokens = jax.lax.top_k(logits, per_beam)                  # [B*K, 2K]
-    top_logprobs = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    extended = state.live_logprobs[:, :, None] + top_logprobs.reshape(batch, beam_size, per_beam)
-    cand_logprobs, cand_index = jax.lax.top_k(extended.reshape(batch, beam_size * per_beam),
-                                              2 * beam_size)
-    cand_parent = cand_index // per_beam                                        # [B, 2K]
-    cand_token = jnp.take_along_axis(top_tokens.reshape(batch, beam_size * per_beam), cand_index,
-                                     axis=1)
+    cand_logprobs, cand_parent, cand_token = _best_extensions(logits, state.live_logprobs)
     cand_tokens = _write_column(
         jnp.take_along_axis(state.live_tokens, cand_parent[:, :, None], axis=1),
         cand_token, position)                                                   # [B, 2K, Lb]
-
     is_eos = cand_token == config.eos_id
-    ends = is_eos | (position + 1 >= limits)[:, None]
-    # A done row is frozen: its finished set is final.
-    cand_scores = jnp.where(ends & ~state.done[:, None],
-                            cand_logprobs / length_penalty(position + 1, beam.alpha), -jnp.inf)
-    finished_scores, best = jax.lax.top_k(
-        jnp.concatenate([state.finished_scores, cand_scores], axis=1), n)
-    # A slot that no hypothesis filled (score -inf) holds only PAD.
-    cand_tokens_or_pad = jnp.where(jnp.isneginf(cand_scores)[:, :, None], config.pad_id,
-                                   cand_tokens)
-    finished_tokens = jnp.take_along_axis(
-        jnp.concatenate([state.finished_tokens, cand_tokens_or_pad], axis=1), best[:, :, None],
-        axis=1)
-
+    finished_tokens, finished_scores = _keep_finished(
+        state, cand_tokens, cand_logprobs, is_eos | (position + 1 >= limits)[:, None], beam,
+        config.pad_id)
     live_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logprobs), beam_size)
     live_tokens = jnp.take_along_axis(cand_tokens, keep[:, :, None], axis=1)
-    parent = jnp.take_along_axis(cand_parent, keep, axis=1)                     # [B, K]
-    cache = reorder_beams(cache, parent)
-
+    cache = reorder_beams(cache, jnp.take_along_axis(cand_parent, keep, axis=1))   # [B, K]
     best_possible = live_logprobs[:, 0] / length_penalty(limits, beam.alpha)
     done = state.done | (position + 1 >= limits) | (finished_scores[:, -1] >= best_possible)
     return BeamState(position + 1, live_tokens, live_logprobs, finished_tokens, finished_scores,
                      done, cache)
 
   return _run_until_done(step, state, config)
+
+
+def _best_extensions(logits: jax.Array, live_logprobs: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The 2K best one-token extensions of a row's K live beams: (log P, parent beam, token),
+  each `[B, 2K]`, from logits `[B*K, V]` and the beams' log P `[B, K]`.
+
+  The 2K best extensions of all beams are among the 2K best of each beam, so only
+  those are normalised and ranked: no log_softmax is written out over all K * V values.
+  """
+  batch, beam_size = live_logprobs.shape
+  per_beam = min(2 * beam_size, logits.shape[-1])
+  top_logits, top_tokens = jax.lax.top_k(logits, per_beam)                    # [B*K, 2K]
+  top_logprobs = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  extended = live_logprobs[:, :, None] + top_logprobs.reshape(batch, beam_size, per_beam)
+  cand_logprobs, cand_index = jax.lax.top_k(extended.reshape(batch, beam_size * per_beam),
+                                            2 * beam_size)
+  cand_token = jnp.take_along_axis(top_tokens.reshape(batch, beam_size * per_beam), cand_index,
+                                   axis=1)
+  return cand_logprobs, cand_index // per_beam, cand_token
+
+
+def _keep_finished(state: BeamState, cand_tokens: jax.Array, cand_logprobs: jax.Array,
+                   ends: jax.Array, beam: BeamSearch, pad_id: int) -> tuple[jax.Array, jax.Array]:
+  """The n best finished hypotheses after this step: the old ones and the candidates that
+  `ends` `[B, 2K]` (EOS, or the row's limit), scored log P / length_penalty. A done row is
+  frozen: its finished set is final. Returns (tokens `[B, n, Lb]`, scores `[B, n]`)."""
+  n = state.finished_scores.shape[1]
+  cand_scores = jnp.where(ends & ~state.done[:, None],
+                          cand_logprobs / length_penalty(state.position + 1, beam.alpha), -jnp.inf)
+  finished_scores, best = jax.lax.top_k(
+      jnp.concatenate([state.finished_scores, cand_scores], axis=1), n)
+  # A slot that no hypothesis filled (score -inf) holds only PAD.
+  cand_tokens_or_pad = jnp.where(jnp.isneginf(cand_scores)[:, :, None], pad_id, cand_tokens)
+  finished_tokens = jnp.take_along_axis(
+      jnp.concatenate([state.finished_tokens, cand_tokens_or_pad], axis=1), best[:, :, None],
+      axis=1)
+  return finished_tokens, finished_scores
 
 
 def reorder_beams(cache: Cache, parent: jax.Array) -> Cache:
