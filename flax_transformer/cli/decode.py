@@ -86,7 +86,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
   settings = args.method_settings
   try:
-    _check_output(args)
+    text_io.check_output(args.output, args.checkpoint, args.input, args.reference)
     sentences, show_progress = text_io.read_input(args.sentences, args.input)
     references = (text_io.read_references(args.reference, len(sentences))
                   if args.reference is not None else None)
@@ -100,21 +100,6 @@ def _main(argv: Sequence[str] | None) -> int:
   except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
     raise Failure(str(error), 2) from error  # one line; its traceback with --debug
   return _translate(translator, method, sentences, references, output, args, show_progress)
-
-
-def _check_output(args) -> None:
-  """Refuses, before anything is written, an --output that would overwrite the input, the
-  references, or anything of the checkpoint directory it translates with."""
-  if args.output is None:
-    return
-  from flax_transformer.cli.text_io import InputError
-  from flax_transformer.run.outputs import Protected, check_output
-  protected = [Protected(args.checkpoint, f'the checkpoint directory {args.checkpoint}')]
-  protected += [Protected(path, f'the {what} {path}')
-                for what, path in (('input', args.input), ('references', args.reference))
-                if path is not None and str(path) != '-']
-  check_output(args.output, protected, '--output', InputError,
-               advice='write the translations elsewhere', is_file=True)
 
 
 def _translate(translator, method, sentences, references, output, args, show_progress) -> int:

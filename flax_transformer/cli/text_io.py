@@ -50,6 +50,20 @@ def read_references(path: Path, count: int) -> list[str]:
   return references
 
 
+def check_output(output: Path | None, checkpoint: Path, *inputs: Path | None) -> None:
+  """Refuses, before anything is written, an --output that would overwrite an input file (the
+  sentences, the references) or anything of the checkpoint directory it translates with."""
+  if output is None:
+    return
+  from flax_transformer.run.outputs import Protected, check_output as check
+  protected = [Protected(checkpoint, f'the checkpoint directory {checkpoint}')]
+  protected += [Protected(path, f'the {what} {path}')
+                for what, path in zip(('input', 'references'), inputs)
+                if path is not None and str(path) != '-']
+  check(output, protected, '--output', InputError, advice='write the translations elsewhere',
+        is_file=True)
+
+
 def open_output(path: Path | None):
   """The --output file opened for writing, or standard output."""
   if path is None:
