@@ -289,13 +289,16 @@ class TrainConfig:
   scheduled_sampling_eps: float = setting(0.0, 'scheduled sampling, linear: the lowest '
                                                'gold-token probability, in [0, 1]',
                                           bounds=NUMBER)
+  prefetch: int = setting(2, 'batches built ahead by a background thread (and put on the '
+                             'devices) while the devices run a step; 0: built between steps',
+                          bounds=NONNEGATIVE_INT)
   scheduled_sampling_choice: Literal['argmax', 'sample'] = setting(
       'argmax', "scheduled sampling: the first pass's prediction is its argmax, or a token "
       'sampled from its softmax')
 
   # Fields a resumed run may change: they say how long and how chattily to train, not how.
   RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
-                                 'keep_checkpoints', 'bleu_every'})
+                                 'keep_checkpoints', 'bleu_every', 'prefetch'})
 
   def __post_init__(self):
     check_fields(self, 'train')
@@ -367,10 +370,20 @@ class DataConfig:
                                           'first of val, valid, validation, dev')
   test_split: str | None = setting(None, 'file stem (or Hub split) to test on, e.g. '
                                          "test_2016_flickr; none: 'test', or the only test* one")
+  tokenizer_sample: int = setting(500_000, 'training pairs (both sides) the tokenizer is trained '
+                                           'on, drawn at random when the split has more, so '
+                                           'that training it takes minutes at any corpus size; '
+                                           '0: every pair', bounds=NONNEGATIVE_INT)
+  cache_dir: str | None = setting(None, 'where the tokenized training split is cached, one '
+                                        'subdirectory per data content and tokenizer (share it '
+                                        'between runs of one corpus); none: WORKDIR/encoded')
+
+  # Fields a resumed run may change: where the cache lives changes no token id.
+  RESUMABLE_CHANGES = frozenset({'cache_dir'})
 
   def __post_init__(self):
     check_fields(self, 'data')
-    for name in ('valid_split', 'test_split'):
+    for name in ('valid_split', 'test_split', 'cache_dir'):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, str) or not value):
         raise ConfigError(f'data.{name} must be a non-empty string or None, got {value!r}')

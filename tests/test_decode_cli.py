@@ -192,7 +192,7 @@ def test_decode_refuses_invalid_utf8_naming_the_line(decode_run, tmp_path):
   assert status == 2 and not output.exists()
   assert error_line(err, 'decode.py') == (
       f'decode.py: error: {source}, line 2: invalid UTF-8 (invalid continuation byte at byte '
-      '16); re-encode the file as UTF-8')
+      '6 of the line); re-encode the file as UTF-8')
 
 
 def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp_path,

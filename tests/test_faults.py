@@ -246,11 +246,11 @@ def test_an_unexpected_failure_is_one_line_and_debug_adds_the_traceback(tiny_cop
 # --- SIGTERM before training; a bad --data -----------------------------------------------------
 
 def test_sigterm_before_the_first_step_says_so_and_leaves_no_run_directory(tmp_path, monkeypatch):
-  def terminated_while_loading(data_config):
+  def terminated_while_loading(data_config, dataset=None):
     os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
     raise AssertionError('SIGTERM did not stop the run')
 
-  monkeypatch.setattr(loop, 'load_data', terminated_while_loading)
+  monkeypatch.setattr(loop, 'load_training_data', terminated_while_loading)
   status, _, err = call(train_cli.main, ['--workdir', tmp_path / 'run', '--steps=1'])
   assert status == 143 and err == (
       'train.py: stopped by SIGTERM outside the training steps (while loading, or in the final '

@@ -194,6 +194,10 @@ def test_only_process_0_reports(runs):
     assert report in out['process 0'], report
     assert report not in out['process 1'] + err['process 1'], report
   assert '4 device(s) in 2 processes via shard_map' in out['process 0']  # one job formed
+  # The training split was encoded once, by process 0, into the one cache both read.
+  assert out['process 0'].count('cache: encoded') == 1
+  cached = [path.name for path in (runs['dirs']['two'] / 'encoded').iterdir()]
+  assert len(cached) == 1 and not cached[0].startswith('.'), cached
   assert 'train: 100%' in err['process 0']           # the progress bar
   assert '%|' not in err['process 1']                 # no bar at all, nor the loading ones
   lines = metrics(runs['dirs']['two'])

@@ -196,7 +196,7 @@ def test_a_loopback_coordinator_listens_on_loopback_only(coordinator, bound):
     ('counts', ['one', 'two', 'three'], ['eins', 'zwei'],
      r'train.en has 3 lines but .*train.de has 2; line N of one must translate line N'),
     ('utf8', ['one', 'two'], b'eins\nzw\xe4i\n',
-     r'train.de, line 2: invalid UTF-8 \(invalid continuation byte at byte 7\)'),
+     r'train.de, line 2: invalid UTF-8 \(invalid continuation byte at byte 2 of the line\)'),
     ('empty', ['one', ''], ['', 'zwei'], r'no sentence pairs \(2 read, all with an empty side\)'),
     ('long', [' '.join(['one'] * 20)], [' '.join(['eins'] * 20)],
      r'the corpus holds no pairs \(1 were longer than max_len=16\); raise max_len'),

@@ -12,7 +12,7 @@ import sacrebleu
 from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
 
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.data.batching import Batcher
+from flax_transformer.data.assembly import ArrayBatcher
 from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy
@@ -44,17 +44,22 @@ def metrics_lines(workdir):
 
 @pytest.fixture(scope='module')
 def resumed_and_uninterrupted(tmp_path_factory, numbers):
-  """Train 8 steps at once, and 4 steps then resumed to 8, on the train split only."""
-  only_train = datasets.DatasetDict({'train': numbers['train']})
+  """Train 8 steps at once, and 4 steps then resumed to 8, on a train split of text files
+  (so through the encoded-corpus cache and the batch prefetching of a real run)."""
+  text = tmp_path_factory.mktemp('text')
+  for column, lang in (('source', 'en'), ('target', 'de')):
+    (text / f'train.{lang}').write_text('\n'.join(numbers['train'][column]) + '\n')
+  data = DATA.replace(source=str(text))
   quiet = lambda message: None
   straight = tmp_path_factory.mktemp('straight')
-  full = train(MODEL, TRAIN, DATA, straight, dataset=only_train, print_fn=quiet)
+  full = train(MODEL, TRAIN, data, straight, print_fn=quiet)
   stopped = tmp_path_factory.mktemp('stopped')
-  half = train(MODEL, TRAIN.replace(steps=4), DATA, stopped, dataset=only_train, print_fn=quiet)
+  first = []
+  half = train(MODEL, TRAIN.replace(steps=4), data, stopped, print_fn=first.append)
   messages = []
-  resumed = train(MODEL, TRAIN, DATA, stopped, dataset=only_train, print_fn=messages.append)
+  resumed = train(MODEL, TRAIN, data, stopped, print_fn=messages.append)
   return {'full': full, 'half': half, 'resumed': resumed, 'messages': messages,
-          'straight': straight, 'stopped': stopped, 'dataset': only_train}
+          'first': first, 'straight': straight, 'stopped': stopped, 'data': data}
 
 
 def test_resumed_run_equals_uninterrupted_run_bit_for_bit(resumed_and_uninterrupted):
@@ -62,6 +67,9 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(resumed_and_uninterrup
   assert int(runs['half'].state.step) == 4
   assert int(runs['full'].state.step) == int(runs['resumed'].state.step) == 8
   assert any('resumed from' in m and m.endswith('checkpoints/4') for m in runs['messages'])
+  # Encoded once, read back on resuming.
+  assert sum(m.startswith('cache: encoded') for m in runs['first']) == 1
+  assert sum(m.startswith('cache: hit') for m in runs['messages']) == 1
   full, resumed = jax.tree.leaves(runs['full'].state), jax.tree.leaves(runs['resumed'].state)
   assert len(full) == len(resumed)
   for a, b in zip(full, resumed):
@@ -87,7 +95,7 @@ def test_resumed_metrics_log_reads_as_one_run(resumed_and_uninterrupted):
 def test_resume_refuses_other_settings(resumed_and_uninterrupted):
   runs = resumed_and_uninterrupted
   with pytest.raises(CheckpointError, match='model.d_model: saved 32, requested 64'):
-    train(MODEL.replace(d_model=64), TRAIN, DATA, runs['stopped'], dataset=runs['dataset'],
+    train(MODEL.replace(d_model=64), TRAIN, runs['data'], runs['stopped'],
           print_fn=lambda message: None)
 
 
@@ -135,7 +143,7 @@ def test_translation_scores_are_sacrebleus_and_the_share_of_exact_matches():
                 'der alte Mann liest eine Zeitung', 'ein Kind spielt']
 
   class KnownOutputs:
-    def translate(self, sentences, method, batch_size):
+    def translate(self, sentences, method, batch_size, on_batch=None):
       return [hypotheses[int(sentence)] for sentence in sentences]
 
   split = datasets.Dataset.from_dict({'source': ['0', '1', '2', '3'], 'target': references})
@@ -153,17 +161,17 @@ def test_translation_scores_are_sacrebleus_and_the_share_of_exact_matches():
 def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_path,
                                                                          monkeypatch):
   corrupt = {2, 4}  # batch indices: steps 3 and 5
-  original = Batcher.batch_at
+  original = ArrayBatcher.local_batch_at
 
-  def batch_at(self, step):
-    batch = original(self, step)
+  def local_batch_at(self, step, index, count):
+    batch = original(self, step, index, count)
     if step in corrupt:
       src = batch.src.copy()
       src[0, 0] = 10**6  # outside any vocabulary
       batch = batch.replace(src=src)
     return batch
 
-  monkeypatch.setattr(Batcher, 'batch_at', batch_at)
+  monkeypatch.setattr(ArrayBatcher, 'local_batch_at', local_batch_at)
   dataset = datasets.DatasetDict(
       {'train': number_translation(num_train=200, num_validation=1, num_test=1)['train']})
   model = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=16)

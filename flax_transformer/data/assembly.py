@@ -336,27 +336,14 @@ class ArrayPackingBatcher(PackingBatcher):
     self.plan_kind = plan
     super().__init__(corpus, max_tokens, seed, row_length, length_buckets, row_multiple, shuffle)
 
-  def _plan(self, epoch_index: int) -> list[tuple[int, PackedRows]]:
-    """As `Batcher._plan`: per bucket the pairs shuffled (seed, epoch), packed, cut into
-    batches of rows(L) rows; the batches shuffled across buckets."""
-    check_bounds(epoch_index, NONNEGATIVE, 'epoch_index', DataError)
-    if self._cached_plan is not None and self._cached_plan[0] == epoch_index:
-      return self._cached_plan[1]
-    rng = np.random.default_rng([self.seed, epoch_index])
-    plan = []
-    for bucket, (members, rows) in enumerate(zip(self._members, self.rows)):
-      pairs = rng.permutation(members) if self.shuffle else members
-      if self.plan_kind == 'first_fit':
-        packed = PackedRows.from_rows(pack_rows(pairs, self._src_lengths, self._tgt_lengths,
-                                                self.length_buckets[bucket]))
-      else:
-        packed = pack_plan(pairs, self._src_lengths, self._tgt_lengths,
-                           self.length_buckets[bucket], rng if self.shuffle else None)
-      plan.extend((bucket, packed[start:start + rows]) for start in range(0, len(packed), rows))
-    if self.shuffle:
-      plan = [plan[i] for i in rng.permutation(len(plan))]
-    self._cached_plan = (epoch_index, plan)
-    return plan
+  def _fill_rows(self, bucket: int, pairs: np.ndarray,
+                 rng: np.random.Generator | None) -> PackedRows:
+    """A bucket's shuffled pairs -> its rows: `pack_plan` (which shuffles the rows it makes
+    with the epoch's generator), or `pack_rows` with plan='first_fit'."""
+    length = self.length_buckets[bucket]
+    if self.plan_kind == 'first_fit':
+      return PackedRows.from_rows(pack_rows(pairs, self._src_lengths, self._tgt_lengths, length))
+    return pack_plan(pairs, self._src_lengths, self._tgt_lengths, length, rng)
 
   def _build(self, bucket: int, rows_of_pairs) -> Batch:
     return build_packed(self.corpus, rows_of_pairs, self.rows[bucket],

@@ -278,16 +278,21 @@ class Batcher:
     rng = np.random.default_rng([self.seed, epoch_index])
     plan = []
     for bucket, (members, rows) in enumerate(zip(self._members, self.rows)):
-      order = self._fill_rows(bucket, rng.permutation(members) if self.shuffle else members)
+      order = self._fill_rows(bucket, rng.permutation(members) if self.shuffle else members,
+                              rng if self.shuffle else None)
       plan.extend((bucket, order[start:start + rows]) for start in range(0, len(order), rows))
     if self.shuffle:
       plan = [plan[i] for i in rng.permutation(len(plan))]
     self._cached_plan = (epoch_index, plan)
     return plan
 
-  def _fill_rows(self, bucket: int, pairs: np.ndarray) -> Sequence:
-    """A bucket's pairs, in order -> its rows: here one pair per row (`packing` packs several)."""
-    del bucket
+  def _fill_rows(self, bucket: int, pairs: np.ndarray,
+                 rng: np.random.Generator | None) -> Sequence:
+    """A bucket's pairs, in order -> its rows: here one pair per row (`packing` packs several).
+
+    rng: the epoch's generator (None without shuffling), for a packer that draws from it.
+    """
+    del bucket, rng
     return pairs
 
   def _build(self, bucket: int, pairs: np.ndarray) -> Batch:

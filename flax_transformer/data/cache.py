@@ -45,15 +45,12 @@ Encoding is parallel over the cores in one of two ways, chosen by `workers`:
     default for any other tokenizer (a Marian tokenizer's sentencepiece call is a Python
     loop per sentence, so a pool is its only parallelism); `workers=N` forces it.
 
-Measured on this project's 2-core host, 450,000 stand-in pairs, 37k BPE vocabulary
-(benchmarks/results/data_pipeline_dev.json): in this process 11,650 pairs/s, both cores
-busy (176 µs of CPU a pair), against 6,560 pairs/s for a pool of 2 (214 µs a pair: each
-worker imports the package, ~4 s of CPU, and blocks are pickled both ways); the Python
-share left serial (decoding, `Encoding.ids`, flattening) is about a tenth of the CPU. So
-on a few cores the library's own threads win; on a many-core host, where that serial
-tenth caps the speed-up, try `workers=os.cpu_count()`. Corpora under `POOL_MIN_LINES` lines never
-start a pool. Either way memory is bounded by the blocks in flight, never by the corpus:
-no Python list outlives its block.
+On a host of a few cores the tokenizer's own threads are the faster way (a worker pays for
+importing the package and for pickling its blocks both ways; benchmarks/README.md has the
+numbers); on a many-core host, where the serial Python share of a block (decoding,
+`Encoding.ids`, flattening) caps what one process gains, try `workers=os.cpu_count()`.
+Corpora under `POOL_MIN_LINES` lines never start a pool. Either way memory is bounded by
+the blocks in flight, never by the corpus: no Python list outlives its block.
 
 Multi-host: every process calls `load_or_encode` with `is_writer=(process_index == 0)` and
 `wait`, a barrier all processes reach (e.g. `jax.experimental.multihost_utils.
@@ -66,6 +63,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -86,7 +84,7 @@ from tqdm.auto import tqdm
 
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
-from flax_transformer.data.corpus import DataError
+from flax_transformer.data.corpus import DataError, invalid_utf8
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 
 FORMAT_VERSION = 1
@@ -148,12 +146,40 @@ class TextPairFiles:
   source: str | Path
   target: str | Path
 
-  def fingerprint(self) -> dict:
+  @functools.cached_property
+  def _fingerprint(self) -> dict:
     return {'kind': 'text-pair-files', 'clean': 'strip-drop-empty',
             **files_fingerprint([self.source, self.target])}
 
+  def fingerprint(self) -> dict:
+    """The content key (read once: every byte is hashed)."""
+    return self._fingerprint
+
+  @property
+  def num_lines(self) -> int:
+    """Lines of the source file (the target's must match; `blocks` checks)."""
+    return self._fingerprint['files'][0]['lines']
+
   def describe(self) -> str:
     return f'{self.source} + {self.target}'
+
+  def sample_pairs(self, count: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """(sources, targets) of `count` lines drawn at random (seed), in file order and cleaned;
+    every line when count is 0 or the files hold no more. For training a tokenizer: memory
+    grows with the sample, not with the files."""
+    chosen = sample_rows(self.num_lines, count, seed)
+    wanted = None if chosen is None else set(chosen.tolist())
+    sources, targets = [], []
+    with open(self.source, 'rb') as src_file, open(self.target, 'rb') as tgt_file:
+      for number, (src_line, tgt_line) in enumerate(zip(src_file, tgt_file)):
+        if wanted is not None and number not in wanted:
+          continue  # not decoded: only the sample's lines cost more than a read
+        src_text = _decode_line(src_line, self.source, number)
+        tgt_text = _decode_line(tgt_line, self.target, number)
+        if src_text and tgt_text:
+          sources.append(src_text)
+          targets.append(tgt_text)
+    return sources, targets
 
   def blocks(self, lines: int) -> Iterator[tuple]:
     """('text', src bytes, tgt bytes, first line number (0-based), file names) per `lines` lines."""
@@ -172,6 +198,21 @@ class TextPairFiles:
                (str(self.source), str(self.target)))
 
 
+def sample_rows(total: int, count: int, seed: int = 0) -> np.ndarray | None:
+  """`count` of the rows 0..total-1 drawn without replacement (seeded), sorted; None for all
+  of them (count 0, or no fewer rows than asked for)."""
+  if count == 0 or count >= total:
+    return None
+  return np.sort(np.random.default_rng(seed).choice(total, count, replace=False))
+
+
+def _decode_line(line: bytes, path: str | Path, number: int) -> str:
+  try:
+    return line.decode('utf-8').strip()
+  except UnicodeDecodeError as error:
+    raise invalid_utf8(str(path), line, error, number) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class DatasetPairs:
   """A `datasets.Dataset` split with 'source' and 'target' columns, taken as it is (as
@@ -187,6 +228,12 @@ class DatasetPairs:
 
   def describe(self) -> str:
     return f'a dataset of {len(self.dataset):,} pairs'
+
+  def sample_pairs(self, count: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """As `TextPairFiles.sample_pairs`, over the dataset's rows (taken as they are)."""
+    chosen = sample_rows(len(self.dataset), count, seed)
+    rows = self.dataset if chosen is None else self.dataset.select(chosen)
+    return list(rows['source']), list(rows['target'])
 
   def blocks(self, lines: int) -> Iterator[tuple]:
     columns = self.dataset.select_columns(['source', 'target'])
@@ -555,9 +602,7 @@ def _decode_lines(data: bytes, where: str, first: int) -> list[str]:
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as error:
-    line = first + data.count(b'\n', 0, error.start) + 1
-    raise DataError(f'{where}, line {line}: invalid UTF-8 ({error.reason} at byte '
-                    f'{error.start} of the block); re-encode the file as UTF-8') from None
+    raise invalid_utf8(where, data, error, first) from None
   lines = text.split('\n')
   if lines[-1] == '':
     lines.pop()

@@ -161,25 +161,50 @@ def _select(available: Mapping[str, object], splits: Mapping[str, str] | None,
   return dict(splits)
 
 
+def text_pair_files(source: str, src_lang: str, tgt_lang: str, *,
+                    valid_split: str | None = None, test_split: str | None = None
+                    ) -> dict[str, tuple[Path, Path]] | None:
+  """{split: (source file, target file)} of a directory of `<stem>.<lang>` text pairs, the
+  splits chosen as `load_parallel` chooses them; None when `source` is not such a directory.
+
+  For reading a large split as a stream (`cache.TextPairFiles`) rather than as a table.
+  """
+  directory = Path(source).expanduser()
+  if not directory.is_dir() or not (_stems(directory, f'.{src_lang}')
+                                    or _stems(directory, f'.{tgt_lang}')):
+    return None
+  preferred = {name: stem for name, stem in (('validation', valid_split), ('test', test_split))
+               if stem is not None}
+  return _text_dir_files(directory, src_lang, tgt_lang, None, preferred)
+
+
+def _text_dir_files(directory: Path, src_lang: str, tgt_lang: str,
+                    splits: Mapping[str, str] | None, preferred: Mapping[str, str]
+                    ) -> dict[str, tuple[Path, Path]]:
+  stems = set(_stems(directory, f'.{src_lang}')) | set(_stems(directory, f'.{tgt_lang}'))
+  chosen = _select(stems, splits, preferred, directory, f'files <stem>.{src_lang}/<stem>.{tgt_lang}')
+  files = {name: (directory / f'{stem}.{src_lang}', directory / f'{stem}.{tgt_lang}')
+           for name, stem in chosen.items()}
+  for pair in files.values():
+    for path in pair:
+      if not path.is_file():
+        raise DataError(f'{path}: no such file, but split {path.stem!r} needs one file per '
+                        'language')
+  return files
+
+
 def _load_text_dir(directory: Path, src_lang: str, tgt_lang: str,
                    splits: Mapping[str, str] | None, preferred: Mapping[str, str]
                    ) -> datasets.DatasetDict:
-  stems = set(_stems(directory, f'.{src_lang}')) | set(_stems(directory, f'.{tgt_lang}'))
-  chosen = _select(stems, splits, preferred, directory, f'files <stem>.{src_lang}/<stem>.{tgt_lang}')
-  for stem in chosen.values():
-    for lang in (src_lang, tgt_lang):
-      if not (directory / f'{stem}.{lang}').is_file():
-        raise DataError(f'{directory / f"{stem}.{lang}"}: no such file, but split {stem!r} '
-                        f'needs one file per language')
   result = {}
-  for name, stem in chosen.items():
-    src_file, tgt_file = directory / f'{stem}.{src_lang}', directory / f'{stem}.{tgt_lang}'
+  for name, (src_file, tgt_file) in _text_dir_files(directory, src_lang, tgt_lang, splits,
+                                                    preferred).items():
     src_lines, tgt_lines = _read_lines(src_file), _read_lines(tgt_file)
     if len(src_lines) != len(tgt_lines):
       raise DataError(f'{src_file} has {len(src_lines):,} lines but {tgt_file} has '
                       f'{len(tgt_lines):,}; line N of one must translate line N of the other')
     table = datasets.Dataset.from_dict({'source': src_lines, 'target': tgt_lines})
-    result[name] = _clean(table, f'{stem}.{src_lang}/{stem}.{tgt_lang}', src_file.parent)
+    result[name] = _clean(table, f'{src_file.name}/{tgt_file.name}', src_file.parent)
   return datasets.DatasetDict(result)
 
 
@@ -198,13 +223,21 @@ def split_lines(data: bytes, where: str) -> list[str]:
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as error:
-    line = data.count(b'\n', 0, error.start) + 1
-    raise DataError(f'{where}, line {line}: invalid UTF-8 ({error.reason} at byte '
-                    f'{error.start}); re-encode the file as UTF-8') from None
+    raise invalid_utf8(where, data, error) from None
   lines = text.split('\n')
   if lines[-1] == '':
     lines.pop()  # the newline that ends the last line starts no new line
   return lines
+
+
+def invalid_utf8(where: str, data: bytes, error: UnicodeDecodeError,
+                 first_line: int = 0) -> DataError:
+  """The DataError for `error` in decoding `data`, lines `first_line + 1, ...` of file
+  `where`: it names the file, the line and the byte within the line."""
+  line_start = data.rfind(b'\n', 0, error.start) + 1
+  line = first_line + data.count(b'\n', 0, error.start) + 1
+  return DataError(f'{where}, line {line}: invalid UTF-8 ({error.reason} at byte '
+                   f'{error.start - line_start} of the line); re-encode the file as UTF-8')
 
 
 def _load_table_dir(directory: Path, src_lang: str, tgt_lang: str,

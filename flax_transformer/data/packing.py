@@ -92,8 +92,10 @@ class PackingBatcher(Batcher):
             f'batches (epoch 0) of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
             f'{1 - target_tokens / positions:.1%} of target positions are padding')
 
-  def _fill_rows(self, bucket: int, pairs: np.ndarray) -> list[np.ndarray]:
+  def _fill_rows(self, bucket: int, pairs: np.ndarray,
+                 rng: np.random.Generator | None) -> list[np.ndarray]:
     """A bucket's pairs, in order -> its rows, each the pair indices it holds (`pack_rows`)."""
+    del rng  # first fit places the pairs in their shuffled order and draws nothing more
     return pack_rows(pairs, self._src_lengths, self._tgt_lengths, self.length_buckets[bucket])
 
   def _build(self, bucket: int, rows_of_pairs: list[np.ndarray]) -> Batch:

@@ -20,7 +20,7 @@ tokens have fixed ids, the same as `ModelConfig`'s defaults:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from pathlib import Path
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
@@ -111,7 +111,7 @@ class Tokenizer:
 
   @classmethod
   def train(cls, texts: Iterable[str], vocab_size: int,
-            model: Literal['bpe', 'unigram'] = 'bpe') -> Tokenizer:
+            model: Literal['bpe', 'unigram'] = 'bpe', progress: bool = False) -> Tokenizer:
     """Learns a vocabulary of at most `vocab_size` pieces, specials included.
 
     Pass source and target training text together for one shared vocabulary.
@@ -124,6 +124,8 @@ class Tokenizer:
     across runs in tokenizers 0.23: its EM iterates hash maps, so pieces of equal
     frequency can trade scores and ids. Either way, a run saves its tokenizer and
     a resumed run loads that file rather than training again.
+
+    progress: show the trainer's own progress bars (its stages, each with counts and time).
     """
     if vocab_size <= len(SPECIAL_TOKENS):
       raise TokenizerError(f'vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, '
@@ -131,18 +133,19 @@ class Tokenizer:
     if model == 'bpe':
       backend = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
       trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                    show_progress=False)
+                                    show_progress=progress)
     elif model == 'unigram':
       backend = tokenizers.Tokenizer(models.Unigram())
       trainer = trainers.UnigramTrainer(vocab_size=vocab_size,
                                         special_tokens=list(SPECIAL_TOKENS),
-                                        unk_token='<unk>', show_progress=False)
+                                        unk_token='<unk>', show_progress=progress)
     else:
       raise TokenizerError(f"tokenizer model must be 'bpe' or 'unigram', got {model!r}")
     backend.normalizer = normalizers.NFKC()
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
     backend.decoder = decoders.Metaspace()
-    backend.train_from_iterator(texts, trainer)
+    backend.train_from_iterator(texts, trainer,
+                                length=len(texts) if isinstance(texts, Sized) else None)
     return cls(backend)
 
   @classmethod

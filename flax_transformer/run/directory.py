@@ -1,10 +1,13 @@
 """The run directory: what a training run writes besides its checkpoints, and the rules for it.
 
     WORKDIR/config.json      {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
-                              "tokenizer_sha256": digest of tokenizer.json}
+                              "tokenizer_sha256": digest of tokenizer.json,
+                              "packing_plan": how packed rows are planned}
     WORKDIR/tokenizer.json   the shared subword vocabulary (Tokenizer.save)
     WORKDIR/checkpoints/     orbax checkpoints, one directory per step (checkpoints.py)
     WORKDIR/metrics.jsonl    one JSON object per logged step (metrics_log.py)
+    WORKDIR/encoded/         the tokenized training split (data/cache.py), unless
+                             data.cache_dir names another place
 
 `RunDirectory` is what training asks of it: `locked` (the directory created,
 writable and locked against a second writer for the whole run: run_lock.py),
@@ -26,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from jax.experimental import multihost_utils
 
 from flax_transformer.config import (RENAMED, SECTIONS, ConfigError, DataConfig, ModelConfig,
                                      TrainConfig)
+from flax_transformer.data.cache import tokenizer_files_digest
 from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
 from flax_transformer.pretrained.marian import MarianTokenizer
@@ -43,8 +48,14 @@ CONFIG_FILE = 'config.json'
 # A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
 # config.json's key for the SHA-256 of tokenizer.json.
 TOKENIZER_DIGEST = 'tokenizer_sha256'
+# config.json's key for how packed rows are planned (data.assembly): 'best_fit' since it was
+# recorded; a run whose config.json lacks it packed its rows by 'first_fit'.
+PACKING_PLAN_KEY = 'packing_plan'
+PACKING_PLAN = 'best_fit'
 CHECKPOINT_DIR = 'checkpoints'
 METRICS_FILE = 'metrics.jsonl'
+# The tokenized training split's cache (data.cache), unless data.cache_dir puts it elsewhere.
+ENCODED_DIR = 'encoded'
 TENSORBOARD_DIR = 'tensorboard'
 
 
@@ -89,7 +100,7 @@ def file_digest(path: str | Path) -> str:
 
 
 def write_config(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
-                 data_config: DataConfig) -> Path:
+                 data_config: DataConfig, packing_plan: str = PACKING_PLAN) -> Path:
   """Writes WORKDIR/config.json (creating WORKDIR) and returns its path.
 
   When WORKDIR/tokenizer.json exists, its digest is recorded too, so that
@@ -99,7 +110,7 @@ def write_config(workdir: str | Path, model_config: ModelConfig, train_config: T
   path = workdir / CONFIG_FILE
   path.parent.mkdir(parents=True, exist_ok=True)
   content = {'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
-             'data': dataclasses.asdict(data_config)}
+             'data': dataclasses.asdict(data_config), PACKING_PLAN_KEY: packing_plan}
   if (workdir / TOKENIZER_FILE).is_file():
     content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
   _write_atomically(path, json.dumps(content, indent=2) + '\n')
@@ -179,12 +190,13 @@ def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config
                     data_config: DataConfig) -> None:
   """Raises CheckpointError unless WORKDIR's run can continue with these configs.
 
-  The model and data settings must be identical; of the training settings only
-  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log) may differ.
+  The model settings must be identical; of the training and data settings only
+  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log) and
+  DataConfig.RESUMABLE_CHANGES (where the cache lives) may differ.
   """
   saved_model, saved_train, saved_data = read_config(workdir)
   differences = _differences('model', saved_model, model_config, ())
-  differences += _differences('data', saved_data, data_config, ())
+  differences += _differences('data', saved_data, data_config, DataConfig.RESUMABLE_CHANGES)
   differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
   if differences:
     raise CheckpointError(
@@ -243,6 +255,10 @@ class RunDirectory:
   def tensorboard_dir(self) -> Path:
     return self.path / TENSORBOARD_DIR
 
+  @property
+  def encoded_dir(self) -> Path:
+    return self.path / ENCODED_DIR
+
   def check_writable(self) -> None:
     """Raises WriteError now, rather than at the first save hours later."""
     check_writable(self.path)
@@ -276,14 +292,15 @@ class RunDirectory:
       clear_run(self.path)
     multihost_utils.sync_global_devices('run directory ready')
 
-  def tokenizer(self, train_split, data_config: DataConfig, has_checkpoints: bool,
-                say: Callable[[str], None]) -> Tokenizer:
-    """WORKDIR/tokenizer.json, trained on the training split (source + target) if absent.
+  def tokenizer(self, texts: Callable[[], list[str]], data_config: DataConfig,
+                has_checkpoints: bool, say: Callable[[str], None]) -> Tokenizer:
+    """WORKDIR/tokenizer.json, trained on `texts()` (training text, source and target) if absent.
 
     With checkpoints on disk the file must be there and be the one config.json
     records. Process 0 alone trains, so every process loads one vocabulary
     ('unigram' training is not bit-exact across runs), and no process can see the
-    file half-written and skip the barrier that the others wait at.
+    file half-written and skip the barrier that the others wait at. `texts` is
+    called only to train.
     """
     path = self.path / TOKENIZER_FILE
     if saved_tokenizer_class(self.path) is MarianTokenizer:  # copied by --init-from
@@ -297,10 +314,13 @@ class RunDirectory:
       check_tokenizer(self.path)
     trained = self.is_main and not path.is_file()
     if trained:
-      texts = list(train_split['source']) + list(train_split['target'])
-      tokenizer = Tokenizer.train(texts, data_config.vocab_size, data_config.tokenizer)
+      sample = texts()
+      say(f'tokenizer: training {data_config.tokenizer} on {len(sample):,} sentences')
+      # The trainer's bars draw on a terminal only; in a log they would be blank lines.
+      tokenizer = Tokenizer.train(sample, data_config.vocab_size, data_config.tokenizer,
+                                  progress=sys.stderr.isatty())
       tokenizer.save(self.path)
-      say(f'tokenizer: trained {data_config.tokenizer} on {len(texts):,} sentences, '
+      say(f'tokenizer: trained {data_config.tokenizer} on {len(sample):,} sentences, '
           f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
           f'{path}')
     multihost_utils.sync_global_devices('tokenizer ready')
@@ -322,7 +342,24 @@ class RunDirectory:
       check_resumable(self.path, model_config, train_config, data_config)
 
   def write_settings(self, model_config: ModelConfig, train_config: TrainConfig,
-                     data_config: DataConfig) -> None:
+                     data_config: DataConfig, packing_plan: str = PACKING_PLAN) -> None:
     """Writes config.json (process 0); called once the checkpoint to resume is restored."""
     if self.is_main:
-      write_config(self.path, model_config, train_config, data_config)
+      write_config(self.path, model_config, train_config, data_config, packing_plan)
+
+  def packing_plan(self, has_checkpoints: bool) -> str:
+    """How this run's packed rows are planned: what config.json records; 'first_fit' for a
+    run begun before the record existed (its batches stay as they were); else best fit."""
+    try:
+      saved = json.loads((self.path / CONFIG_FILE).read_text()).get(PACKING_PLAN_KEY)
+    except (OSError, json.JSONDecodeError, AttributeError):
+      saved = None
+    if saved is None and has_checkpoints:
+      return 'first_fit'
+    return saved or PACKING_PLAN
+
+  def tokenizer_digest(self) -> str:
+    """The SHA-256 of the run's tokenizer file(s), whichever its kind: part of the key of
+    the encoded-corpus cache."""
+    return tokenizer_files_digest([self.path / name
+                                   for name in saved_tokenizer_class(self.path).FILES])

@@ -11,13 +11,14 @@ corpus is sorted by length), then the translations are gathered everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import datasets
 import jax
 import numpy as np
 import sacrebleu
 from jax.experimental import multihost_utils
+from tqdm.auto import tqdm
 
 from flax_transformer.decode.methods import DecodingMethod, Greedy
 from flax_transformer.decode.translator import Translator
@@ -28,16 +29,23 @@ DECODE_BATCH = 128
 NUM_SAMPLES = 5
 
 
-def translation_scores(translator: Translator, split: datasets.Dataset, method: DecodingMethod
-                       ) -> tuple[dict[str, float], dict[str, str]]:
+def translation_scores(translator: Translator, split: datasets.Dataset, method: DecodingMethod,
+                       progress: str | None = None) -> tuple[dict[str, float], dict[str, str]]:
   """Decodes a split's sources with `method`: ({'bleu', 'chrf', 'exact_match'},
   {'signature', 'samples'}).
+
+  progress: the label of a progress bar (sentences, rate, ETA) over this process's share;
+  None shows none.
 
   chrF is reported beside BLEU because BLEU's 4-grams say little about one-word
   outputs such as the toy task's German numbers.
   """
   sources, references = list(split['source']), list(split['target'])
-  hypotheses = translate_across_processes(translator, sources, method=method)
+  index, count = jax.process_index(), jax.process_count()
+  with tqdm(total=len(sources[index::count]), desc=progress, unit='sentences', leave=False,
+            disable=progress is None, dynamic_ncols=True) as bar:
+    hypotheses = translate_across_processes(translator, sources, method=method,
+                                            on_batch=bar.update)
   bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(hypotheses, [references])
   chrf_score = chrf.corpus_score(hypotheses, [references])
@@ -51,14 +59,17 @@ def translation_scores(translator: Translator, split: datasets.Dataset, method: 
 
 def translate_across_processes(translator: Translator, sentences: Sequence[str],
                                batch_size: int = DECODE_BATCH,
-                               method: DecodingMethod = Greedy()) -> list[str]:
+                               method: DecodingMethod = Greedy(),
+                               on_batch: Callable[[int], object] | None = None) -> list[str]:
   """Translations of `sentences` (greedy by default) in their order, on every process.
 
   Call it on every process (it gathers across them); with one process it is
-  `translator.translate(sentences, method)`.
+  `translator.translate(sentences, method)`. on_batch: as `Translator.translate`'s, for
+  this process's share.
   """
   index, count = jax.process_index(), jax.process_count()
-  share = translator.translate(list(sentences[index::count]), method, batch_size=batch_size)
+  share = translator.translate(list(sentences[index::count]), method, batch_size=batch_size,
+                               on_batch=on_batch)
   translations = [''] * len(sentences)
   for process, texts in enumerate(_allgather_texts(share)):
     translations[process::count] = texts

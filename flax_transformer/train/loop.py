@@ -8,13 +8,16 @@ A run goes through four stages, each a function or a small object below:
 
   1. `_prepare_training_run`: the run directory (writable, cleared unless resuming), the
      parallel text (`data_config.source`, or the `dataset` given), the
-     tokenizer (WORKDIR/tokenizer.json, or trained on the training split and
-     saved), the settings checked against WORKDIR/config.json and written;
+     tokenizer (WORKDIR/tokenizer.json, or trained on a bounded sample of the
+     training split, `data.tokenizer_sample`, and saved), the settings checked against WORKDIR/config.json and written;
   2. `_initial_state`: the latest checkpoint in WORKDIR/checkpoints, or fresh
      parameters;
-  3. `TrainingLoop.train_from`: trains to `train_config.steps` with `Batcher.batch_at(step)`,
-     so the batches and dropout keys depend on the step alone and a resumed run
-     continues exactly where an uninterrupted one would; logs to a progress bar
+  3. `TrainingLoop.train_from`: trains to `train_config.steps` with the batch of each step
+     (`data.pipeline.make_batcher`: each process builds its own rows, a background thread
+     `train.prefetch` steps ahead), so the batches and dropout keys depend on the step
+     alone and a resumed run continues exactly where an uninterrupted one would; the
+     training split is encoded once into a cache on disk (`data.cache`) that a resumed
+     run reads; logs to a progress bar
      and WORKDIR/metrics.jsonl, evaluates the validation loss and saves
      checkpoints at their cadence;
   4. `_final_scores`: decodes the test split (else validation) with
@@ -34,10 +37,10 @@ cannot be written raises `WriteError`; a damaged checkpoint is set aside and
 the run resumes from the newest intact one. README's failure table lists each
 case and what the programs answer.
 
-Multi-host: every process builds the same step's batch and keeps its own rows;
-process 0 alone prints, writes config.json and metrics.jsonl and trains the
-tokenizer (the others wait, then load it); every process takes part in the
-checkpoint saves. docs/scaling_out.md has the details.
+Multi-host: every process builds only its own rows of each step's batch;
+process 0 alone prints, writes config.json and metrics.jsonl, trains the
+tokenizer and encodes the training split into the cache (the others wait, then
+read them); every process takes part in the checkpoint saves. docs/scaling_out.md has the details.
 """
 
 from __future__ import annotations
@@ -52,14 +55,17 @@ import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from flax_transformer.config import (NONNEGATIVE_INT, ConfigError, DataConfig, ModelConfig,
                                      TrainConfig, check_bounds)
-from flax_transformer.data.batching import SEQUENCE_LENGTH, Batcher, encode_corpus
-from flax_transformer.data.corpus import DataError, describe, load_parallel
-from flax_transformer.data.packing import PackingBatcher
+from flax_transformer.data.assembly import ArrayBatcher
+from flax_transformer.data.batching import SEQUENCE_LENGTH, Batch, EncodedCorpus, encode_corpus
+from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import check_settings as check_packing
+from flax_transformer.data.pipeline import (Prefetcher, TrainingData, load_training_data,
+                                            make_batcher)
 from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy, default_method
@@ -202,7 +208,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     loop = TrainingLoop(run, skip_nonfinite)
     state, start = _initial_state(run, loop, parallel)
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
-    directory.write_settings(run.model_config, train_config, data_config)
+    directory.write_settings(run.model_config, train_config, data_config, loop.packing_plan)
     run.log = (MetricsLog(directory.metrics_file, resume_step=start,
                           tensorboard_dir=directory.tensorboard_dir) if directory.is_main else None)
     try:
@@ -228,7 +234,9 @@ class _TrainingRun:
   directory: RunDirectory
   model_config: ModelConfig
   train_config: TrainConfig
-  dataset: datasets.DatasetDict
+  data_config: DataConfig
+  train_data: TrainingData  # the training split (on disk or a table)
+  dataset: datasets.DatasetDict  # the evaluation splits: 'validation', 'test' when present
   tokenizer: Tokenizer
   data_parallel: DataParallel
   checkpoints: Checkpoints
@@ -252,10 +260,8 @@ def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
   """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
   say = print_fn if directory.is_main else (lambda message: None)
   data_parallel = DataParallel(_local_devices(devices), mode=parallel)
-  dataset = load_data(data_config) if dataset is None else dataset
-  if 'train' not in dataset:
-    raise DataError(f'the data has no train split (splits: {", ".join(dataset)})')
-  say(f'data: {describe(dataset)}')
+  train_data = load_training_data(data_config, dataset)
+  say(f'data: {train_data.describe()}')
   directory.prepare(resume)
   checkpoints = Checkpoints(directory.path, keep=train_config.keep_checkpoints)
   pretrained_params = None
@@ -264,14 +270,17 @@ def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
     if directory.is_main:
       marian_tokenizer.save(directory.path)
     say(f'fine-tuning {init_from}')
-  tokenizer = directory.tokenizer(dataset['train'], data_config,
-                                  has_checkpoints=checkpoints.latest_step() is not None, say=say)
+  tokenizer = directory.tokenizer(
+      lambda: train_data.tokenizer_texts(data_config.tokenizer_sample), data_config,
+      has_checkpoints=checkpoints.latest_step() is not None, say=say)
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
   directory.check_settings(model_config, train_config, data_config)
   return _TrainingRun(directory=directory, model_config=model_config, train_config=train_config,
-              dataset=dataset, tokenizer=tokenizer, data_parallel=data_parallel,
-              checkpoints=checkpoints, say=say, pretrained_params=pretrained_params)
+                      data_config=data_config, train_data=train_data,
+                      dataset=train_data.evaluation, tokenizer=tokenizer,
+                      data_parallel=data_parallel, checkpoints=checkpoints, say=say,
+                      pretrained_params=pretrained_params)
 
 
 def _local_devices(count: int | None) -> list[jax.Device] | None:
@@ -375,14 +384,18 @@ class TrainingLoop:
     self.optimizer = make_optimizer(config, run.model_config)
     self.step_fn = make_parallel_step(self.model, self.optimizer, config, run.data_parallel)
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
-    corpus = encode_corpus(run.dataset['train'], run.tokenizer, run.model_config.max_len)
-    self.batcher = (Batcher(corpus, config.max_tokens, config.seed,
-                            row_multiple=run.data_parallel.num_devices) if not config.packing
-                    else PackingBatcher(corpus, config.max_tokens, config.seed, config.packing,
-                                        row_multiple=run.data_parallel.num_devices))
+    corpus = _encoded_train(run)
+    self.packing_plan = run.directory.packing_plan(run.checkpoints.latest_step() is not None)
+    self.batcher = make_batcher(corpus, config, run.data_parallel.num_devices, self.packing_plan)
     run.say(f'train: {self.batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side '
             f'longer than model.max_len={run.model_config.max_len} tokens with EOS)')
     self.val_batches = _eval_batches(run, 'validation')
+
+  def local_batch(self, step: int) -> Batch:
+    """This process's rows of step `step`'s batch, split over the devices."""
+    index, count = jax.process_index(), jax.process_count()
+    local = self.batcher.local_batch_at(step, index, count)
+    return self.run.data_parallel.shard_local_batch(local, local.src.shape[0] * count)
 
   def train_from(self, state: TrainState, start: int) -> TrainState:
     """Trains from `start`; raises Interrupted after saving when a signal asked to stop."""
@@ -391,13 +404,14 @@ class TrainingLoop:
     # whole run's training time (the time stopped in between not counted).
     logged_s = run.log.elapsed_s if run.log is not None else 0.0
     buffer, run_start, done = MetricBuffer(run.data_parallel), time.perf_counter() - logged_s, start
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc='train',
-               unit='step', disable=not run.directory.is_main, dynamic_ncols=True)
+    bar = tqdm(initial=start, total=config.steps, desc='train', unit='step',
+               disable=not run.directory.is_main, dynamic_ncols=True)
+    batches = Prefetcher(self.local_batch, start, config.steps, config.prefetch)
     try:
-      with StopSignals() as stop:
-        for step in bar:
-          state, metrics = self.step_fn(state, run.data_parallel.shard_batch(
-              self.batcher.batch_at(step)))
+      with StopSignals() as stop, batches:
+        for step, batch in batches:
+          state, metrics = self.step_fn(state, batch)
+          bar.update()
           buffer.add(metrics)
           done, stopping = step + 1, stop.requested(step + 1)
           run.checkpoints.check_saved()
@@ -452,7 +466,8 @@ class TrainingLoop:
       return
     run = self.run
     outputs = [self.eval_fn(params, run.data_parallel.shard_batch(batch))
-               for batch in self.val_batches]
+               for batch in tqdm(self.val_batches, desc='validation', unit='batch', leave=False,
+                                 disable=not run.directory.is_main, dynamic_ncols=True)]
     sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *run.data_parallel.unreplicate(outputs))
     values = _metrics(sums)
     run.record(step, {f'val_{name}': value for name, value in values.items()})
@@ -460,6 +475,18 @@ class TrainingLoop:
               if 'length_accuracy' in values else '')
     run.say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
             f'token accuracy {values["accuracy"]:.1%}{length}')
+
+
+def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
+  """The training split encoded, through the cache (`data.cache_dir`, else WORKDIR/encoded):
+  process 0 encodes it or finds it there; the others wait, then read it."""
+  cache_dir = run.data_config.cache_dir or run.directory.encoded_dir
+  several = jax.process_count() > 1
+  return run.train_data.encoded_train(
+      run.tokenizer, run.directory.tokenizer_digest(), run.model_config.max_len, cache_dir,
+      is_writer=run.directory.is_main, progress=run.directory.is_main, say=run.say,
+      wait=(lambda: multihost_utils.sync_global_devices('encoded corpus ready')) if several
+      else None)
 
 
 def _eval_batches(run: _TrainingRun, split: str) -> list:
@@ -471,8 +498,8 @@ def _eval_batches(run: _TrainingRun, split: str) -> list:
   if corpus.num_dropped:
     run.say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the '
             'loss')
-  batcher = Batcher(corpus, run.train_config.max_tokens, run.train_config.seed,
-                    row_multiple=run.data_parallel.num_devices, shuffle=False)
+  batcher = ArrayBatcher(corpus, run.train_config.max_tokens, run.train_config.seed,
+                         row_multiple=run.data_parallel.num_devices, shuffle=False)
   return list(batcher.epoch(0))
 
 
@@ -560,4 +587,5 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
 
 def _split_scores(run: _TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
   translator = Translator(run.model_config, params, run.tokenizer)
-  return translation_scores(translator, run.dataset[split], evaluation_method(run.model_config))
+  return translation_scores(translator, run.dataset[split], evaluation_method(run.model_config),
+                            progress=f'decode {split}' if run.directory.is_main else None)

@@ -26,8 +26,8 @@ class DataParallel:
     `[D_local, ...]`; this process's rows of a batch are reshaped to
     `[G_local, B / G, ...]`. The pmap spans the devices of every process.
 
-  Multi-host: every process builds the same global batch (step-indexed, from
-  the same seed), keeps its contiguous block of rows (`batching.shard`), and
+  Multi-host: every process brings its contiguous block of a step's global batch
+  (`batching.shard`'s rows, built alone by a batcher's `local_batch_at`), and
   `jax.make_array_from_process_local_data` assembles the global array; the
   collectives in the step span all processes' devices.
   """
@@ -84,15 +84,19 @@ class DataParallel:
 
   def shard_batch(self, batch: Batch) -> Batch:
     """The global batch (identical on every process) -> its rows split over all devices."""
-    rows = batch.src.shape[0]
-    if rows % self.num_devices:
-      raise ValueError(f'a batch of {rows} rows does not split over {self.num_devices} devices; '
-                       'build the Batcher with row_multiple = the number of devices')
-    local = shard(batch, jax.process_index(), jax.process_count())
+    return self.shard_local_batch(shard(batch, jax.process_index(), jax.process_count()),
+                                  batch.src.shape[0])
+
+  def shard_local_batch(self, local: Batch, global_rows: int) -> Batch:
+    """This process's rows of a global batch of `global_rows` rows (`batching.shard`'s block,
+    e.g. a batcher's `local_batch_at`) -> the rows split over all devices."""
+    if global_rows % self.num_devices:
+      raise ValueError(f'a batch of {global_rows} rows does not split over {self.num_devices} '
+                       'devices; build the Batcher with row_multiple = the number of devices')
     if self.mode == 'pmap':
       count = len(self.local_devices)
       return jax.tree.map(lambda x: np.asarray(x).reshape(count, -1, *x.shape[1:]), local)
     sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
     return jax.tree.map(
-        lambda g, x: jax.make_array_from_process_local_data(sharding, np.asarray(x), g.shape),
-        batch, local)
+        lambda x: jax.make_array_from_process_local_data(
+            sharding, np.asarray(x), (global_rows, *x.shape[1:])), local)
