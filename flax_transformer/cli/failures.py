@@ -14,9 +14,12 @@ Exit status of the programs (the one table; their docstrings point here):
        distill.py: writing the output failed, or anything unexpected (the output directory
          is complete or untouched)
   2    refused before any work, naming the problem:
-       train.py: a bad option or setting (a model too large for the machine's memory included)
+       train.py: a bad option or setting (a model too large for the machine's memory included),
+         or an --init-from directory with a damaged config.json (the file, field and value
+         named), weights or tokenizer file (the file named)
        decode.py: bad arguments, input or checkpoint (missing, damaged, another model, too
-         large for the machine, a foreign tokenizer), before any translation
+         large for the machine, a foreign tokenizer; a Marian directory's file named with what
+         is wrong), before any translation
        distill.py: a bad option, teacher checkpoint (missing, a cmlm model), data or output
   3    train.py: a step's loss or gradient not finite (more than --skip-nonfinite times)
   130  SIGINT (Ctrl-C); train.py saves the step reached first
@@ -117,10 +120,13 @@ def one_line(error: BaseException) -> str:
 
 def train_failure(error: BaseException) -> tuple[str, int] | None:
   """train.py's wording and status of a failure (see the table in the module docstring)."""
+  from flax_transformer.pretrained.marian import PretrainedError
   from flax_transformer.train.interruption import Interrupted
   from flax_transformer.train.loop import NonFiniteError
   if isinstance(error, Interrupted):
     return str(error), error.exit_code
+  if isinstance(error, PretrainedError):  # --init-from's directory, read before training
+    return f'error: {error}', 2
   if isinstance(error, NonFiniteError):
     return f'error: {error}', 3
   if isinstance(error, KeyboardInterrupt):
