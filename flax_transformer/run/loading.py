@@ -19,7 +19,7 @@ from flax_transformer.config import NONNEGATIVE, Bounds, ModelConfig, check_boun
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
-from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints
+from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints, RotatedCheckpoint
 from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE,
                                             TENSORBOARD_DIR, CheckpointError, check_tokenizer,
                                             check_tokenizer_fits, load_tokenizer, read_config,
@@ -27,7 +27,8 @@ from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.run.sizes import check_fits
 
-
+# Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
+_ROTATION_TRIES = 5
 # A run directory's own entries, which an output inside it must not replace.
 _RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
                           *Tokenizer.FILES, *MarianTokenizer.FILES})
@@ -106,6 +107,24 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
     and the tokenizer saved with them, checked to agree with the config.
   """
   check_bounds(average_last, NONNEGATIVE, 'average_last', CheckpointError)
+  for attempt in range(1, _ROTATION_TRIES + 1):
+    try:
+      return _load_for_inference(workdir, step, average_last)
+    except RotatedCheckpoint as error:
+      # A training run beside us deleted the checkpoint (keep_checkpoints): read the newest
+      # again, unless the step was asked for (nothing newer can stand in for it).
+      if step is not None:
+        raise
+      if attempt == _ROTATION_TRIES:
+        raise CheckpointError(
+            f'{Path(workdir) / CHECKPOINT_DIR}: the newest checkpoint was rotated away (deleted '
+            f'by the training run writing there) while being read, {attempt} times in a row; '
+            'run again, or decode once that run has stopped') from error
+
+
+def _load_for_inference(workdir: str | Path, step: int | None, average_last: int
+                        ) -> tuple[ModelConfig, Any, TextTokenizer]:
+  """`load_for_inference` from the checkpoints listed now, once."""
   model_config, checkpoints, steps = _open_checkpoints(workdir)
   try:
     check_tokenizer(workdir)
