@@ -13,6 +13,8 @@ Exit status of the programs (the one table; their docstrings point here):
          translations written stay)
        distill.py: writing the output failed, or anything unexpected (the output directory
          is complete or untouched)
+       train.py, several processes: they did not all join the coordinator within
+         --coordinator-timeout (nothing listens at --coordinator, a process missing)
   2    refused before any work, naming the problem:
        train.py: a bad option or setting (a model too large for the machine's memory included),
          or an --init-from directory with a damaged config.json (the file, field and value
@@ -225,9 +227,12 @@ def _end_process(status: int) -> None:
   Python restores the default SIGTERM action before that teardown, which takes seconds as
   JAX and orbax close: a SIGTERM then would end the process without a word.
   """
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
   atexit._run_exitfuncs()  # under `terminate`: a SIGTERM meanwhile gets its line
-  sys.stdout.flush()
-  sys.stderr.flush()
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(OSError, ValueError):  # a callback may have closed it
+      stream.flush()
   os._exit(status)
 
 
@@ -236,7 +241,28 @@ def _exit_on_sigterm(script: str, status: int) -> None:
   status 143 after a success; after a failure, whose line is out already, its status."""
   if status:
     os._exit(status)
-  sys.stdout.flush()
-  print(f'{script}: stopped by SIGTERM while exiting, after its work was done and saved '
-        '(nothing is lost)', file=sys.stderr, flush=True)
-  os._exit(128 + signal.SIGTERM)
+  end_process_now(script, 'stopped by SIGTERM while exiting, after its work was done and saved '
+                  '(nothing is lost)', 128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, script: str, line: str, status: int) -> Iterator[None]:
+  """Ends the process with 'SCRIPT: LINE' and `status` unless the block is done within
+  `seconds`: for a main thread stuck in a call that no exception or signal handler reaches
+  (JAX's C++ multi-host start-up), which only another thread can end."""
+  timer = threading.Timer(seconds, end_process_now, (script, line, status))
+  timer.daemon = True
+  timer.start()
+  try:
+    yield
+  finally:
+    timer.cancel()
+
+
+def end_process_now(script: str, line: str, status: int) -> None:
+  """Prints 'SCRIPT: LINE' and ends the process with `status` at once, from any thread: for a
+  main thread stuck where no exception reaches (a C++ call that will abort)."""
+  with contextlib.suppress(OSError, ValueError):
+    sys.stdout.flush()
+    print(f'{script}: {line}', file=sys.stderr, flush=True)
+  os._exit(status)
