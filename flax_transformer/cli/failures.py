@@ -104,6 +104,7 @@ def run_program(script: str, body: Callable[[], int], argv: Sequence[str] | None
   exiting_script = script if exiting and not distributed else None
   outcome: dict[str, int | None] = {'status': None}
   with _quiet_libraries(debug), _sigterm_raises(not distributed, exiting_script, outcome):
+    failed = False
     try:
       status = body()
     except (Exception, KeyboardInterrupt, Terminated) as error:
@@ -112,10 +113,12 @@ def run_program(script: str, body: Callable[[], int], argv: Sequence[str] | None
       line, status = report(error) or describe(error)
       sys.stdout.flush()
       print(f'{script}: {line}', file=sys.stderr, flush=True)
+      failed = True
+    if failed:
+      # The failure's frames held the checkpoint library's objects (`error` is gone now): its
+      # failed writes' futures report themselves when collected, which must happen while quiet.
+      gc.collect()
     outcome['status'] = status
-    # The failure's frames held the checkpoint library's objects: its failed writes' futures
-    # report themselves when collected, which must happen while the libraries are quiet.
-    gc.collect()
     if exiting_script is not None:
       _end_process(status)
     return status
