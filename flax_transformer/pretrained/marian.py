@@ -14,6 +14,12 @@ is dropped: it adds q . b to a whole row of attention logits, which the softmax
 cancels. The weights are read with `safetensors.numpy` (no torch, no pickle);
 what cannot map is refused, naming the config field.
 
+Faults are PretrainedError (a ConfigError: the programs' status 2), each naming
+the file: a config.json field missing, null, of the wrong type or absurd
+(`NEEDED_FIELDS`), checked with the memory estimate before anything is
+allocated; a weights file truncated or with a damaged header (checked before it
+is read), missing tensors or wrong shapes; a tokenizer file that cannot be read.
+
 Needs `pip install -e .[pretrained]` (sentencepiece, safetensors), imported
 only when a Marian directory is read.
 """
