@@ -123,6 +123,11 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def reload(self) -> list[int]:
+    """The steps on disk now (`steps` is the listing read when opened, or last reloaded)."""
+    self._manager.reload()
+    return self.steps()
+
   def save(self, state) -> None:
     """Saves a host (numpy) or fully replicated `TrainState` at its own `step`.
 
