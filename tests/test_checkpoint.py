@@ -154,3 +154,53 @@ def test_errors_name_the_problem(run_dir, tmp_path, setup, tokenizer):
   assert str(error.value).endswith(' (and 35 more). The checkpoint belongs to another model: use '
                                    'the config.json it was written with')
   checkpoints.close()
+
+
+# --- a reader beside a writer: checkpoints rotated away while being read ------------------
+
+def _rotating_restore(monkeypatch, rotate):
+  """Checkpoints.restore_params that calls rotate(checkpoints, step) before its first read, as
+  a training run's max_to_keep would delete the checkpoint under a reader."""
+  original, calls = Checkpoints.restore_params, []
+
+  def restore_params(self, step, abstract_params):
+    calls.append(step)
+    if len(calls) == 1:
+      rotate(self.directory, step)
+    return original(self, step, abstract_params)
+
+  monkeypatch.setattr(Checkpoints, 'restore_params', restore_params)
+  return calls
+
+
+def test_a_checkpoint_rotated_away_while_read_gives_way_to_the_newest(run_dir, setup, tmp_path,
+                                                                      monkeypatch):
+  # The writer saves step 12 (here: step 8's files, so that its parameters tell) and deletes
+  # step 10, the one being read; decoding reads 12 instead, and nothing is called damaged.
+  _, _, _, state = setup
+  run = tmp_path / 'run'
+  shutil.copytree(run_dir, run)
+
+  def rotate(directory, step):
+    (directory / '8').rename(directory / '12')
+    shutil.rmtree(directory / str(step))
+
+  calls = _rotating_restore(monkeypatch, rotate)
+  _, params, _ = load_for_inference(run)
+  assert calls == [10, 12]
+  assert_trees_equal(jax.device_get(params), shifted(state, 8).params)
+
+
+def test_a_given_step_rotated_away_is_reported_as_rotated_not_damaged(run_dir, tmp_path,
+                                                                      monkeypatch):
+  from flax_transformer.run import RotatedCheckpoint
+  run = tmp_path / 'run'
+  shutil.copytree(run_dir, run)
+  _rotating_restore(monkeypatch, lambda directory, step: shutil.rmtree(directory / str(step)))
+  with pytest.raises(RotatedCheckpoint, match='checkpoint 8 was deleted while it was read') as info:
+    load_for_inference(run, step=8)
+  assert 'damaged' not in str(info.value).replace('not damaged', '')
+  # Files present but wrong are still damage.
+  (run / 'checkpoints' / '6' / 'params' / '_METADATA').write_text('{')
+  with pytest.raises(DamagedCheckpoint, match='damaged checkpoint'):
+    load_for_inference(run, step=6)

@@ -1,7 +1,8 @@
 """Faults a user meets, each answered by one line and a documented status (cli/failures.py),
 or recovered from, saying so: a second writer, damaged checkpoints, a config.json that does
 not fit the saved arrays, absurd sizes, a foreign tokenizer, a failure with and without
---debug, SIGTERM before training, a bad --data.
+--debug, SIGTERM before training, after the final evaluation and while exiting, a bad --data,
+a failed second checkpoint save.
 
 The run directories are copies (shutil.copytree) of conftest.py's session runs: cmlm_run
 (train.py --objective cmlm, checkpoints 2, 4, 6) and checkpointed_run (checkpoints 6, 8, 10
@@ -17,6 +18,7 @@ import signal
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import CMLM_OPTIONS
 from support.lock_holder import lock_holder
@@ -30,7 +32,7 @@ from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.nn.model import count_params
 from flax_transformer.run.checkpoints import (DIGESTS_FILE, CheckpointError, Checkpoints,
-                                              DamagedCheckpoint)
+                                              DamagedCheckpoint, WriteError)
 from flax_transformer.run.sizes import check_fits, parameter_count
 from flax_transformer.train import loop
 
@@ -275,3 +277,99 @@ def test_debug_adds_the_traceback_to_a_known_failure_too(tmp_path):
   status, _, err = call(decode_cli.main, [*argv, '--debug'])
   assert status == 2 and err.startswith('Traceback') and 'CheckpointError' in err
   assert err.endswith(line)
+
+
+# --- leftovers: a failed second save, SIGTERM after the final evaluation -------------------------
+
+def test_a_failed_second_save_is_one_line_without_the_library_threads_reports(tmp_path, caplog):
+  # A full disk at the second save: the first save is orbax's own; the second's background
+  # write fails as orbax's does, leaving an asyncio task whose exception nobody retrieves,
+  # held in a reference cycle, so that it reports itself whenever it is collected.
+  import asyncio
+  import errno
+  import gc
+
+  from flax_transformer.cli.failures import run_program, train_failure
+
+  def failing_save(manager):
+    def save(step, force, args):
+      async def write():
+        raise OSError(errno.ENOSPC, 'No space left on device')
+      loop = asyncio.new_event_loop()
+      task = loop.create_task(write())
+      loop.run_until_complete(asyncio.sleep(0))
+      loop.close()
+      cycle = {'task': task}
+      cycle['cycle'] = cycle
+      manager.pending = cycle
+
+      def wait_until_finished():  # raises once, as orbax's does for a failed write
+        del manager.wait_until_finished
+        raise ValueError('RESOURCE_EXHAUSTED: No space left on device')
+      manager.wait_until_finished = wait_until_finished
+    return save
+
+  def body():
+    checkpoints = Checkpoints(tmp_path)
+    checkpoints.save_params(1, {'w': np.ones(3, np.float32)})
+    checkpoints.check_saved()
+    checkpoints._manager.save = failing_save(checkpoints._manager)  # held by it alone
+    checkpoints.save_params(2, {'w': np.ones(3, np.float32)})  # the first save confirmed here
+    checkpoints.close()  # the second's failure surfaces here
+    return 0
+
+  status, out, err = call(lambda argv: run_program('train.py', body, argv, train_failure), [])
+  gc.collect()  # whatever the program left uncollected reports itself now, if at all
+  assert status == 1 and not out
+  assert err.startswith(f'train.py: error: {tmp_path}/checkpoints/2: the checkpoint could not '
+                        'be written (ValueError: RESOURCE_EXHAUSTED: No space left on device); '
+                        f'the previous checkpoint, {tmp_path}/checkpoints/1, is intact.')
+  assert err.count('\n') == 1
+  assert not [record for record in caplog.records if record.name == 'asyncio']
+
+
+def test_sigterm_after_the_final_evaluation_ends_with_the_usual_line(cmlm_copy, numbers_corpus,
+                                                                     monkeypatch):
+  def final_scores_then_sigterm(run, state, average_last):
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
+
+  monkeypatch.setattr(loop, '_final_scores', final_scores_then_sigterm)
+  status, out, err = cmlm_train(numbers_corpus, cmlm_copy, '--steps=6')  # trained: evaluates
+  assert 'already trained to step 6' in out
+  assert status == 143 and error_line(err.replace('stopped', 'error: stopped'), 'train.py')
+  assert err.endswith('train.py: stopped by SIGTERM outside the training steps (while loading, '
+                      'or in the final evaluation); nothing new was saved: run the same command '
+                      'to resume from the latest checkpoint, if any\n')
+
+
+@pytest.mark.parametrize('status, line', [
+    (0, 'train.py: stopped by SIGTERM while exiting, after its work was done and saved (nothing '
+        'is lost)\n'),
+    (1, '')])
+def test_sigterm_while_the_process_exits_ends_it_with_one_line(status, line, monkeypatch):
+  # Run as the process's own program (argv None), the work done: the process ends after the
+  # atexit callbacks, without the interpreter's teardown, in which Python has restored
+  # SIGTERM's default action; a SIGTERM during the callbacks gets its line and status 143.
+  from flax_transformer.cli import failures
+
+  def exit_now(code):
+    raise SystemExit(code)
+
+  def sigterm_during_the_callbacks():
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise AssertionError('SIGTERM did not end the process')
+
+  monkeypatch.setattr(failures.os, '_exit', exit_now)
+  monkeypatch.setattr(failures.atexit, '_run_exitfuncs', sigterm_during_the_callbacks)
+  monkeypatch.setattr(failures.sys, 'argv', ['train.py'])
+
+  def body():
+    if status:
+      raise WriteError('disk full')
+    return 0
+
+  exit_status, _, err = call(lambda argv: failures.run_program('train.py', body, None,
+                                                               failures.train_failure), [])
+  assert exit_status == (143 if status == 0 else status)
+  assert err == (line or 'train.py: error: disk full\n')
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -69,23 +69,24 @@ FILE_LIMIT = 64 * 1024
 # started before the limit: the limit is for the checkpoint files, and the tracebacks
 # that orbax's writing threads print (their number depends on timing) would otherwise
 # fill a 64 KiB stderr file too and lose train.py's own last line.
-LIMITED = ('import os, resource, runpy, subprocess, sys\n'
+LIMITED = ('import atexit, os, resource, runpy, subprocess, sys\n'
            'relays = [subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=fd) for fd in (1, 2)]\n'
            'for fd, relay in zip((1, 2), relays):\n'
            '  os.dup2(relay.stdin.fileno(), fd)\n'
            '  relay.stdin.close()\n'
            f'resource.setrlimit(resource.RLIMIT_FSIZE, ({FILE_LIMIT}, {FILE_LIMIT}))\n'
            'sys.argv = sys.argv[1:]\n'
-           'try:\n'
-           '  runpy.run_path(sys.argv[0], run_name="__main__")\n'
-           'finally:\n'
-           '  # Everything written reaches the files before this process exits.\n'
+           '# Everything written reaches the files before this process exits, which train.py\n'
+           '# ends itself after the atexit callbacks (cli/failures.py).\n'
+           '@atexit.register\n'
+           'def drain():\n'
            '  sys.stdout.flush()\n'
            '  sys.stderr.flush()\n'
            '  os.close(1)\n'
            '  os.close(2)\n'
            '  for relay in relays:\n'
-           '    relay.wait()\n')
+           '    relay.wait()\n'
+           'runpy.run_path(sys.argv[0], run_name="__main__")\n')
 
 
 def environment(cache: Path) -> dict[str, str]:

@@ -10,6 +10,7 @@ downloaded. Skipped without torch, transformers and sentencepiece
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -291,3 +292,136 @@ def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(
 
   err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
   assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err
+
+
+# --- a damaged Marian directory: refused naming the file and what is wrong -------------------
+
+MISSING = object()
+
+
+@pytest.mark.parametrize('field, value, shown', [
+    ('encoder_ffn_dim', MISSING, 'no field encoder_ffn_dim'),
+    ('d_model', None, 'd_model must be an integer in [1, 65536], got None'),
+    ('vocab_size', '300', "vocab_size must be an integer in [1, 16777216], got '300'"),
+    ('encoder_layers', 2.0, 'encoder_layers must be an integer in [1, 1024], got 2.0'),
+    ('decoder_layers', True, 'decoder_layers must be an integer in [1, 1024], got True'),
+    ('max_position_embeddings', 1e9, 'max_position_embeddings must be an integer in '
+                                     '[1, 1048576], got 1000000000.0'),
+    ('d_model', 10 ** 12, 'd_model must be an integer in [1, 65536], got 1000000000000'),
+    ('encoder_layers', 10 ** 6, 'encoder_layers must be an integer in [1, 1024], got 1000000'),
+    ('vocab_size', 0, 'vocab_size must be an integer in [1, 16777216], got 0'),
+    ('vocab_size', -5, 'vocab_size must be an integer in [1, 16777216], got -5'),
+    ('pad_token_id', 300, 'pad_token_id=300 is outside the vocabulary (vocab_size=300)'),
+    ('eos_token_id', 'x', 'eos_token_id="x" must be one token id'),
+    ('dropout', 2, 'dropout must be in [0, 1), got 2'),
+    ('tie_word_embeddings', 'yes', 'tie_word_embeddings must be true or false, got "yes"'),
+    ('activation_function', None, 'activation_function=null is not supported')])
+def test_a_bad_config_json_field_is_refused_naming_file_field_and_value(field, value, shown,
+                                                                         marian_dir, tmp_path):
+  from flax_transformer.pretrained.marian import read_marian_config
+  hf = json.loads((marian_dir / 'config.json').read_text())
+  hf = {name: given for name, given in {**hf, field: value}.items() if given is not MISSING}
+  (tmp_path / 'config.json').write_text(json.dumps(hf))
+  with pytest.raises(PretrainedError) as refusal:
+    read_marian_config(tmp_path)
+  assert str(refusal.value).startswith(f'{tmp_path / "config.json"}: ')
+  assert shown in str(refusal.value)
+
+
+@pytest.mark.parametrize('text, shown', [('{"d_model": 32,', 'not valid JSON'),
+                                         ('[1, 2]', 'holds a JSON list'),
+                                         (b'\xff\xfe', 'not UTF-8 text')])
+def test_a_config_json_that_is_no_json_object_is_refused_naming_it(text, shown, tmp_path):
+  from flax_transformer.pretrained.marian import read_marian_config
+  path = tmp_path / 'config.json'
+  path.write_bytes(text if isinstance(text, bytes) else text.encode())
+  with pytest.raises(PretrainedError, match=rf'^{path}: {shown}'):
+    read_marian_config(tmp_path)
+
+
+def _damaged_copy(marian_dir, tmp_path, name: str, damage) -> Path:
+  """A copy of the Marian directory whose file `name` becomes damage(its bytes)."""
+  damaged = tmp_path / 'damaged'
+  shutil.copytree(marian_dir, damaged)
+  (damaged / name).write_bytes(damage((damaged / name).read_bytes()))
+  return damaged
+
+
+def _without_tensor(data: bytes) -> bytes:
+  from safetensors.numpy import load, save
+  weights = load(data)
+  del weights['model.encoder.layers.1.fc2.bias']
+  return save(weights)
+
+
+def _reshaped_tensor(data: bytes) -> bytes:
+  from safetensors.numpy import load, save
+  weights = load(data)
+  weights['model.decoder.layers.0.fc1.weight'] = np.zeros((64, 16), np.float32)
+  return save(weights)
+
+
+@pytest.mark.parametrize('name, damage, shown', [
+    ('model.safetensors', lambda data: data[:len(data) // 2], 'truncated: tensor '),
+    ('model.safetensors', lambda data: (10 ** 15).to_bytes(8, 'little') + data[8:],
+     'damaged: its header length field says 1,000,000,000,000,000 bytes'),
+    ('model.safetensors', lambda data: data[:8] + b'#' + data[9:],
+     'damaged: its header is not JSON'),
+    ('model.safetensors', lambda data: data[:5], 'damaged: its header length field'),
+    ('model.safetensors', _without_tensor, "has no tensor 'encoder.layers.1.fc2.bias'"),
+    ('model.safetensors', _reshaped_tensor,
+     "parameter ['decoder']['layer_0']['ffn']['wi']['kernel'] should be (32, 64)"),
+    ('source.spm', lambda data: b'not a model', 'not a readable sentencepiece model'),
+    ('target.spm', lambda data: data[:1000], 'not a readable sentencepiece model'),
+    ('vocab.json', lambda data: data[:100], 'not valid JSON'),
+    ('vocab.json', lambda data: b'["</s>"]', 'holds a JSON list'),
+    ('vocab.json', lambda data: b'{"</s>": 0, "<unk>": "one"}',
+     "the id of '<unk>' must be a non-negative integer, got \"one\"")],
+    ids=['weights_truncated', 'weights_header_length', 'weights_header_not_json',
+         'weights_five_bytes', 'weights_missing_tensor', 'weights_wrong_shape', 'source_spm',
+         'target_spm_truncated', 'vocab_truncated', 'vocab_list', 'vocab_id_not_int'])
+def test_a_damaged_weights_or_tokenizer_file_is_refused_naming_it(name, damage, shown, marian_dir,
+                                                                  tmp_path):
+  damaged = _damaged_copy(marian_dir, tmp_path, name, damage)
+  with pytest.raises(PretrainedError) as refusal:
+    load_marian(damaged)
+  assert str(refusal.value).startswith(str(damaged / name))
+  assert shown in str(refusal.value)
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_its_weights_are_read(marian_dir,
+                                                                                  tmp_path):
+  # Each size within its field's limits, together far beyond any machine's memory.
+  hf = json.loads((marian_dir / 'config.json').read_text())
+  wide = {'d_model': 2 ** 16, 'encoder_ffn_dim': 2 ** 18, 'decoder_ffn_dim': 2 ** 18,
+          'encoder_layers': 1024, 'decoder_layers': 1024}
+  damaged = _damaged_copy(marian_dir, tmp_path, 'config.json',
+                       lambda data: json.dumps({**hf, **wide}).encode())
+  (damaged / 'model.safetensors').unlink()  # never reached
+  with pytest.raises(PretrainedError, match=rf'^{damaged / "config.json"}: the model is too large'):
+    Translator.from_pretrained(damaged)
+
+
+def test_decode_py_and_train_py_answer_a_damaged_marian_directory_with_status_2(marian_dir,
+                                                                                 tmp_path):
+  from support.script_calls import error_line
+  damaged = _damaged_copy(marian_dir, tmp_path, 'model.safetensors', lambda data: data[:-100])
+  status, out, err = call(decode_cli.main, ['--checkpoint', damaged, 'A man'])
+  assert status == 2 and not out
+  assert err.strip() == error_line(err, 'decode.py')
+  assert f'{damaged / "model.safetensors"}: truncated' in err
+  assert 'unexpected' not in err and 'Traceback' not in err
+  # train.py --init-from reads the weights after the data, before compiling anything.
+  from support.marian_directory import SAMPLE_TEXT
+
+  from flax_transformer.cli import train as train_program
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  (corpus / 'train.en').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[0::2]))
+  (corpus / 'train.de').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[1::2]))
+  status, _, err = call(train_program.main, ['--init-from', damaged, '--data', corpus,
+                                             '--workdir', tmp_path / 'run', '--steps', 1,
+                                             *FINE_TUNING])
+  assert status == 2
+  assert error_line(err, 'train.py').startswith(
+      f'train.py: error: {damaged / "model.safetensors"}: truncated: tensor ')

@@ -60,7 +60,8 @@ def write_corpus(directory: Path, en: list[str], de: list[str]) -> Path:
     (['--model.vocab_size=100'], 'unrecognized arguments: --model.vocab_size=100'),
     (['--devices', '0'], "argument --devices: expected a positive integer, got '0'"),
     (['--preset', 'huge'], "argument --preset: invalid choice: 'huge'"),
-    (['--process-id', '1'], '--num-processes and --process-id need --coordinator'),
+    (['--process-id', '1'],
+     '--num-processes, --process-id and --coordinator-timeout need --coordinator'),
 ])
 def test_cli_refuses_bad_options_up_front(argv, message):
   assert message in usage_error(train_cli.main, argv)
@@ -176,9 +177,35 @@ def test_read_only_workdir_is_refused_before_loading_data(tmp_path):
     (['--coordinator=10.0.0.1:1234', '--num-processes=2', '--process-id=2'],
      '--process-id=2 is outside 0 .. 1 (--num-processes=2)'),
     (['--num-processes=2', '--process-id=0'], 'need --coordinator (or --distributed)'),
+    (['--coordinator-timeout=5'], 'need --coordinator (or --distributed)'),
+    (['--coordinator=10.0.0.1:1234', '--coordinator-timeout=0'],
+     "argument --coordinator-timeout: expected a positive integer, got '0'"),
 ])
 def test_distributed_flags_are_checked_before_joining(flags, message):
   assert message in usage_error(train_cli.main, flags)
+
+
+@pytest.mark.parametrize('process_id, expected', [
+    (1, 'no coordinator answered at 127.0.0.1:{port} with all the processes joined within '
+        '--coordinator-timeout=1 s; check that process 0 runs there'),
+    (0, 'not every process joined the coordinator (process 0, at 127.0.0.1:{port}) within '
+        '--coordinator-timeout=1 s; check that all 2 were started')])
+def test_a_coordinator_nobody_joins_ends_in_one_line_at_the_timeout(process_id, expected):
+  # JAX itself would abort with a C++ stack trace after its timeout (5 minutes by default).
+  import subprocess
+  import sys
+
+  from support.processes import free_ports
+  (port,) = free_ports(1)  # free: nothing listens there
+  root = Path(__file__).resolve().parents[1]
+  done = subprocess.run(
+      [sys.executable, str(root / 'train.py'), f'--coordinator=127.0.0.1:{port}',
+       '--num-processes=2', f'--process-id={process_id}', '--coordinator-timeout=1'],
+      capture_output=True, text=True, timeout=120, cwd=root,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(root)})
+  assert done.returncode == 1 and not done.stdout
+  assert done.stderr.startswith(f'train.py: error: {expected.format(port=port)}')
+  assert done.stderr.count('\n') == 1 and 'stack trace' not in done.stderr
 
 
 @pytest.mark.parametrize('coordinator, bound', [

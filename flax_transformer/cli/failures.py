@@ -13,28 +13,44 @@ Exit status of the programs (the one table; their docstrings point here):
          translations written stay)
        distill.py: writing the output failed, or anything unexpected (the output directory
          is complete or untouched)
+       train.py, several processes: they did not all join the coordinator within
+         --coordinator-timeout (nothing listens at --coordinator, a process missing)
   2    refused before any work, naming the problem:
-       train.py: a bad option or setting (a model too large for the machine's memory included)
+       train.py: a bad option or setting (a model too large for the machine's memory included),
+         or an --init-from directory with a damaged config.json (the file, field and value
+         named), weights or tokenizer file (the file named)
        decode.py: bad arguments, input or checkpoint (missing, damaged, another model, too
-         large for the machine, a foreign tokenizer), before any translation
+         large for the machine, a foreign tokenizer; a Marian directory's file named with what
+         is wrong), before any translation
        distill.py: a bad option, teacher checkpoint (missing, a cmlm model), data or output
   3    train.py: a step's loss or gradient not finite (more than --skip-nonfinite times)
   130  SIGINT (Ctrl-C); train.py saves the step reached first
-  143  SIGTERM; train.py saves the step reached first
+  143  SIGTERM; train.py saves the step reached first; at any point up to the process's
+         end (after the final evaluation too), with one line
 
 No Python traceback reaches the user unless `--debug` is given or the
 environment sets FLAX_TRANSFORMER_DEBUG=1: then the traceback comes first, and
 the line and the status are the same. Without it, what the checkpoint library
 prints from its own threads after a failed write (tensorstore's callbacks into
-orbax's closed event loop, reported through `sys.unraisablehook`) and what
-orbax logs (absl logging: each failed write thread's traceback, warnings) are
-silenced while the program runs, so the program's line comes alone.
+orbax's closed event loop, reported through `sys.unraisablehook` or
+`threading.excepthook`), what orbax logs (absl logging: each failed write
+thread's traceback, warnings) and what asyncio logs of its failed futures
+("Future exception was never retrieved", when they are collected) are silenced
+while the program runs, and the failure's leftovers are collected before the
+silencing ends, so the program's line comes alone, whichever save failed.
+
+Run as a process's own program (`main()` without argv), a program ends the
+process itself once its work is done and reported (`_end_process`): Python's
+teardown, seconds of JAX and orbax closing, runs with SIGTERM's default action
+restored, so a SIGTERM then would end the process without a word.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -78,21 +94,34 @@ def run_program(script: str, body: Callable[[], int], argv: Sequence[str] | None
 
   `report(error)` words the program's own failures as (line, status), or None
   for the generic wording. SystemExit (argparse's usage errors) passes through.
+  argv None (the process's own command line): the process ends here, see `_end_process`.
   """
+  exiting = argv is None
   argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
   debug = debug_requested(argv)
   # Under jax.distributed, SIGTERM belongs to JAX's preemption service.
   distributed = any(a.startswith(('--distributed', '--coordinator')) for a in argv)
-  with _quiet_libraries(debug), _sigterm_raises(not distributed):
+  exiting_script = script if exiting and not distributed else None
+  outcome: dict[str, int | None] = {'status': None}
+  with _quiet_libraries(debug), _sigterm_raises(not distributed, exiting_script, outcome):
+    failed = False
     try:
-      return body()
+      status = body()
     except (Exception, KeyboardInterrupt, Terminated) as error:
       if debug:
         traceback.print_exc()
       line, status = report(error) or describe(error)
       sys.stdout.flush()
       print(f'{script}: {line}', file=sys.stderr, flush=True)
-      return status
+      failed = True
+    if failed:
+      # The failure's frames held the checkpoint library's objects (`error` is gone now): its
+      # failed writes' futures report themselves when collected, which must happen while quiet.
+      gc.collect()
+    outcome['status'] = status
+    if exiting_script is not None:
+      _end_process(status)
+    return status
 
 
 def describe(error: BaseException) -> tuple[str, int]:
@@ -117,10 +146,13 @@ def one_line(error: BaseException) -> str:
 
 def train_failure(error: BaseException) -> tuple[str, int] | None:
   """train.py's wording and status of a failure (see the table in the module docstring)."""
+  from flax_transformer.pretrained.marian import PretrainedError
   from flax_transformer.train.interruption import Interrupted
   from flax_transformer.train.loop import NonFiniteError
   if isinstance(error, Interrupted):
     return str(error), error.exit_code
+  if isinstance(error, PretrainedError):  # --init-from's directory, read before training
+    return f'error: {error}', 2
   if isinstance(error, NonFiniteError):
     return f'error: {error}', 3
   if isinstance(error, KeyboardInterrupt):
@@ -154,27 +186,86 @@ def _quiet_libraries(debug: bool) -> Iterator[None]:
   if debug:
     yield
     return
-  hook, absl_logger = sys.unraisablehook, logging.getLogger('absl')
-  level = absl_logger.level
-  sys.unraisablehook = lambda unraisable: None
-  absl_logger.setLevel(logging.CRITICAL + 1)  # orbax logs each failed write thread's traceback
+  hooks = sys.unraisablehook, threading.excepthook
+  # orbax logs each failed write thread's traceback (absl); asyncio each of its failed
+  # futures that nobody awaited ("Future exception was never retrieved").
+  loggers = [logging.getLogger(name) for name in ('absl', 'asyncio')]
+  levels = [logger.level for logger in loggers]
+  sys.unraisablehook = threading.excepthook = lambda unraisable: None
+  for logger in loggers:
+    logger.setLevel(logging.CRITICAL + 1)
   try:
     yield
   finally:
-    sys.unraisablehook = hook
-    absl_logger.setLevel(level)
+    sys.unraisablehook, threading.excepthook = hooks
+    for logger, level in zip(loggers, levels):
+      logger.setLevel(level)
 
 
 @contextlib.contextmanager
-def _sigterm_raises(enabled: bool) -> Iterator[None]:
-  """SIGTERM raises Terminated, so that it is reported; StopSignals takes over while training."""
+def _sigterm_raises(enabled: bool, exiting_script: str | None, outcome: dict) -> Iterator[None]:
+  """SIGTERM raises Terminated, so that it is reported; StopSignals takes over while training.
+
+  Once outcome['status'] is set (the work done and reported), SIGTERM in a process that ends
+  after the program (`exiting_script`) ends it at once (`_exit_on_sigterm`).
+  """
   if not enabled or threading.current_thread() is not threading.main_thread():
     yield
     return
   def terminate(number, frame):
+    if outcome['status'] is not None and exiting_script is not None:
+      _exit_on_sigterm(exiting_script, outcome['status'])
     raise Terminated()
   previous = signal.signal(signal.SIGTERM, terminate)
   try:
     yield
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+def _end_process(status: int) -> None:
+  """Ends the process with `status` once the work is done, after the atexit callbacks (which
+  may still save: coverage, logging) but without the interpreter's teardown.
+
+  Python restores the default SIGTERM action before that teardown, which takes seconds as
+  JAX and orbax close: a SIGTERM then would end the process without a word.
+  """
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  atexit._run_exitfuncs()  # under `terminate`: a SIGTERM meanwhile gets its line
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(OSError, ValueError):  # a callback may have closed it
+      stream.flush()
+  os._exit(status)
+
+
+def _exit_on_sigterm(script: str, status: int) -> None:
+  """Ends the process at once on a SIGTERM that came after the program's work: one line and
+  status 143 after a success; after a failure, whose line is out already, its status."""
+  if status:
+    os._exit(status)
+  end_process_now(script, 'stopped by SIGTERM while exiting, after its work was done and saved '
+                  '(nothing is lost)', 128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, script: str, line: str, status: int) -> Iterator[None]:
+  """Ends the process with 'SCRIPT: LINE' and `status` unless the block is done within
+  `seconds`: for a main thread stuck in a call that no exception or signal handler reaches
+  (JAX's C++ multi-host start-up), which only another thread can end."""
+  timer = threading.Timer(seconds, end_process_now, (script, line, status))
+  timer.daemon = True
+  timer.start()
+  try:
+    yield
+  finally:
+    timer.cancel()
+
+
+def end_process_now(script: str, line: str, status: int) -> None:
+  """Prints 'SCRIPT: LINE' and ends the process with `status` at once, from any thread: for a
+  main thread stuck where no exception reaches (a C++ call that will abort)."""
+  with contextlib.suppress(OSError, ValueError):
+    sys.stdout.flush()
+    print(f'{script}: {line}', file=sys.stderr, flush=True)
+  os._exit(status)

@@ -20,10 +20,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flax_transformer.cli.failures import add_debug_option, run_program, train_failure
+from flax_transformer.cli.failures import add_debug_option, deadline, run_program, train_failure
 from flax_transformer.cli.options import (add_setting_options, configs_from_args, nonnegative_int,
                                           positive_int)
 from flax_transformer.config import RUN_PRESETS, ConfigError
+
+# How long a multi-host start waits for every process to join the coordinator (JAX's default).
+COORDINATOR_TIMEOUT_S = 300
+# JAX's own deadline comes this much later: its expiry aborts the process with a C++ stack trace,
+# so the program's `deadline` ends it first, with one line.
+_JAX_TIMEOUT_MARGIN_S = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help='how many processes take part (with --coordinator)')
   hosts.add_argument('--process-id', type=int, metavar='I',
                      help="this process's index, 0 .. N-1 (with --coordinator)")
+  hosts.add_argument('--coordinator-timeout', type=positive_int, metavar='SECONDS',
+                     default=COORDINATOR_TIMEOUT_S,
+                     help='give up when the processes have not all joined the coordinator '
+                          'within this time (default: %(default)s)')
   add_debug_option(run)
   add_setting_options(parser)
   return parser
@@ -71,18 +81,34 @@ def _start_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
   """jax.distributed.initialize when asked; flag mistakes are answered at once."""
   from flax_transformer.train import distributed
   if not (args.coordinator or args.distributed):
-    if args.num_processes is not None or args.process_id is not None:
-      parser.error('--num-processes and --process-id need --coordinator (or --distributed)')
+    if (args.num_processes is not None or args.process_id is not None
+        or args.coordinator_timeout != COORDINATOR_TIMEOUT_S):
+      parser.error('--num-processes, --process-id and --coordinator-timeout need --coordinator '
+                   '(or --distributed)')
     return
   problem = distributed.check_coordinator(args.coordinator, args.num_processes, args.process_id)
   if problem:
     parser.error(problem)
   try:
-    distributed.start(args.coordinator, args.num_processes, args.process_id)
+    with deadline(args.coordinator_timeout, 'train.py', _not_joined(args), 1):
+      distributed.start(args.coordinator, args.num_processes, args.process_id,
+                        timeout_s=args.coordinator_timeout + _JAX_TIMEOUT_MARGIN_S)
   except ValueError as error:  # JAX names the first setting it could neither read nor detect
     parser.error(f'jax.distributed.initialize: {error} JAX detects the cluster on TPU pods and '
                  'under SLURM or Open MPI; elsewhere give --coordinator HOST:PORT, '
                  '--num-processes N and --process-id I')
+
+
+def _not_joined(args: argparse.Namespace) -> str:
+  """The line of a multi-host start that did not complete within --coordinator-timeout."""
+  where = args.coordinator or 'the address JAX detected'
+  if args.process_id == 0:
+    return (f'error: not every process joined the coordinator (process 0, at {where}) within '
+            f'--coordinator-timeout={args.coordinator_timeout} s; check that all '
+            f'{args.num_processes} were started, with this --coordinator and --num-processes')
+  return (f'error: no coordinator answered at {where} with all the processes joined within '
+          f'--coordinator-timeout={args.coordinator_timeout} s; check that process 0 runs there '
+          'and that every process was started with the same --num-processes')
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ from flax_transformer.decode.methods import BeamSearch, DecodingMethod, default_
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import attention_weights
 from flax_transformer.run.loading import load_for_inference
+from flax_transformer.run.sizes import check_fits
 
 # Source widths are rounded up to a multiple of this, so a corpus compiles a few shapes.
 WIDTH_MULTIPLE = 8
@@ -98,9 +99,11 @@ class Translator:
 
   @classmethod
   def from_pretrained(cls, directory: str | Path, dtype: str | None = None) -> Translator:
-    """Loads a Hugging Face Marian directory (see `pretrained.load_marian`)."""
+    """Loads a Hugging Face Marian directory (see `pretrained.load_marian`), refusing a model
+    its config.json makes too large for this machine before reading the weights."""
     from flax_transformer.pretrained.marian import load_marian
-    return cls(*load_marian(directory), dtype=dtype)
+    return cls(*load_marian(directory, lambda config: check_fits(config, training=False)),
+               dtype=dtype)
 
   @classmethod
   def from_directory(cls, directory: str | Path, step: int | None = None,

@@ -14,6 +14,12 @@ is dropped: it adds q . b to a whole row of attention logits, which the softmax
 cancels. The weights are read with `safetensors.numpy` (no torch, no pickle);
 what cannot map is refused, naming the config field.
 
+Faults are PretrainedError (a ConfigError: the programs' status 2), each naming
+the file: a config.json field missing, null, of the wrong type or absurd
+(`NEEDED_FIELDS`), checked with the memory estimate before anything is
+allocated; a weights file truncated or with a damaged header (checked before it
+is read), missing tensors or wrong shapes; a tokenizer file that cannot be read.
+
 Needs `pip install -e .[pretrained]` (sentencepiece, safetensors), imported
 only when a Marian directory is read.
 """
@@ -22,12 +28,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.config import (NONNEGATIVE_INT, UNIT_INTERVAL, Bounds, ConfigError,
+                                     ModelConfig, check_bounds)
 from flax_transformer.data.tokenizer import TokenizerError, check_compatible
 
 TOKENIZER_FILES = ('source.spm', 'target.spm', 'vocab.json')
@@ -40,6 +47,22 @@ REQUIRED = {'model_type': 'marian', 'normalize_before': False, 'add_final_layer_
             'normalize_embedding': False, 'scale_embedding': True,
             'static_position_embeddings': True, 'separate_vocabs': False,
             'activation_dropout': 0.0, 'encoder_layerdrop': 0.0, 'decoder_layerdrop': 0.0}
+# config.json's numeric fields and the values each admits. The upper limits lie far beyond any
+# translation model, so that a slip (max_position_embeddings 1e9, a million layers) is named
+# here; the memory estimate (`load_marian`'s check_config) judges what is within them.
+_LAYERS, _WIDTH = Bounds(low=1, high=1024, integer=True), Bounds(low=1, high=2 ** 16, integer=True)
+NEEDED_FIELDS = {
+    'vocab_size': Bounds(low=1, high=2 ** 24, integer=True), 'd_model': _WIDTH,
+    'encoder_layers': _LAYERS, 'decoder_layers': _LAYERS,
+    'encoder_attention_heads': _WIDTH, 'decoder_attention_heads': _WIDTH,
+    'encoder_ffn_dim': Bounds(low=1, high=2 ** 18, integer=True),
+    'decoder_ffn_dim': Bounds(low=1, high=2 ** 18, integer=True),
+    'max_position_embeddings': Bounds(low=1, high=2 ** 20, integer=True),
+    'pad_token_id': NONNEGATIVE_INT, 'decoder_start_token_id': NONNEGATIVE_INT}
+OPTIONAL_FIELDS = {'dropout': UNIT_INTERVAL, 'attention_dropout': UNIT_INTERVAL,
+                   'unk_token_id': NONNEGATIVE_INT}
+# Written as true/false when present.
+FLAG_FIELDS = ('share_encoder_decoder_embeddings', 'tie_word_embeddings')
 
 
 class PretrainedError(ConfigError):
@@ -60,12 +83,69 @@ def _import_optional(module: str):
 
 def is_marian_directory(directory: str | Path) -> bool:
   """Whether `directory` holds a Hugging Face model: a config.json with a model_type (a run
-  directory's config.json, even a fine-tuned Marian's, has sections model/train/data)."""
-  path = Path(directory) / 'config.json'
+  directory's config.json, even a fine-tuned Marian's, has sections model/train/data), or a
+  model.safetensors (so that a damaged config.json beside one is reported as a Marian's)."""
+  directory = Path(directory)
+  if (directory / WEIGHTS_FILE).is_file():
+    return True
   try:
-    return 'model_type' in json.loads(path.read_text())
-  except (OSError, ValueError):
+    return 'model_type' in json.loads((directory / 'config.json').read_text())
+  except (OSError, ValueError, TypeError):
     return False
+
+
+def read_marian_config(directory: str | Path) -> ModelConfig:
+  """The `ModelConfig` of DIRECTORY/config.json, each field checked before anything is built.
+
+  A missing file, text that is not a JSON object, a missing or null field, a value of the
+  wrong type or outside `NEEDED_FIELDS`' bounds: PretrainedError naming the file, the field
+  and the value.
+  """
+  path = Path(directory) / 'config.json'
+  if not path.is_file():
+    raise PretrainedError(f'{path}: no such file; is {path.parent} a Hugging Face Marian '
+                          'directory?')
+  return marian_config(_read_json_object(path, PretrainedError), where=str(path))
+
+
+def _read_json_object(path: Path, error: type[Exception]) -> dict:
+  """The JSON object in `path`, or `error` naming the file and why it is not one."""
+  try:
+    value = json.loads(path.read_text(encoding='utf-8'))
+  except OSError as reason:
+    raise error(f'{path}: cannot be read ({reason.strerror or reason})') from None
+  except UnicodeDecodeError as reason:
+    raise error(f'{path}: not UTF-8 text ({reason.reason} at byte {reason.start})') from None
+  except ValueError as reason:
+    raise error(f'{path}: not valid JSON ({reason})') from None
+  if not isinstance(value, dict):
+    raise error(f'{path}: holds a JSON {type(value).__name__}, not an object')
+  return value
+
+
+def _check_config_fields(hf: dict, where: str) -> None:
+  """Refuses a missing, null, mistyped or absurd field of a config.json, naming it."""
+  for field, bounds in NEEDED_FIELDS.items():
+    if field not in hf:
+      raise PretrainedError(f'{where}: no field {field}; a Marian config.json gives it '
+                            f'({bounds.describe()})')
+  for field, bounds in {**NEEDED_FIELDS, **OPTIONAL_FIELDS}.items():
+    if field in hf:
+      check_bounds(hf[field], bounds, f'{where}: {field}', PretrainedError)
+  for field in FLAG_FIELDS:
+    if field in hf and not isinstance(hf[field], bool):
+      raise PretrainedError(f'{where}: {field} must be true or false, got {json.dumps(hf[field])}')
+  activation = hf.get('activation_function', 'gelu')
+  if not isinstance(activation, str) or activation not in ACTIVATIONS:
+    raise PretrainedError(f'{where}: activation_function={json.dumps(activation)} is not '
+                          f'supported (one of {", ".join(ACTIVATIONS)})')
+  if hf['d_model'] % hf['encoder_attention_heads']:
+    raise PretrainedError(f'{where}: d_model={hf["d_model"]} is not divisible by '
+                          f'encoder_attention_heads={hf["encoder_attention_heads"]}')
+  for field in ('pad_token_id', 'eos_token_id', 'unk_token_id'):
+    if isinstance(hf.get(field), int) and hf[field] >= hf['vocab_size']:
+      raise PretrainedError(f'{where}: {field}={hf[field]} is outside the vocabulary '
+                            f'(vocab_size={hf["vocab_size"]})')
 
 
 class MarianTokenizer:
@@ -94,9 +174,9 @@ class MarianTokenizer:
         raise TokenizerError(f'{directory / name}: no such file; a Marian tokenizer needs '
                              f'{", ".join(TOKENIZER_FILES)}')
     self.directory = directory
-    self._source = spm.SentencePieceProcessor(model_file=str(directory / 'source.spm'))
-    self._target = spm.SentencePieceProcessor(model_file=str(directory / 'target.spm'))
-    self._vocab = json.loads((directory / 'vocab.json').read_text(encoding='utf-8'))
+    self._source = _sentencepiece(spm, directory / 'source.spm')
+    self._target = _sentencepiece(spm, directory / 'target.spm')
+    self._vocab = _read_vocab(directory / 'vocab.json')
     for token in ('</s>', '<unk>', '<pad>'):
       if token not in self._vocab:
         raise TokenizerError(f'{directory / "vocab.json"} has no {token} entry')
@@ -167,51 +247,72 @@ class MarianTokenizer:
     return directory
 
 
-def marian_config(hf: dict, vocab_size: int | None = None) -> ModelConfig:
-  """Our `ModelConfig` for a Marian config.json, or PretrainedError naming the field that cannot map."""
+def _sentencepiece(spm, path: Path):
+  """The sentencepiece model in `path`, or TokenizerError naming it and what is wrong."""
+  try:
+    return spm.SentencePieceProcessor(model_file=str(path))
+  except (RuntimeError, OSError) as error:  # sentencepiece's status: 'INTERNAL: could not parse'
+    raise TokenizerError(f'{path}: not a readable sentencepiece model ({error})') from None
+
+
+def _read_vocab(path: Path) -> dict[str, int]:
+  """vocab.json (piece -> id), or TokenizerError naming the file and what is wrong."""
+  vocab = _read_json_object(path, TokenizerError)
+  bad = next(((piece, index) for piece, index in vocab.items()
+              if not NONNEGATIVE_INT.admits(index)), None)
+  if bad is not None:
+    raise TokenizerError(f'{path}: the id of {bad[0]!r} must be a non-negative integer, got '
+                         f'{json.dumps(bad[1])}')
+  return vocab
+
+
+def marian_config(hf: dict, where: str = 'config.json') -> ModelConfig:
+  """Our `ModelConfig` for a Marian config.json, or PretrainedError naming the field that is
+  missing, mistyped or absurd (`where`: the file, for the messages), or cannot map."""
+  _check_config_fields(hf, where)
   for field, needed in REQUIRED.items():
     if field in hf and hf[field] != needed:
-      raise PretrainedError(f'config.json: {field}={json.dumps(hf[field])} is not supported '
+      raise PretrainedError(f'{where}: {field}={json.dumps(hf[field])} is not supported '
                             f'(this library maps only {field}={json.dumps(needed)})')
   pairs = [('encoder_attention_heads', 'decoder_attention_heads'),
            ('encoder_ffn_dim', 'decoder_ffn_dim')]
   for encoder_field, decoder_field in pairs:
     if hf[encoder_field] != hf[decoder_field]:
-      raise PretrainedError(f'config.json: {encoder_field}={hf[encoder_field]} differs from '
+      raise PretrainedError(f'{where}: {encoder_field}={hf[encoder_field]} differs from '
                             f'{decoder_field}={hf[decoder_field]}; both sides must match here')
   if hf.get('decoder_vocab_size') not in (None, hf['vocab_size']):
-    raise PretrainedError(f'config.json: decoder_vocab_size={hf["decoder_vocab_size"]} differs '
-                          f'from vocab_size={hf["vocab_size"]} (separate vocabularies are not '
-                          'supported)')
-  activation = hf.get('activation_function', 'gelu')
-  if activation not in ACTIVATIONS:
-    raise PretrainedError(f'config.json: activation_function={activation!r} is not supported '
-                          f'(one of {", ".join(ACTIVATIONS)})')
-  if hf.get('decoder_start_token_id') != hf['pad_token_id']:
-    raise PretrainedError(f'config.json: decoder_start_token_id={hf.get("decoder_start_token_id")}'
+    raise PretrainedError(f'{where}: decoder_vocab_size={json.dumps(hf["decoder_vocab_size"])} '
+                          f'differs from vocab_size={hf["vocab_size"]} (separate vocabularies '
+                          'are not supported)')
+  if hf['decoder_start_token_id'] != hf['pad_token_id']:
+    raise PretrainedError(f'{where}: decoder_start_token_id={hf["decoder_start_token_id"]}'
                           f' must equal pad_token_id={hf["pad_token_id"]}')
-  if vocab_size is not None and vocab_size != hf['vocab_size']:
-    raise PretrainedError(f'config.json: vocab_size={hf["vocab_size"]} but vocab.json has '
-                          f'{vocab_size} entries')
   shared = (hf.get('share_encoder_decoder_embeddings', True)
             and hf.get('tie_word_embeddings', True))
-  return ModelConfig(
-      vocab_size=hf['vocab_size'], d_model=hf['d_model'], num_heads=hf['encoder_attention_heads'],
-      num_encoder_layers=hf['encoder_layers'], num_decoder_layers=hf['decoder_layers'],
-      d_ff=hf['encoder_ffn_dim'], dropout_rate=hf.get('dropout', 0.1),
-      attention_dropout_rate=hf.get('attention_dropout', 0.0),
-      max_len=hf['max_position_embeddings'], activation=ACTIVATIONS[activation],
-      share_embeddings=bool(shared), positions='concatenated', logits_bias=True,
-      layer_norm_epsilon=1e-5, pad_id=hf['pad_token_id'], bos_id=hf['pad_token_id'],
-      eos_id=_single(hf, 'eos_token_id'), unk_id=hf.get('unk_token_id', 1))
+  try:
+    return ModelConfig(
+        vocab_size=hf['vocab_size'], d_model=hf['d_model'],
+        num_heads=hf['encoder_attention_heads'], num_encoder_layers=hf['encoder_layers'],
+        num_decoder_layers=hf['decoder_layers'], d_ff=hf['encoder_ffn_dim'],
+        dropout_rate=hf.get('dropout', 0.1),
+        attention_dropout_rate=hf.get('attention_dropout', 0.0),
+        max_len=hf['max_position_embeddings'],
+        activation=ACTIVATIONS[hf.get('activation_function', 'gelu')],
+        share_embeddings=bool(shared), positions='concatenated', logits_bias=True,
+        layer_norm_epsilon=1e-5, pad_id=hf['pad_token_id'], bos_id=hf['pad_token_id'],
+        eos_id=_single(hf, 'eos_token_id', where), unk_id=hf.get('unk_token_id', 1))
+  except PretrainedError:
+    raise
+  except ConfigError as error:  # e.g. special ids that coincide: named in our settings' terms
+    raise PretrainedError(f'{where}: {error}') from None
 
 
-def _single(hf: dict, field: str) -> int:
+def _single(hf: dict, field: str, where: str) -> int:
   value = hf.get(field)
   if isinstance(value, list) and len(value) == 1:
     value = value[0]
-  if not isinstance(value, int):
-    raise PretrainedError(f'config.json: {field}={json.dumps(value)} must be one token id')
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise PretrainedError(f'{where}: {field}={json.dumps(value)} must be one token id')
   return value
 
 
@@ -227,10 +328,56 @@ def _read_weights(directory: Path) -> dict[str, np.ndarray]:
           f".save_pretrained('{directory}', safe_serialization=True)\"")
     raise PretrainedError(f'{path}: no such file; a Marian directory holds config.json, '
                           f'{WEIGHTS_FILE}, {", ".join(TOKENIZER_FILES)}')
-  _import_optional('safetensors')
+  _check_safetensors(path)
+  safetensors = _import_optional('safetensors')
   from safetensors.numpy import load_file
-  weights = load_file(str(path))
+  try:
+    weights = load_file(str(path))
+  except (safetensors.SafetensorError, OSError, ValueError, TypeError) as error:
+    raise PretrainedError(f'{path}: damaged, not readable as safetensors ({error})') from None
   return {name.removeprefix('model.'): value.astype(np.float32) for name, value in weights.items()}
+
+
+# The safetensors format caps its JSON header (the names, dtypes, shapes and offsets) at 100 MB.
+_MAX_HEADER = 100_000_000
+
+
+def _check_safetensors(path: Path) -> None:
+  """Refuses a safetensors file whose header is damaged or whose tensors end past its end
+  (a truncated download), naming it, before anything is read into memory.
+
+  The format: an 8-byte little-endian header length N, N bytes of JSON
+  {name: {dtype, shape, data_offsets: [begin, end]}}, then the data.
+  """
+  try:
+    size = path.stat().st_size
+    with path.open('rb') as file:
+      head = file.read(8)
+      length = int.from_bytes(head, 'little')
+      if len(head) < 8 or length > min(size - 8, _MAX_HEADER):
+        raise PretrainedError(
+            f'{path}: damaged: its header length field says {length:,} bytes, but '
+            f'{max(size - 8, 0):,} follow it (a safetensors header has at most {_MAX_HEADER:,}); '
+            'the file is truncated or not a safetensors file')
+      header = json.loads(file.read(length))
+  except OSError as error:
+    raise PretrainedError(f'{path}: cannot be read ({error.strerror or error})') from None
+  except ValueError as error:
+    raise PretrainedError(f'{path}: damaged: its header is not JSON ({error})') from None
+  if not isinstance(header, dict):
+    raise PretrainedError(f'{path}: damaged: its header is not a JSON object')
+  data = size - 8 - length
+  for name, entry in header.items():
+    if name == '__metadata__':
+      continue
+    offsets = entry.get('data_offsets') if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(NONNEGATIVE_INT.admits(offset) for offset in offsets)):
+      raise PretrainedError(f'{path}: damaged: tensor {name} has no valid data_offsets '
+                            f'({json.dumps(entry)[:100]})')
+    if offsets[1] > data:
+      raise PretrainedError(f'{path}: truncated: tensor {name} ends at byte {offsets[1]:,} of the '
+                            f'data, which has {data:,} bytes; download the file again')
 
 
 def _linear(weights: dict, name: str, bias: bool = True) -> dict:
@@ -272,13 +419,13 @@ def _layers(weights: dict, config: ModelConfig) -> dict:
   return {'encoder': encoder, 'decoder': decoder}
 
 
-def _embeddings(weights: dict, config: ModelConfig) -> dict:
+def _embeddings(weights: dict, config: ModelConfig, where: str) -> dict:
   """The token tables (and, unshared, the output projection) in our tree."""
   pick = lambda *names: next((weights[n] for n in names if n in weights), None)
   source = pick('shared.weight', 'encoder.embed_tokens.weight')
   target = pick('decoder.embed_tokens.weight', 'shared.weight')
   if source is None or target is None:
-    raise PretrainedError(f'{WEIGHTS_FILE} has no token embeddings (shared.weight or '
+    raise PretrainedError(f'{where} has no token embeddings (shared.weight or '
                           'encoder/decoder.embed_tokens.weight)')
   if config.share_embeddings:
     return {'embedding': {'embedding': source}}
@@ -287,48 +434,66 @@ def _embeddings(weights: dict, config: ModelConfig) -> dict:
           'target_embedding': {'embedding': target}, 'output_projection': {'kernel': output.T}}
 
 
-def _check_positions(weights: dict, config: ModelConfig) -> None:
+def _check_positions(weights: dict, config: ModelConfig, where: str) -> None:
   """Refuses a checkpoint whose stored positional table is not the sinusoids we compute."""
   from flax_transformer.nn.layers import sinusoidal_positions
   expected = np.asarray(sinusoidal_positions(config.max_len, config.d_model, config.positions))
   for side in ('encoder', 'decoder'):
-    stored = weights.get(f'{side}.embed_positions.weight')
+    name = f'{side}.embed_positions.weight'
+    stored = weights.get(name)
+    if stored is not None and stored.shape != expected.shape:
+      raise PretrainedError(f'{where}: tensor {name} should be {expected.shape} (config.json: '
+                            f'max_position_embeddings, d_model), got {stored.shape}')
     if stored is not None and not np.allclose(stored, expected, atol=1e-4):
-      raise PretrainedError(f'{WEIGHTS_FILE}: {side}.embed_positions.weight is not the '
-                            'sinusoidal table (sines, then cosines) this library computes')
+      raise PretrainedError(f'{where}: {name} is not the sinusoidal table (sines, then '
+                            'cosines) this library computes')
 
 
-def marian_params(weights: dict[str, np.ndarray], config: ModelConfig) -> dict:
-  """Our parameter tree from transformers' Marian weights (names without 'model.')."""
-  _check_positions(weights, config)
+def marian_params(weights: dict[str, np.ndarray], config: ModelConfig,
+                  where: str = WEIGHTS_FILE) -> dict:
+  """Our parameter tree from transformers' Marian weights (names without 'model.'), its shapes
+  checked against `config`'s model; `where` names the weights file in the messages."""
   try:
-    params = {**_embeddings(weights, config), **_layers(weights, config),
+    params = {**_embeddings(weights, config, where), **_layers(weights, config),
               'logits_bias': weights['final_logits_bias'].reshape(-1)}
   except KeyError as error:
-    raise PretrainedError(f'{WEIGHTS_FILE} has no tensor {error.args[0]!r}; is it a '
+    raise PretrainedError(f'{where} has no tensor {error.args[0]!r}; is it a '
                           'MarianMTModel saved by transformers?') from None
+  _check_shapes(params, config, where)
+  _check_positions(weights, config, where)
   return params
 
 
-def load_marian(directory: str | Path) -> tuple[ModelConfig, dict, MarianTokenizer]:
+def load_marian(directory: str | Path,
+                check_config: Callable[[ModelConfig], None] | None = None
+                ) -> tuple[ModelConfig, dict, MarianTokenizer]:
   """(ModelConfig, params, MarianTokenizer) of a Hugging Face Marian directory.
 
-  The parameters are float32 numpy arrays in our tree, checked against the
-  shapes the config's model has.
+  config.json is checked field by field, then `check_config(config)` (e.g. the
+  memory estimate, `run.sizes.check_fits`; its ConfigError is reported as the
+  file's) before the tokenizer and the weights are read. The parameters are
+  float32 numpy arrays in our tree, checked against the shapes the config's
+  model has. Any fault is a PretrainedError naming the file and what is wrong.
   """
   directory = Path(directory)
-  if not (directory / 'config.json').is_file():
-    raise PretrainedError(f'{directory / "config.json"}: no such file; is {directory} a '
-                          'Hugging Face Marian directory?')
-  hf = json.loads((directory / 'config.json').read_text())
-  tokenizer = MarianTokenizer(directory)
-  config = marian_config(hf, tokenizer.vocab_size)
-  params = marian_params(_read_weights(directory), config)
-  _check_shapes(params, config)
+  config = read_marian_config(directory)
+  if check_config is not None:
+    try:
+      check_config(config)
+    except ConfigError as error:
+      raise PretrainedError(f'{directory / "config.json"}: {error}') from None
+  try:
+    tokenizer = MarianTokenizer(directory)
+  except TokenizerError as error:  # a part of the pretrained directory, reported as one
+    raise PretrainedError(str(error)) from None
+  if tokenizer.vocab_size != config.vocab_size:
+    raise PretrainedError(f'{directory / "config.json"}: vocab_size={config.vocab_size} but '
+                          f'{directory / "vocab.json"} has {tokenizer.vocab_size} entries')
+  params = marian_params(_read_weights(directory), config, str(directory / WEIGHTS_FILE))
   return config, params, tokenizer
 
 
-def _check_shapes(params: dict, config: ModelConfig) -> None:
+def _check_shapes(params: dict, config: ModelConfig, where: str) -> None:
   import jax
 
   from flax_transformer.nn.build import abstract_params
@@ -338,7 +503,8 @@ def _check_shapes(params: dict, config: ModelConfig) -> None:
     if path not in actual or actual[path].shape != shape.shape:
       name = jax.tree_util.keystr(path)
       got = actual[path].shape if path in actual else 'missing'
-      raise PretrainedError(f'{WEIGHTS_FILE}: parameter {name} should be {shape.shape}, got {got}')
+      raise PretrainedError(f'{where}: parameter {name} should be {shape.shape} (config.json\'s '
+                            f'model), got {got}')
 
 
 # Model settings a fine-tuning run may change: how it trains, not what it computes.
@@ -357,7 +523,7 @@ def fine_tuning_config(directory: str | Path, overrides: dict[str, str]) -> Mode
     raise PretrainedError(f'--init-from {directory}: not a Hugging Face Marian directory (it '
                           'needs config.json with a model_type, model.safetensors, source.spm, '
                           'target.spm, vocab.json)')
-  pretrained = marian_config(json.loads((directory / 'config.json').read_text()))
+  pretrained = read_marian_config(directory)
   config = parse_overrides(pretrained, 'model', overrides)
   for name in overrides:
     if name not in FINE_TUNING_CHANGES and getattr(config, name) != getattr(pretrained, name):

@@ -15,6 +15,14 @@ model of config.json raise `CheckpointError` listing the first differences.
 Training resumes from the newest intact checkpoint and moves damaged ones to
 `checkpoints/damaged-<step>` (`set_aside`), outside orbax's step listing.
 
+Rotation: a reader beside a live training run (decoding while it saves, with
+train.keep_checkpoints 1) may see the checkpoint it reads deleted by the run's
+max_to_keep. A read that fails once the step's directory is gone (or while a
+newer step exists and the directory goes within `_ROTATION_WAIT_S`, orbax
+deleting it file by file) raises `RotatedCheckpoint`, not `DamagedCheckpoint`:
+nothing is wrong with the run, and the reader moves on to the newest one
+(`loading.load_for_inference`).
+
 Crash safety: orbax writes each checkpoint to `<step>.orbax-checkpoint-tmp` and
 renames it when complete, so a process killed at any moment leaves every
 checkpoint either absent or complete. A training run's `Checkpoints` deletes
@@ -26,8 +34,11 @@ without them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +50,17 @@ from jax.experimental import multihost_utils
 from flax_transformer.config import ModelConfig
 from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError, file_digest
 
-__all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'WriteError']
+__all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'RotatedCheckpoint',
+           'WriteError']
 
 # In each step's directory: {path relative to it: SHA-256} of the files orbax wrote.
 DIGESTS_FILE = 'sha256sums.json'
 PARAMS_OF_CONFIG = 'parameters of the model in config.json'
 # At most this many differing arrays are named when a checkpoint does not fit the model.
 _SHOWN_DIFFERENCES = 3
+# How long a failed read waits for its step's directory to go, when a newer step shows that a
+# writer's max_to_keep is deleting it (orbax deletes file by file, the directory last).
+_ROTATION_WAIT_S = 1.0
 
 
 class DamagedCheckpoint(CheckpointError):
@@ -58,6 +73,15 @@ class DamagedCheckpoint(CheckpointError):
     super().__init__(message)
     self.step = step
     self.file = file
+
+
+class RotatedCheckpoint(CheckpointError):
+  """A checkpoint was deleted while it was read: rotated away by the run writing beside the
+  reader (its train.keep_checkpoints), not damaged. step: the checkpoint's step."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
 
 
 class Checkpoints:
@@ -98,6 +122,11 @@ class Checkpoints:
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
+
+  def reload(self) -> list[int]:
+    """The steps on disk now (`steps` is the listing read when opened, or last reloaded)."""
+    self._manager.reload()
+    return self.steps()
 
   def save(self, state) -> None:
     """Saves a host (numpy) or fully replicated `TrainState` at its own `step`.
@@ -173,20 +202,54 @@ class Checkpoints:
     items = {'params': abstract_params}
     return self._restore(step, items, PARAMS_OF_CONFIG)['params']
 
+  @contextlib.contextmanager
+  def _reading(self, step: int) -> Iterator[None]:
+    """Turns a failure while reading `step` into RotatedCheckpoint if a writer deleted it."""
+    try:
+      yield
+    except Exception as error:
+      # A step never listed is missing, not rotated (the listing is the one read at start).
+      if step not in self.steps() or not self._rotated_away(step):
+        raise
+      newer = [s for s in self._steps_on_disk() if s > step]
+      raise RotatedCheckpoint(
+          f'{self.directory / str(step)}: checkpoint {step} was deleted while it was read '
+          f'(rotated away by the training run writing there, which keeps its last '
+          f'train.keep_checkpoints; not damaged); newer: {", ".join(map(str, newer)) or "none"}',
+          step) from error
+
+  def _rotated_away(self, step: int) -> bool:
+    """Whether `step`'s directory is gone, or goes within _ROTATION_WAIT_S while a newer step
+    exists (a writer's max_to_keep deleting it)."""
+    deadline = time.monotonic() + _ROTATION_WAIT_S
+    while (self.directory / str(step)).is_dir():
+      if time.monotonic() > deadline or not any(s > step for s in self._steps_on_disk()):
+        return False
+      time.sleep(0.05)
+    return True
+
+  def _steps_on_disk(self) -> list[int]:
+    """The finished steps in the directory now (orbax's listing is cached at start)."""
+    try:
+      return sorted(int(path.name) for path in self.directory.iterdir() if path.name.isdigit())
+    except OSError:
+      return []
+
   def _restore(self, step: int, abstract_items: dict[str, Any], what: str) -> dict[str, Any]:
     """The named items saved at `step`: files checked, then layout, then read."""
-    self._check_step(step)
     where = self.directory / str(step)
-    self.check_digests(step)
-    for name, tree in abstract_items.items():
-      _check_layout(_item_metadata(where, name, step), tree, where, what)
-    args = {name: ocp.args.StandardRestore(_host_target(tree))
-            for name, tree in abstract_items.items()}
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-    except (ValueError, KeyError, OSError, RuntimeError) as error:
-      # The names and shapes fit (checked above): what cannot be read is damaged.
-      raise _damaged(where, step, error) from error
+    with self._reading(step):
+      self._check_step(step)
+      self.check_digests(step)
+      for name, tree in abstract_items.items():
+        _check_layout(_item_metadata(where, name, step), tree, where, what)
+      args = {name: ocp.args.StandardRestore(_host_target(tree))
+              for name, tree in abstract_items.items()}
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+      except (ValueError, KeyError, OSError, RuntimeError) as error:
+        # The names and shapes fit (checked above): what cannot be read is damaged.
+        raise _damaged(where, step, error) from error
     restored = {name: restored[name] for name in abstract_items}
     _check_shapes(restored, abstract_items, where)
     return restored
@@ -226,8 +289,9 @@ class Checkpoints:
     every layer of a config.json that asks for thousands.
     """
     where = self.directory / str(step)
-    self.check_digests(step)
-    saved = _shapes_by_name(_item_metadata(where, 'params', step))
+    with self._reading(step):
+      self.check_digests(step)
+      saved = _shapes_by_name(_item_metadata(where, 'params', step))
     needed = {}
     for name, shape in saved.items():
       side, layer, rest = (name.split('/', 2) + ['', ''])[:3]

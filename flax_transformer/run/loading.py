@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from flax_transformer.config import NONNEGATIVE, Bounds, ModelConfig, check_boun
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
-from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints
+from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints, RotatedCheckpoint
 from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE,
                                             TENSORBOARD_DIR, CheckpointError, check_tokenizer,
                                             check_tokenizer_fits, load_tokenizer, read_config,
@@ -27,7 +28,8 @@ from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.run.sizes import check_fits
 
-
+# Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
+_ROTATION_TRIES = 10
 # A run directory's own entries, which an output inside it must not replace.
 _RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
                           *Tokenizer.FILES, *MarianTokenizer.FILES})
@@ -111,17 +113,39 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
     check_tokenizer(workdir)
     tokenizer = load_tokenizer(workdir)
     check_tokenizer_fits(workdir, tokenizer)
-    selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)
-    # Before tracing the layers of a config.json that asks for thousands.
-    checkpoints.check_layers(selected[-1], model_config, PARAMS_OF_CONFIG)
-    target = abstract_params(model_config)
-    if average_last:
-      params = _mean_params(checkpoints, selected, target)
-    else:
-      params = checkpoints.restore_params(selected[-1], target)
+    target = functools.cache(lambda: abstract_params(model_config))  # traced once, if at all
+    for attempt in range(1, _ROTATION_TRIES + 1):
+      try:
+        params = _read_params(checkpoints, steps, step, average_last, model_config, target)
+        break
+      except RotatedCheckpoint as error:
+        # A training run beside us deleted the checkpoint (keep_checkpoints): read the newest
+        # again, unless the step was asked for (nothing newer can stand in for it).
+        if step is not None:
+          raise
+        if attempt == _ROTATION_TRIES:
+          raise CheckpointError(
+              f'{checkpoints.directory}: the newest checkpoint was rotated away (deleted by the '
+              f'training run writing there) while being read, {attempt} times in a row; run '
+              'again, or decode once that run has stopped') from error
+        steps = checkpoints.reload()
   finally:
     checkpoints.close()
   return model_config, jax.device_put(params), tokenizer
+
+
+def _read_params(checkpoints: Checkpoints, steps: Sequence[int], step: int | None,
+                 average_last: int, model_config: ModelConfig, target: Callable[[], Any]):
+  """The parameters of `step` (None: the latest of `steps`), or the mean of the last
+  `average_last` up to it; `target()`: the model's abstract parameters."""
+  if not steps:
+    raise CheckpointError(f'{checkpoints.directory}: holds no finished checkpoint')
+  selected = _select_steps(steps, step, max(average_last, 1), checkpoints.directory)
+  # Before tracing the layers of a config.json that asks for thousands.
+  checkpoints.check_layers(selected[-1], model_config, PARAMS_OF_CONFIG)
+  if average_last:
+    return _mean_params(checkpoints, selected, target())
+  return checkpoints.restore_params(selected[-1], target())
 
 
 def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | None = None

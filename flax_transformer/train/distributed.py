@@ -27,9 +27,11 @@ def check_coordinator(coordinator: str | None, num_processes: int | None,
 
 
 def start(coordinator: str | None = None, num_processes: int | None = None,
-          process_id: int | None = None) -> None:
+          process_id: int | None = None, timeout_s: int | None = None) -> None:
   """`jax.distributed.initialize`; what is None, JAX detects (TPU pods, SLURM, Open MPI).
 
+  timeout_s: how long to wait for every process to join (None: JAX's default). When it
+  passes, JAX aborts the process (a C++ check failure, which Python cannot catch).
   Raises ValueError when JAX can neither read nor detect a setting.
   """
   # Collectives between CPU processes need an implementation: gloo (TCP, built into
@@ -37,8 +39,10 @@ def start(coordinator: str | None = None, num_processes: int | None = None,
   # reads this; GPU and TPU collectives are unaffected.
   if 'JAX_CPU_COLLECTIVES_IMPLEMENTATION' not in os.environ:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  timeout = {} if timeout_s is None else {'initialization_timeout': int(timeout_s)}
   jax.distributed.initialize(coordinator, num_processes, process_id,
-                             coordinator_bind_address=loopback_bind_address(coordinator))
+                             coordinator_bind_address=loopback_bind_address(coordinator),
+                             **timeout)
   if jax.process_index() != 0:
     # Process 0 reports for all. Set before anything imports tqdm, which reads it once:
     # this also silences the data loading bars of `datasets` and of encode_corpus.
