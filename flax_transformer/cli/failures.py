@@ -14,10 +14,15 @@ Exit status of the programs (the one table; their docstrings point here):
        distill.py: writing the output failed, or anything unexpected (the output directory
          is complete or untouched)
   2    refused before any work, naming the problem:
-       train.py: a bad option or setting (a model too large for the machine's memory included)
+       train.py: a bad option or setting (a model too large for the machine's memory, more
+         --devices than there are, included); a --workdir that is not a run of train.py (a
+         pretrained model, an averaged output, another tool's files, the current directory)
+         or that is, holds or lies inside an input (--data, --init-from): nothing in it touched
        decode.py: bad arguments, input or checkpoint (missing, damaged, another model, too
-         large for the machine, a foreign tokenizer), before any translation
+         large for the machine, a foreign tokenizer), a beam too large for the memory, an
+         --output over an input, before any translation
        distill.py: a bad option, teacher checkpoint (missing, a cmlm model), data or output
+         (over an input or its run, or --overwrite of a directory distill.py did not write)
   3    train.py: a step's loss or gradient not finite (more than --skip-nonfinite times)
   130  SIGINT (Ctrl-C); train.py saves the step reached first
   143  SIGTERM; train.py saves the step reached first
@@ -132,20 +137,27 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
             'checkpoint, if any'), 128 + signal.SIGTERM
   if isinstance(error, MemoryError):
     return 'error: out of memory; choose a smaller model or train.max_tokens', 1
+  if isinstance(error, _refusals()):
+    return f'error: {error}', 2
   if isinstance(error, _run_errors()):
     return f'error: {error}', 1
   return None
 
 
+def _refusals() -> tuple[type[Exception], ...]:
+  """train.py's errors that refuse the request before any work: a setting, the --workdir."""
+  from flax_transformer.config import ConfigError
+  from flax_transformer.run.directory import NotARun
+  return ConfigError, NotARun
+
+
 def _run_errors() -> tuple[type[Exception], ...]:
   """The errors train.py reports with their own message (they name the problem)."""
-  from flax_transformer.config import ConfigError
   from flax_transformer.data.corpus import DataError
   from flax_transformer.data.tokenizer import TokenizerError
   from flax_transformer.run.checkpoints import CheckpointError, WriteError
   from flax_transformer.run.lock import RunDirectoryInUse
-  return (CheckpointError, WriteError, ConfigError, DataError, TokenizerError, RunDirectoryInUse,
-          OSError)
+  return (CheckpointError, WriteError, DataError, TokenizerError, RunDirectoryInUse, OSError)
 
 
 @contextlib.contextmanager
