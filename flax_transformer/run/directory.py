@@ -50,6 +50,13 @@ from flax_transformer.run.lock import LOCK_FILE, RunLock
 from flax_transformer.run.outputs import Protected, check_output
 
 CONFIG_FILE = 'config.json'
+# A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
+# config.json's key for the SHA-256 of tokenizer.json.
+TOKENIZER_DIGEST = 'tokenizer_sha256'
+CHECKPOINT_DIR = 'checkpoints'
+METRICS_FILE = 'metrics.jsonl'
+TENSORBOARD_DIR = 'tensorboard'
+ENCODED_DIR = 'encoded'  # the tokenized corpus, cached (data/cache.py)
 # config.json's marker: which program wrote the directory, and the layout it follows (1: the
 # runs before the marker, which have no such keys).
 WRITTEN_BY = 'flax_transformer train.py'
@@ -59,13 +66,6 @@ RUN_FORMAT = 2
 TOKENIZER_FILES_KEY = 'tokenizer_files'
 # What averaging adds to the config.json it copies: the run and the steps averaged.
 AVERAGED_KEY = 'averaged_from'
-# A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
-# config.json's key for the SHA-256 of tokenizer.json.
-TOKENIZER_DIGEST = 'tokenizer_sha256'
-CHECKPOINT_DIR = 'checkpoints'
-METRICS_FILE = 'metrics.jsonl'
-TENSORBOARD_DIR = 'tensorboard'
-ENCODED_DIR = 'encoded'  # the tokenized corpus, cached (data/cache.py)
 AVERAGE_PREFIX = 'average-last'
 # What a run holds besides config.json and its tokenizer's files; their temporary files
 # (.NAME.tmp) and check_writable's probes (.write-test-*) are its own too.
@@ -354,12 +354,14 @@ def saved_steps(workdir: str | Path) -> list[int]:
   return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-def clear_run(workdir: str | Path) -> None:
+def clear_run(workdir: str | Path, init_from: str | Path | None = None) -> None:
   """Deletes what a previous run wrote to `workdir`, and nothing else.
 
-  Raises NotARun, deleting nothing, if WORKDIR holds anything a run did not write.
+  Raises NotARun, deleting nothing, if WORKDIR holds anything a run did not write
+  (`check_workdir`; init_from: the Marian directory a fine-tuning run copied its tokenizer
+  from).
   """
-  check_workdir(workdir)
+  check_workdir(workdir, init_from)
   workdir = Path(workdir).resolve()
   for name in (CONFIG_FILE, METRICS_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES):
     (workdir / name).unlink(missing_ok=True)
@@ -438,7 +440,7 @@ class RunDirectory:
   def prepare(self, resume: bool) -> None:
     """Without `resume`, deletes the previous run's files first."""
     if not resume and self.is_main:
-      clear_run(self.path)
+      clear_run(self.path, self.init_from)
     multihost_utils.sync_global_devices('run directory ready')
 
   def tokenizer(self, train_split, data_config: DataConfig, has_checkpoints: bool,
