@@ -103,6 +103,7 @@ def check_decoding_fits(config: ModelConfig, rows: int, beams: int, option: str,
   needed = decoding_bytes(config, rows, beams, length) + parameter_count(config) * FLOAT_BYTES
   if needed > memory:
     raise ConfigError(
-        f'{option}={beams} is too large for this machine: decoding {rows:,} sentences of '
-        f'{beams:,} beams and {length:,} positions needs at least {_gib(needed)}, more than its '
-        f'{_gib(memory)} of memory; use fewer beams (or a smaller --batch-size)')
+        f'{option}={beams} is too large for this machine: decoding {rows:,} '
+        f'sentence{"s" * (rows != 1)} of {beams:,} beams and {length:,} positions needs at least '
+        f'{_gib(needed)}, more than its {_gib(memory)} of memory; use fewer beams (or a smaller '
+        '--batch-size)')
