@@ -279,7 +279,8 @@ def test_sigterm_to_one_process_of_a_job_stops_every_process_at_one_step(preempt
   assert preempted == [143, 143]
   # JAX's preemption service told process 0 too; both saved the same step, in one checkpoint.
   for index in (0, 1):
-    assert last_line(log_file(workdir, 'stderr', str(index))) == stop_message('SIGTERM', step, workdir)
+    assert (last_line(log_file(workdir, 'stderr', str(index)))
+            == stop_message('SIGTERM', step, workdir))
   assert saved_steps(workdir) == [
       *range(SAVE_EVERY, step, SAVE_EVERY), step]
 

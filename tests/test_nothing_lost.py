@@ -146,7 +146,9 @@ def _cases():
   ways = [way for sentinel in ('tool', 'bare', 'marian') for way in _ways(sentinel, 'average')]
   ways += [('run', None), ('links/run', None), ('run/checkpoints', None), ('run/config.json', None)]
   cases += [('average', [_at(output, cwd)], cwd) for output, cwd in ways]
-  return [pytest.param(*case, id=_name(*case)) for case in cases]
+  unique = {(program, tuple(argv), cwd): None for program, argv, cwd in cases}  # parents repeat
+  return [pytest.param(program, list(argv), cwd, id=_name(program, list(argv), cwd))
+          for program, argv, cwd in unique]
 
 
 def _name(program: str, argv: list[str], cwd: str | None) -> str:

@@ -95,9 +95,9 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
 
   Raises:
     DistillError: a cmlm checkpoint, an output that exists and is not empty
-      (without `overwrite`; with it: that distill did not write), an output that would replace the data or the
-      checkpoint, or a teacher whose translations are all empty (nothing is
-      written then). CheckpointError, DataError, ConfigError: as their names say.
+      (without `overwrite`; with it: one distill did not write), an output that
+      would replace the data, the checkpoint or an averaged checkpoint's run, or
+      a teacher whose translations are all empty (nothing is written then). CheckpointError, DataError, ConfigError: as their names say.
   """
   checkpoint_dir, output = Path(checkpoint_dir), Path(output)
   model_config, train_config, data_config = read_config(checkpoint_dir)
