@@ -73,6 +73,8 @@ POSITIVE = Bounds(low=0, low_open=True)
 NONNEGATIVE = Bounds(low=0)
 UNIT_INTERVAL = Bounds(low=0, high=1, high_open=True)  # [0, 1): rates and probabilities
 NUMBER = Bounds()                                       # any int or float, no limit
+# What jax.random.key takes: a signed 64-bit integer (larger ones overflow part way).
+SEED = Bounds(low=0, high=2 ** 63 - 1, integer=True)
 
 
 def check_bounds(value, bounds: Bounds, name: str, error: type[Exception] = ConfigError,
@@ -237,7 +239,7 @@ class TrainConfig:
   counts those updates.
   """
 
-  seed: int = setting(0, 'seed of the parameters, batch order and dropout', bounds=NONNEGATIVE_INT)
+  seed: int = setting(0, 'seed of the parameters, batch order and dropout', bounds=SEED)
   steps: int = setting(100_000, 'batches to train on (with accumulation K: steps / K updates)',
                        bounds=POSITIVE_INT)
   max_tokens: int = setting(25_000, 'padded tokens per batch and side (a batch of length-L rows '

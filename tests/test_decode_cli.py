@@ -324,7 +324,7 @@ def test_decode_cli_length_options_reach_mask_predict(cmlm_run, monkeypatch):
     (['--method', 'nat'], "method 'nat' is now called 'mask_predict'"),
     (['--method', 'beam', '--length-offset', '2'],
      "length_offset only applies to method 'mask_predict', not 'beam'"),
-    (['--length-ratio', '0'], 'argument --length-ratio: must be in (0, inf), got 0.0'),
+    (['--length-ratio', '0'], 'argument --length-ratio: must be in (0, 65536], got 0.0'),
 ])
 def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
   status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_run['workdir'], *argv, 'one'])

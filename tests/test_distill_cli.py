@@ -35,8 +35,9 @@ def test_distill_writes_the_teachers_beam_outputs(distilled, teacher, corpus):
   status, out, err = distilled['result']
   assert status == 0, err
   output = distilled['output']
-  assert sorted(p.name for p in output.iterdir()) == ['test.de', 'test.en', 'train.de',
-                                                      'train.en', 'val.de', 'val.en']
+  # The splits, and the mark that lets a later --overwrite replace them.
+  assert sorted(p.name for p in output.iterdir()) == ['.written-by-distill', 'test.de', 'test.en',
+                                                      'train.de', 'train.en', 'val.de', 'val.en']
   for name in ('val.en', 'val.de', 'test.en', 'test.de'):
     assert (output / name).read_bytes() == (corpus / name).read_bytes(), name
   assert (output / 'train.en').read_bytes() == (corpus / 'train.en').read_bytes()

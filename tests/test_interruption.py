@@ -118,16 +118,16 @@ class Setup:
 
   def launch(self, name: str, steps: int, script: tuple[str, ...] = ('train.py',),
              extra: tuple[str, ...] = (), log: str = '') -> subprocess.Popen:
-    """train.py (or `script`) on WORKDIR=base/name; output appended to {stdout,stderr}{log}.txt."""
+    """train.py (or `script`) on WORKDIR=base/name; output appended to `log_file`s beside it."""
     workdir = self.base / name
     workdir.mkdir(exist_ok=True)
-    with open(workdir / f'stdout{log}.txt', 'a') as out, \
-         open(workdir / f'stderr{log}.txt', 'a') as err:
+    with open(log_file(workdir, 'stdout', log), 'a') as out, \
+         open(log_file(workdir, 'stderr', log), 'a') as err:
       process = subprocess.Popen(
           [sys.executable, *script, *OPTIONS, '--data', str(self.corpus), f'--steps={steps}',
            '--workdir', str(workdir), *extra], cwd=ROOT, env=environment(self.cache),
           stdout=out, stderr=err)
-    process.log = workdir / f'stderr{log}.txt'  # for the failure messages
+    process.log = log_file(workdir, 'stderr', log)  # for the failure messages
     self.processes.append(process)
     return process
 
@@ -172,6 +172,12 @@ def logged(workdir: Path) -> dict[int, dict]:
   return {line['step']: line for line in lines if 'loss' in line}
 
 
+def log_file(workdir: Path, stream: str, log: str = '') -> Path:
+  """Where a launch's standard output or error goes: beside WORKDIR, never in it (train.py
+  refuses a --workdir holding files it did not write)."""
+  return workdir.parent / f'{workdir.name}.{stream}{log}.txt'
+
+
 def last_line(path: Path) -> str:
   """The last line of a log, progress bars' carriage returns counting as line ends."""
   return re.split(r'[\r\n]', path.read_text().strip())[-1]
@@ -195,7 +201,7 @@ def runs(setup):
   wait_for(lambda: len(logged(term)) >= 3, process, 'three logged steps')
   process.send_signal(signal.SIGTERM)
   facts['term_exit'] = finish(process)
-  facts['term_message'] = last_line(term / 'stderr.txt')
+  facts['term_message'] = last_line(log_file(term, 'stderr'))
   facts['term_step'] = max(logged(term))
   facts['term_checkpoints'] = saved_steps(term)
 
@@ -220,7 +226,7 @@ def runs(setup):
   facts['killed_listing'] = sorted(p.name for p in (killed_dir / 'checkpoints').iterdir())
   facts['killed_checkpoints'] = saved_steps(killed_dir)
   facts['int_exit'] = finish(process)
-  facts['int_message'] = last_line(term / 'stderr.txt')
+  facts['int_message'] = last_line(log_file(term, 'stderr'))
   facts['int_step'] = max(logged(term))
   facts['int_checkpoints'] = saved_steps(term)
   facts['disk_exit'] = finish(disk)
@@ -231,7 +237,7 @@ def runs(setup):
   last = [setup.launch('straight', steps=total), setup.launch('killed', steps=total)]
   facts['straight_exit'], facts['resumed_exit'] = map(finish, last)
   facts['killed_listing_after'] = sorted(p.name for p in (killed_dir / 'checkpoints').iterdir())
-  facts['killed_stdout'] = (killed_dir / 'stdout.txt').read_text()
+  facts['killed_stdout'] = log_file(killed_dir, 'stdout').read_text()
   return facts
 
 
@@ -274,7 +280,8 @@ def test_sigterm_to_one_process_of_a_job_stops_every_process_at_one_step(preempt
   assert preempted == [143, 143]
   # JAX's preemption service told process 0 too; both saved the same step, in one checkpoint.
   for index in (0, 1):
-    assert last_line(workdir / f'stderr{index}.txt') == stop_message('SIGTERM', step, workdir)
+    assert (last_line(log_file(workdir, 'stderr', str(index)))
+            == stop_message('SIGTERM', step, workdir))
   assert saved_steps(workdir) == [
       *range(SAVE_EVERY, step, SAVE_EVERY), step]
 
@@ -333,7 +340,7 @@ def test_a_full_disk_stops_training_with_one_clear_line(runs, setup):
   assert runs['disk_exit'] == 1
   # The tracebacks of orbax's and tensorstore's threads are silenced (cli/failures.py):
   # train.py's report comes alone, after the progress bar.
-  stderr = (workdir / 'stderr.txt').read_text()
+  stderr = log_file(workdir, 'stderr').read_text()
   assert 'Traceback' not in stderr and 'ERROR:absl' not in stderr
   (message,) = [line for line in re.split(r'[\r\n]', stderr) if 'train.py:' in line]
   assert message.startswith(f'train.py: error: {workdir}/checkpoints/{SAVE_EVERY}: the '

@@ -20,8 +20,11 @@ from flax_transformer.decode.methods import (METHODS, BeamSearch, Greedy, MaskPr
     (lambda: MaskPredict(iterations=0), 'iterations must be a positive integer, got 0'),
     (lambda: MaskPredict(length='fixed'), "length='fixed' decodes one length per sentence"),
     (lambda: MaskPredict(length='auto'), 'length must be one of predict, fixed'),
-    (lambda: MaskPredict(length_ratio=-0.5), r'length_ratio must be in \(0, inf\), got -0.5'),
-    (lambda: MaskPredict(length_offset='2'), "length_offset must be an integer, got '2'"),
+    (lambda: MaskPredict(length_ratio=-0.5), r'length_ratio must be in \(0, 65536\], got -0.5'),
+    (lambda: MaskPredict(length_offset=10 ** 12),
+     r'length_offset must be an integer in \[-65536, 65536\], got 1000000000000'),
+    (lambda: Sampling(seed=2 ** 63), 'sample.seed must be an integer in'),
+    (lambda: MaskPredict(length_offset='2'), "length_offset must be an integer .*, got '2'"),
 ])
 def test_settings_are_checked_when_a_method_is_made(make, message):
   with pytest.raises(ConfigError, match=message):

@@ -67,13 +67,14 @@ def test_cli_refuses_bad_options_up_front(argv, message):
   assert message in usage_error(train_cli.main, argv)
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['--data', './nowhere'], 'nowhere: no such file or directory'),
-    (['--devices', '64'], '--devices=64: this process has'),
+@pytest.mark.parametrize('argv,message,status', [
+    (['--data', './nowhere'], 'nowhere: no such file or directory', 1),
+    (['--devices', '64'], '--devices=64: this process has', 2),   # a bad option: refused
 ])
-def test_cli_reports_run_errors_without_a_traceback(argv, message, tmp_path, monkeypatch, capsys):
+def test_cli_reports_run_errors_without_a_traceback(argv, message, status, tmp_path, monkeypatch,
+                                                    capsys):
   monkeypatch.chdir(tmp_path)
-  assert train_cli.main([*argv, '--workdir', str(tmp_path / 'run')]) == 1
+  assert train_cli.main([*argv, '--workdir', str(tmp_path / 'run')]) == status
   error = capsys.readouterr().err
   assert message in error and 'Traceback' not in error
 

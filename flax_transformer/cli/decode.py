@@ -95,7 +95,7 @@ def _main(argv: Sequence[str] | None) -> int:
     translator = Translator.from_directory(args.checkpoint, step=args.step,
                                            average_last=args.average_last, dtype=args.dtype)
     method = method or default_method(translator.config, **settings)
-    method.check_model(translator.config)
+    translator.check_method(method, len(sentences), args.batch_size)
     output = text_io.open_output(args.output)
   except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
     raise Failure(str(error), 2) from error  # one line; its traceback with --debug

@@ -33,7 +33,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                            'data.source)')
   parser.add_argument('--output', required=True, type=Path,
                       help='directory to write <split>.<lang> files into (must be new or empty)')
-  parser.add_argument('--overwrite', action='store_true', help='replace --output if it exists')
+  parser.add_argument('--overwrite', action='store_true',
+                      help='replace --output if an earlier distill.py wrote it')
   parser.add_argument('--batch-size', type=int, default=64, help='sentences per batch')
   add_method_options(parser, [TEACHER_METHOD], title="the teacher's decoding")
   add_debug_option(parser)

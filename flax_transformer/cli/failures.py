@@ -16,13 +16,18 @@ Exit status of the programs (the one table; their docstrings point here):
        train.py, several processes: they did not all join the coordinator within
          --coordinator-timeout (nothing listens at --coordinator, a process missing)
   2    refused before any work, naming the problem:
-       train.py: a bad option or setting (a model too large for the machine's memory included),
-         or an --init-from directory with a damaged config.json (the file, field and value
-         named), weights or tokenizer file (the file named)
+       train.py: a bad option or setting (a model too large for the machine's memory, more
+         --devices than there are, included); a --workdir that is not a run of train.py (a
+         pretrained model, an averaged output, another tool's files, the current directory)
+         or that is, holds or lies inside an input (--data, --init-from): nothing in it
+         touched; an --init-from directory with a damaged config.json (the file, field and
+         value named), weights or tokenizer file (the file named)
        decode.py: bad arguments, input or checkpoint (missing, damaged, another model, too
          large for the machine, a foreign tokenizer; a Marian directory's file named with what
-         is wrong), before any translation
+         is wrong), a beam too large for the memory, an --output over an input, before any
+         translation
        distill.py: a bad option, teacher checkpoint (missing, a cmlm model), data or output
+         (over an input or its run, or --overwrite of a directory distill.py did not write)
   3    train.py: a step's loss or gradient not finite (more than --skip-nonfinite times)
   130  SIGINT (Ctrl-C); train.py saves the step reached first
   143  SIGTERM; train.py saves the step reached first; at any point up to the process's
@@ -164,20 +169,27 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
             'checkpoint, if any'), 128 + signal.SIGTERM
   if isinstance(error, MemoryError):
     return 'error: out of memory; choose a smaller model or train.max_tokens', 1
+  if isinstance(error, _refusals()):
+    return f'error: {error}', 2
   if isinstance(error, _run_errors()):
     return f'error: {error}', 1
   return None
 
 
+def _refusals() -> tuple[type[Exception], ...]:
+  """train.py's errors that refuse the request before any work: a setting, the --workdir."""
+  from flax_transformer.config import ConfigError
+  from flax_transformer.run.directory import NotARun
+  return ConfigError, NotARun
+
+
 def _run_errors() -> tuple[type[Exception], ...]:
   """The errors train.py reports with their own message (they name the problem)."""
-  from flax_transformer.config import ConfigError
   from flax_transformer.data.corpus import DataError
   from flax_transformer.data.tokenizer import TokenizerError
   from flax_transformer.run.checkpoints import CheckpointError, WriteError
   from flax_transformer.run.lock import RunDirectoryInUse
-  return (CheckpointError, WriteError, ConfigError, DataError, TokenizerError, RunDirectoryInUse,
-          OSError)
+  return (CheckpointError, WriteError, DataError, TokenizerError, RunDirectoryInUse, OSError)
 
 
 @contextlib.contextmanager

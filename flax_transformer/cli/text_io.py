@@ -52,11 +52,15 @@ def read_references(path: Path, count: int) -> list[str]:
 
 def check_output(output: Path | None, checkpoint: Path, *inputs: Path | None) -> None:
   """Refuses, before anything is written, an --output that would overwrite an input file (the
-  sentences, the references) or anything of the checkpoint directory it translates with."""
+  sentences, the references) or anything of the checkpoint directory it translates with (and of
+  the run an averaged checkpoint comes from)."""
   if output is None:
     return
+  from flax_transformer.run.directory import averaged_run
   from flax_transformer.run.outputs import Protected, check_output as check
   protected = [Protected(checkpoint, f'the checkpoint directory {checkpoint}')]
+  run = averaged_run(checkpoint)  # an average-lastK's run is an input too
+  protected += [Protected(run, f'the run {run}, averaged in {checkpoint}')] if run else []
   protected += [Protected(path, f'the {what} {path}')
                 for what, path in zip(('input', 'references'), inputs)
                 if path is not None and str(path) != '-']

@@ -126,14 +126,17 @@ def _main(argv: list[str] | None) -> int:
   _start_hosts(parser, args)
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
+  from flax_transformer.run.directory import saved_steps
   from flax_transformer.train.loop import check_settings, train
 
+  workdir = args.workdir or Path('runs') / args.preset
   try:
     check_settings(*configs, args.average_last, args.skip_nonfinite,
-                   pretrained=args.init_from is not None)
+                   pretrained=args.init_from is not None,
+                   saved=saved_steps(workdir) if args.resume else ())
   except ConfigError as error:
     parser.error(str(error))
-  train(*configs, args.workdir or Path('runs') / args.preset, devices=args.devices,
+  train(*configs, workdir, devices=args.devices,
         parallel=args.parallel, resume=args.resume, average_last=args.average_last,
         skip_nonfinite=args.skip_nonfinite, init_from=args.init_from)
   return 0

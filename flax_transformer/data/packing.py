@@ -164,6 +164,9 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig) -> None
   """Raises ConfigError, in one line naming the options, for what packing does not support."""
   if not train_config.packing:
     return
+  # Refused here, before the data loads, rather than by PackingBatcher after.
+  check_bounds(train_config.packing, SEQUENCE_LENGTH, 'train.packing (the packed row length; 0: '
+               'no packing)')
   if train_config.packing > model_config.max_len:
     raise ConfigError(f'train.packing={train_config.packing} is longer than model.max_len='
                       f'{model_config.max_len}, the longest row the model takes; lower it')

@@ -52,6 +52,7 @@ import numpy as np
 from flax_transformer.config import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, Bounds,
                                      ConfigError, ModelConfig, check_fields, setting)
 from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
+from flax_transformer.run.sizes import check_decoding_fits
 
 # The paper's default output budget: source length + 50 (§6.1).
 EXTRA_OUTPUT_TOKENS = 50
@@ -150,6 +151,10 @@ class DecodingMethod:
       raise ConfigError(f"max_len must be in [1, {config.max_len}] (the model's max_len, the "
                         f'length of its positional table), got {max_len}')
 
+  def check_fits(self, config: ModelConfig, rows: int) -> None:
+    """Raises ConfigError when decoding `rows` sentences at once cannot fit in this machine's
+    memory; a method whose memory grows with a setting (beams) checks it."""
+
 
 def _method_classes() -> list[type[DecodingMethod]]:
   """Every method class defined (here and in non_autoregressive), in the order defined."""
@@ -177,6 +182,11 @@ class BeamSearch(DecodingMethod):
   alpha: float = setting(0.6, 'length penalty ((5 + |Y|) / 6)^alpha; 0 ranks by plain '
                               'log-probability', bounds=NONNEGATIVE)
   max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
+
+  def check_fits(self, config: ModelConfig, rows: int) -> None:
+    # The shortest output budget: a one-token source + 50, unless max_len says.
+    check_decoding_fits(config, rows, self.beam_size, '--beam-size',
+                        self.max_len or 1 + EXTRA_OUTPUT_TOKENS)
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
     tokens, _ = beam_search(model, params, src, **dataclasses.asdict(self))
@@ -213,7 +223,7 @@ class Sampling(DecodingMethod):
   top_p: float = setting(1.0, 'nucleus sampling: keep the most probable tokens whose mass '
                               'reaches p (1: all)', bounds=Bounds(low=0, high=1, low_open=True))
   seed: int = setting(0, 'random seed (batch i draws from the seed folded with i)',
-                      bounds=Bounds(integer=True))
+                      bounds=Bounds(low=-2 ** 63, high=2 ** 63 - 1, integer=True))
   max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:

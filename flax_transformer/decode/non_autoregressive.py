@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import ClassVar, Literal
 
 import flax
@@ -56,8 +55,9 @@ from flax_transformer.nn.cmlm import (CMLMTransformer, lengths_from_classes, mas
 WIDTH_MULTIPLE = 8
 
 
-# Bounds of a length ratio: positive and finite.
-_FINITE_POSITIVE = Bounds(low=0, high=math.inf, low_open=True, high_open=True)
+# The largest length adjustment: no output is longer, so a larger ratio or offset would only
+# clip every length to an end (and an offset past int32 overflows before the clip).
+LENGTH_LIMIT = 2 ** 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +84,11 @@ class MaskPredict(autoregressive.DecodingMethod):
       'predict', "predict the length, or decode source length + the model's "
       'max_length_offset, cut at the first EOS')
   length_ratio: float = setting(1.0, 'multiply each length (predicted, or with length fixed '
-                                     'the canvas) by this and round', bounds=_FINITE_POSITIVE)
+                                     'the canvas) by this and round',
+                                bounds=Bounds(low=0, high=LENGTH_LIMIT, low_open=True))
   length_offset: int = setting(0, 'add this many tokens (may be negative) to each length after '
                                   "length_ratio; lengths stay in [1, the model's max_len]",
-                               bounds=Bounds(integer=True))
+                               bounds=Bounds(low=-LENGTH_LIMIT, high=LENGTH_LIMIT, integer=True))
 
   def __post_init__(self):
     super().__post_init__()

@@ -163,6 +163,12 @@ class Translator:
       on_batch(empty)
     return translations
 
+  def check_method(self, method: DecodingMethod, sentences: int, batch_size: int = 64) -> None:
+    """Raises ConfigError unless `method` decodes this model and `sentences` sentences,
+    `batch_size` at a time, fit in memory: the checks of `translate` before any work."""
+    method.check_model(self.config)
+    method.check_fits(self.config, max(1, min(batch_size, sentences)))
+
   def translate_sources(self, sources: Sources, method: DecodingMethod, batch_size: int = 64,
                         on_batch: Callable[[int], object] | None = None) -> list[str]:
     """Translations of encoded sources, in their order ('' for empty ones).
@@ -173,8 +179,8 @@ class Translator:
     """
     if not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
-    method.check_model(self.config)
     present = [i for i, ids in enumerate(sources.ids) if ids is not None]
+    self.check_method(method, len(present), batch_size)
     order = sorted(present, key=lambda i: -len(sources.ids[i]))
     translations = [''] * len(sources.ids)
     for batch_index, start in enumerate(range(0, len(order), batch_size)):

@@ -1,6 +1,8 @@
 """The run directory: what a training run writes besides its checkpoints, and the rules for it.
 
-    WORKDIR/config.json      {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+    WORKDIR/config.json      {"written_by": WRITTEN_BY, "run_format": RUN_FORMAT,
+                              "model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+                              "tokenizer_files": [its files],
                               "tokenizer_sha256": digest of tokenizer.json,
                               "packing_plan": how packed rows are planned}
     WORKDIR/tokenizer.json   the shared subword vocabulary (Tokenizer.save)
@@ -16,6 +18,13 @@ on the data and saved), `check_settings` (refuse settings that differ from the
 saved run's) and `write_settings` (config.json, once the checkpoint is
 restored). Decoding only reads: `read_config` and `check_tokenizer`.
 
+A directory is a run only if it says so (`run_format`: config.json's marker,
+or the three sections of older runs) and holds nothing but what train.py writes
+(`foreign_entries`): `check_workdir` refuses any other directory before anything
+is written in it, and `clear_run` (--no-resume) deletes only a run's own files,
+so that neither a pretrained model, an averaged output nor another tool's files
+are ever taken for a run and overwritten.
+
 Crash safety: config.json and tokenizer.json are written to a temporary file
 and renamed over the old one, so a process killed at any moment leaves each
 either as it was or complete.
@@ -30,7 +39,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -43,6 +52,7 @@ from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
 from flax_transformer.pretrained.marian import MarianTokenizer
 from flax_transformer.run.lock import LOCK_FILE, RunLock
+from flax_transformer.run.outputs import Protected, check_output
 
 CONFIG_FILE = 'config.json'
 # A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
@@ -54,13 +64,32 @@ PACKING_PLAN_KEY = 'packing_plan'
 PACKING_PLAN = 'best_fit'
 CHECKPOINT_DIR = 'checkpoints'
 METRICS_FILE = 'metrics.jsonl'
+TENSORBOARD_DIR = 'tensorboard'
 # The tokenized training split's cache (data.cache), unless data.cache_dir puts it elsewhere.
 ENCODED_DIR = 'encoded'
-TENSORBOARD_DIR = 'tensorboard'
+# config.json's marker: which program wrote the directory, and the layout it follows (1: the
+# runs before the marker, which have no such keys).
+WRITTEN_BY = 'flax_transformer train.py'
+RUN_FORMAT = 2
+# config.json's key for the tokenizer files the run holds (tokenizer.json, or a fine-tuned
+# Marian model's, copied by --init-from).
+TOKENIZER_FILES_KEY = 'tokenizer_files'
+# What averaging adds to the config.json it copies: the run and the steps averaged.
+AVERAGED_KEY = 'averaged_from'
+AVERAGE_PREFIX = 'average-last'
+# What a run holds besides config.json and its tokenizer's files; their temporary files
+# (.NAME.tmp) and check_writable's probes (.write-test-*) are its own too.
+_RUN_ENTRIES = frozenset({TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
+                          ENCODED_DIR, LOCK_FILE})
 
 
 class CheckpointError(ValueError):
   """A run directory or checkpoint is missing, incomplete or does not fit the request."""
+
+
+class NotARun(CheckpointError):
+  """A directory train.py was asked to write or clear holds what no run of it wrote (a
+  pretrained model, an averaged output, another tool's files); nothing in it was touched."""
 
 
 class WriteError(OSError):
@@ -109,12 +138,22 @@ def write_config(workdir: str | Path, model_config: ModelConfig, train_config: T
   workdir = Path(workdir)
   path = workdir / CONFIG_FILE
   path.parent.mkdir(parents=True, exist_ok=True)
-  content = {'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
-             'data': dataclasses.asdict(data_config), PACKING_PLAN_KEY: packing_plan}
+  content = {'written_by': WRITTEN_BY, 'run_format': RUN_FORMAT,
+             'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
+             'data': dataclasses.asdict(data_config), PACKING_PLAN_KEY: packing_plan,
+             TOKENIZER_FILES_KEY: list(saved_tokenizer_class(workdir).FILES)}
   if (workdir / TOKENIZER_FILE).is_file():
     content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
   _write_atomically(path, json.dumps(content, indent=2) + '\n')
   return path
+
+
+def write_averaged_config(workdir: Path, output: Path, steps: Sequence[int]) -> None:
+  """OUTPUT/config.json: WORKDIR's, marked as the average of its checkpoints `steps`, so that
+  OUTPUT is never taken for a run (`averaged_run`)."""
+  content = json.loads((workdir / CONFIG_FILE).read_text())
+  content[AVERAGED_KEY] = {'run': str(workdir.resolve()), 'steps': [int(s) for s in steps]}
+  _write_atomically(output / CONFIG_FILE, json.dumps(content, indent=2) + '\n')
 
 
 def check_tokenizer(workdir: str | Path) -> None:
@@ -214,13 +253,131 @@ def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> 
 
 
 
-def clear_run(workdir: str | Path) -> None:
-  """Deletes what a previous run wrote to `workdir`, and nothing else."""
-  workdir = Path(workdir)
+def read_marker(directory: str | Path) -> dict | None:
+  """DIRECTORY/config.json's content if train.py wrote it (marked, or an older run with the
+  three sections), else None (no such file, unreadable, or another program's)."""
+  try:
+    content = json.loads((Path(directory) / CONFIG_FILE).read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return None
+  if not isinstance(content, dict):
+    return None
+  if content.get('written_by') == WRITTEN_BY or (
+      'written_by' not in content and all(isinstance(content.get(s), dict) for s in SECTIONS)):
+    return content
+  return None
+
+
+def run_format(directory: str | Path) -> int | None:
+  """The layout of the run in DIRECTORY (RUN_FORMAT; 1 for runs before the marker), or None
+  when its config.json is missing or not train.py's."""
+  content = read_marker(directory)
+  return None if content is None else content.get('run_format', 1)
+
+
+def averaged_run(directory: str | Path) -> Path | None:
+  """The run whose checkpoints DIRECTORY averages (an average-lastK output), else None."""
+  directory = Path(directory).resolve()
+  content = read_marker(directory)
+  if content is None:
+    return None
+  inside_run = directory.name.startswith(AVERAGE_PREFIX) and read_marker(directory.parent)
+  if inside_run:  # averages written before AVERAGED_KEY are known by their place
+    return directory.parent
+  averaged = content.get(AVERAGED_KEY)
+  return Path(averaged.get('run', directory)) if isinstance(averaged, dict) else None
+
+
+def foreign_entries(workdir: str | Path, init_from: str | Path | None = None) -> list[str]:
+  """The entries of WORKDIR (resolved) that no run of train.py wrote, sorted; [] for a new,
+  empty or train.py's own directory.
+
+  A run's own: config.json marked as train.py's, the files of `_RUN_ENTRIES`, its
+  average-lastK outputs, their temporary files, and its tokenizer's files: tokenizer.json,
+  or a fine-tuned Marian model's when config.json lists them (older runs: when config.json is
+  train.py's) or when they are `init_from`'s, copied by a run that stopped before writing
+  config.json.
+  """
+  workdir = Path(workdir).resolve()
+  if not workdir.is_dir():
+    return []
+  content = read_marker(workdir)
+  own = set(_RUN_ENTRIES)
+  if content is not None:
+    listed = content.get(TOKENIZER_FILES_KEY)
+    own.update({CONFIG_FILE}, listed if isinstance(listed, list) else MarianTokenizer.FILES)
+  elif init_from is not None:
+    own.update(name for name in MarianTokenizer.FILES
+               if _same_file(workdir / name, Path(init_from) / name))
+  own_temporary = {f'.{name}.tmp' for name in own | {CONFIG_FILE}}
+  return sorted(entry.name for entry in workdir.iterdir()
+                if entry.name not in own | own_temporary
+                and not entry.name.startswith('.write-test-')
+                and not (entry.name.startswith(AVERAGE_PREFIX) and _is_average(entry)))
+
+
+def _is_average(directory: Path) -> bool:
+  """Whether DIRECTORY is an averaging output holding only what averaging writes."""
+  return (directory.is_dir() and not directory.is_symlink() and averaged_run(directory) is not None
+          and {e.name for e in directory.iterdir()} <= {CONFIG_FILE, CHECKPOINT_DIR,
+                                                         *Tokenizer.FILES, *MarianTokenizer.FILES})
+
+
+def _same_file(path: Path, original: Path) -> bool:
+  return path.is_file() and original.is_file() and file_digest(path) == file_digest(original)
+
+
+def check_workdir(workdir: str | Path, init_from: str | Path | None = None,
+                  inputs: Sequence[Protected] = ()) -> None:
+  """Raises NotARun unless WORKDIR may be a run directory of train.py: new, empty, or a run of
+  its own (symlinks followed); never the current directory unless it is a run already, an
+  averaged output, nor one of `inputs` (the data, --init-from's model), one holding them
+  or inside them (`outputs.check_output`).
+
+  Checked before anything is written in it: a directory this refuses is left untouched.
+  """
+  check_output(Path(workdir), [*inputs] + ([Protected(Path(init_from), f'--init-from {init_from}')]
+                                           if init_from is not None else []),
+               '--workdir', NotARun, advice='choose a new --workdir')
+  resolved = Path(workdir).resolve()
+  averaged = averaged_run(resolved) if resolved.is_dir() else None
+  if averaged is not None:
+    raise NotARun(f'--workdir {workdir} is an averaged output of the run {averaged} (its '
+                  'checkpoint holds parameters only, no training state), not a run; resume '
+                  f'{averaged} itself, or train in a new --workdir')
+  if resolved == Path.cwd().resolve() and run_format(resolved) is None:
+    raise NotARun(f'--workdir {str(workdir)!r} is the current directory, not a run directory of '
+                  'train.py; name a new directory (default: runs/PRESET)')
+  foreign = foreign_entries(resolved, init_from)
+  if foreign:
+    shown = ', '.join(foreign[:5]) + (f' and {len(foreign) - 5} more' if len(foreign) > 5 else '')
+    config = " (config.json is not train.py's)" if CONFIG_FILE in foreign else ''
+    raise NotARun(f'--workdir {workdir} holds what no run of train.py wrote: {shown}{config}; '
+                  'train.py writes (and --no-resume deletes) only its own run directories: '
+                  'choose a new --workdir')
+
+
+def saved_steps(workdir: str | Path) -> list[int]:
+  """The steps of WORKDIR's checkpoints, by their directories' names (none opened), sorted."""
+  checkpoints = Path(workdir) / CHECKPOINT_DIR
+  if not checkpoints.is_dir():
+    return []
+  return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def clear_run(workdir: str | Path, init_from: str | Path | None = None) -> None:
+  """Deletes what a previous run wrote to `workdir`, and nothing else.
+
+  Raises NotARun, deleting nothing, if WORKDIR holds anything a run did not write
+  (`check_workdir`; init_from: the Marian directory a fine-tuning run copied its tokenizer
+  from).
+  """
+  check_workdir(workdir, init_from)
+  workdir = Path(workdir).resolve()
   for name in (CONFIG_FILE, METRICS_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES):
     (workdir / name).unlink(missing_ok=True)
   for directory in [workdir / CHECKPOINT_DIR, workdir / TENSORBOARD_DIR,
-                    *workdir.glob('average-last*')]:
+                    *workdir.glob(f'{AVERAGE_PREFIX}*')]:
     if directory.is_dir():
       shutil.rmtree(directory)
 
@@ -243,9 +400,16 @@ class RunDirectory:
   run; the other processes wait at a barrier, then read what it wrote.
   """
 
-  def __init__(self, workdir: str | Path):
+  def __init__(self, workdir: str | Path, init_from: str | Path | None = None,
+               data: str | None = None):
+    """init_from: --init-from's Marian directory; data: data.source, which WORKDIR must neither
+    be, hold nor lie inside when it is a path (`check_workdir`)."""
     self.path = Path(workdir)
     self.is_main = jax.process_index() == 0
+    self.init_from = init_from
+    source = Path(data).expanduser() if data else None
+    self.inputs = ((Protected(source, f'--data {source}'),)
+                   if source is not None and source.exists() else ())
 
   @property
   def metrics_file(self) -> Path:
@@ -267,10 +431,12 @@ class RunDirectory:
   def locked(self) -> Iterator[None]:
     """Creates WORKDIR, checks it is writable and holds its lock (process 0) for the block.
 
-    Taken before anything in WORKDIR is cleared or written. A WORKDIR this run
-    created is removed again if the run fails before writing anything in it
-    (a bad --data leaves no empty run directory behind).
+    Taken before anything in WORKDIR is cleared or written, and after `check_workdir`: a
+    directory that is not a run is refused untouched. A WORKDIR this run created is removed
+    again if the run fails before writing anything in it (a bad --data leaves no empty run
+    directory behind).
     """
+    check_workdir(self.path, self.init_from, self.inputs)
     created = not self.path.exists()
     self.check_writable()
     lock = RunLock(self.path) if self.is_main else None
@@ -289,7 +455,7 @@ class RunDirectory:
   def prepare(self, resume: bool) -> None:
     """Without `resume`, deletes the previous run's files first."""
     if not resume and self.is_main:
-      clear_run(self.path)
+      clear_run(self.path, self.init_from)
     multihost_utils.sync_global_devices('run directory ready')
 
   def tokenizer(self, texts: Callable[[], list[str]], data_config: DataConfig,

@@ -21,18 +21,20 @@ from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
 from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints, RotatedCheckpoint
-from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE,
+from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, ENCODED_DIR, METRICS_FILE,
                                             TENSORBOARD_DIR, CheckpointError, check_tokenizer,
                                             check_tokenizer_fits, load_tokenizer, read_config,
-                                            saved_tokenizer_class)
+                                            read_marker, saved_tokenizer_class,
+                                            write_averaged_config)
+from flax_transformer.run.lock import LOCK_FILE
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.run.sizes import check_fits
 
 # Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
 _ROTATION_TRIES = 10
 # A run directory's own entries, which an output inside it must not replace.
-_RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
-                          *Tokenizer.FILES, *MarianTokenizer.FILES})
+_RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR, ENCODED_DIR,
+                          LOCK_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES})
 # What averaging writes: an existing output holding only these is an earlier average.
 _AVERAGE_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES})
 
@@ -49,6 +51,10 @@ def _check_output(workdir: Path, output: Path, last_k: int) -> None:
                occupied='holds other files than an earlier average (config.json, the tokenizer, '
                         'checkpoints/); choose another directory',
                advice=f'choose another directory (default: {workdir}/average-last{last_k})')
+  if (output / CONFIG_FILE).exists() and read_marker(output) is None:
+    # Only what averaging wrote may go: a config.json of another program is not an average.
+    raise CheckpointError(f'averaging output {output} holds a config.json that train.py did not '
+                          'write: it is not an earlier average; choose another directory')
 
 
 def _open_checkpoints(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]:
@@ -175,8 +181,9 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
     if output.exists():
       shutil.rmtree(output)
     output.mkdir(parents=True)
-    for name in (CONFIG_FILE, *saved_tokenizer_class(workdir).FILES):
+    for name in saved_tokenizer_class(workdir).FILES:
       shutil.copy2(workdir / name, output / name)
+    write_averaged_config(workdir, output, selected)
   # Every process takes part in the orbax save, after process 0 has prepared the directory.
   multihost_utils.sync_global_devices('average_checkpoints: output directory ready')
   averaged = Checkpoints(output)

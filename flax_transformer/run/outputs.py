@@ -3,11 +3,11 @@
     check_output(output, [Protected(workdir, f'the run directory {workdir}', may_hold=True)],
                  'averaging output', CheckpointError, replaceable=AVERAGE_ENTRIES, ...)
 
-One rule for every program that writes an output (checkpoint averaging and
-distillation a directory, decode.py a file): paths are compared resolved, symlinks followed, and an output
-that is a protected input, holds one, or lies inside one (unless the input may
-hold outputs, as a run directory holds its average-lastK) is refused in one
-line naming both. An existing output is replaced only if it holds only what
+One rule for every program that writes an output (train.py its --workdir,
+checkpoint averaging and distillation a directory, decode.py a file): paths are
+compared resolved, symlinks followed, and an output that is a protected input,
+holds one, or lies inside one (unless the input may hold outputs, as a run
+directory holds its average-lastK) is refused in one line naming both. An existing output is replaced only if it holds only what
 the program writes, or with the user's explicit consent (`replaceable=None`).
 """
 

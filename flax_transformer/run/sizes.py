@@ -2,6 +2,7 @@
 
     check_fits(model_config, max_tokens=train_config.max_tokens)   # training: raises ConfigError
     check_fits(model_config)                                       # decoding
+    check_decoding_fits(model_config, rows=64, beams=4, option='--beam-size')
 
 A config.json with d_ff=10**12, max_len=10**9 or a million layers would
 otherwise end in an allocation traceback, an out-of-memory error part way, or
@@ -80,3 +81,29 @@ def check_fits(config: ModelConfig, max_tokens: int | None = None, training: boo
 
 def _gib(count: int) -> str:
   return f'{count / 2 ** 30:,.1f} GiB'
+
+
+def decoding_bytes(config: ModelConfig, rows: int, beams: int, length: int) -> int:
+  """A lower bound of one decoding batch's memory: `rows` sentences of `beams` beams and
+  `length` output positions. Per decoder layer the cache's keys and values [B, K, L, D] each,
+  one layer's attention scores over the pooled beams [B, N, K, K * L], and the logits
+  [B, K, V]."""
+  cache = 2 * config.num_decoder_layers * config.d_model
+  scores = config.num_heads * beams
+  return FLOAT_BYTES * rows * beams * (length * (cache + scores) + config.vocab_size)
+
+
+def check_decoding_fits(config: ModelConfig, rows: int, beams: int, option: str,
+                        length: int | None = None, memory: int | None = None) -> None:
+  """Raises ConfigError naming `option` (the beam count's) when decoding `rows` sentences of
+  `beams` beams at once cannot fit in `memory` (`decoding_bytes`; length: the output
+  positions, at most the model's max_len)."""
+  memory = physical_memory() if memory is None else memory
+  length = min(length or config.max_len, config.max_len)
+  needed = decoding_bytes(config, rows, beams, length) + parameter_count(config) * FLOAT_BYTES
+  if needed > memory:
+    raise ConfigError(
+        f'{option}={beams} is too large for this machine: decoding {rows:,} '
+        f'sentence{"s" * (rows != 1)} of {beams:,} beams and {length:,} positions needs at least '
+        f'{_gib(needed)}, more than its {_gib(memory)} of memory; use fewer beams (or a smaller '
+        '--batch-size)')

@@ -25,6 +25,7 @@ The languages are the checkpoint's (config.json's data.src_lang, data.tgt_lang).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import shutil
@@ -39,7 +40,7 @@ from flax_transformer.config import RUN_PRESETS, run_preset
 from flax_transformer.data.corpus import DataError
 from flax_transformer.decode.methods import BeamSearch, DecodingMethod
 from flax_transformer.decode.translator import Translator
-from flax_transformer.run.directory import read_config
+from flax_transformer.run.directory import averaged_run, read_config
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.train.loop import load_data
 
@@ -47,6 +48,11 @@ from flax_transformer.train.loop import load_data
 # vocabulary and special ids, --objective the kind, --data/--src/--tgt the data.
 _NOT_REPEATED = {'model': {'vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id', 'kind'},
                  'train': set(), 'data': {'source', 'src_lang', 'tgt_lang'}}
+
+
+# The file that marks OUTPUT as distill.py's, so that --overwrite replaces nothing else (no
+# suffix: loading the directory's <split>.<lang> files never reads it).
+MARKER = '.written-by-distill'
 
 
 class DistillError(ValueError):
@@ -80,7 +86,7 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   Args:
     checkpoint_dir: an autoregressive run directory (or its average-lastK).
     output: the directory to write; it must not exist or be empty, unless
-      `overwrite`, which replaces it.
+      `overwrite`, which replaces an earlier output of distill (marked by MARKER).
     data: the parallel text, as train.py's --data (a directory, a table file,
       a Hub name or 'toy'); None: the checkpoint's own data.source.
     method: how the teacher decodes (default: the paper's beam search).
@@ -89,9 +95,9 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
 
   Raises:
     DistillError: a cmlm checkpoint, an output that exists and is not empty
-      (without `overwrite`), an output that would replace the data or the
-      checkpoint, or a teacher whose translations are all empty (nothing is
-      written then). CheckpointError, DataError, ConfigError: as their names say.
+      (without `overwrite`; with it: one distill did not write), an output that
+      would replace the data, the checkpoint or an averaged checkpoint's run, or
+      a teacher whose translations are all empty (nothing is written then). CheckpointError, DataError, ConfigError: as their names say.
   """
   checkpoint_dir, output = Path(checkpoint_dir), Path(output)
   model_config, train_config, data_config = read_config(checkpoint_dir)
@@ -102,14 +108,22 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   method.check_model(model_config)
   if not isinstance(batch_size, int) or batch_size < 1:
     raise DistillError(f'--batch-size must be a positive integer, got {batch_size!r}')
+  method.check_fits(model_config, batch_size)
   if data is not None:
     data_config = data_config.replace(source=data)
   source = Path(data_config.source).expanduser()
+  teacher_run = averaged_run(checkpoint_dir)  # an average-lastK's own run is an input too
+  inputs = [checkpoint_dir] + [path for path in (teacher_run, source)
+                               if path is not None and path.exists()]
   check_output(output, [Protected(path, f'{path}, an input of the distillation')
-                        for path in [checkpoint_dir] + ([source] if source.exists() else [])],
+                        for path in inputs],
                '--output', DistillError, replaceable=None if overwrite else (),
                occupied='exists and is not empty; choose another directory or pass '
                         '--overwrite to replace it')
+  if overwrite and output.is_dir() and any(output.iterdir()) and not (output / MARKER).is_file():
+    raise DistillError(f'--output {output} was not written by distill.py (it has no {MARKER}): '
+                       '--overwrite replaces only an earlier output of distill.py; choose '
+                       'another directory')
 
   dataset = load_data(data_config)
   if 'train' not in dataset:
@@ -134,6 +148,9 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   try:
     partial.mkdir(parents=True)
     _write_splits(partial, source, dataset, sources, translations, data_config)
+    (partial / MARKER).write_text(json.dumps({'written_by': 'flax_transformer distill.py',
+                                              'teacher': str(checkpoint_dir.resolve()),
+                                              'method': method.describe()}) + '\n')
     if output.exists():
       shutil.rmtree(output)
     partial.rename(output)

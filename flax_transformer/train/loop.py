@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import datasets
@@ -75,7 +75,7 @@ from flax_transformer.nn.model import count_params
 from flax_transformer.pretrained.marian import load_marian
 from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, WriteError
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
-from flax_transformer.run.directory import RunDirectory
+from flax_transformer.run.directory import RunDirectory, saved_steps
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits
 from flax_transformer.train import scheduled_sampling
@@ -129,12 +129,13 @@ def load_data(data_config: DataConfig) -> datasets.DatasetDict:
 
 
 def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
-                   average_last: int = 0, skip_nonfinite: int = 0, pretrained: bool = False
-                   ) -> None:
+                   average_last: int = 0, skip_nonfinite: int = 0, pretrained: bool = False,
+                   saved: Sequence[int] = ()) -> None:
   """Raises ConfigError for settings that are each valid but cannot make a run together.
 
   pretrained: the model config comes from a pretrained model (`--init-from`), with
   its own vocabulary, rather than from a tokenizer trained on the data.
+  saved: the steps of the checkpoints a resumed run starts with (`saved_steps`).
 
   Checked before any data is loaded, rather than found out later (the vocabulary
   when the tokenizer is trained, the averaging after the last step).
@@ -150,6 +151,13 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
     raise ConfigError(f'--average-last={average_last} needs that many checkpoints on disk, but '
                       f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
                       'it or average fewer')
+  kept = checkpoints_kept(train_config, saved)
+  if average_last > kept:
+    raise ConfigError(f'--average-last={average_last} needs that many checkpoints, but this run '
+                      f'ends with {kept}: train.steps={train_config.steps} with '
+                      f'train.checkpoint_every={train_config.checkpoint_every} (and one at the '
+                      f'end){f", beside the {len(saved)} saved" if saved else ""}; average fewer, '
+                      'or lower train.checkpoint_every')
   check_bounds(skip_nonfinite, NONNEGATIVE_INT, '--skip-nonfinite')
   picked = [f'data.{name}' for name in ('valid_split', 'test_split') if getattr(data_config, name)]
   if data_config.source == 'toy' and picked:
@@ -160,6 +168,18 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
              train_config.max_tokens)
   scheduled_sampling.check_model(model_config, train_config)
   check_packing(model_config, train_config)
+
+
+def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> int:
+  """How many checkpoints a run leaves on disk: one every checkpoint_every steps and one at the
+  last step, after the `saved` ones it resumes from, the newest keep_checkpoints of them.
+
+  For steps 5, checkpoint_every 2, keep_checkpoints 5: steps 2, 4 and 5, so 3.
+  """
+  every, last, start = train_config.checkpoint_every, train_config.steps, max(saved, default=0)
+  written = {step for step in range(every, last + 1, every) if step > start}
+  written |= {last} if last > start else set()
+  return min(train_config.keep_checkpoints, len(written | set(saved)))
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig,
@@ -200,8 +220,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
       data, or run directory, before training starts.
   """
   check_settings(model_config, train_config, data_config, average_last, skip_nonfinite,
-                 pretrained=init_from is not None)
-  directory = RunDirectory(workdir)
+                 pretrained=init_from is not None, saved=saved_steps(workdir) if resume else ())
+  directory = RunDirectory(workdir, init_from=init_from, data=data_config.source)
   with directory.locked():
     run = _prepare_training_run(model_config, train_config, data_config, directory, dataset,
                                 devices, parallel, resume, print_fn, init_from)
