@@ -373,3 +373,33 @@ def test_sigterm_while_the_process_exits_ends_it_with_one_line(status, line, mon
   assert exit_status == (143 if status == 0 else status)
   assert err == (line or 'train.py: error: disk full\n')
   assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_device_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoints(tmp_path,
+                                                                              monkeypatch):
+  """XLA's RESOURCE_EXHAUSTED (a batch shape too large for the device, found when it first
+  runs) is named with what to lower; the checkpoint saved before it stays."""
+  import jax
+  make_step = loop.make_parallel_step
+
+  def failing_step(*args, **kwargs):
+    step, calls = make_step(*args, **kwargs), []
+
+    def run(state, batch):
+      calls.append(1)
+      if len(calls) == 2:
+        raise jax.errors.JaxRuntimeError(
+            'RESOURCE_EXHAUSTED: Out of memory allocating 30602629616 bytes.')
+      return step(state, batch)
+    return run
+
+  monkeypatch.setattr(loop, 'make_parallel_step', failing_step)
+  options = [option for option in CMLM_OPTIONS if not option.startswith('--model.max_length')]
+  status, _, err = call(train_cli.main, [*options, '--workdir', tmp_path / 'run', '--steps=3',
+                                         '--train.checkpoint_every=1'])
+  assert status == 1 and 'Traceback' not in err
+  assert error_line(err, 'train.py') == (
+      'train.py: error: the device ran out of memory in a training step (Out of memory '
+      'allocating 30602629616 bytes.); lower --train.max_tokens (tokens per batch) or the '
+      'model size; the checkpoints on disk are complete: run again to resume')
+  assert saved_steps(tmp_path / 'run') == [1]

@@ -7,8 +7,9 @@ Exit status of the programs (the one table; their docstrings point here):
 
   0    train.py trained and evaluated; decode.py translated; distill.py wrote its output
   1    train.py: an error in the data, the run directory (in use by another run, a checkpoint
-         of another model, a foreign tokenizer), a write (full disk), or anything unexpected
-         (the checkpoints written stay)
+         of another model, a foreign tokenizer), a write (full disk), the device out of memory
+         in a step (a batch shape too large), or anything unexpected (the checkpoints written
+         stay)
        decode.py: writing the output failed, or anything unexpected part way (the
          translations written stay)
        distill.py: writing the output failed, or anything unexpected (the output directory
@@ -169,11 +170,24 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
             'checkpoint, if any'), 128 + signal.SIGTERM
   if isinstance(error, MemoryError):
     return 'error: out of memory; choose a smaller model or train.max_tokens', 1
+  if _device_out_of_memory(error):
+    # XLA's estimate for a batch shape comes only when that shape first compiles and runs,
+    # so a run can pass the step before and fail here: the saved checkpoints are complete.
+    detail = str(error).strip().splitlines()[0].split('RESOURCE_EXHAUSTED:', 1)[-1].strip()
+    return (f'error: the device ran out of memory in a training step ({detail}); lower '
+            '--train.max_tokens (tokens per batch) or the model size; the checkpoints on disk '
+            'are complete: run again to resume'), 1
   if isinstance(error, _refusals()):
     return f'error: {error}', 2
   if isinstance(error, _run_errors()):
     return f'error: {error}', 1
   return None
+
+
+def _device_out_of_memory(error: BaseException) -> bool:
+  """XLA's out-of-memory error (on any device, the CPU included)."""
+  import jax
+  return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
 
 
 def _refusals() -> tuple[type[Exception], ...]:
