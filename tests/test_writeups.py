@@ -160,6 +160,11 @@ def gpu_share() -> list[float]:
     return [100 * rows[0]["fraction_of_peak"]]  # shown as a percentage
 
 
+def batch_rates(key: str, kind: str, scale: float = 1e6) -> list[float]:
+    """benchmarks/data_pipeline.py's host batch rate (shown in millions of tokens/s) or ratio."""
+    return [_load("data_pipeline.json")["batches"][f"{kind}_{key}"] / scale]
+
+
 F32, BF16, BOTH = ("float32",), ("bfloat16",), ("float32", "bfloat16")
 
 # Speed table: columns ours | fastest peer | ours / peer; cell index -> one value list per " / " part.
@@ -194,6 +199,13 @@ SPEED_ROWS = {
     },
     "one GPU (`bash benchmarks/gpu.sh`): big model, bfloat16 training step, 768 rows, share of the matmul peak":
         lambda: {2: [gpu_share()]},
+    "host batches of 25,000 tokens from the 4.5M-pair cache, bucketed / packed, real target tokens/s, vs this "
+    "library's Python-loop batchers before ([input side](benchmarks/README.md#the-input-side-at-the-papers-scale))":
+        lambda: {0: [batch_rates("ours_tokens_per_s", "bucketed"), batch_rates("ours_tokens_per_s", "packed")],
+                 1: [batch_rates("before_tokens_per_s", "bucketed"),
+                     batch_rates("before_tokens_per_s", "packed")],
+                 2: [batch_rates("ours_over_before", "bucketed", scale=1),
+                     batch_rates("ours_over_before", "packed", scale=1)]},
 }
 
 
