@@ -243,9 +243,12 @@ def test_cut_at_eos_keeps_the_tokens_before_the_first_eos():
     (dict(length_beam=True), 'length_beam must be a positive integer, got True'),
     (dict(length='auto'), 'length must be one of predict, fixed'),
     (dict(length='fixed', length_beam=3), 'length_beam must be 1, got 3'),
-    (dict(length_ratio=0), r'length_ratio must be in \(0, inf\), got 0'),
-    (dict(length_ratio=float('inf')), r'length_ratio must be in \(0, inf\), got inf'),
-    (dict(length_offset=1.5), 'length_offset must be an integer, got 1.5'),
+    (dict(length_ratio=0), r'length_ratio must be in \(0, 65536\], got 0'),
+    (dict(length_ratio=float('inf')), r'length_ratio must be in \(0, 65536\], got inf'),
+    (dict(length_ratio=1e12), r'length_ratio must be in \(0, 65536\], got 1000000000000'),
+    (dict(length_offset=1.5), r'length_offset must be an integer in \[-65536, 65536\], got 1.5'),
+    (dict(length_offset=10**12), r'length_offset must be an integer in \[-65536, 65536\], got '
+                                 '1000000000000'),
 ])
 def test_bad_settings_name_the_option(settings, message):
   with pytest.raises(ConfigError, match=message):
