@@ -101,6 +101,31 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   """
   checkpoint_dir, output = Path(checkpoint_dir), Path(output)
   model_config, train_config, data_config = read_config(checkpoint_dir)
+  _check_teacher(checkpoint_dir, model_config, method, batch_size)
+  if data is not None:
+    data_config = data_config.replace(source=data)
+  source = Path(data_config.source).expanduser()
+  _check_output(checkpoint_dir, output, source, overwrite)
+
+  dataset = load_data(data_config)
+  if 'train' not in dataset:
+    raise DataError(f'{data_config.source} has no train split (splits: {", ".join(dataset)})')
+  sources = list(dataset['train']['source'])
+  translations, truncated = _teacher_translations(checkpoint_dir, sources, method, batch_size,
+                                                  progress)
+  _write_output(output, checkpoint_dir, method, source, dataset, sources, translations,
+                data_config)
+
+  command = student_command(output, model_config, train_config, data_config, checkpoint_dir)
+  return DistillResult(output=output, sentences=len(sources),
+                       empty=sum(not text for text in translations),
+                       truncated=truncated, command=command)
+
+
+def _check_teacher(checkpoint_dir: Path, model_config, method: DecodingMethod,
+                   batch_size: int) -> None:
+  """Refuses a teacher that cannot decode as asked: a cmlm model, a bad batch size, a beam
+  too large for the memory."""
   if model_config.kind != 'autoregressive':
     raise DistillError(f'{checkpoint_dir} holds a {model_config.kind} model '
                        f'(model.kind={model_config.kind!r}); the teacher must be autoregressive, '
@@ -109,9 +134,11 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   if not isinstance(batch_size, int) or batch_size < 1:
     raise DistillError(f'--batch-size must be a positive integer, got {batch_size!r}')
   method.check_fits(model_config, batch_size)
-  if data is not None:
-    data_config = data_config.replace(source=data)
-  source = Path(data_config.source).expanduser()
+
+
+def _check_output(checkpoint_dir: Path, output: Path, source: Path, overwrite: bool) -> None:
+  """Refuses an output over an input (the checkpoint, an averaged checkpoint's run, the
+  data), or, with `overwrite`, a directory distill did not write."""
   teacher_run = averaged_run(checkpoint_dir)  # an average-lastK's own run is an input too
   inputs = [checkpoint_dir] + [path for path in (teacher_run, source)
                                if path is not None and path.exists()]
@@ -125,12 +152,12 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
                        '--overwrite replaces only an earlier output of distill.py; choose '
                        'another directory')
 
-  dataset = load_data(data_config)
-  if 'train' not in dataset:
-    raise DataError(f'{data_config.source} has no train split (splits: {", ".join(dataset)})')
-  translator = Translator.from_checkpoint(checkpoint_dir)
 
-  sources = list(dataset['train']['source'])
+def _teacher_translations(checkpoint_dir: Path, sources: list[str], method: DecodingMethod,
+                          batch_size: int, progress: bool) -> tuple[list[str], int]:
+  """The teacher's translation of each source, under a progress bar, and how many sources were
+  cut to the model's max_len; refuses all-empty translations."""
+  translator = Translator.from_checkpoint(checkpoint_dir)
   encoded = translator.encode(sources)
   total = sum(ids is not None for ids in encoded.ids)
   with tqdm(total=total, unit='sent', desc='distill', disable=not progress, file=sys.stderr,
@@ -142,8 +169,13 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   if not any(translations):
     raise DistillError(f'every translation by {checkpoint_dir} is empty (it ends each sentence at '
                        'once), which would leave no training pairs; distil from a trained model')
+  return translations, len(encoded.truncated)
 
-  # Written beside OUTPUT and renamed into place: OUTPUT is either complete or untouched.
+
+def _write_output(output: Path, checkpoint_dir: Path, method: DecodingMethod, source: Path,
+                  dataset, sources: list[str], translations: list[str], data_config) -> None:
+  """Writes the splits and the MARKER beside OUTPUT and renames them into place: OUTPUT is
+  either complete or untouched."""
   partial = output.with_name(f'.{output.name}.partial-{os.getpid()}')
   try:
     partial.mkdir(parents=True)
@@ -157,12 +189,6 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   finally:
     if partial.exists():
       shutil.rmtree(partial)
-
-  command = student_command(output, model_config, train_config, data_config, checkpoint_dir)
-  return DistillResult(output=output, sentences=len(sources),
-                       empty=sum(not text for text in translations),
-                       truncated=len(encoded.truncated), command=command)
-
 
 def _write_splits(directory: Path, source: Path, dataset, sources: Sequence[str],
                   translations: Sequence[str], data_config) -> None:
