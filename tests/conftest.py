@@ -17,10 +17,35 @@ as they found them.
   checkpointed_run    support/checkpointed_run.py: five checkpoints of a tiny model
   cmlm_params         the parameters of support/tiny_cmlm.py's model,
   cmlm_copy_params    and of its uniform-copy variant
+
+Speed (docs/contributing.md, "Tests"): pyproject's addopts run the files in parallel
+(pytest-xdist, one file per worker at a time, the slowest files first: see
+`pytest_collection_modifyitems`), and every JAX process of the session (the workers,
+the scripts and notebook kernels that tests start) shares one persistent compilation
+cache, so a program that several files or processes compile is compiled once.
 """
 
+import gc
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+# JAX's persistent compilation cache, in a temporary directory made by the first process of
+# the session (the xdist controller, or pytest itself with -n 0) and removed by it at the end
+# (`pytest_unconfigure`). The variables are set before jax is imported: the xdist workers and
+# every process a test starts inherit them. A test that wants a cache of its own (as
+# test_interruption's processes do) sets JAX_COMPILATION_CACHE_DIR in its child's environment.
+_SESSION_CACHE = 'FLAX_TRANSFORMER_TEST_COMPILATION_CACHE'
+_CACHE_MADE_HERE = not os.environ.get(_SESSION_CACHE)
+if _CACHE_MADE_HERE:
+  os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix='flax-transformer-test-jax-cache-')
+os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ[_SESSION_CACHE]
+# Every program, however quick to compile: the tests' programs are small, and most are
+# compiled again by another file or process.
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -159,3 +184,49 @@ def cmlm_copy_params():
   src = tiny_cmlm.pad_rows(tiny_cmlm.SOURCES)
   return jax.jit(model.init)(jax.random.key(0), src, src)['params']
 
+
+
+# --- the order of the files --------------------------------------------------------------
+
+# The files that take longest, slowest first (`python -m pytest --durations=0 -n 0`, summed per
+# file; docs/contributing.md's durations table). xdist hands each worker the next file when it
+# finishes one; a long file handed out last would run alone at the end while the other worker
+# idles. Files not named here keep their order, after these.
+SLOWEST_FILES = (
+    'test_notebooks.py', 'test_readme.py', 'test_cmlm_decoding.py', 'test_decoding.py',
+    'test_decode_cli.py', 'test_multi30k.py', 'test_packing.py', 'test_benchmarks.py',
+    'test_multihost.py', 'test_pretrained.py', 'test_model.py', 'test_interruption.py',
+    'test_training.py', 'test_scheduled_sampling.py', 'test_banded_attention.py',
+    'test_cmlm_training.py', 'test_train_step.py', 'test_multidevice.py', 'test_cmlm.py',
+    'test_train_cli.py', 'test_attention.py', 'test_faults.py', 'test_nothing_lost.py')
+
+
+# --- garbage collection -------------------------------------------------------------------
+
+# The programs' failure path runs a full collection (flax_transformer/cli/failures.py), which in
+# a test process walks every object of the session: 0.4 s a call, a minute over the CLI tests.
+# Objects older than the test are frozen (left out of collections) while it runs, and collected
+# once its file is done.
+
+@pytest.fixture(autouse=True, scope='module')
+def _garbage_collected_per_file():
+  yield
+  gc.unfreeze()
+  gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _older_objects_frozen(_garbage_collected_per_file):
+  gc.freeze()
+
+
+def pytest_unconfigure(config):
+  if _CACHE_MADE_HERE:
+    shutil.rmtree(os.environ[_SESSION_CACHE], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+  # A stable sort: each file's tests keep their order.
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

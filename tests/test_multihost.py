@@ -41,6 +41,7 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
+from support.environment import xla_flags
 from support.processes import free_ports, host_name_is_loopback
 
 from flax_transformer.data.toy_task import number_translation
@@ -82,7 +83,8 @@ def environment(devices: int) -> dict[str, str]:
   optimisations each process needs about 30% less CPU time. Every run of a
   comparison uses the same flags.
   """
-  flags = f'--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0'
+  flags = xla_flags(f'--xla_force_host_platform_device_count={devices}',
+                    '--xla_backend_optimization_level=0')
   return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT), 'XLA_FLAGS': flags}
 
 

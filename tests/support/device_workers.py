@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from support.environment import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,11 +23,11 @@ def run_worker(source: str, out: Path, args, device_count: int,
   tests/test_multihost.py does): a third less compiling, where only equality
   between runs is tested.
   """
-  flags = f'--xla_force_host_platform_device_count={device_count}'
+  flags = [f'--xla_force_host_platform_device_count={device_count}']
   if not backend_optimization:
-    flags += ' --xla_backend_optimization_level=0'
+    flags.append('--xla_backend_optimization_level=0')
   # tests/ on the path too: workers import the helpers of tests/support/.
-  env = {**os.environ, 'XLA_FLAGS': flags, 'JAX_PLATFORMS': 'cpu',
+  env = {**os.environ, 'XLA_FLAGS': xla_flags(*flags), 'JAX_PLATFORMS': 'cpu',
          'PYTHONPATH': f'{ROOT}{os.pathsep}{ROOT / "tests"}'}
   done = subprocess.run([sys.executable, '-c', source, str(out), *map(str, args)], env=env,
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
