@@ -220,6 +220,21 @@ def _older_objects_frozen(_garbage_collected_per_file):
   gc.freeze()
 
 
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto`: a worker per core, but no more workers than the test files asked for, and none
+  (this process) for one file, where starting workers would only add their start-up."""
+  if os.environ.get('PYTEST_XDIST_AUTO_NUM_WORKERS'):
+    return None  # xdist's own rule reads it
+  files = set()
+  for argument in config.args:
+    path = Path(argument.split('::')[0])
+    if not path.is_file():
+      return None  # a directory (the whole suite): one worker per core
+    files.add(path.resolve())
+  cores = len(os.sched_getaffinity(0))
+  return 0 if len(files) < 2 else min(cores, len(files))
+
+
 def pytest_unconfigure(config):
   if _CACHE_MADE_HERE:
     shutil.rmtree(os.environ[_SESSION_CACHE], ignore_errors=True)

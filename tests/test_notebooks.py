@@ -76,7 +76,8 @@ INTEGER = re.compile(r'[-+]?\d+')
 #              ended a loss of 1.183 and 1.113 apart at step 200, and a few translations in
 #              other words. Compared by form: the same text with every number masked or, where
 #              the model wrote other words, the same streams and line counts. What the numbers
-#              mean is checked by the summary's facts (test_translate).
+#              mean is checked by the summary's facts (test_translate), and a summary cell that
+#              prints them is tagged 'trained' too.
 CELL_KINDS = ('timings', 'trained')
 NUMBER_RTOL = 1e-3
 # Numbers this small are float32 roundoff itself (the notebooks print errors of ~1e-7), which

@@ -11,7 +11,7 @@
 #   native  this CPU as it is;
 #   avx2    --xla_cpu_max_isa=AVX2: no AVX-512, as on the AVX2-only machines that build and test
 #           this project, and --xla_cpu_multi_thread_eigen=false: Eigen's matrix products on one
-#           thread, as on a machine with fewer cores (Eigen splits a product by thread count);
+#           thread, as on a one-core machine (Eigen may split a product by thread count);
 #   avx     --xla_cpu_max_isa=AVX: no FMA either, so every dot and layer rounds differently
 #           from the native run (measured: native and AVX2 round alike where XLA keeps to
 #           256-bit vectors, AVX does not). No supported machine lacks FMA; this variant

@@ -3,7 +3,7 @@
 Each mutant is one textual change to one library file (an exact snippet, which must occur
 exactly once, and its replacement) and the tests that ought to catch it. For each mutant the
 harness copies the working tree (tracked and untracked, not ignored, files) to a temporary
-directory, applies the change there, runs the listed tests with `python -m pytest -x -q`
+directory, applies the change there, runs the listed tests with `python -m pytest -x -q -n 0`
 from that copy (tests/conftest.py puts the copy's root first on sys.path) and reports
 KILLED (a test failed), SURVIVED (every test passed: the tests miss that bug) or ERROR
 (the snippet is gone or ambiguous: the mutant is stale; or pytest could not run).
@@ -271,9 +271,11 @@ def run(mutant: Mutant, timeout: float, keep: bool) -> tuple[str, float, str]:
     env.pop('PYTHONPATH', None)
     start = time.monotonic()
     try:
-      proc = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-p', 'no:cacheprovider',
-                             *mutant.tests], cwd=workdir, env=env, capture_output=True,
-                            text=True, timeout=timeout)
+      # -n 0: in one process, whatever pyproject's addopts say; under xdist, -x ends the session
+      # as interrupted (status 2), which would read as an error here, not a kill.
+      proc = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-n', '0',
+                             '-p', 'no:cacheprovider', *mutant.tests], cwd=workdir, env=env,
+                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
       return 'ERROR', time.monotonic() - start, f'timed out after {timeout:.0f} s'
     seconds = time.monotonic() - start
