@@ -220,6 +220,15 @@ def _older_objects_frozen(_garbage_collected_per_file):
   gc.freeze()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+  # After the last test: pytest's unraisable-exception plugin then collects garbage several
+  # times, each a walk over the whole session's objects. An xdist worker still busy 5 s after
+  # its controller finished gets SIGINT from execnet, which landed in JAX's gc callback and
+  # printed a KeyboardInterrupt warning. The process is ending: nothing is left to collect.
+  gc.freeze()
+
+
 def pytest_xdist_auto_num_workers(config):
   """`-n auto`: a worker per core, but no more workers than the test files asked for, and none
   (this process) for one file, where starting workers would only add their start-up."""
