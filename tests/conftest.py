@@ -185,10 +185,9 @@ def cmlm_copy_params():
   return jax.jit(model.init)(jax.random.key(0), src, src)['params']
 
 
-
 # --- the order of the files --------------------------------------------------------------
 
-# The files that take longest, slowest first (`python -m pytest --durations=0 -n 0`, summed per
+# The files that take longest, slowest first (`python -m pytest --durations=0`, summed per
 # file; docs/contributing.md's durations table). xdist hands each worker the next file when it
 # finishes one; a long file handed out last would run alone at the end while the other worker
 # idles. Files not named here keep their order, after these.
@@ -201,12 +200,20 @@ SLOWEST_FILES = (
     'test_train_cli.py', 'test_attention.py', 'test_faults.py', 'test_nothing_lost.py')
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+  # A stable sort: each file's tests keep their order.
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 # --- garbage collection -------------------------------------------------------------------
 
 # The programs' failure path runs a full collection (flax_transformer/cli/failures.py), which in
 # a test process walks every object of the session: 0.4 s a call, a minute over the CLI tests.
 # Objects older than the test are frozen (left out of collections) while it runs, and collected
 # once its file is done.
+
 
 @pytest.fixture(autouse=True, scope='module')
 def _garbage_collected_per_file():
@@ -247,10 +254,3 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_unconfigure(config):
   if _CACHE_MADE_HERE:
     shutil.rmtree(os.environ[_SESSION_CACHE], ignore_errors=True)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-  rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
-  # A stable sort: each file's tests keep their order.
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
