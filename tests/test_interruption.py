@@ -96,7 +96,8 @@ def environment(cache: Path) -> dict[str, str]:
   XLA's backend optimisation is off, as in tests/test_multihost.py: compiling
   dominates these runs, and every run of a comparison uses the same flags.
   """
-  flags = xla_flags('--xla_force_host_platform_device_count=1', '--xla_backend_optimization_level=0')
+  flags = xla_flags('--xla_force_host_platform_device_count=1',
+                    '--xla_backend_optimization_level=0')
   return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT), 'XLA_FLAGS': flags,
           'JAX_COMPILATION_CACHE_DIR': str(cache),
           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',

@@ -227,8 +227,9 @@ def outputs_differ(old: str, new: str, trained: bool) -> list[str]:
     # Form only: the same words around the numbers, or the same streams and line counts.
     if NUMBER.sub('#', old) == NUMBER.sub('#', new) or text_shape(old) == text_shape(new):
       return []
-    return ['a trained cell printed other lines'] + list(difflib.unified_diff(
-        text_shape(old).splitlines(), text_shape(new).splitlines(), 'committed', 'now', lineterm=''))
+    old_shape, new_shape = text_shape(old).splitlines(), text_shape(new).splitlines()
+    return ['a trained cell printed other lines'] + list(
+        difflib.unified_diff(old_shape, new_shape, 'committed', 'now', lineterm=''))
   differences = numbers_differ(old, new, NUMBER_RTOL)
   if differences == ['the text around the numbers differs']:
     differences += difflib.unified_diff(old.splitlines(), new.splitlines(), 'committed', 'now',
@@ -262,7 +263,8 @@ def test_committed_outputs(path, executed):
   assert [cell.execution_count for cell in code_cells] == list(range(1, len(code_cells) + 1)), \
       f'{path.name}: not every code cell was executed, in order, for the committed outputs'
 
-  unknown = {tag for cell in code_cells for tag in cell.metadata.get('tags', [])} - {*CELL_KINDS, 'summary'}
+  tags = {tag for cell in code_cells for tag in cell.metadata.get('tags', [])}
+  unknown = tags - {*CELL_KINDS, 'summary'}
   assert not unknown, f'{path.name}: cell tags this test does not know: {sorted(unknown)}'
   fresh = executed(path.name)
   assert [cell.source for cell in fresh.cells] == [cell.source for cell in committed.cells]
@@ -303,7 +305,8 @@ def test_each_kind_of_cell_is_compared_by_its_own_rule():
   other_cpu = '[stdout]\nstep 200: loss 1.113, token accuracy 96.1%\n'
   # A trained model's numbers move from CPU to CPU; its form may not.
   assert not outputs_differ(committed, other_cpu, trained=True)
-  assert not outputs_differ('[stdout]\nfünfzig  ok\n', '[stdout]\nfünfzehn  want fünfzig\n', trained=True)
+  assert not outputs_differ('[stdout]\nfünfzig  ok\n', '[stdout]\nfünfzehn  want fünfzig\n',
+                            trained=True)
   assert outputs_differ(committed, committed + 'step 300: loss 1.0\n', trained=True)
   assert outputs_differ(committed, committed.replace('stdout', 'stderr'), trained=True)
   # Anywhere else such a move is a change of meaning, and so is a word.

@@ -20,9 +20,9 @@ def test_the_slowest_files_named_exist_once_each():
 
 def test_child_processes_keep_the_suites_flags_and_replace_their_own(monkeypatch):
   monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=8')
-  assert xla_flags('--xla_force_host_platform_device_count=2', '--xla_backend_optimization_level=0') == (
-      '--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=2 '
-      '--xla_backend_optimization_level=0')
+  flags = xla_flags('--xla_force_host_platform_device_count=2', '--xla_backend_optimization_level=0')
+  assert flags == ('--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=2 '
+                   '--xla_backend_optimization_level=0')
   monkeypatch.delenv('XLA_FLAGS')
   assert xla_flags('--xla_force_host_platform_device_count=4') == (
       '--xla_force_host_platform_device_count=4')

@@ -28,7 +28,10 @@ declare -A FLAGS=(
 variants=("$@")
 [ ${#variants[@]} -eq 0 ] && variants=(native avx2)
 for variant in "${variants[@]}"; do
-  [ -n "${FLAGS[$variant]+set}" ] || { echo "any_cpu.sh: unknown variant '$variant' (native, avx2, avx)" >&2; exit 2; }
+  if [ -z "${FLAGS[$variant]+set}" ]; then
+    echo "any_cpu.sh: unknown variant '$variant' (native, avx2, avx)" >&2
+    exit 2
+  fi
 done
 
 status=0
@@ -41,7 +44,8 @@ for variant in "${variants[@]}"; do
   XLA_FLAGS="${flags# }" python -m pytest -q 2>&1 | tee "$log"
   code=${PIPESTATUS[0]}
   [ "$code" -eq 0 ] || status=1
-  summaries+=("$variant ($((SECONDS - start)) s, exit $code): $(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$log" | tail -1)")
+  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$log" | tail -1)"
+  summaries+=("$variant ($((SECONDS - start)) s, exit $code): $summary")
   rm -f "$log"
 done
 echo
