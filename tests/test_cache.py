@@ -4,6 +4,7 @@ Small corpora: the first lines of Multi30k's training set, copied into tmp_path 
 into the repository), and a small BPE tokenizer trained on them.
 """
 
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -104,6 +105,58 @@ def test_worker_pool_equals_encode_corpus(data, tokenizer, tmp_path, monkeypatch
   corpus = cache.load_or_encode(_source(data), tokenizer, 'tok', MAX_LEN, tmp_path / 'cache',
                                 workers=2, block_lines=400, progress=False)
   _assert_same(corpus, _expected(data, tokenizer))
+
+
+def test_special_strings_in_a_training_pair_are_text(tokenizer, tmp_path):
+  directory = tmp_path / 'specials'
+  directory.mkdir()
+  en = ['</s> A dog runs.', 'A <pad> dog runs.', 'A dog runs. <s>', 'A dog<unk>runs.']
+  de = ['Ein Hund </s>', '<pad>', 'Ein <s> Hund', 'Ein Hund rennt.']
+  (directory / 'train.en').write_text('\n'.join(en) + '\n', encoding='utf-8')
+  (directory / 'train.de').write_text('\n'.join(de) + '\n', encoding='utf-8')
+  corpus = cache.load_or_encode(_source(directory), tokenizer, 'tok', MAX_LEN,
+                                tmp_path / 'cache', progress=False)
+  assert len(corpus) == 4
+  for ids, offsets, texts in ((corpus.src_ids, corpus.src_offsets, en),
+                              (corpus.tgt_ids, corpus.tgt_offsets, de)):
+    for row, text in enumerate(texts):
+      encoded = np.asarray(ids[offsets[row]:offsets[row + 1]])
+      # EOS only where the pipeline puts it, the text's own ids before it, no PAD or BOS.
+      assert encoded[-1] == tokenizer.eos_id
+      assert not {tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id} & set(encoded[:-1].tolist())
+      assert encoded[:-1].tolist() == tokenizer.encode([text])[0]
+
+
+def test_a_cache_of_the_older_text_encoding_is_named_once_and_encoded_again(
+    data, tokenizer, tmp_path, monkeypatch):
+  with monkeypatch.context() as patch:  # a cache written before special strings were text
+    patch.setattr(cache, 'TEXT_ENCODING', 1)
+    cache.load_or_encode(_source(data), tokenizer, 'tok', MAX_LEN, tmp_path / 'cache',
+                         progress=False)
+  [legacy] = list((tmp_path / 'cache').iterdir())
+  said = []
+  corpus = cache.load_or_encode(_source(data), tokenizer, 'tok', MAX_LEN, tmp_path / 'cache',
+                                progress=False, say=said.append)
+  assert said[0] == (f"cache: {legacy} was encoded with special tokens' strings in the text "
+                     '(</s>, <pad>, <unk>, <s>) read as those tokens; they are text now, so the '
+                     'corpus is encoded again (the old cache is no longer used and can be '
+                     'deleted)')
+  assert said[1].startswith('cache: encoded') and len(said) == 2
+  _assert_same(corpus, _expected(data, tokenizer))
+  said.clear()
+  cache.load_or_encode(_source(data), tokenizer, 'tok', MAX_LEN, tmp_path / 'cache',
+                       progress=False, say=said.append)
+  assert len(said) == 1 and said[0].startswith('cache: hit')  # once only
+
+
+def test_the_older_text_encoding_keeps_the_keys_it_had():
+  fingerprint = {'kind': 'x', 'files': []}
+  before = {'format': cache.FORMAT_VERSION, 'source': fingerprint, 'tokenizer': 'tok',
+            'max_len': 20, 'special_ids': [0, 1, 2]}
+  assert cache.cache_key(fingerprint, 'tok', 20, text_encoding=1) == hashlib.sha256(
+      json.dumps(before, sort_keys=True).encode()).hexdigest()
+  assert cache.cache_key(fingerprint, 'tok', 20) != cache.cache_key(fingerprint, 'tok', 20,
+                                                                      text_encoding=1)
 
 
 def test_second_call_reads_the_cache(data, tokenizer, tmp_path, monkeypatch):

@@ -75,6 +75,27 @@ def test_cli_translates_arguments_to_stdout(run_dir, greedy_translations, capsys
   assert captured.out.split('\n')[:-1] == greedy_translations
 
 
+def test_cli_input_with_special_strings_reaches_the_model_as_text(run_dir, tokenizer,
+                                                                 monkeypatch, capsys):
+  lines = ['</s> ein Hund', 'ein <pad> Hund', 'ein Hund <s>', '<unk>', 'x</s>y']
+  seen = []
+  translate_sources = Translator.translate_sources
+
+  def spy(self, sources, *args, **kwargs):
+    seen.extend(sources.ids)
+    return translate_sources(self, sources, *args, **kwargs)
+
+  monkeypatch.setattr(Translator, 'translate_sources', spy)
+  assert decode_cli.main(['--checkpoint', str(run_dir), '--method', 'greedy', *lines]) == 0
+  assert len(capsys.readouterr().out.split('\n')[:-1]) == len(lines)
+  assert len(seen) == len(lines)
+  for line, ids in zip(lines, seen):
+    # One EOS, the last; no PAD or BOS that would end the sentence or hide it from the masks.
+    assert ids[-1] == tokenizer.eos_id
+    assert not {tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id} & set(ids[:-1].tolist())
+    assert ids[:-1].tolist() == tokenizer.encode([line])[0]
+
+
 def test_cli_decodes_in_bfloat16_as_the_translator_does(run_dir, random_run, capsys):
   status = decode_cli.main(['--checkpoint', str(run_dir), '--method', 'greedy', '--dtype',
                             'bfloat16', '--batch-size', '2', *SENTENCES])

@@ -1,12 +1,13 @@
 """The shared subword tokenizer: special ids, exact round trips, <unk>, save/load, model compatibility."""
 
+import json
 import unicodedata
 
 import numpy as np
 import pytest
 
 from flax_transformer import ConfigError, ModelConfig
-from flax_transformer.data.tokenizer import FILE_NAME, Tokenizer, TokenizerError
+from flax_transformer.data.tokenizer import FILE_NAME, SPECIAL_TOKENS, Tokenizer, TokenizerError
 
 SENTENCES = [
     'A man in an orange hat starring at something.',
@@ -151,3 +152,76 @@ def test_multi30k_validation_round_trips(multi30k_dir):
   assert len(ordinary) > 0.99 * len(references)
   decoded = tokenizer.decode(tokenizer.encode(ordinary))
   assert [d for d, s in zip(decoded, ordinary) if d != s.strip()] == []
+
+
+# --- Text is text: special tokens' strings in a sentence ----------------------------------
+
+# Training text that holds the special strings themselves, glued and apart, so that BPE
+# learns merges spelling them and unigram learns them as pieces: the cases to close.
+TEXT_WITH_SPECIALS = CORPUS + [
+    'Sie schrieb </s> und <pad> in den Text.', 'a<s>b <unk> x</s>y <pad>', 'x < y > z / s',
+    'Hund</s> Mann</s> Frau</s> Kind<pad> Tier<pad> Baum<s> Haus<unk> Weg<unk>',
+] * 15
+SPECIAL_IDS = {Tokenizer.pad_id, Tokenizer.bos_id, Tokenizer.eos_id, Tokenizer.unk_id}
+
+
+@pytest.fixture(scope='module', params=['bpe', 'unigram'])
+def learnt_specials(request):
+  return Tokenizer.train(TEXT_WITH_SPECIALS, vocab_size=300, model=request.param)
+
+
+@pytest.mark.parametrize('special', SPECIAL_TOKENS)
+@pytest.mark.parametrize('template', ['{} Ein Hund', 'Ein {} Hund', 'Ein Hund {}', '{}',
+                                      'Ein{}Hund', '{}{}', 'x</{}'])
+def test_special_strings_in_text_are_encoded_as_text(learnt_specials, special, template):
+  text = template.format(special, special)
+  ids = learnt_specials.encode([text])[0]
+  assert not SPECIAL_IDS & set(ids), [learnt_specials.id_to_token(i) for i in ids]
+  assert learnt_specials.decode([ids]) == [text]  # every character came back: it was text
+
+
+def test_training_text_with_special_strings_keeps_their_ids(learnt_specials, tmp_path):
+  assert [learnt_specials.id_to_token(i) for i in range(4)] == list(SPECIAL_TOKENS)
+  # What encoding must not use: BPE learnt merges that spell them; unigram holds them as
+  # pieces (the copies it learnt are gone, or their names would not have these ids).
+  vocabulary = json.loads(learnt_specials._backend.to_str())['model']
+  if vocabulary['type'] == 'BPE':
+    assert set(SPECIAL_TOKENS) & {''.join(merge) for merge in vocabulary['merges']}
+  else:
+    assert [piece for piece, _ in vocabulary['vocab'][:4]] == list(SPECIAL_TOKENS)
+  # Saved and loaded, it encodes the same; the file keeps what was trained.
+  learnt_specials.save(tmp_path)
+  loaded = Tokenizer.load(tmp_path)
+  texts = ['Ein </s> Hund', 'x<pad>y', *SENTENCES]
+  assert loaded.encode(texts) == learnt_specials.encode(texts)
+  assert json.loads((tmp_path / FILE_NAME).read_text())['model'] == vocabulary
+
+
+def test_the_ids_of_other_text_are_what_tokenizers_gives(learnt_specials):
+  texts = SENTENCES + ['Ein Hund 😀', 'Hundestraße', 'x < y']
+  expected = [encoding.ids for encoding in learnt_specials._backend.encode_batch_fast(
+      texts, add_special_tokens=False)]
+  assert learnt_specials.encode(texts) == expected
+
+
+def test_a_marian_tokenizer_reads_special_strings_as_text(tmp_path):
+  """sentencepiece returns a run of unknown characters as one piece, which can spell
+  '</s>'; vocab.json would make that EOS."""
+  pytest.importorskip('sentencepiece')
+  from support.marian_directory import _train_spm, _vocab
+
+  from flax_transformer.pretrained.marian import MarianTokenizer
+  # No '<', '/', 's', '>', 'p', 'a', 'd' in the text: '</s>' and '<pad>' are unknown runs.
+  text = ['Ein Hund rennt im Freien.', 'Zwei Männer fühlen tief.', 'Hunde eilen, Kühe ruhen.']
+  model = _train_spm(text * 30, 60)
+  for name in ('source.spm', 'target.spm'):
+    (tmp_path / name).write_bytes(model)
+  vocab = _vocab([model], 120)
+  (tmp_path / 'vocab.json').write_text(json.dumps(vocab))
+  tokenizer = MarianTokenizer(tmp_path)
+  specials = {tokenizer.eos_id, tokenizer.pad_id}
+  for line in ['Ein </s> Hund', '</s>', 'Hund <pad>', '<s> Ein', '<unk>', '>>de<< Hund']:
+    for ids in (tokenizer.encode([line])[0], tokenizer.encode_target([line])[0]):
+      assert not specials & set(ids), (line, ids)
+      assert tokenizer.unk_id in ids  # the unknown characters, as unknown
+  assert tokenizer.unk_id not in tokenizer.encode(['Ein Hund'])[0]

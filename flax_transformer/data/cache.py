@@ -18,8 +18,9 @@ restart.
 
 The key (`cache_key`) is a SHA-256 over the source's content fingerprint, the tokenizer's
 digest (the SHA-256 of its file(s), as the run directory records it), `max_len`, the
-special ids and `FORMAT_VERSION`: a changed data file or tokenizer, or another max_len,
-is another key and so another directory, encoded afresh; a resume finds its own. The
+special ids, `FORMAT_VERSION` and `TEXT_ENCODING`: a changed data file or tokenizer, or
+another max_len, is another key and so another directory, encoded afresh; a resume finds
+its own (a cache of an older `TEXT_ENCODING` is named in the log once, and encoded anew). The
 fingerprint of text files is each file's size and the SHA-256 of its bytes, not paths and
 mtimes: the content is what the ids depend on, so a moved, copied or touched corpus keeps
 its cache, and an edit that keeps the size and mtime (`cp -p`, a restore, a clock skew)
@@ -33,24 +34,25 @@ unparsable manifest, another key or format, a missing file, a wrong size, incons
 offsets or (with `verify=True`, the default) a digest mismatch make the cache invalid,
 and the writer sets it aside and encodes again.
 
-Encoding is parallel over the cores in one of two ways, chosen by `workers`:
+Encoding runs in one of two ways, chosen by `workers`:
 
-  * in this process, one block of lines at a time, through the tokenizer's batch call:
-    `Tokenizer.encode` is `tokenizers`' `encode_batch_fast`, whose Rust threads (rayon)
-    tokenize a batch on every core. The default for a `Tokenizer` (`workers=None`);
+  * in this process, one block of lines at a time: `Tokenizer.encode_flat` encodes by
+    words (`data.word_memo`: Arrow splits and groups the words, each distinct word goes
+    through `tokenizers` once, NumPy gathers the ids). The default for a `Tokenizer`
+    (`workers=None`);
   * in a pool of spawned processes (safe beside JAX's threads; a script calling this must
     guard its main code with `if __name__ == '__main__'`, as for any spawned pool): the
     main process reads blocks of lines, each worker decodes, cleans and tokenizes a block
     single-threaded and returns flat arrays, the main process appends them in order. The
     default for any other tokenizer (a Marian tokenizer's sentencepiece call is a Python
-    loop per sentence, so a pool is its only parallelism); `workers=N` forces it.
+    loop per sentence, so a pool is its only parallelism); `workers=N` forces it. A
+    worker's tokenizer is unpickled through its constructor, so it keeps its settings.
 
-On a host of a few cores the tokenizer's own threads are the faster way (a worker pays for
-importing the package and for pickling its blocks both ways; benchmarks/README.md has the
-numbers); on a many-core host, where the serial Python share of a block (decoding,
-`Encoding.ids`, flattening) caps what one process gains, try `workers=os.cpu_count()`.
-Corpora under `POOL_MIN_LINES` lines never start a pool. Either way memory is bounded by
-the blocks in flight, never by the corpus: no Python list outlives its block.
+For a `Tokenizer` on a host of a few cores the one process is the faster way: a worker
+pays seconds to import the package, and its memo starts empty (benchmarks/README.md has
+the numbers). Corpora under `POOL_MIN_LINES` lines
+never start a pool. Either way memory is bounded by the blocks in flight and the memo's
+cap, never by the corpus: no Python list outlives its block.
 
 Multi-host: every process calls `load_or_encode` with `is_writer=(process_index == 0)` and
 `wait`, a barrier all processes reach (e.g. `jax.experimental.multihost_utils.
@@ -85,9 +87,13 @@ from tqdm.auto import tqdm
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
 from flax_transformer.data.corpus import DataError, invalid_utf8
-from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
+from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, flat_rows
 
 FORMAT_VERSION = 1
+# How text becomes ids beyond what the tokenizer's files say. 2: special tokens' strings in
+# the text ('</s>', '<pad>', ...) are text (`tokenizer` module docstring); 1 (before): they
+# were read as those tokens. Part of the key, since a line holding one gets other ids.
+TEXT_ENCODING = 2
 MANIFEST = 'manifest.json'
 # EncodedCorpus field -> (file name, dtype). Little-endian on every platform we run on.
 ARRAYS = {'src_ids': ('src_ids.i32', '<i4'), 'src_offsets': ('src_offsets.i64', '<i8'),
@@ -250,13 +256,17 @@ PairSource = TextPairFiles | DatasetPairs
 
 
 def cache_key(fingerprint: dict, tokenizer_digest: str, max_len: int,
-              special_ids: tuple[int, int, int] = (0, 1, 2)) -> str:
+              special_ids: tuple[int, int, int] = (0, 1, 2),
+              text_encoding: int = TEXT_ENCODING) -> str:
   """SHA-256 hex of everything the encoded arrays depend on: the source's content
-  fingerprint, the tokenizer's digest, `max_len`, the (pad, bos, eos) ids and the format."""
+  fingerprint, the tokenizer's digest, `max_len`, the (pad, bos, eos) ids, the format and
+  `TEXT_ENCODING` (1 gives the keys of caches made before it existed)."""
   if not tokenizer_digest:
     raise CacheError('cache_key needs the tokenizer digest (the SHA-256 of its files)')
   inputs = {'format': FORMAT_VERSION, 'source': fingerprint, 'tokenizer': tokenizer_digest,
             'max_len': int(max_len), 'special_ids': [int(i) for i in special_ids]}
+  if text_encoding != 1:
+    inputs['text_encoding'] = int(text_encoding)
   return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
@@ -378,7 +388,7 @@ def load_or_encode(source: PairSource, tokenizer: TextTokenizer, tokenizer_diges
   special = (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
   started = time.perf_counter()
   fingerprint = source.fingerprint()
-  key = cache_key(fingerprint, tokenizer_digest, max_len, special)
+  key = cache_key(fingerprint, tokenizer_digest, max_len, special, TEXT_ENCODING)
   directory = cache_path(cache_dir, key)
   if not is_writer:
     if wait is not None:
@@ -398,6 +408,11 @@ def load_or_encode(source: PairSource, tokenizer: TextTokenizer, tokenizer_diges
   except CacheError as error:
     if directory.exists():
       say(f'cache: {error}; encoding again')
+    elif (legacy := cache_path(cache_dir, cache_key(fingerprint, tokenizer_digest, max_len,
+                                                    special, text_encoding=1))).is_dir():
+      say(f'cache: {legacy} was encoded with special tokens\' strings in the text (</s>, '
+          '<pad>, <unk>, <s>) read as those tokens; they are text now, so the corpus is '
+          'encoded again (the old cache is no longer used and can be deleted)')
     _build(source, fingerprint, tokenizer, key, max_len, Path(cache_dir), workers, block_lines,
            progress)
     corpus = load(cache_dir, key, verify=False)  # just written and hashed as written
@@ -588,8 +603,8 @@ def _encode_block(tokenizer: TextTokenizer, max_len: int, block: tuple) -> tuple
     targets = _decode_lines(targets, names[1], first)
     pairs = [(s, t) for s, t in zip(sources, targets) if s and t]
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
-  src_ids, src_lengths = _flat(tokenizer.encode(sources))
-  tgt_ids, tgt_lengths = _flat(tokenizer.encode_target(targets))
+  src_ids, src_lengths = _encode_flat(tokenizer, sources, target=False)
+  tgt_ids, tgt_lengths = _encode_flat(tokenizer, targets, target=True)
   keep = (src_lengths < max_len) & (tgt_lengths < max_len)
   eos = tokenizer.eos_id
   src_ids, src_lengths = _with_eos(src_ids, src_lengths, keep, eos)
@@ -609,10 +624,12 @@ def _decode_lines(data: bytes, where: str, first: int) -> list[str]:
   return [line.strip() for line in lines]
 
 
-def _flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-  lengths = np.fromiter(map(len, rows), np.int64, count=len(rows))
-  ids = np.fromiter(itertools.chain.from_iterable(rows), np.int32, count=int(lengths.sum()))
-  return ids, lengths
+def _encode_flat(tokenizer: TextTokenizer, texts: list[str], target: bool
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """(ids int32, lengths int64) of `texts` on the source or target side."""
+  if isinstance(tokenizer, Tokenizer):  # one vocabulary for both sides, encoded by words
+    return tokenizer.encode_flat(texts)
+  return flat_rows(tokenizer.encode_target(texts) if target else tokenizer.encode(texts))
 
 
 def _with_eos(ids: np.ndarray, lengths: np.ndarray, keep: np.ndarray,

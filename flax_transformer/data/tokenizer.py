@@ -11,6 +11,12 @@ tokens have fixed ids, the same as `ModelConfig`'s defaults:
 
     <pad> 0    <s> (BOS) 1    </s> (EOS) 2    <unk> 3
 
+Text is text: a special token's string in a sentence ('forty </s> two') is encoded
+as the pieces of its characters, like any other word, never as the special id
+(`special_tokens_as_text`). The special ids come only from the code that adds them
+(EOS after each sentence, PAD in batches), so text cannot end a sentence early or
+hide from the masks as padding.
+
     train = ds['train']  # [:] reads a column as a list, far faster than iterating it
     tokenizer = Tokenizer.train(train['source'][:] + train['target'][:], 8000)
     ids = tokenizer.encode(['Ein Hund läuft.'])        # [[...]], no specials added
@@ -19,6 +25,8 @@ tokens have fixed ids, the same as `ModelConfig`'s defaults:
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 from collections.abc import Iterable, Sequence, Sized
 from pathlib import Path
@@ -29,6 +37,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.data import word_memo
 
 FILE_NAME = 'tokenizer.json'
 SPECIAL_TOKENS = ('<pad>', '<s>', '</s>', '<unk>')  # index = id
@@ -92,8 +101,8 @@ def check_compatible(tokenizer: TextTokenizer, config: ModelConfig, what: str = 
                       f'model.{name}={tokenizer_value}')
 
 
-# Distinct words whose BPE pieces the tokenizer remembers while encoding (a few hundred MB at
-# most, for words of about ten characters).
+# Distinct words whose BPE pieces `tokenizers` remembers while encoding without the word memo
+# (about 600 MB at a million words of about ten characters).
 BPE_CACHE_WORDS = 1_000_000
 
 
@@ -106,18 +115,34 @@ class Tokenizer:
   eos_id = 2
   unk_id = 3
 
-  def __init__(self, backend: tokenizers.Tokenizer):
-    """Wraps a trained backend; use `Tokenizer.train` or `Tokenizer.load` to get one."""
+  def __init__(self, backend: tokenizers.Tokenizer, memo_words: int = word_memo.MEMO_WORDS):
+    """Wraps a trained backend; use `Tokenizer.train` or `Tokenizer.load` to get one.
+
+    memo_words: distinct words whose ids `encode` remembers (`word_memo`; the same ids,
+      several times faster on a corpus); 0 sends every line through `tokenizers`.
+    """
     for token_id, token in enumerate(SPECIAL_TOKENS):
       if backend.token_to_id(token) != token_id:
         raise TokenizerError(f'special token {token} must have id {token_id}, the tokenizer '
                              f'gives it {backend.token_to_id(token)}')
-    # BPE keeps the pieces of the last 10,000 distinct words it met; a corpus's frequent words
-    # are many more (WMT14: hundreds of thousands), and each miss redoes the word's merges.
-    # The ids are the same either way; only encoding a large corpus gets faster.
-    if isinstance(backend.model, models.BPE) and hasattr(backend.model, '_resize_cache'):
-      backend.model._resize_cache(BPE_CACHE_WORDS)
+    self._encoder = special_tokens_as_text(backend)
+    self._memo = (word_memo.WordMemo(self._encoder, memo_words)
+                  if memo_words and word_memo.applies_to(self._encoder) else None)
+    # Without the memo, BPE's own cache of 10,000 words is what spares a corpus's frequent
+    # words their merges; a corpus has many more (WMT14: hundreds of thousands), so it is
+    # made larger. With the memo every distinct word reaches BPE once, so it would only
+    # hold copies (about 600 MB at a million words). The ids are the same either way.
+    if (self._memo is None and isinstance(self._encoder.model, models.BPE)
+        and hasattr(self._encoder.model, '_resize_cache')):
+      self._encoder.model._resize_cache(BPE_CACHE_WORDS)
     self._backend = backend
+    self.memo_words = memo_words
+
+  def __reduce__(self):
+    # Pickled (for a pool's workers) as its backend and settings: unpickling runs __init__,
+    # which sets what tokenizer.json does not hold (the BPE cache's size, special tokens as
+    # text). The memo is not sent; each process fills its own.
+    return type(self), (self._backend, self.memo_words)
 
   @classmethod
   def train(cls, texts: Iterable[str], vocab_size: int,
@@ -156,7 +181,7 @@ class Tokenizer:
     backend.decoder = decoders.Metaspace()
     backend.train_from_iterator(texts, trainer,
                                 length=len(texts) if isinstance(texts, Sized) else None)
-    return cls(backend)
+    return cls(_without_learned_copies_of_special_tokens(backend))
 
   @classmethod
   def load(cls, directory: str | Path) -> Tokenizer:
@@ -190,10 +215,18 @@ class Tokenizer:
 
   def encode(self, texts: Sequence[str]) -> list[list[int]]:
     """Token ids per text, without BOS/EOS; unknown characters become <unk>."""
+    ids, lengths = self.encode_flat(texts)
+    return [row.tolist() for row in np.split(ids, np.cumsum(lengths)[:-1])] if len(lengths) else []
+
+  def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [sum of lengths], lengths int64 [texts]): `encode`'s rows joined, without
+    building a Python list per text (what the corpus cache stores)."""
     if isinstance(texts, str):
       raise TypeError('encode takes a sequence of texts; wrap a single one as [text]')
-    encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
-    return [encoding.ids for encoding in encodings]
+    if self._memo is not None:
+      return self._memo.encode(texts)
+    encodings = self._encoder.encode_batch_fast(list(texts), add_special_tokens=False)
+    return flat_rows([encoding.ids for encoding in encodings])
 
   def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
     """Target-side ids: the same as `encode`, the vocabulary being shared (a Marian tokenizer's
@@ -225,3 +258,67 @@ class Tokenizer:
   def check_compatible(self, config: ModelConfig) -> None:
     """Raises ConfigError unless the model's vocabulary and special ids match this tokenizer."""
     check_compatible(self, config)
+
+
+def special_tokens_as_text(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+  """A tokenizer for encoding with `backend`'s ids that never gives a special id for text, and
+  the same ids as `backend` for any text without a special token's string (module docstring).
+
+  Text reaches a special id three ways, each closed here: `tokenizers` matches added tokens
+  in the raw text (`encode_special_tokens` turns that off; tokenizer.json does not hold it,
+  so it is set on every backend we wrap, loaded or unpickled); a BPE merge can spell one
+  ('</s' + '>' when the training text held '</s>'): such merges are dropped; a unigram
+  model holds them as pieces, with the best score there is: their strings become ones no
+  word can hold (two '▁': Metaspace starts a word at each). Lowering their scores instead
+  would not do: a unigram model prices an unknown character below its lowest score. The
+  copy only encodes; `backend` stays what is saved, decoded and named.
+  """
+  config = json.loads(backend.to_str())
+  model = config['model']
+  specials = set(SPECIAL_TOKENS)
+  changed = False
+  if model.get('type') == 'BPE':
+    prefix = model.get('continuing_subword_prefix') or ''
+    merges = [merge for merge in model['merges'] if _merged(merge, prefix) not in specials]
+    changed, model['merges'] = len(merges) != len(model['merges']), merges
+  elif model.get('type') == 'Unigram':
+    for entry in model['vocab']:
+      if entry[0] in specials:
+        entry[0], changed = 2 * word_memo.METASPACE + entry[0], True
+  encoder = tokenizers.Tokenizer.from_str(json.dumps(config)) if changed else backend
+  encoder.encode_special_tokens = True
+  return encoder
+
+
+def _merged(merge: list[str] | str, prefix: str) -> str:
+  """The token a BPE merge makes (`merges` holds [left, right] pairs, or 'left right' in
+  files of older `tokenizers`)."""
+  left, right = merge if isinstance(merge, list) else merge.split(' ', 1)
+  return left + right.removeprefix(prefix)
+
+
+def _without_learned_copies_of_special_tokens(backend: tokenizers.Tokenizer
+                                              ) -> tokenizers.Tokenizer:
+  """A just-trained unigram model without the pieces it learnt that spell a special token
+  (training text holding '</s>' gives a second '</s>' piece, which takes the name's id);
+  the pieces after it move up one id. Other models are returned as they are."""
+  config = json.loads(backend.to_str())
+  model = config['model']
+  if model.get('type') != 'Unigram':
+    return backend
+  reserved = len(SPECIAL_TOKENS)
+  vocab = model['vocab'][:reserved] + [entry for entry in model['vocab'][reserved:]
+                                       if entry[0] not in SPECIAL_TOKENS]
+  if len(vocab) == len(model['vocab']):
+    return backend
+  model['vocab'] = vocab
+  for token in config['added_tokens']:
+    token['id'] = SPECIAL_TOKENS.index(token['content'])
+  return tokenizers.Tokenizer.from_str(json.dumps(config))
+
+
+def flat_rows(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """(ids int32 [sum of lengths], lengths int64 [rows]): rows of ids joined."""
+  lengths = np.fromiter(map(len, rows), np.int64, count=len(rows))
+  ids = np.fromiter(itertools.chain.from_iterable(rows), np.int32, count=int(lengths.sum()))
+  return ids, lengths
