@@ -24,6 +24,7 @@ from flax_transformer.cli.failures import add_debug_option, deadline, run_progra
 from flax_transformer.cli.options import (add_setting_options, configs_from_args, nonnegative_int,
                                           positive_int)
 from flax_transformer.config import RUN_PRESETS, ConfigError
+from flax_transformer.cli import compilation_cache
 
 # How long a multi-host start waits for every process to join the coordinator (JAX's default).
 COORDINATOR_TIMEOUT_S = 300
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument('--average-last', type=positive_int, default=0, metavar='K',
                    help='at the end, write WORKDIR/average-lastK, the mean of the last K '
                         'checkpoints (the paper averages 5), and report its scores')
+  run.add_argument('--compilation-cache', metavar='DIR', help=compilation_cache.HELP)
   run.add_argument('--skip-nonfinite', type=nonnegative_int, default=0, metavar='N',
                    help='skip up to N steps whose loss or gradient is not finite (their '
                         'updates are not applied) before stopping; default 0: stop at the first')
@@ -129,6 +131,10 @@ def _main(argv: list[str] | None) -> int:
   from flax_transformer.run.directory import saved_steps
   from flax_transformer.train.loop import check_settings, train
 
+  try:
+    cache = compilation_cache.enable(args.compilation_cache)
+  except ConfigError as error:
+    parser.error(str(error))
   workdir = args.workdir or Path('runs') / args.preset
   try:
     check_settings(*configs, args.average_last, args.skip_nonfinite,
@@ -139,4 +145,5 @@ def _main(argv: list[str] | None) -> int:
   train(*configs, workdir, devices=args.devices,
         parallel=args.parallel, resume=args.resume, average_last=args.average_last,
         skip_nonfinite=args.skip_nonfinite, init_from=args.init_from)
+  cache.report()
   return 0
