@@ -25,7 +25,6 @@ hide from the masks as padding.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from collections.abc import Iterable, Sequence, Sized
@@ -225,8 +224,7 @@ class Tokenizer:
       raise TypeError('encode takes a sequence of texts; wrap a single one as [text]')
     if self._memo is not None:
       return self._memo.encode(texts)
-    encodings = self._encoder.encode_batch_fast(list(texts), add_special_tokens=False)
-    return flat_rows([encoding.ids for encoding in encodings])
+    return word_memo.encode_lines(self._encoder, list(texts))
 
   def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
     """Target-side ids: the same as `encode`, the vocabulary being shared (a Marian tokenizer's
@@ -315,10 +313,3 @@ def _without_learned_copies_of_special_tokens(backend: tokenizers.Tokenizer
   for token in config['added_tokens']:
     token['id'] = SPECIAL_TOKENS.index(token['content'])
   return tokenizers.Tokenizer.from_str(json.dumps(config))
-
-
-def flat_rows(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-  """(ids int32 [sum of lengths], lengths int64 [rows]): rows of ids joined."""
-  lengths = np.fromiter(map(len, rows), np.int64, count=len(rows))
-  ids = np.fromiter(itertools.chain.from_iterable(rows), np.int32, count=int(lengths.sum()))
-  return ids, lengths

@@ -118,13 +118,7 @@ class WordMemo:
     return ids, lengths
 
   def _encode_plain(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """`encode`'s result through `tokenizers` alone, line by line."""
-    encodings = self._backend.encode_batch_fast(texts, add_special_tokens=False)
-    lengths = np.fromiter((len(encoding.ids) for encoding in encodings), np.int64,
-                          len(encodings))
-    ids = np.fromiter(itertools.chain.from_iterable(encoding.ids for encoding in encodings),
-                      np.int32, int(lengths.sum()))
-    return ids, lengths
+    return encode_lines(self._backend, texts)
 
   def _rows_of(self, words: list[str]) -> np.ndarray:
     """[words] each distinct word's row, remembering new ones while there is room; _UNSAFE,
@@ -172,3 +166,18 @@ class WordMemo:
     # Position k of the output is id (k - where its word begins in the output) of its word.
     shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
     return self._ids[shift + np.arange(len(shift))]
+
+
+def encode_lines(backend: tokenizers.Tokenizer, texts: list[str]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """`WordMemo.encode`'s result through `tokenizers` alone, line by line (no special ids
+  added)."""
+  encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+  return flat_rows([encoding.ids for encoding in encodings])
+
+
+def flat_rows(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """(ids int32 [sum of lengths], lengths int64 [rows]): rows of ids joined."""
+  lengths = np.fromiter(map(len, rows), np.int64, count=len(rows))
+  ids = np.fromiter(itertools.chain.from_iterable(rows), np.int32, count=int(lengths.sum()))
+  return ids, lengths

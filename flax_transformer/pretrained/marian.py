@@ -183,20 +183,19 @@ class MarianTokenizer:
     self._pieces = {index: piece for piece, index in self._vocab.items()}
     self.pad_id = self.bos_id = self._vocab['<pad>']
     self.eos_id, self.unk_id = self._vocab['</s>'], self._vocab['<unk>']
-    self._source_ids = _piece_ids(self._source, self._vocab, self.unk_id)
-    self._target_ids = _piece_ids(self._target, self._vocab, self.unk_id)
+    # Text is text: sentencepiece returns a run of characters it does not know as one piece,
+    # looked up in vocab.json (as transformers does: the vocabulary is both sides' pieces),
+    # and such a run can spell '</s>' or '<pad>'. From text, those are <unk>, never EOS or PAD.
+    self._text_ids = {piece: self.unk_id if index in (self.eos_id, self.pad_id) else index
+                      for piece, index in self._vocab.items()}
 
   @property
   def vocab_size(self) -> int:
     return max(self._pieces) + 1
 
-  def _encode(self, processor, piece_ids: dict[str, int], texts: Sequence[str]
-              ) -> list[list[int]]:
+  def _encode(self, processor, texts: Sequence[str]) -> list[list[int]]:
     if isinstance(texts, str):
       raise TypeError('encode takes a sequence of texts; wrap a single one as [text]')
-    # Text is text: sentencepiece returns a run of unknown characters as one piece, which
-    # can spell '</s>' or '<pad>'; looked up in vocab.json, it would become EOS or PAD.
-    # Only the model's own pieces are looked up; anything else is <unk>.
     rows = []
     for text in texts:
       # A leading '>>xx<<' language code of a multilingual model is a token of its own.
@@ -204,17 +203,17 @@ class MarianTokenizer:
       if (text.startswith('>>') and (end := text.find('<<')) != -1
           and text[:end + 2] in self._vocab):
         code, text = [self._vocab[text[:end + 2]]], text[end + 2:]
-      rows.append(code + [piece_ids.get(piece, self.unk_id)
+      rows.append(code + [self._text_ids.get(piece, self.unk_id)
                           for piece in processor.encode(text, out_type=str)])
     return rows
 
   def encode(self, texts: Sequence[str]) -> list[list[int]]:
     """Source-side ids per text (source.spm), without EOS."""
-    return self._encode(self._source, self._source_ids, texts)
+    return self._encode(self._source, texts)
 
   def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
     """Target-side ids per text (target.spm), without EOS: training targets."""
-    return self._encode(self._target, self._target_ids, texts)
+    return self._encode(self._target, texts)
 
   def decode(self, ids) -> list[str]:
     """Texts from rows of target ids: each row ends at its first EOS; PAD is dropped; <unk> shows."""
@@ -252,14 +251,6 @@ class MarianTokenizer:
       if (self.directory / name).resolve() != (directory / name).resolve():
         shutil.copyfile(self.directory / name, directory / name)
     return directory
-
-
-def _piece_ids(processor, vocab: dict[str, int], unk_id: int) -> dict[str, int]:
-  """vocab.json's id of each piece the sentencepiece model can produce from text (not its
-  control or unknown pieces); <unk> for a piece vocab.json lacks."""
-  return {processor.id_to_piece(index): vocab.get(processor.id_to_piece(index), unk_id)
-          for index in range(processor.get_piece_size())
-          if not (processor.is_control(index) or processor.is_unknown(index))}
 
 
 def _sentencepiece(spm, path: Path):
