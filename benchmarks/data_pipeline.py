@@ -60,10 +60,13 @@ def first_step(command: list[str], workdir: Path, timeout_s: float) -> dict:
   metrics = workdir / 'metrics.jsonl'
   logged_before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
   started = time.perf_counter()
-  # JAX's persistent compilation cache, as README advises for restarts: the resumed run
-  # reads the compiled step the first run wrote instead of compiling it again.
+  # JAX's persistent compilation cache, which train.py keeps by default, in a directory of
+  # the benchmark's own: the first run starts with it empty, the resumed run reads what the
+  # first one compiled. Its new entries are the programs a run compiled.
+  jax_cache = workdir.parent / f'{workdir.name}.jax-cache'
+  entries_before = len(list(jax_cache.glob('*-cache')))
   environment = {**os.environ, 'PYTHONUNBUFFERED': '1',
-                 'JAX_COMPILATION_CACHE_DIR': str(workdir.parent / f'{workdir.name}.jax-cache')}
+                 'JAX_COMPILATION_CACHE_DIR': str(jax_cache)}
   process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True, bufsize=1, env=environment)
   result: dict = {'command': ' '.join(command[1:])}
@@ -97,6 +100,7 @@ def first_step(command: list[str], workdir: Path, timeout_s: float) -> dict:
   finally:
     if process.poll() is None:
       process.kill()
+  result['programs_compiled'] = len(list(jax_cache.glob('*-cache'))) - entries_before
   result['log'] = [line for line in lines if not line.startswith('  ')][:12]
   return result
 

@@ -165,6 +165,11 @@ def batch_rates(key: str, kind: str, scale: float = 1e6) -> list[float]:
     return [_load("data_pipeline.json")["batches"][f"{kind}_{key}"] / scale]
 
 
+def first_step_s(name: str) -> float:
+    """benchmarks/data_pipeline.py's first run: seconds from the command to its first training step."""
+    return _load(name)["first_run"]["first_step_s"]
+
+
 F32, BF16, BOTH = ("float32",), ("bfloat16",), ("float32", "bfloat16")
 
 # Speed table: columns ours | fastest peer | ours / peer; cell index -> one value list per " / " part.
@@ -199,8 +204,13 @@ SPEED_ROWS = {
     },
     "one GPU (`bash benchmarks/gpu.sh`): big model, bfloat16 training step, 768 rows, share of the matmul peak":
         lambda: {2: [gpu_share()]},
+    "raw text → first training step, 4.5M-pair stand-in, base preset (tokenizer, encoding, compiling), vs this "
+    "library before ([input side](benchmarks/README.md#the-input-side-at-the-papers-scale))": lambda: {
+        0: [[first_step_s("data_pipeline.json")]], 1: [[first_step_s("data_pipeline_2026-12-02.json")]],
+        2: [[first_step_s("data_pipeline_2026-12-02.json") / first_step_s("data_pipeline.json")]],
+    },
     "host batches of 25,000 tokens from the 4.5M-pair cache, bucketed / packed, real target tokens/s, vs this "
-    "library's Python-loop batchers before ([input side](benchmarks/README.md#the-input-side-at-the-papers-scale))":
+    "library's Python-loop batchers before":
         lambda: {0: [batch_rates("ours_tokens_per_s", "bucketed"), batch_rates("ours_tokens_per_s", "packed")],
                  1: [batch_rates("before_tokens_per_s", "bucketed"),
                      batch_rates("before_tokens_per_s", "packed")],
