@@ -124,9 +124,10 @@ class Tokenizer:
       if backend.token_to_id(token) != token_id:
         raise TokenizerError(f'special token {token} must have id {token_id}, the tokenizer '
                              f'gives it {backend.token_to_id(token)}')
-    self._encoder = special_tokens_as_text(backend)
-    self._memo = (word_memo.WordMemo(self._encoder, memo_words)
-                  if memo_words and word_memo.applies_to(self._encoder) else None)
+    config = json.loads(backend.to_str())  # parsed once here: a large vocabulary takes long
+    self._encoder = special_tokens_as_text(backend, config)
+    self._memo = (word_memo.WordMemo(self._encoder, memo_words, config)
+                  if memo_words and word_memo.applies_to(self._encoder, config) else None)
     # Without the memo, BPE's own cache of 10,000 words is what spares a corpus's frequent
     # words their merges; a corpus has many more (WMT14: hundreds of thousands), so it is
     # made larger. With the memo every distinct word reaches BPE once, so it would only
@@ -258,7 +259,8 @@ class Tokenizer:
     check_compatible(self, config)
 
 
-def special_tokens_as_text(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+def special_tokens_as_text(backend: tokenizers.Tokenizer, config: dict | None = None
+                           ) -> tokenizers.Tokenizer:
   """A tokenizer for encoding with `backend`'s ids that never gives a special id for text, and
   the same ids as `backend` for any text without a special token's string (module docstring).
 
@@ -270,8 +272,11 @@ def special_tokens_as_text(backend: tokenizers.Tokenizer) -> tokenizers.Tokenize
   word can hold (two '▁': Metaspace starts a word at each). Lowering their scores instead
   would not do: a unigram model prices an unknown character below its lowest score. The
   copy only encodes; `backend` stays what is saved, decoded and named.
+
+  config: `backend`'s tokenizer.json, parsed, if at hand; it is changed in place to the
+    returned tokenizer's (its model's merges or pieces only).
   """
-  config = json.loads(backend.to_str())
+  config = config if config is not None else json.loads(backend.to_str())
   model = config['model']
   specials = set(SPECIAL_TOKENS)
   changed = False

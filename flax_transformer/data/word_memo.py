@@ -55,11 +55,15 @@ _PRE_TOKENIZER = {'type': 'Metaspace', 'replacement': METASPACE, 'prepend_scheme
                   'split': True}
 
 
-def applies_to(backend: tokenizers.Tokenizer) -> bool:
+def applies_to(backend: tokenizers.Tokenizer, config: dict | None = None) -> bool:
   """Whether a line's ids under `backend` are its space-separated chunks' ids joined (module
   docstring): NFKC, Metaspace('▁', always, split), BPE without dropout or unigram, only
-  special added tokens and those encoded as text, no truncation or padding."""
-  config = json.loads(backend.to_str())
+  special added tokens and those encoded as text, no truncation or padding.
+
+  config: `backend`'s tokenizer.json, parsed, when the caller has it (parsing a vocabulary
+    of tens of thousands of pieces takes a tenth of a second).
+  """
+  config = config if config is not None else json.loads(backend.to_str())
   model = config.get('model') or {}
   return (config.get('normalizer') == _NORMALIZER
           and config.get('pre_tokenizer') == _PRE_TOKENIZER
@@ -73,8 +77,10 @@ def applies_to(backend: tokenizers.Tokenizer) -> bool:
 class WordMemo:
   """Ids of distinct words, and lines encoded from them (module docstring)."""
 
-  def __init__(self, backend: tokenizers.Tokenizer, capacity: int = MEMO_WORDS):
-    if not applies_to(backend):
+  def __init__(self, backend: tokenizers.Tokenizer, capacity: int = MEMO_WORDS,
+               config: dict | None = None):
+    """config: `backend`'s tokenizer.json, parsed, if at hand (`applies_to`)."""
+    if not applies_to(backend, config):
       raise ValueError('WordMemo needs a tokenizer built as Tokenizer.train builds one '
                        '(word_memo.applies_to)')
     self._backend = backend
@@ -100,7 +106,7 @@ class WordMemo:
       # each distinct word of the batch once rather than every word.
       chunks = pc.split_pattern(pa.array(texts, pa.large_string()), ' ')
     except (pa.ArrowException, UnicodeError):  # e.g. a lone surrogate: not UTF-8 text
-      return self._encode_plain(texts)
+      return encode_lines(self._backend, texts)
     counts = pc.list_value_length(chunks).to_numpy().astype(np.int64)  # [texts] chunks each
     grouped = pc.dictionary_encode(chunks.flatten())
     rows = self._rows_of(grouped.dictionary.to_pylist())[grouped.indices.to_numpy()]
@@ -109,16 +115,14 @@ class WordMemo:
     lengths = np.add.reduceat(self._lengths[np.maximum(rows, 0)], line_starts)
     plain_rows = np.flatnonzero(plain)
     if len(plain_rows):
-      plain_ids, lengths[plain_rows] = self._encode_plain([texts[i] for i in plain_rows])
+      plain_ids, lengths[plain_rows] = encode_lines(self._backend,
+                                                    [texts[i] for i in plain_rows])
     ids = np.empty(int(lengths.sum()), np.int32)
     from_memo = np.repeat(~plain, lengths)  # [ids] which ids the memo gives
     ids[from_memo] = self._gather(rows[~np.repeat(plain, counts)])
     if len(plain_rows):
       ids[~from_memo] = plain_ids
     return ids, lengths
-
-  def _encode_plain(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode_lines(self._backend, texts)
 
   def _rows_of(self, words: list[str]) -> np.ndarray:
     """[words] each distinct word's row, remembering new ones while there is room; _UNSAFE,
