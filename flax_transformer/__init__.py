@@ -21,11 +21,11 @@ The subpackages, each importing only from those before it (tests/test_layers.py)
   config       the three frozen settings classes and the presets
   nn           masks, attention, layers, the two models
   data         parallel text, tokenizers, batching, packing, the toy task
-  pretrained   Marian (OPUS-MT) directories
+  pretrained   Marian (OPUS-MT) directories, read and written
   run          a run on disk: directory, lock, checkpoints, metrics log, memory estimate
   decode       autoregressive and mask-predict decoding, methods, Translator
   train        objectives, optimizer, the step, data parallelism, the loop, distillation
-  cli          the three programs
+  cli          the four programs
 """
 
 import importlib

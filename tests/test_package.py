@@ -18,6 +18,7 @@ from flax_transformer.run.directory import write_config
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60
 MAX_PROGRAM_LINES = 150
+PROGRAMS = ('train', 'decode', 'distill', 'export')
 
 
 def code_lines(function: ast.FunctionDef, lines: list[str]) -> int:
@@ -51,10 +52,11 @@ def test_no_library_function_is_longer_than_60_lines():
   assert not too_long, too_long
 
 
-@pytest.mark.parametrize('program', ['train.py', 'decode.py', 'distill.py',
+@pytest.mark.parametrize('program', ['train.py', 'decode.py', 'distill.py', 'export.py',
                                      'flax_transformer/cli/train.py',
                                      'flax_transformer/cli/decode.py',
-                                     'flax_transformer/cli/distill.py'])
+                                     'flax_transformer/cli/distill.py',
+                                     'flax_transformer/cli/export.py'])
 def test_programs_are_thin(program):
   assert len((ROOT / program).read_text().splitlines()) < MAX_PROGRAM_LINES
 
@@ -63,8 +65,8 @@ def test_every_program_is_an_installed_command():
   import tomllib
   scripts = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
   assert scripts == {f'flax-transformer-{name}': f'flax_transformer.cli.{name}:main'
-                     for name in ('train', 'decode', 'distill')}
-  for name in ('train', 'decode', 'distill'):
+                     for name in PROGRAMS}
+  for name in PROGRAMS:
     assert f'from flax_transformer.cli.{name} import main' in (ROOT / f'{name}.py').read_text()
 
 

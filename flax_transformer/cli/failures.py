@@ -1,11 +1,12 @@
-"""How train.py, decode.py and distill.py fail: one line on standard error and an exit status.
+"""How train.py, decode.py, distill.py and export.py fail: one line on standard error and an exit status.
 
     def main(argv=None):
       return run_program('train.py', lambda: _main(argv), argv, train_failure)
 
 Exit status of the programs (the one table; their docstrings point here):
 
-  0    train.py trained and evaluated; decode.py translated; distill.py wrote its output
+  0    train.py trained and evaluated; decode.py translated; distill.py wrote its output;
+         export.py wrote its directory
   1    train.py: an error in the data, the run directory (in use by another run, a checkpoint
          of another model, a foreign tokenizer), a write (full disk), the device out of memory
          in a step (a batch shape too large), or anything unexpected (the checkpoints written
@@ -14,6 +15,8 @@ Exit status of the programs (the one table; their docstrings point here):
          translations written stay)
        distill.py: writing the output failed, or anything unexpected (the output directory
          is complete or untouched)
+       export.py: writing failed (a full disk), or anything unexpected: the output is the
+         earlier export or absent, never half-written
        train.py, several processes: they did not all join the coordinator within
          --coordinator-timeout (nothing listens at --coordinator, a process missing)
   2    refused before any work, naming the problem:
@@ -29,6 +32,9 @@ Exit status of the programs (the one table; their docstrings point here):
          translation
        distill.py: a bad option, teacher checkpoint (missing, a cmlm model), data or output
          (over an input or its run, or --overwrite of a directory distill.py did not write)
+       export.py: a bad option or run directory (missing, damaged), a model Marian cannot
+         express (pre-LN, cmlm, restricted attention; the setting named), an output over the
+         run or holding other files than an earlier export: nothing written
   3    train.py: a step's loss or gradient not finite (more than --skip-nonfinite times)
   130  SIGINT (Ctrl-C); train.py saves the step reached first
   143  SIGTERM; train.py saves the step reached first; at any point up to the process's

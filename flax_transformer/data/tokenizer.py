@@ -120,10 +120,7 @@ class Tokenizer:
     memo_words: distinct words whose ids `encode` remembers (`word_memo`; the same ids,
       several times faster on a corpus); 0 sends every line through `tokenizers`.
     """
-    for token_id, token in enumerate(SPECIAL_TOKENS):
-      if backend.token_to_id(token) != token_id:
-        raise TokenizerError(f'special token {token} must have id {token_id}, the tokenizer '
-                             f'gives it {backend.token_to_id(token)}')
+    self._check_special_ids(backend)
     config = json.loads(backend.to_str())  # parsed once here: a large vocabulary takes long
     self._encoder = special_tokens_as_text(backend, config)
     self._memo = (word_memo.WordMemo(self._encoder, memo_words, config)
@@ -137,6 +134,13 @@ class Tokenizer:
       self._encoder.model._resize_cache(BPE_CACHE_WORDS)
     self._backend = backend
     self.memo_words = memo_words
+
+  def _check_special_ids(self, backend: tokenizers.Tokenizer) -> None:
+    """Raises TokenizerError unless `backend` gives each special token this class's id."""
+    for token_id, token in enumerate(SPECIAL_TOKENS):
+      if backend.token_to_id(token) != token_id:
+        raise TokenizerError(f'special token {token} must have id {token_id}, the tokenizer '
+                             f'gives it {backend.token_to_id(token)}')
 
   def __reduce__(self):
     # Pickled (for a pool's workers) as its backend and settings: unpickling runs __init__,

@@ -36,6 +36,7 @@ import numpy as np
 from flax_transformer.config import (NONNEGATIVE_INT, UNIT_INTERVAL, Bounds, ConfigError,
                                      ModelConfig, check_bounds)
 from flax_transformer.data.tokenizer import TokenizerError, check_compatible
+from flax_transformer.pretrained.fast_tokenizer import ExportedTokenizer
 
 TOKENIZER_FILES = ('source.spm', 'target.spm', 'vocab.json')
 WEIGHTS_FILE = 'model.safetensors'
@@ -59,8 +60,10 @@ NEEDED_FIELDS = {
     'decoder_ffn_dim': Bounds(low=1, high=2 ** 18, integer=True),
     'max_position_embeddings': Bounds(low=1, high=2 ** 20, integer=True),
     'pad_token_id': NONNEGATIVE_INT, 'decoder_start_token_id': NONNEGATIVE_INT}
+# layer_norm_eps: not transformers' (it fixes 1e-5); `pretrained.export` records the model's own.
 OPTIONAL_FIELDS = {'dropout': UNIT_INTERVAL, 'attention_dropout': UNIT_INTERVAL,
-                   'unk_token_id': NONNEGATIVE_INT}
+                   'unk_token_id': NONNEGATIVE_INT, 'layer_norm_eps': Bounds(low=0, high=1,
+                                                                              low_open=True)}
 # Written as true/false when present.
 FLAG_FIELDS = ('share_encoder_decoder_embeddings', 'tie_word_embeddings')
 
@@ -305,7 +308,7 @@ def marian_config(hf: dict, where: str = 'config.json') -> ModelConfig:
         max_len=hf['max_position_embeddings'],
         activation=ACTIVATIONS[hf.get('activation_function', 'gelu')],
         share_embeddings=bool(shared), positions='concatenated', logits_bias=True,
-        layer_norm_epsilon=1e-5, pad_id=hf['pad_token_id'], bos_id=hf['pad_token_id'],
+        layer_norm_epsilon=hf.get('layer_norm_eps', 1e-5), pad_id=hf['pad_token_id'], bos_id=hf['pad_token_id'],
         eos_id=_single(hf, 'eos_token_id', where), unk_id=hf.get('unk_token_id', 1))
   except PretrainedError:
     raise
@@ -440,19 +443,28 @@ def _embeddings(weights: dict, config: ModelConfig, where: str) -> dict:
           'target_embedding': {'embedding': target}, 'output_projection': {'kernel': output.T}}
 
 
-def _check_positions(weights: dict, config: ModelConfig, where: str) -> None:
-  """Refuses a checkpoint whose stored positional table is not the sinusoids we compute."""
+def _start_offset(weights: dict, config: ModelConfig, where: str) -> np.ndarray:
+  """`[D]`: what the decoder's stored position 0 adds to the sinusoid (zero in OPUS-MT models;
+  an exported model's start embedding, `pretrained.export`). Refuses a checkpoint whose stored
+  positional tables are otherwise not the sinusoids we compute."""
   from flax_transformer.nn.layers import sinusoidal_positions
   expected = np.asarray(sinusoidal_positions(config.max_len, config.d_model, config.positions))
+  offset = np.zeros(config.d_model, np.float32)
   for side in ('encoder', 'decoder'):
     name = f'{side}.embed_positions.weight'
     stored = weights.get(name)
-    if stored is not None and stored.shape != expected.shape:
+    if stored is None:
+      continue
+    if stored.shape != expected.shape:
       raise PretrainedError(f'{where}: tensor {name} should be {expected.shape} (config.json: '
                             f'max_position_embeddings, d_model), got {stored.shape}')
-    if stored is not None and not np.allclose(stored, expected, atol=1e-4):
+    first = 1 if side == 'decoder' else 0  # only the start token sits at decoder position 0
+    if not np.allclose(stored[first:], expected[first:], atol=1e-4):
       raise PretrainedError(f'{where}: {name} is not the sinusoidal table (sines, then '
                             'cosines) this library computes')
+    if side == 'decoder':
+      offset = stored[0] - expected[0]
+  return offset
 
 
 def marian_params(weights: dict[str, np.ndarray], config: ModelConfig,
@@ -466,7 +478,13 @@ def marian_params(weights: dict[str, np.ndarray], config: ModelConfig,
     raise PretrainedError(f'{where} has no tensor {error.args[0]!r}; is it a '
                           'MarianMTModel saved by transformers?') from None
   _check_shapes(params, config, where)
-  _check_positions(weights, config, where)
+  offset = _start_offset(weights, config, where)
+  if np.any(offset):
+    # The decoder's first input, start token * sqrt(D) + position 0, kept whole: its excess
+    # over the sinusoid goes into the start token's embedding (only the decoder starts from it).
+    table = params['embedding' if config.share_embeddings else 'target_embedding']
+    table['embedding'] = table['embedding'].copy()
+    table['embedding'][config.bos_id] += offset / np.sqrt(config.d_model)
   return params
 
 
@@ -489,7 +507,7 @@ def load_marian(directory: str | Path,
     except ConfigError as error:
       raise PretrainedError(f'{directory / "config.json"}: {error}') from None
   try:
-    tokenizer = MarianTokenizer(directory)
+    tokenizer = marian_tokenizer(directory)
   except TokenizerError as error:  # a part of the pretrained directory, reported as one
     raise PretrainedError(str(error)) from None
   if tokenizer.vocab_size != config.vocab_size:
@@ -497,6 +515,15 @@ def load_marian(directory: str | Path,
                           f'{directory / "vocab.json"} has {tokenizer.vocab_size} entries')
   params = marian_params(_read_weights(directory), config, str(directory / WEIGHTS_FILE))
   return config, params, tokenizer
+
+
+def marian_tokenizer(directory: Path) -> MarianTokenizer | ExportedTokenizer:
+  """A Marian directory's tokenizer: sentencepiece (OPUS-MT), or the fast tokenizer that
+  `pretrained.export` writes (tokenizer.json, tokenizer_config.json)."""
+  exported = all((directory / name).is_file() for name in ExportedTokenizer.FILES)
+  if exported and not (directory / TOKENIZER_FILES[0]).is_file():
+    return ExportedTokenizer.load(directory)
+  return MarianTokenizer(directory)
 
 
 def _check_shapes(params: dict, config: ModelConfig, where: str) -> None:

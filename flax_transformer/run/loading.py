@@ -33,7 +33,7 @@ from flax_transformer.run.sizes import check_fits
 # Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
 _ROTATION_TRIES = 10
 # A run directory's own entries, which an output inside it must not replace.
-_RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR, ENCODED_DIR,
+RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR, ENCODED_DIR,
                           LOCK_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES})
 # What averaging writes: an existing output holding only these is an earlier average.
 _AVERAGE_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES})
@@ -45,7 +45,7 @@ def _check_output(workdir: Path, output: Path, last_k: int) -> None:
   above it, or WORKDIR/checkpoints/... are not, symlinks followed."""
   run = Protected(workdir, f'the run directory {workdir}', may_hold=True)
   parts = [Protected(workdir / name, f'{workdir / name}, part of the run {workdir}')
-           for name in sorted(_RUN_ENTRIES)]
+           for name in sorted(RUN_ENTRIES)]
   check_output(output, [run, *parts], 'averaging output', CheckpointError,
                replaceable=_AVERAGE_ENTRIES,
                occupied='holds other files than an earlier average (config.json, the tokenizer, '
