@@ -300,7 +300,11 @@ ct2-transformers-converter --model . --output_dir ct2
 ```
 
 Greedy search gives decode.py's `--method greedy` output in transformers and in
-CTranslate2 (`beam_size=1`). Beam search does not carry over exactly: decode.py
+CTranslate2 (`beam_size=1`). Output length: decode.py stops a sentence at EOS or at
+its source's token count (EOS included) + 50, at most {config.max_len}; generation_config.json
+caps every sentence at {config.max_len}, so for the same cap on a sentence that never
+ends pass `max_new_tokens` (transformers) or `max_decoding_length` (CTranslate2).
+Beam search does not carry over exactly: decode.py
 (`--method beam --beam-size 4 --alpha 0.6`, the paper's) divides a hypothesis's
 log-probability by GNMT's ((5 + length) / 6) ** alpha; transformers' `num_beams=4,
 length_penalty=0.6` and CTranslate2's `beam_size=4, length_penalty=0.6` divide it
