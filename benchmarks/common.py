@@ -122,7 +122,8 @@ def machine_info(threads: int) -> dict:
   except OSError:
     pass
   versions = {}
-  for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers'):
+  for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers',
+                  'ctranslate2'):
     try:
       versions[package] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

@@ -55,8 +55,10 @@ from benchmarks import common
 from benchmarks.workloads import (MODELS, Shape, decode_flop_classes, decode_flops, model_config,
                                   train_flop_classes, train_flops)
 
-CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch')
+CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch', 'ctranslate2')
 DTYPES = ('float32', 'bfloat16')
+# Decoding may also be timed in int8, CTranslate2's usual CPU setting (the others: not timed).
+DECODE_DTYPES = (*DTYPES, 'int8')
 TASKS = ('train', 'greedy', 'beam4')
 REPO = Path(__file__).resolve().parent.parent
 ENV_HINT = {
@@ -64,6 +66,7 @@ ENV_HINT = {
                   '--peer-python flaxmarian=VENV/bin/python',
     'marian': "pip install -e '.[bench]' (torch, transformers)",
     'torch': "pip install -e '.[bench]' (torch)",
+    'ctranslate2': "pip install -e '.[pretrained-test]' (ctranslate2, torch, transformers)",
     'ours': 'pip install -e .',
 }
 
@@ -361,8 +364,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            '(default: this one), e.g. flaxmarian=VENV/bin/python')
   parser.add_argument('--train-dtypes', type=_csv(DTYPES), default=DTYPES,
                       help='training-step dtypes (bfloat16: bfloat16 compute, float32 parameters)')
-  parser.add_argument('--decode-dtypes', type=_csv(DTYPES), default=DTYPES,
-                      help='bfloat16 decoding is timed for the JAX contenders only')
+  parser.add_argument('--decode-dtypes', type=_csv(DECODE_DTYPES), default=DTYPES,
+                      help='bfloat16 decoding is timed for the JAX contenders only, int8 for '
+                           'CTranslate2 only')
   parser.add_argument('--tasks', type=_csv(TASKS), default=TASKS,
                       help=f'comma-separated subset of {",".join(TASKS)}')
   parser.add_argument('--rounds', type=int, help='timed calls per contender and task (default 5)')

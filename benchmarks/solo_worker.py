@@ -4,8 +4,9 @@
 
 Contenders: `ours` (flax_transformer's jit step and decoders), `marian` (Hugging
 Face `MarianMTModel`, PyTorch, eager), `flaxmarian` (Hugging Face
-`FlaxMarianMTModel`, transformers < 5, JAX) and `torch` (`nn.Transformer`,
-training step only). The worker pins itself to its cores, says hello (its
+`FlaxMarianMTModel`, transformers < 5, JAX), `torch` (`nn.Transformer`,
+training step only) and `ctranslate2` (our model exported by `pretrained.export`,
+converted by CTranslate2's transformers converter: decoding only, float32 or int8). The worker pins itself to its cores, says hello (its
 python, its package versions) or which packages it lacks, then blocks on stdin
 and answers one request at a time, so that it computes only when asked:
 
@@ -38,13 +39,17 @@ import sys
 import time
 import traceback
 import types
+from pathlib import Path
 
 from benchmarks import common, peers, workloads
 from benchmarks.workloads import Shape, decode_sources, synthetic_arrays
 
-CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch')
-FRAMEWORK = {'ours': 'jax', 'flaxmarian': 'jax', 'marian': 'torch', 'torch': 'torch'}
-PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers')
+CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch', 'ctranslate2')
+FRAMEWORK = {'ours': 'jax', 'flaxmarian': 'jax', 'marian': 'torch', 'torch': 'torch',
+             'ctranslate2': 'ctranslate2'}
+PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers', 'ctranslate2')
+# CTranslate2's compute type for each dtype of the request (it has no bfloat16 on a CPU).
+CT2_COMPUTE = {'float32': 'float32', 'int8': 'int8'}
 # One timed call of a small matmul loop does about this much work (~50 ms at 200 GFLOP/s), in
 # at most MAX_ITERATIONS products (PyTorch's are eager calls).
 PEAK_CALL_FLOPS = 1e10
@@ -55,7 +60,9 @@ def missing_packages(contender: str) -> list[str]:
   """What `contender` lacks in this python (empty when it can run); imports nothing heavy."""
   needed = {'ours': ('jax', 'flax', 'optax', 'flax_transformer'), 'torch': ('torch',),
             'marian': ('torch', 'transformers'),
-            'flaxmarian': ('jax', 'flax', 'optax', 'transformers')}[contender]
+            'flaxmarian': ('jax', 'flax', 'optax', 'transformers'),
+            'ctranslate2': ('ctranslate2', 'torch', 'transformers', 'safetensors',
+                            'flax_transformer')}[contender]
   missing = [name for name in needed if importlib.util.find_spec(name) is None]
   if contender == 'flaxmarian' and 'transformers' not in missing:
     version = importlib.metadata.version('transformers')
@@ -129,6 +136,8 @@ def time_matmuls(framework: str, shapes, dtypes, repeats: int, loops: dict) -> l
   round, so that the frameworks' peaks are timed in alternation too); a loop is
   compiled and run once untimed when first built.
   """
+  if framework not in ('jax', 'torch'):
+    return []  # CTranslate2 exposes no matmul of its own
   loop = jax_matmul_loop if framework == 'jax' else torch_matmul_loop
   results = []
   for dtype in dtypes:
@@ -205,6 +214,69 @@ def marian_generate(config, request: dict):
     return out[:, 1:]
 
   return run
+
+
+def ctranslate2_task(request: dict, config, threads: int):
+  """CTranslate2's `translate_batch` of n forced tokens, on our model (ours_task's weights)
+  exported and converted; returns the tokens `[B, n]` as ids."""
+  if request['task'] == 'train':
+    return 'CTranslate2 is an inference engine; decoding only'
+  if request['dtype'] not in CT2_COMPUTE:
+    return f'CTranslate2 has no {request["dtype"]} on a CPU ({", ".join(CT2_COMPUTE)})'
+  import tempfile
+
+  import ctranslate2
+  import jax
+  import numpy as np
+
+  from flax_transformer import Transformer
+  from flax_transformer.config import ModelConfig
+  from flax_transformer.pretrained import export
+  model_config = ModelConfig(**request['model']).replace(dropout_rate=0.0)
+  src = decode_sources(config, request['batch'], request['source_len'])
+  params = jax.jit(Transformer(model_config).init)(jax.random.key(0), src[:, :1],
+                                                   src[:, :1])['params']
+  directory = Path(tempfile.mkdtemp(prefix='ct2-'))
+  export.export_marian(model_config, params, synthetic_tokenizer(model_config.vocab_size),
+                       directory / 'marian')
+  ctranslate2.converters.TransformersConverter(str(directory / 'marian')).convert(
+      str(directory / 'ct2'))
+  translator = ctranslate2.Translator(str(directory / 'ct2'), device='cpu', inter_threads=1,
+                                      intra_threads=threads,
+                                      compute_type=CT2_COMPUTE[request['dtype']])
+  order = export.vocabulary_order(model_config.vocab_size, model_config.pad_id)
+  vocabulary = {index: f'w{index}' for index in range(model_config.vocab_size)}
+  vocabulary.update({model_config.eos_id: '</s>'})
+  sources = [[vocabulary[int(order[i])] for i in row] for row in src]
+  n, beam_size = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
+  ids = {token: index for index, token in vocabulary.items()}
+
+  def run():
+    results = translator.translate_batch(sources, beam_size=beam_size, min_decoding_length=n,
+                                         max_decoding_length=n)
+    tokens = [result.hypotheses[0] for result in results]
+    if any(len(row) != n for row in tokens):
+      raise RuntimeError(f'CTranslate2 gave {sorted({len(r) for r in tokens})} tokens, expected {n}')
+    return np.array([[int(order[ids[t]]) for t in row] for row in tokens])
+
+  return run
+
+
+def synthetic_tokenizer(vocab_size: int):
+  """Our `Tokenizer` over pieces 'w4', 'w5', ... (no merges): a vocabulary of `vocab_size` ids
+  for the export, whose strings CTranslate2 reads."""
+  import tokenizers
+  from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+  from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+  vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+  vocab.update({f'w{index}': index for index in range(len(SPECIAL_TOKENS), vocab_size)})
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token='<unk>'))
+  backend.add_special_tokens(list(SPECIAL_TOKENS))
+  backend.normalizer = normalizers.NFKC()
+  backend.pre_tokenizer = pre_tokenizers.Metaspace()
+  backend.decoder = decoders.Metaspace()
+  return Tokenizer(backend)
 
 
 def flaxmarian_model(config, dtype: str):
@@ -297,10 +369,14 @@ def flaxmarian_task(request: dict, config):
 def build(contender: str, request: dict, threads: int):
   """A callable that runs the request's task once, or a string saying why it is not timed."""
   config = types.SimpleNamespace(**{**request['model'], 'dtype': request['dtype']})
+  if request['dtype'] == 'int8' and contender != 'ctranslate2':
+    return 'int8 is timed for CTranslate2 only'
   if contender == 'ours':
     return ours_task(request, config)
   if contender == 'flaxmarian':
     return flaxmarian_task(request, config)
+  if contender == 'ctranslate2':
+    return ctranslate2_task(request, config, threads)
   return torch_task(contender, request, config, threads)
 
 

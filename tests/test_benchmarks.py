@@ -397,3 +397,35 @@ def test_cpu_description_reads_the_first_processor_and_its_matmul_flags():
                                       'matmul_flags': ['avx2', 'fma', 'avx512f', 'avx512_bf16']}
   # An ARM cpuinfo has none of these fields: nothing is made up.
   assert cpu_description('processor\t: 0\nFeatures\t: fp asimd bf16\n') == {'matmul_flags': []}
+
+
+def test_solo_ctranslate2_worker_decodes_our_models_greedy_tokens(tmp_path):
+  """The ctranslate2 contender exports the benchmark's model, converts it and decodes: its
+  greedy tokens of the forced setting are ours; it trains nothing and has no bfloat16."""
+  for package in ('ctranslate2', 'torch', 'transformers', 'safetensors'):
+    pytest.importorskip(package, reason=f"needs {package}: pip install -e '.[pretrained-test]'")
+  from benchmarks import solo
+  from flax_transformer.decode import autoregressive
+  config = ModelConfig.tiny(dropout_rate=0.0, layer_norm_epsilon=1e-5)
+  setting = dataclasses.replace(solo.QUICK, batch=3, source_len=5, new_tokens=4)
+  with open(tmp_path / 'worker.log', 'w+') as log:
+    worker = solo.Worker('ctranslate2', sys.executable, None, log)
+    assert worker.skip_reason is None and worker.hello['framework'] == 'ctranslate2'
+    assert worker.ask(op='peaks', shapes=[[8, 16, 32]], dtypes=['float32'], repeats=1) == {
+        'peaks': []}
+    request = lambda task, dtype: solo.build_request(task, dtype, dataclasses.asdict(config),
+                                                     setting)
+    assert 'decoding only' in worker.ask(**request('train', 'float32'))['unsupported']
+    assert 'no bfloat16' in worker.ask(**request('greedy', 'bfloat16'))['unsupported']
+    assert worker.ask(**request('greedy', 'float32'))['built']
+    answer = worker.ask(op='time', result=True)
+    model = Transformer(config)
+    src = workloads.decode_sources(config, setting.batch, setting.source_len)
+    params = jax.jit(model.init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
+    tokens = np.asarray(autoregressive.greedy(model, params, src, max_len=4, min_len=4))
+    assert answer['result'] == {'tokens': tokens.tolist()}
+    for dtype in ('float32', 'int8'):
+      assert worker.ask(**request('beam4', dtype))['built']
+      assert np.asarray(worker.ask(op='time', result=True)['result']['tokens']).shape == (3, 4)
+    worker.close()
+    assert worker.process.returncode == 0

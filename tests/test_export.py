@@ -381,14 +381,22 @@ def test_transformers_computes_the_runs_logits_and_greedy_strings(runs, exported
   assert tokenizer.batch_decode(generated, skip_special_tokens=True) == greedy
 
 
-def test_transformers_reads_a_special_tokens_string_in_text_as_text(toy_run, exported):
+def test_transformers_reads_a_special_tokens_string_in_text_as_text(tmp_path):
   _, transformers = _transformers()
-  tokenizer = transformers.AutoTokenizer.from_pretrained(exported(toy_run))
-  for text in ['eighty </s> two', '<pad>', 'one <unk> two', '<s>nine</s>']:
-    ids = tokenizer(text)['input_ids']
-    special = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
-               tokenizer.unk_token_id}
-    assert ids[-1] == tokenizer.eos_token_id and not special & set(ids[:-1]), (text, ids)
+  # A vocabulary that knows '<', '/', 's', '>': trained on text holding the special strings.
+  texts = ['one two </s> three', 'eins <pad> zwei', 'a <unk> b <s> c', 'x</s>y'] * 20
+  tokenizer = Tokenizer.train(texts, 60)
+  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size)
+  for name, content in export.fast_tokenizer_files(tokenizer, config).items():
+    (tmp_path / name).write_text(json.dumps(content), encoding='utf-8')
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  order = export.vocabulary_order(config.vocab_size, config.pad_id)
+  special = {theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id}
+  for text in ['one </s> two', '<pad>', 'one <unk> two', '<s>one</s>', 'x</s>y']:
+    ids = theirs(text)['input_ids']
+    assert ids == [int(order[i]) for i in tokenizer.encode([text])[0]] + [theirs.eos_token_id]
+    assert not special & set(ids[:-1]) and theirs.unk_token_id not in ids, (text, ids)
+    assert theirs.decode(ids, skip_special_tokens=True) == text
 
 
 @pytest.mark.parametrize('name', ['toy', 'multi30k'])
@@ -412,3 +420,38 @@ def test_ctranslate2_converts_the_export_and_decodes_our_greedy_strings(runs, ex
     strings.append(tokenizer.decode(tokenizer.convert_tokens_to_ids(result.hypotheses[0]),
                                     skip_special_tokens=True))
   assert strings == Translator(config, params, run_tokenizer).translate(sentences, Greedy())
+
+
+def test_separate_embeddings_and_a_logits_bias_export_too(tmp_path):
+  """A model without shared embeddings (and with a logits bias, as a fine-tuned Marian has)
+  exports with separate encoder, decoder and output tables; transformers and our loader
+  compute its logits."""
+  # Their LayerNorm epsilon: random weights make LayerNorm inputs large, and what is compared
+  # here is the mapping.
+  workdir = _random_run(tmp_path / 'run', share_embeddings=False, logits_bias=True,
+                        layer_norm_epsilon=1e-5)
+  output = tmp_path / 'out'
+  status, _, err = call(export_cli.main, [workdir, '--to', output])
+  assert status == 0, err
+  config, params, tokenizer = load_for_inference(workdir)
+  src, tgt_in = _pad([[5, 9, 12, 2], [7, 2]], 0), _pad([[1, 6, 13], [1, 19]], 0)
+  ours = np.asarray(Transformer(config).apply({'params': params}, src, tgt_in))
+  order = export.vocabulary_order(config.vocab_size, config.pad_id)
+  marian_config, marian_params, _ = load_marian(output)
+  exported_in = order[tgt_in]
+  exported_in[:, 0] = marian_config.bos_id
+  allowed = _allowed(config)
+  back = np.asarray(Transformer(marian_config).apply(
+      {'params': marian_params}, order[src], exported_in))[..., order]
+  mask = np.array([[1, 1, 1], [1, 1, 0]], bool)  # positions the targets hold
+  np.testing.assert_allclose(back[mask][:, allowed], ours[mask][:, allowed], rtol=0,
+                             atol=1e-5 * np.abs(ours).max())
+  torch, transformers = _transformers()
+  model = transformers.MarianMTModel.from_pretrained(output).eval()
+  assert not model.config.share_encoder_decoder_embeddings
+  with torch.no_grad():
+    theirs = model(input_ids=torch.tensor(order[src]),
+                   attention_mask=torch.tensor(src != 0),
+                   decoder_input_ids=torch.tensor(exported_in)).logits.numpy()[..., order]
+  np.testing.assert_allclose(theirs[mask][:, allowed], ours[mask][:, allowed], rtol=0,
+                             atol=1e-5 * np.abs(ours).max())
