@@ -302,7 +302,8 @@ def test_an_earlier_export_is_replaced_and_step_and_average_choose_the_weights(t
   for options in ([], ['--step', '2'], ['--average-last', '2']):
     status, out, err = call(export_cli.main, [workdir, '--to', output, *options])
     assert status == 0, err
-    assert sorted(p.name for p in output.iterdir()) == sorted(export.FILES)
+    assert sorted(p.name for p in output.iterdir()) == sorted(export.MODEL_FILES +
+                                                              export.FAST_TOKENIZER_FILES)
     weights[' '.join(options)] = load_file(output / 'model.safetensors')
   name = 'model.encoder.layers.0.fc1.weight'  # steps 2 and 4 saved params * 2 and * 4
   np.testing.assert_allclose(weights[''][name], 2 * weights['--step 2'][name], rtol=1e-6)
@@ -455,3 +456,42 @@ def test_separate_embeddings_and_a_logits_bias_export_too(tmp_path):
                    decoder_input_ids=torch.tensor(exported_in)).logits.numpy()[..., order]
   np.testing.assert_allclose(theirs[mask][:, allowed], ours[mask][:, allowed], rtol=0,
                              atol=1e-5 * np.abs(ours).max())
+
+
+def test_a_run_fine_tuned_from_an_opus_mt_model_exports_with_its_sentencepiece_files(tmp_path):
+  """A run made by train.py --init-from a Marian directory exports as a Marian directory with
+  source.spm, target.spm and vocab.json: transformers' MarianTokenizer and model, and
+  CTranslate2, give our greedy strings."""
+  torch, transformers = _transformers()
+  pytest.importorskip('sentencepiece', reason='needs sentencepiece: pip install -e .[pretrained]')
+  ctranslate2 = pytest.importorskip('ctranslate2', reason='needs ctranslate2')
+  from support.marian_directory import SAMPLE_TEXT, make_marian_directory
+  marian = make_marian_directory(tmp_path / 'opus-mt')
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  (corpus / 'train.en').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[0::2]))
+  (corpus / 'train.de').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[1::2]))
+  workdir, output = tmp_path / 'run', tmp_path / 'export'
+  status, _, err = call(train_cli.main, [
+      '--init-from', marian, '--data', corpus, '--workdir', workdir, '--steps', 2,
+      '--train.max_tokens=256', '--train.warmup_steps=2', '--model.dropout_rate=0'])
+  assert status == 0, err
+  status, _, err = call(export_cli.main, [workdir, '--to', output])
+  assert status == 0, err
+  assert {'source.spm', 'target.spm', 'vocab.json'} <= {p.name for p in output.iterdir()}
+  sentences = SAMPLE_TEXT[0::2][:6]
+  config, params, tokenizer = load_for_inference(workdir)
+  greedy = Translator(config, params, tokenizer).translate(sentences, Greedy(max_len=12))
+  theirs_tokenizer = transformers.AutoTokenizer.from_pretrained(output)
+  assert type(theirs_tokenizer).__name__ == 'MarianTokenizer'
+  model = transformers.MarianMTModel.from_pretrained(output).eval()
+  with torch.no_grad():
+    generated = model.generate(**theirs_tokenizer(sentences, return_tensors='pt', padding=True),
+                               max_new_tokens=12)
+  assert theirs_tokenizer.batch_decode(generated, skip_special_tokens=True) == greedy
+  translator = ctranslate2.Translator(ctranslate2.converters.TransformersConverter(
+      str(output)).convert(str(tmp_path / 'ct2')), device='cpu')
+  results = translator.translate_batch(
+      [theirs_tokenizer.convert_ids_to_tokens(theirs_tokenizer.encode(s)) for s in sentences],
+      beam_size=1, max_decoding_length=12)
+  assert [theirs_tokenizer.convert_tokens_to_string(r.hypotheses[0]) for r in results] == greedy

@@ -33,6 +33,8 @@ zero embedding. Our network maps onto that exactly:
 
 What Marian cannot express is refused before anything is written (ExportError, a
 ConfigError: status 2): pre-LN, the cmlm model, restricted attention, an odd d_model.
+A run fine-tuned from an OPUS-MT model keeps its sentencepiece tokenizer (vocab.json
+with the exported ids); any other run's tokenizer.json becomes a fast tokenizer.
 Weights are written as float32 with safetensors' NumPy API (no torch).
 """
 
@@ -47,8 +49,9 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer, special_tokens_as_text
-from flax_transformer.pretrained.marian import WEIGHTS_FILE
+from flax_transformer.data.tokenizer import (SPECIAL_TOKENS, TextTokenizer, Tokenizer,
+                                             special_tokens_as_text)
+from flax_transformer.pretrained.marian import TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer
 
 # Our activation names -> transformers' (our 'gelu' is the tanh form: transformers' gelu_new).
 ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu_new', 'silu': 'swish'}
@@ -56,8 +59,12 @@ ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu_new', 'silu': 'swish'}
 MARIAN_EPSILON = 1e-5
 # The logits bias that keeps a token out of any search: exp(-1e9) is 0 in float32.
 NEVER = -1e9
-FILES = ('config.json', WEIGHTS_FILE, 'tokenizer.json', 'tokenizer_config.json',
-         'generation_config.json', 'README.md')
+# What an export holds: these, and the tokenizer's files (`tokenizer_files`).
+MODEL_FILES = ('config.json', WEIGHTS_FILE, 'generation_config.json', 'README.md')
+FAST_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json')
+MARIAN_TOKENIZER_FILES = (*TOKENIZER_FILES, 'tokenizer_config.json')
+# Every name an export may hold (an output holding only these is an earlier export).
+FILES = tuple(dict.fromkeys(MODEL_FILES + FAST_TOKENIZER_FILES + MARIAN_TOKENIZER_FILES))
 
 
 class ExportError(ConfigError):
@@ -112,7 +119,7 @@ def vocabulary_order(vocab_size: int, pad_id: int) -> np.ndarray:
   return order
 
 
-def marian_config_json(config: ModelConfig, tokenizer: Tokenizer) -> dict:
+def marian_config_json(config: ModelConfig) -> dict:
   """config.json of the exported model (transformers' MarianConfig fields)."""
   check_exportable(config)
   order = vocabulary_order(config.vocab_size, config.pad_id)
@@ -237,10 +244,6 @@ def fast_tokenizer_files(tokenizer: Tokenizer, config: ModelConfig) -> dict[str,
   special token's string in text as that token. A source gets EOS appended (the
   post-processor), as our sources do.
   """
-  if not isinstance(tokenizer, Tokenizer):
-    raise ExportError(f'cannot export a run whose tokenizer is a {type(tokenizer).__name__} '
-                      "(a model fine-tuned from a Marian directory): only this library's "
-                      'tokenizer.json is converted; that model is already a Marian model')
   backend_json = json.loads(tokenizer._backend.to_str())
   if backend_json['model']['type'] == 'BPE':
     special_tokens_as_text(tokenizer._backend, backend_json)
@@ -314,15 +317,37 @@ Both peers use LayerNorm epsilon 1e-5 (this model was trained with \
 '''
 
 
-def export_marian(config: ModelConfig, params, tokenizer: Tokenizer, directory: str | Path,
+def tokenizer_files(tokenizer: TextTokenizer, config: ModelConfig) -> tuple[dict[str, dict], dict[str, Path]]:
+  """({name: JSON content}, {name: file to copy}): the tokenizer's files in the export.
+
+  Ours becomes a fast tokenizer (`fast_tokenizer_files`); a Marian tokenizer (a run
+  fine-tuned from an OPUS-MT model) stays one: its sentencepiece models are copied and
+  vocab.json gets the exported ids.
+  """
+  if isinstance(tokenizer, Tokenizer):
+    return fast_tokenizer_files(tokenizer, config), {}
+  if not isinstance(tokenizer, MarianTokenizer):
+    raise ExportError(f'cannot export a {type(tokenizer).__name__}: only this library\'s '
+                      'tokenizer.json and a Marian directory\'s sentencepiece files are written')
+  order = vocabulary_order(config.vocab_size, config.pad_id)
+  vocab = json.loads((tokenizer.directory / 'vocab.json').read_text(encoding='utf-8'))
+  vocab = {piece: int(order[index]) for piece, index in vocab.items()}
+  tokenizer_config = {'tokenizer_class': 'MarianTokenizer', 'model_max_length': config.max_len,
+                      'eos_token': '</s>', 'unk_token': '<unk>', 'pad_token': '<pad>',
+                      'separate_vocabs': False}
+  copies = {name: tokenizer.directory / name for name in ('source.spm', 'target.spm')}
+  return {'vocab.json': vocab, 'tokenizer_config.json': tokenizer_config}, copies
+
+
+def export_marian(config: ModelConfig, params, tokenizer: TextTokenizer, directory: str | Path,
                   source: str = 'a flax_transformer model') -> Path:
-  """Writes `FILES` into `directory` (created; replaced whole if it exists, so the caller
+  """Writes `MODEL_FILES` and the tokenizer's into `directory` (created; replaced whole if it exists, so the caller
   checks it may be) through a temporary directory beside it: a failure leaves nothing
   half-written. Returns the directory."""
   from safetensors.numpy import save_file
   directory = Path(directory)
-  files = {'config.json': marian_config_json(config, tokenizer),
-           **fast_tokenizer_files(tokenizer, config),
+  tokenizer_json, copies = tokenizer_files(tokenizer, config)
+  files = {'config.json': marian_config_json(config), **tokenizer_json,
            'generation_config.json': generation_config_json(config)}
   weights = marian_weights(config, params)
   directory.parent.mkdir(parents=True, exist_ok=True)
@@ -334,6 +359,8 @@ def export_marian(config: ModelConfig, params, tokenizer: Tokenizer, directory: 
     for name, content in files.items():
       (staging / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + '\n',
                                   encoding='utf-8')
+    for name, path in copies.items():
+      shutil.copyfile(path, staging / name)
     (staging / 'README.md').write_text(model_card(config, source), encoding='utf-8')
     save_file(weights, str(staging / WEIGHTS_FILE), metadata={'format': 'pt'})
     os.chmod(staging / WEIGHTS_FILE, 0o666 & ~umask)  # safetensors writes it 0o600
