@@ -495,3 +495,10 @@ def test_a_run_fine_tuned_from_an_opus_mt_model_exports_with_its_sentencepiece_f
       [theirs_tokenizer.convert_ids_to_tokens(theirs_tokenizer.encode(s)) for s in sentences],
       beam_size=1, max_decoding_length=12)
   assert [theirs_tokenizer.convert_tokens_to_string(r.hypotheses[0]) for r in results] == greedy
+
+
+def test_fine_tuning_an_export_is_refused_pointing_to_its_run(toy_run, exported, tmp_path):
+  status, _, err = call(train_cli.main, ['--init-from', exported(toy_run), '--workdir',
+                                         tmp_path / 'ft'])
+  assert status == 2 and 'an export of a flax_transformer run' in err
+  assert not (tmp_path / 'ft').exists()

@@ -51,7 +51,8 @@ import numpy as np
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.data.tokenizer import (SPECIAL_TOKENS, TextTokenizer, Tokenizer,
                                              special_tokens_as_text)
-from flax_transformer.pretrained.marian import TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer
+from flax_transformer.pretrained.marian import (TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer,
+                                                is_export)
 
 # Our activation names -> transformers' (our 'gelu' is the tanh form: transformers' gelu_new).
 ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu_new', 'silu': 'swish'}
@@ -69,15 +70,6 @@ FILES = tuple(dict.fromkeys(MODEL_FILES + FAST_TOKENIZER_FILES + MARIAN_TOKENIZE
 
 class ExportError(ConfigError):
   """The model cannot be written as a Marian model; the message names the setting."""
-
-
-def is_export(directory: str | Path) -> bool:
-  """Whether DIRECTORY/config.json was written by `export_marian`."""
-  try:
-    return json.loads((Path(directory) / 'config.json').read_text()).get('exported_by') == \
-        'flax_transformer'
-  except (OSError, ValueError, AttributeError):
-    return False
 
 
 def check_exportable(config: ModelConfig) -> None:

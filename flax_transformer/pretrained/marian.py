@@ -544,6 +544,15 @@ def _check_shapes(params: dict, config: ModelConfig, where: str) -> None:
 FINE_TUNING_CHANGES = frozenset({'dropout_rate', 'attention_dropout_rate', 'dtype'})
 
 
+def is_export(directory: str | Path) -> bool:
+  """Whether DIRECTORY/config.json was written by `pretrained.export`."""
+  try:
+    return json.loads((Path(directory) / 'config.json').read_text()).get('exported_by') == \
+        'flax_transformer'
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
 def fine_tuning_config(directory: str | Path, overrides: dict[str, str]) -> ModelConfig:
   """The Marian model's config with train.py's `--model.NAME=VALUE` overrides applied.
 
@@ -556,6 +565,10 @@ def fine_tuning_config(directory: str | Path, overrides: dict[str, str]) -> Mode
     raise PretrainedError(f'--init-from {directory}: not a Hugging Face Marian directory (it '
                           'needs config.json with a model_type, model.safetensors, source.spm, '
                           'target.spm, vocab.json)')
+  if is_export(directory):
+    raise PretrainedError(f'--init-from {directory}: an export of a flax_transformer run (its '
+                          'config.json says exported_by); fine-tune the run it came from '
+                          '(train.py --workdir RUN --steps N continues it)')
   pretrained = read_marian_config(directory)
   config = parse_overrides(pretrained, 'model', overrides)
   for name in overrides:
