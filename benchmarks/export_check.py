@@ -10,7 +10,11 @@ logit difference over the tokens a search may output, beside the largest logit;
 then the same with our model's LayerNorm epsilon set to transformers' 1e-5 (what
 is left is float32 arithmetic). Greedy strings: transformers' `generate` and
 CTranslate2's `translate_batch(beam_size=1)`, each sentence with decode.py's cap,
-against decode.py's. Results: benchmarks/results/export.json.
+against decode.py's. transformers 5 removed `pipeline('translation')`; with
+`--pipeline-python PY`, a python with transformers < 5 and torch (`python -m venv V
+&& V/bin/pip install torch==2.13.0 'transformers==4.57.*' sentencepiece safetensors`)
+runs it too, greedy (`num_beams=1`: that pipeline's default is beam 4).
+Results: benchmarks/results/export.json.
 """
 
 from __future__ import annotations
@@ -30,7 +34,32 @@ REPO = Path(__file__).resolve().parent.parent
 MULTI30K = REPO.parent / 'shared' / 'data' / 'multi30k'
 
 
-def compare(workdir: Path, sentences: list[str], scratch: Path) -> dict:
+PIPELINE = """
+import json, sys
+from transformers import pipeline
+data = json.load(open(sys.argv[2]))
+translate = pipeline('translation', model=sys.argv[1], device='cpu')
+out = [translate(sentence, num_beams=1, max_new_tokens=budget)[0]['translation_text']
+       for sentence, budget in zip(data['sentences'], data['budgets'])]
+print(json.dumps({'equal': sum(a == b for a, b in zip(out, data['greedy'])),
+                  'transformers': __import__('transformers').__version__}))
+"""
+
+
+def pipeline_check(python: str, directory: Path, sentences, greedy, budgets: list[int],
+                   scratch: Path) -> dict:
+  """pipeline('translation', num_beams=1) under `python` (transformers < 5), each sentence
+  with decode.py's cap: how many strings equal ours."""
+  import subprocess
+  data = scratch / 'greedy.json'
+  data.write_text(json.dumps({'sentences': sentences, 'greedy': greedy, 'budgets': budgets}))
+  result = subprocess.run([python, '-c', PIPELINE, str(directory), str(data)],
+                          capture_output=True, text=True, check=True)
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def compare(workdir: Path, sentences: list[str], scratch: Path,
+            pipeline_python: str | None = None) -> dict:
   import ctranslate2
   import torch
   import transformers
@@ -87,6 +116,9 @@ def compare(workdir: Path, sentences: list[str], scratch: Path) -> dict:
                                    skip_special_tokens=True))
   report['greedy_equal'] = {'transformers': sum(a == b for a, b in zip(generated, greedy)),
                             'ctranslate2': sum(a == b for a, b in zip(ct2, greedy))}
+  if pipeline_python:
+    report['pipeline_translation'] = pipeline_check(
+        pipeline_python, directory, sentences, greedy, [budget(len(s)) for s in sources], scratch)
   return report
 
 
@@ -122,6 +154,8 @@ def main(argv=None) -> int:
                                    description=__doc__.split('\n\n')[0])
   parser.add_argument('--run', action='append', type=Path, help='a run directory (repeatable)')
   parser.add_argument('--sentences', type=int, default=20, help='validation sources per run')
+  parser.add_argument('--pipeline-python', help="a python with transformers < 5 and torch, to "
+                      "run pipeline('translation') too")
   parser.add_argument('--source', type=Path, help='sources, one per line (default: the run\'s '
                       'validation split, or Multi30k val.en)')
   args = parser.parse_args(argv)
@@ -135,7 +169,7 @@ def main(argv=None) -> int:
     reports = []
     for index, (run, sentences) in enumerate(runs):
       (scratch / f'out{index}').mkdir()
-      reports.append(compare(run, sentences, scratch / f'out{index}'))
+      reports.append(compare(run, sentences, scratch / f'out{index}', args.pipeline_python))
       print(json.dumps(reports[-1]), file=sys.stderr)
   path = common.write_json(REPO / 'benchmarks' / 'results' / 'export.json',
                            {'machine': common.machine_info(os.cpu_count()), 'runs': reports})

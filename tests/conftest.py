@@ -192,7 +192,8 @@ def cmlm_copy_params():
 # finishes one; a long file handed out last would run alone at the end while the other worker
 # idles. Files not named here keep their order, after these.
 SLOWEST_FILES = (
-    'test_notebooks.py', 'test_readme.py', 'test_cmlm_decoding.py', 'test_decoding.py',
+    'test_notebooks.py', 'test_export.py', 'test_readme.py', 'test_cmlm_decoding.py',
+    'test_decoding.py',
     'test_decode_cli.py', 'test_multi30k.py', 'test_packing.py', 'test_benchmarks.py',
     'test_multihost.py', 'test_pretrained.py', 'test_model.py', 'test_interruption.py',
     'test_training.py', 'test_scheduled_sampling.py', 'test_banded_attention.py',

@@ -286,8 +286,11 @@ From `{source}`: {config.num_encoder_layers}+{config.num_decoder_layers} layers,
 {config.d_model}, {config.num_heads} heads, d_ff {config.d_ff}, {config.vocab_size:,} tokens.
 
 ```python
-from transformers import pipeline
-translate = pipeline('translation', model='.')   # greedy: the same strings as decode.py
+from transformers import AutoTokenizer, MarianMTModel
+tokenizer, model = AutoTokenizer.from_pretrained('.'), MarianMTModel.from_pretrained('.')
+batch = tokenizer(['A sentence.'], return_tensors='pt', padding=True)
+tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True)   # greedy
+# transformers < 5: pipeline('translation', model='.')(texts, num_beams=1) (its default is beam 4)
 ```
 
 ```sh
