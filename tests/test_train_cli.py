@@ -316,7 +316,7 @@ def test_train_cli_cmlm_writes_a_cmlm_run(cmlm_run):
   assert 'cmlm (non-autoregressive)' in out
   assert re.search(r'step 4: validation loss [\d.]+, ppl [\d.]+, token accuracy [\d.]+%, '
                    r'length accuracy [\d.]+%', out)
-  assert 'test, mask-predict decoding (10 iterations, length beam 3) of 8 sentences: BLEU' in out
+  assert 'test, mask-predict decoding (10 iterations, length beam 3) of 8 sentences: chrF' in out
   lines = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   train_lines = [line for line in lines if 'loss' in line]
   assert [line['step'] for line in train_lines][:2] == [2, 4]

@@ -19,7 +19,7 @@ from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
 from flax_transformer.run.directory import CheckpointError
 from flax_transformer.run.loading import load_for_inference
-from flax_transformer.train.evaluation import translation_scores
+from flax_transformer.train.evaluation import bleu_left_out, describe_scores, translation_scores
 from flax_transformer.train.loop import NonFiniteError, train
 from flax_transformer.train import transformer_schedule
 
@@ -125,7 +125,9 @@ def test_full_run_writes_the_run_directory_and_reports(tmp_path, numbers):
         sacrebleu.corpus_chrf(hypotheses, [references]).score, abs=1e-9)
     assert final[f'{prefix}bleu'] == pytest.approx(
         sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
-  assert 'test, greedy decoding of 24 sentences: BLEU' in text
+  # Single-word references: BLEU is left out, saying why; chrF and exact match report.
+  assert ('test, greedy decoding of 24 sentences: chrF' in text
+          and '(BLEU left out: the references are single words' in text)
   assert 'nrefs:1|case:mixed|eff:no|tok:13a' in text  # the sacreBLEU signature
   assert text.count('reference: ') == 5
   assert result.scores['val_loss'] > 0 and result.model_config.vocab_size == result.tokenizer.vocab_size
@@ -154,6 +156,29 @@ def test_translation_scores_are_sacrebleus_and_the_share_of_exact_matches():
   assert 0 < values['bleu'] < 100 and 0 < values['chrf'] < 100
   assert ('reference: zwei Katzen schlafen auf dem Sofa\n  output:    zwei Hunde schlafen auf '
           'dem Sofa') in report['samples']
+  assert report['bleu_left_out'] == ''
+  assert describe_scores(values, report) == (f'BLEU {values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, '
+                                             'exact match 50.0%')
+
+
+@pytest.mark.parametrize('references, left_out', [
+    (['einhunderteins', 'zweiundvierzig'], 'the references are single words'),
+    (['ein Hund', 'zwei kleine Katzen'], 'the references are at most 3 words'),
+    (['ein Hund.', 'zwei Katzen'], 'the references are at most 3 words'),  # '.' is a token
+    (['ein Hund läuft schnell', 'zwei'], ''),                           # one 4-gram is enough
+    (['ein Hund läuft.', 'zwei'], ''),
+])
+def test_bleu_is_left_out_where_no_reference_has_a_4_gram(references, left_out):
+  values = {'bleu': sacrebleu.corpus_bleu(references, [references]).score, 'chrf': 100.0,
+            'exact_match': 1.0}
+  report = {'bleu_left_out': bleu_left_out(references, sacrebleu.metrics.BLEU().tokenizer)}
+  line = describe_scores(values, report)
+  if left_out:
+    # Even a perfect output scores BLEU 0 here: that is what the line must not show.
+    assert values['bleu'] == 0 and left_out in report['bleu_left_out']
+    assert line.startswith('chrF 100.00, exact match 100.0% (BLEU left out: ') and 'BLEU 0' not in line
+  else:
+    assert values['bleu'] == pytest.approx(100) and line.startswith('BLEU 100.00, chrF 100.00')
 
 
 # Batches holding a token id outside the vocabulary, whose embedding lookup (`jnp.take`

@@ -2,7 +2,14 @@
 
     values, report = translation_scores(translator, dataset['test'], Greedy())
     values    # {'bleu': ..., 'chrf': ..., 'exact_match': ...}
-    report    # {'signature': sacreBLEU's signatures, 'samples': the first translations}
+    report    # {'signature': sacreBLEU's signatures, 'samples': the first translations,
+              #  'bleu_left_out': why BLEU says nothing here, or ''}
+    describe_scores(values, report)   # 'BLEU 37.06, chrF 62.50, exact match 12.3%'
+
+BLEU is the geometric mean of 1- to 4-gram precisions, so references that all have
+fewer than 4 words (the toy task's German numbers are single words) give BLEU 0
+whatever the output: such a report leaves BLEU out and says why (metrics.jsonl
+still records the value), and chrF and exact match tell the quality.
 
 Every process calls these together: process p of P decodes sentences p, p + P,
 p + 2P, ... (each sentence once, and shares of alike length mix even when the
@@ -27,6 +34,8 @@ from flax_transformer.decode.translator import Translator
 DECODE_BATCH = 128
 # Translations shown in a report.
 NUM_SAMPLES = 5
+# BLEU's longest n-gram: a reference with fewer words has none of that order.
+BLEU_MAX_ORDER = 4
 
 
 def translation_scores(translator: Translator, split: datasets.Dataset, method: DecodingMethod,
@@ -38,7 +47,7 @@ def translation_scores(translator: Translator, split: datasets.Dataset, method: 
   None shows none.
 
   chrF is reported beside BLEU because BLEU's 4-grams say little about one-word
-  outputs such as the toy task's German numbers.
+  outputs such as the toy task's German numbers (`bleu_left_out`).
   """
   sources, references = list(split['source']), list(split['target'])
   index, count = jax.process_index(), jax.process_count()
@@ -54,7 +63,28 @@ def translation_scores(translator: Translator, split: datasets.Dataset, method: 
                       for s, r, h in list(zip(sources, references, hypotheses))[:NUM_SAMPLES])
   signature = f'BLEU {bleu.get_signature()}, chrF {chrf.get_signature()}'
   return ({'bleu': bleu_score.score, 'chrf': chrf_score.score, 'exact_match': exact},
-          {'signature': signature, 'samples': samples})
+          {'signature': signature, 'samples': samples,
+           'bleu_left_out': bleu_left_out(references, bleu.tokenizer)})
+
+
+def bleu_left_out(references: Sequence[str], tokenize: Callable[[str], str]) -> str:
+  """Why BLEU is meaningless for these references (each has fewer than 4 words after
+  BLEU's tokenization: no 4-grams, so BLEU is 0 by definition), or ''."""
+  longest = max((len(tokenize(reference).split()) for reference in references), default=0)
+  if longest >= BLEU_MAX_ORDER:
+    return ''
+  words = 'single words' if longest <= 1 else f'at most {longest} words'
+  return (f'BLEU left out: the references are {words}, with no {BLEU_MAX_ORDER}-grams, so BLEU '
+          'is 0 whatever the output')
+
+
+def describe_scores(values: dict[str, float], report: dict[str, str]) -> str:
+  """'BLEU 37.06, chrF 62.50, exact match 12.3%', or without BLEU and why (`bleu_left_out`)."""
+  scores = f'chrF {values["chrf"]:.2f}, exact match {values["exact_match"]:.1%}'
+  if report.get('bleu_left_out'):
+    return f'{scores} ({report["bleu_left_out"]})'
+  return f'BLEU {values["bleu"]:.2f}, {scores}'
+
 
 
 def translate_across_processes(translator: Translator, sentences: Sequence[str],

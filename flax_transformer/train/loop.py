@@ -79,7 +79,7 @@ from flax_transformer.run.directory import RunDirectory, saved_steps
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits
 from flax_transformer.train import scheduled_sampling
-from flax_transformer.train.evaluation import translation_scores
+from flax_transformer.train.evaluation import describe_scores, translation_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.metrics import length_metrics, token_metrics
 from flax_transformer.train.optimizer import make_optimizer
@@ -476,9 +476,9 @@ class TrainingLoop:
     if (not stopping and config.bleu_every and done % config.bleu_every == 0
         and 'validation' in run.dataset):
       params = run.data_parallel.unreplicate(state.params)
-      values, _ = _split_scores(run, params, 'validation')
+      values, report = _split_scores(run, params, 'validation')
       run.record(done, {f'val_{name}': value for name, value in values.items()})
-      run.say(f'step {done}: validation BLEU {values["bleu"]:.2f}')
+      run.say(f'step {done}: validation {describe_scores(values, report)}')
 
   def validate(self, step: int, params) -> None:
     """Logs the validation loss, ppl and accuracy (and a cmlm model's length accuracy)."""
@@ -591,18 +591,16 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
   values, report = _split_scores(run, state.params, split)
   run.record(step, values)
   run.say(f'{split}, {evaluation_method(run.model_config).describe()} of '
-          f'{len(run.dataset[split]):,} sentences: BLEU {values["bleu"]:.2f}, chrF '
-          f'{values["chrf"]:.2f}, exact match {values["exact_match"]:.1%}\n'
+          f'{len(run.dataset[split]):,} sentences: {describe_scores(values, report)}\n'
           f'  ({report["signature"]})')
   run.say(report['samples'])
   if average_last:
     averaged = average_checkpoints(run.directory.path, average_last)
     _, avg_params, _ = load_for_inference(averaged)
-    values, _ = _split_scores(run, avg_params, split)
+    values, report = _split_scores(run, avg_params, split)
     run.record(step, {f'avg_{name}': value for name, value in values.items()})
-    run.say(f'{averaged}: mean of the last {average_last} checkpoints, {split} BLEU '
-            f'{values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, exact match '
-            f'{values["exact_match"]:.1%}')
+    run.say(f'{averaged}: mean of the last {average_last} checkpoints, {split} '
+            f'{describe_scores(values, report)}')
 
 
 def _split_scores(run: _TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
