@@ -59,7 +59,9 @@ class Bounds:
 
   def limits(self, number: str = '') -> str:
     """The range alone: '>= 1', '> 0', 'in [0, 1)'; `number` formats the limits (e.g. 'g')."""
-    low, high = (None if x is None else format(x, number) for x in (self.low, self.high))
+    # Integer limits in full (2**63 - 1, not 9.22337e+18); `number` formats the others.
+    low, high = (None if x is None else str(x) if isinstance(x, int) else format(x, number)
+                 for x in (self.low, self.high))
     if high is None:
       return f'{">" if self.low_open else ">="} {low}'
     if low is None:

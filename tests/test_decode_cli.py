@@ -346,6 +346,8 @@ def test_decode_cli_length_options_reach_mask_predict(cmlm_run, monkeypatch):
     (['--method', 'beam', '--length-offset', '2'],
      "length_offset only applies to method 'mask_predict', not 'beam'"),
     (['--length-ratio', '0'], 'argument --length-ratio: must be in (0, 65536], got 0.0'),
+    (['--seed', str(2 ** 63)],  # integer limits in full, not 9.22337e+18
+     f'argument --seed: must be in [-{2 ** 63}, {2 ** 63 - 1}], got {2 ** 63}'),
 ])
 def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
   status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_run['workdir'], *argv, 'one'])

@@ -329,7 +329,9 @@ def test_a_bad_config_json_field_is_refused_naming_file_field_and_value(field, v
 
 
 @pytest.mark.parametrize('text, shown', [('{"d_model": 32,', 'not valid JSON'),
-                                         ('[1, 2]', 'holds a JSON list'),
+                                         ('[1, 2]', 'holds an array, not a JSON object'),
+                                         ('null', 'holds null, not a JSON object'),
+                                         ('"d_model"', 'holds a string, not a JSON object'),
                                          (b'\xff\xfe', 'not UTF-8 text')])
 def test_a_config_json_that_is_no_json_object_is_refused_naming_it(text, shown, tmp_path):
   from flax_transformer.pretrained.marian import read_marian_config
@@ -365,6 +367,8 @@ def _reshaped_tensor(data: bytes) -> bytes:
     ('model.safetensors', lambda data: data[:len(data) // 2], 'truncated: tensor '),
     ('model.safetensors', lambda data: (10 ** 15).to_bytes(8, 'little') + data[8:],
      'damaged: its header length field says 1,000,000,000,000,000 bytes'),
+    ('model.safetensors', lambda data: (2 ** 62).to_bytes(8, 'little') + data[8:],
+     'damaged: its header length field says 4,611,686,018,427,387,904 bytes'),
     ('model.safetensors', lambda data: data[:8] + b'#' + data[9:],
      'damaged: its header is not JSON'),
     ('model.safetensors', lambda data: data[:5], 'damaged: its header length field'),
@@ -374,10 +378,11 @@ def _reshaped_tensor(data: bytes) -> bytes:
     ('source.spm', lambda data: b'not a model', 'not a readable sentencepiece model'),
     ('target.spm', lambda data: data[:1000], 'not a readable sentencepiece model'),
     ('vocab.json', lambda data: data[:100], 'not valid JSON'),
-    ('vocab.json', lambda data: b'["</s>"]', 'holds a JSON list'),
+    ('vocab.json', lambda data: b'["</s>"]', 'holds an array, not a JSON object'),
     ('vocab.json', lambda data: b'{"</s>": 0, "<unk>": "one"}',
      "the id of '<unk>' must be a non-negative integer, got \"one\"")],
-    ids=['weights_truncated', 'weights_header_length', 'weights_header_not_json',
+    ids=['weights_truncated', 'weights_header_length', 'weights_header_2_62',
+         'weights_header_not_json',
          'weights_five_bytes', 'weights_missing_tensor', 'weights_wrong_shape', 'source_spm',
          'target_spm_truncated', 'vocab_truncated', 'vocab_list', 'vocab_id_not_int'])
 def test_a_damaged_weights_or_tokenizer_file_is_refused_naming_it(name, damage, shown, marian_dir,
@@ -387,6 +392,9 @@ def test_a_damaged_weights_or_tokenizer_file_is_refused_naming_it(name, damage, 
     load_marian(damaged)
   assert str(refusal.value).startswith(str(damaged / name))
   assert shown in str(refusal.value)
+  # One fault, one wording: the file named once, a length fault never called 'not JSON'.
+  assert str(refusal.value).count(str(damaged / name)) == 1
+  assert 'length field' not in shown or 'not JSON' not in str(refusal.value)
 
 
 def test_a_model_too_large_for_the_machine_is_refused_before_its_weights_are_read(marian_dir,

@@ -62,6 +62,10 @@ def write_corpus(directory: Path, en: list[str], de: list[str]) -> Path:
     (['--preset', 'huge'], "argument --preset: invalid choice: 'huge'"),
     (['--process-id', '1'],
      '--num-processes, --process-id and --coordinator-timeout need --coordinator'),
+    # Integer limits in full, not 9.22337e+18; an empty --workdir named as given, not as '.'.
+    (['--train.seed=9223372036854775808'],
+     'train.seed must be an integer in [0, 9223372036854775807], got 9223372036854775808'),
+    (['--workdir', ''], 'argument --workdir: empty; name a directory'),
 ])
 def test_cli_refuses_bad_options_up_front(argv, message):
   assert message in usage_error(train_cli.main, argv)
@@ -205,8 +209,15 @@ def test_a_coordinator_nobody_joins_ends_in_one_line_at_the_timeout(process_id, 
       capture_output=True, text=True, timeout=120, cwd=root,
       env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(root)})
   assert done.returncode == 1 and not done.stdout
-  assert done.stderr.startswith(f'train.py: error: {expected.format(port=port)}')
-  assert done.stderr.count('\n') == 1 and 'stack trace' not in done.stderr
+  # First what it waits for and until when, then, at the timeout, the one error line.
+  waiting, error = done.stderr.splitlines()
+  assert re.fullmatch(
+      (r'train\.py: coordinator at 127\.0\.0\.1:{port}: waiting for all 2 processes to join, '
+       if process_id == 0 else
+       r'train\.py: process 1: joining the coordinator at 127\.0\.0\.1:{port}, ').format(port=port)
+      + r'until \d\d:\d\d:\d\d UTC \(--coordinator-timeout=1 s\)', waiting), waiting
+  assert error.startswith(f'train.py: error: {expected.format(port=port)}')
+  assert done.stderr.count('\n') == 2 and 'stack trace' not in done.stderr
 
 
 @pytest.mark.parametrize('coordinator, bound', [

@@ -281,10 +281,14 @@ def _exit_on_sigterm(script: str, status: int) -> None:
 
 
 @contextlib.contextmanager
-def deadline(seconds: float, script: str, line: str, status: int) -> Iterator[None]:
+def deadline(seconds: float, script: str, line: str, status: int,
+             waiting: str = '') -> Iterator[None]:
   """Ends the process with 'SCRIPT: LINE' and `status` unless the block is done within
   `seconds`: for a main thread stuck in a call that no exception or signal handler reaches
-  (JAX's C++ multi-host start-up), which only another thread can end."""
+  (JAX's C++ multi-host start-up), which only another thread can end. `waiting`: a line
+  printed first (standard error), saying what the block waits for and until when."""
+  if waiting:
+    print(f'{script}: {waiting}', file=sys.stderr, flush=True)
   timer = threading.Timer(seconds, end_process_now, (script, line, status))
   timer.daemon = True
   timer.start()

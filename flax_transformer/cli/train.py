@@ -22,8 +22,8 @@ from pathlib import Path
 
 from flax_transformer.cli import compilation_cache
 from flax_transformer.cli.failures import add_debug_option, deadline, run_program, train_failure
-from flax_transformer.cli.options import (add_setting_options, configs_from_args, nonnegative_int,
-                                          positive_int)
+from flax_transformer.cli.options import (add_setting_options, configs_from_args, nonempty_path,
+                                          nonnegative_int, positive_int)
 from flax_transformer.config import RUN_PRESETS, ConfigError
 
 # How long a multi-host start waits for every process to join the coordinator (JAX's default).
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
   run = parser.add_argument_group('run')
   run.add_argument('--preset', choices=RUN_PRESETS, default='toy',
                    help='named settings to start from (default: toy, offline)')
-  run.add_argument('--workdir', type=Path, help='run directory: config.json, tokenizer.json, '
+  run.add_argument('--workdir', type=nonempty_path, help='run directory: config.json, tokenizer.json, '
                    'checkpoints/, metrics.jsonl (default: runs/PRESET)')
   run.add_argument('--resume', action=argparse.BooleanOptionalAction, default=True,
                    help='continue from the latest checkpoint in --workdir if there is one; '
@@ -92,25 +92,15 @@ def _start_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
   if problem:
     parser.error(problem)
   try:
-    with deadline(args.coordinator_timeout, 'train.py', _not_joined(args), 1):
+    waiting, failed = distributed.join_lines(args.coordinator, args.num_processes,
+                                             args.process_id, args.coordinator_timeout)
+    with deadline(args.coordinator_timeout, 'train.py', failed, 1, waiting=waiting):
       distributed.start(args.coordinator, args.num_processes, args.process_id,
                         timeout_s=args.coordinator_timeout + _JAX_TIMEOUT_MARGIN_S)
   except ValueError as error:  # JAX names the first setting it could neither read nor detect
     parser.error(f'jax.distributed.initialize: {error} JAX detects the cluster on TPU pods and '
                  'under SLURM or Open MPI; elsewhere give --coordinator HOST:PORT, '
                  '--num-processes N and --process-id I')
-
-
-def _not_joined(args: argparse.Namespace) -> str:
-  """The line of a multi-host start that did not complete within --coordinator-timeout."""
-  where = args.coordinator or 'the address JAX detected'
-  if args.process_id == 0:
-    return (f'error: not every process joined the coordinator (process 0, at {where}) within '
-            f'--coordinator-timeout={args.coordinator_timeout} s; check that all '
-            f'{args.num_processes} were started, with this --coordinator and --num-processes')
-  return (f'error: no coordinator answered at {where} with all the processes joined within '
-          f'--coordinator-timeout={args.coordinator_timeout} s; check that process 0 runs there '
-          'and that every process was started with the same --num-processes')
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,8 +122,17 @@ def _read_json_object(path: Path, error: type[Exception]) -> dict:
   except ValueError as reason:
     raise error(f'{path}: not valid JSON ({reason})') from None
   if not isinstance(value, dict):
-    raise error(f'{path}: holds a JSON {type(value).__name__}, not an object')
+    raise error(f'{path}: holds {json_kind(value)}, not a JSON object')
   return value
+
+
+def json_kind(value) -> str:
+  """How a message names a parsed JSON value's kind: 'null', 'an array', 'a string', ..."""
+  if value is None or isinstance(value, bool):
+    return json.dumps(value)
+  kinds = {list: 'an array', str: 'a string', int: 'a number', float: 'a number',
+           dict: 'an object'}
+  return next(kind for kind_type, kind in kinds.items() if isinstance(value, kind_type))
 
 
 def _check_config_fields(hf: dict, where: str) -> None:
@@ -261,7 +270,8 @@ def _sentencepiece(spm, path: Path):
   try:
     return spm.SentencePieceProcessor(model_file=str(path))
   except (RuntimeError, OSError) as error:  # sentencepiece's status: 'INTERNAL: could not parse'
-    raise TokenizerError(f'{path}: not a readable sentencepiece model ({error})') from None
+    reason = str(error).replace(f' from {path}', '').replace(str(path), 'the file')  # named once
+    raise TokenizerError(f'{path}: not a readable sentencepiece model ({reason})') from None
 
 
 def _read_vocab(path: Path) -> dict[str, int]:
@@ -363,16 +373,17 @@ def _check_safetensors(path: Path) -> None:
     with path.open('rb') as file:
       head = file.read(8)
       length = int.from_bytes(head, 'little')
-      if len(head) < 8 or length > min(size - 8, _MAX_HEADER):
-        raise PretrainedError(
-            f'{path}: damaged: its header length field says {length:,} bytes, but '
-            f'{max(size - 8, 0):,} follow it (a safetensors header has at most {_MAX_HEADER:,}); '
-            'the file is truncated or not a safetensors file')
-      header = json.loads(file.read(length))
+      fits = len(head) == 8 and length <= min(size - 8, _MAX_HEADER)
+      header = json.loads(file.read(length)) if fits else None
   except OSError as error:
     raise PretrainedError(f'{path}: cannot be read ({error.strerror or error})') from None
   except ValueError as error:
     raise PretrainedError(f'{path}: damaged: its header is not JSON ({error})') from None
+  if not fits:
+    raise PretrainedError(
+        f'{path}: damaged: its header length field says {length:,} bytes, but '
+        f'{max(size - 8, 0):,} follow it (a safetensors header has at most {_MAX_HEADER:,}); '
+        'the file is truncated or not a safetensors file')
   if not isinstance(header, dict):
     raise PretrainedError(f'{path}: damaged: its header is not a JSON object')
   data = size - 8 - length

@@ -7,6 +7,7 @@ Call it before anything touches the devices. What is None, JAX detects.
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
 
@@ -47,6 +48,28 @@ def start(coordinator: str | None = None, num_processes: int | None = None,
     # Process 0 reports for all. Set before anything imports tqdm, which reads it once:
     # this also silences the data loading bars of `datasets` and of encode_corpus.
     os.environ['TQDM_DISABLE'] = '1'
+
+
+def join_lines(coordinator: str | None, num_processes: int | None, process_id: int | None,
+               timeout_s: int) -> tuple[str, str]:
+  """(the line while the processes join the coordinator, the line if they have not all
+  joined within `timeout_s`), worded for this process's part."""
+  where = coordinator or 'the address JAX detected'
+  until = (datetime.datetime.now(datetime.timezone.utc)
+           + datetime.timedelta(seconds=timeout_s)).strftime('%H:%M:%S UTC')
+  if process_id == 0:
+    waiting = (f'coordinator at {where}: waiting for all {num_processes} processes to join, '
+               f'until {until} (--coordinator-timeout={timeout_s} s)')
+    return waiting, (
+        f'error: not every process joined the coordinator (process 0, at {where}) within '
+        f'--coordinator-timeout={timeout_s} s; check that all {num_processes} were started, '
+        'with this --coordinator and --num-processes')
+  waiting = (f'process {"?" if process_id is None else process_id}: joining the coordinator at '
+             f'{where}, until {until} (--coordinator-timeout={timeout_s} s)')
+  return waiting, (
+      f'error: no coordinator answered at {where} with all the processes joined within '
+      f'--coordinator-timeout={timeout_s} s; check that process 0 runs there and that every '
+      'process was started with the same --num-processes')
 
 
 def loopback_bind_address(coordinator: str | None) -> str | None:
