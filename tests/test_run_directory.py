@@ -19,7 +19,7 @@ from support.lock_holder import lock_holder
 from flax_transformer.config import DataConfig
 from flax_transformer.run.directory import CheckpointError
 from flax_transformer.run.loading import load_for_inference
-from flax_transformer.run.directory import check_resumable, read_config
+from flax_transformer.run.directory import check_resumable, file_digest, read_config
 from flax_transformer.run.lock import LOCK_FILE, RunDirectoryInUse, RunLock
 
 # The run directory of conftest.py's checkpointed_run, which tests/test_checkpoint.py shares.
@@ -48,12 +48,22 @@ def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):
   config, _, _, _ = setup
   content = json.loads((run_dir / 'config.json').read_text())
   content['model']['vocab_size'] = config.vocab_size + 1
+  content['tokenizer_sha256'] = file_digest(run_dir / 'tokenizer.json')
   other = tmp_path / 'other'
   other.mkdir()
   (other / 'config.json').write_text(json.dumps(content))
   (other / 'checkpoints').symlink_to(run_dir / 'checkpoints')
   (other / 'tokenizer.json').symlink_to(run_dir / 'tokenizer.json')
-  # Not "set model.vocab_size": the checkpoints hold the run's own vocabulary.
+  # tokenizer.json is the file config.json records (its SHA-256): config.json is what changed.
+  with pytest.raises(CheckpointError, match=rf'other/config.json: model.vocab_size='
+                     rf'{config.vocab_size + 1} is not what this run was trained with: its '
+                     rf'tokenizer.json, the file config.json records \(same SHA-256\), has '
+                     rf'vocab_size {config.vocab_size}; config.json was edited: set '
+                     rf'model.vocab_size back to {config.vocab_size}'):
+    load_for_inference(other)
+  # Without a recorded digest, which file changed cannot be told; the tokenizer is named.
+  content.pop('tokenizer_sha256')
+  (other / 'config.json').write_text(json.dumps(content))
   with pytest.raises(CheckpointError, match=r'other/tokenizer.json does not belong to this run: it '
                      rf'has vocab_size {config.vocab_size}, the model in .*other/config.json and '
                      rf"its checkpoints were trained with {config.vocab_size + 1}. Put the run's "

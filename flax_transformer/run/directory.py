@@ -199,13 +199,29 @@ def check_tokenizer_fits(workdir: str | Path, tokenizer: TextTokenizer) -> None:
   tell another tokenizer; a different size or special ids can. Changing
   model.vocab_size would not help: the checkpoints hold the run's own vocabulary.
   """
+  workdir = Path(workdir)
   model_config = read_config(workdir)[0]
   for name, saved, actual in vocabulary_mismatches(tokenizer, model_config):
+    if _is_recorded_tokenizer(workdir):
+      # The digest config.json recorded is this tokenizer.json's: config.json is what changed.
+      raise CheckpointError(
+          f'{workdir / CONFIG_FILE}: model.{name}={saved} is not what this run was trained with: '
+          f'its tokenizer.json, the file config.json records (same SHA-256), has {name} '
+          f'{actual}; config.json was edited: set model.{name} back to {actual}')
     raise CheckpointError(
-        f'{Path(workdir) / TOKENIZER_FILE} does not belong to this run: it has {name} {actual}, '
-        f'the model in {Path(workdir) / CONFIG_FILE} and its checkpoints were trained with '
+        f'{workdir / TOKENIZER_FILE} does not belong to this run: it has {name} {actual}, '
+        f'the model in {workdir / CONFIG_FILE} and its checkpoints were trained with '
         f'{saved}. Put the run\'s own tokenizer.json back, or start a new run in another '
         '--workdir (or with --no-resume)')
+
+
+def _is_recorded_tokenizer(workdir: Path) -> bool:
+  """Whether WORKDIR/tokenizer.json is the file whose SHA-256 config.json recorded."""
+  try:
+    recorded = json.loads((workdir / CONFIG_FILE).read_text()).get(TOKENIZER_DIGEST)
+    return recorded is not None and recorded == file_digest(workdir / TOKENIZER_FILE)
+  except (OSError, ValueError, AttributeError):
+    return False
 
 
 def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
