@@ -132,10 +132,12 @@ def test_resume_skips_damaged_checkpoints_and_decode_names_the_file(cmlm_copy, n
 
 @pytest.mark.parametrize('damage', [truncate, zero_fill])
 def test_unreadable_arrays_without_recorded_digests_are_damage_not_mismatch(tiny_copy, damage):
-  # A checkpoint whose process was killed before its digests were recorded: orbax's read fails.
+  # A checkpoint whose process was killed before its digests were recorded, loaded anyway
+  # (--allow-unverified): orbax's read fails, and that is damage too.
   (tiny_copy / 'checkpoints' / '10' / DIGESTS_FILE).unlink()
   damage(params_file(tiny_copy, 10))
-  checkpoints = Checkpoints(tiny_copy, read_only=True)
+  told = []
+  checkpoints = Checkpoints(tiny_copy, read_only=True, on_unverified=told.append)
   config = json.loads((tiny_copy / 'config.json').read_text())['model']
   with pytest.raises(DamagedCheckpoint) as error:
     checkpoints.restore_params(10, abstract_params(ModelConfig(**config)))
@@ -145,6 +147,72 @@ def test_unreadable_arrays_without_recorded_digests_are_damage_not_mismatch(tiny
                       rf'[\w.]+ in {tiny_copy}/checkpoints/10/params cannot be read \([^\n]+\)',
                       str(error.value)), str(error.value)
   assert len(str(error.value)) < 400  # not tensorstore's spec
+  assert told == [f'{tiny_copy}/checkpoints/10: checkpoint 10 NOT VERIFIED (no {DIGESTS_FILE}); '
+                  'loaded as --allow-unverified asks']
+
+
+def _flip_one_byte(path: Path) -> None:
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x01
+  path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize('flipped', [False, True], ids=['intact', 'one_byte_flipped'])
+def test_a_checkpoint_without_digests_is_never_loaded_unverified(tiny_copy, flipped, tmp_path):
+  """sha256sums.json deleted (with or without a changed array byte): decode.py refuses in one
+  line naming the checkpoint; --allow-unverified loads it, saying it was not verified."""
+  digests = tiny_copy / 'checkpoints' / '10' / DIGESTS_FILE
+  digests.unlink()
+  if flipped:
+    _flip_one_byte(params_file(tiny_copy, 10))
+  status, out, err = call(decode_cli.main, ['--checkpoint', tiny_copy, '--method', 'greedy', 'a b'])
+  assert status == 2 and not out
+  assert error_line(err, 'decode.py') == (
+      f'decode.py: error: {tiny_copy}/checkpoints/10: unverified checkpoint (step 10): it has no '
+      f'{DIGESTS_FILE}, so its files cannot be checked against what was written; '
+      '--allow-unverified loads it anyway')
+  status, out, err = call(decode_cli.main, ['--checkpoint', tiny_copy, '--method', 'greedy',
+                                            '--allow-unverified', 'a b'])
+  assert status == 0 and len(out.splitlines()) == 1
+  assert (f'decode.py: warning: {tiny_copy}/checkpoints/10: checkpoint 10 NOT VERIFIED (no '
+          f'{DIGESTS_FILE}); loaded as --allow-unverified asks') in err.splitlines()
+
+
+@pytest.mark.parametrize('change, shown', [
+    (lambda step: (step / 'stray.bin').write_bytes(b'x'),
+     'stray.bin is not among the files written (not listed in sha256sums.json)'),
+    (lambda step: (step / DIGESTS_FILE).write_text(json.dumps(
+        {**json.loads((step / DIGESTS_FILE).read_text()), 'params/gone.bin': '0' * 64})),
+     'params/gone.bin is missing'),
+    (lambda step: (step / DIGESTS_FILE).write_text('[]'),
+     f'{DIGESTS_FILE} is not a JSON object of file names and SHA-256s'),
+], ids=['extra_file', 'listed_file_missing', 'digests_not_an_object'])
+def test_files_and_digests_must_agree_exactly(tiny_copy, change, shown):
+  change(tiny_copy / 'checkpoints' / '10')
+  status, _, err = call(decode_cli.main, ['--checkpoint', tiny_copy, '--method', 'greedy', 'a b'])
+  assert status == 2
+  assert error_line(err, 'decode.py') == (
+      f'decode.py: error: {tiny_copy}/checkpoints/10: damaged checkpoint (step 10): {shown}')
+
+
+def test_a_resume_sets_an_unverified_checkpoint_aside_unless_allowed(cmlm_copy, numbers_corpus):
+  """train.py resumes from the newest verified checkpoint, saying which it skipped and why;
+  with --allow-unverified it resumes from the unverified one, saying so."""
+  allowed = cmlm_copy.parent / 'allowed'
+  shutil.copytree(cmlm_copy, allowed)
+  for workdir in (cmlm_copy, allowed):
+    (workdir / 'checkpoints' / '6' / DIGESTS_FILE).unlink()
+  status, out, err = cmlm_train(numbers_corpus, cmlm_copy, '--steps=8')
+  assert status == 0, err
+  assert (f'skipped checkpoint 6: {cmlm_copy}/checkpoints/6: unverified checkpoint (step 6): it '
+          f'has no {DIGESTS_FILE}') in out
+  assert f'resumed from {cmlm_copy}/checkpoints/4' in out
+  assert (cmlm_copy / 'checkpoints' / 'damaged-6').is_dir()
+  status, out, err = cmlm_train(numbers_corpus, allowed, '--steps=8', '--allow-unverified')
+  assert status == 0, err
+  assert f'{allowed}/checkpoints/6: checkpoint 6 NOT VERIFIED' in out
+  assert f'resumed from {allowed}/checkpoints/6' in out
+  assert not (allowed / 'checkpoints' / 'damaged-6').exists()
 
 
 def test_nothing_is_rewritten_when_the_restore_fails(cmlm_copy, numbers_corpus, monkeypatch):

@@ -30,7 +30,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flax_transformer.cli.failures import Failure, add_debug_option, one_line, run_program
-from flax_transformer.cli.options import add_method_options, method_settings
+from flax_transformer.cli.options import (add_method_options, add_unverified_option,
+                                          method_settings, unverified_reporter)
 
 # Sentences read, sorted and decoded together; their translations are written before the next
 # block is read. Large enough for length-sorted batches, small enough to see output soon.
@@ -57,10 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       help="compute dtype to decode in (default: the model's): bfloat16 runs the matmuls in "
       'bfloat16 with float32 accumulation, the search in float32')
   add_method_options(parser)
+  add_unverified_option(parser)
   add_debug_option(parser)
   args = parser.parse_args(argv)
-  # Refused here, naming the option, rather than deep in loading or decoding (the method
-  # settings' ranges when parsed, from their fields).
+  # Refused here, naming the option, not deep in loading or decoding (method settings: parsed).
   for option, low in (('step', 0), ('average_last', 0), ('batch_size', 1)):
     value = getattr(args, option)
     if value is not None and value < low:
@@ -92,8 +93,8 @@ def _main(argv: Sequence[str] | None) -> int:
                   if args.reference is not None else None)
     # A named method's settings are refused before the checkpoint loads.
     method = method_from_name(args.method, **settings) if args.method else None
-    translator = Translator.from_directory(args.checkpoint, step=args.step,
-                                           average_last=args.average_last, dtype=args.dtype)
+    translator = Translator.from_directory(args.checkpoint, args.step, args.average_last,
+                                           args.dtype, unverified_reporter(args, 'decode.py'))
     method = method or default_method(translator.config, **settings)
     translator.check_method(method, len(sentences), args.batch_size)
     output = text_io.open_output(args.output)

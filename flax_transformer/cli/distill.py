@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flax_transformer.cli.failures import Failure, add_debug_option, run_program
-from flax_transformer.cli.options import add_method_options, method_settings
+from flax_transformer.cli.options import (add_method_options, add_unverified_option,
+                                          method_settings, unverified_reporter)
 from flax_transformer.decode.methods import BeamSearch
 
 # How the teacher decodes; its fields are the method options (--beam-size, --alpha, ...).
@@ -37,6 +38,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help='replace --output if an earlier distill.py wrote it')
   parser.add_argument('--batch-size', type=int, default=64, help='sentences per batch')
   add_method_options(parser, [TEACHER_METHOD], title="the teacher's decoding")
+  add_unverified_option(parser)
   add_debug_option(parser)
   args = parser.parse_args(argv)
   if args.batch_size < 1:
@@ -60,7 +62,8 @@ def _main(argv: Sequence[str] | None, print_fn: Callable[[str], None]) -> int:
   try:
     method = TEACHER_METHOD(**args.method_settings)
     result = distill(args.checkpoint, args.output, data=args.data, method=method,
-                     batch_size=args.batch_size, overwrite=args.overwrite)
+                     batch_size=args.batch_size, overwrite=args.overwrite,
+                     on_unverified=unverified_reporter(args, 'distill.py'))
   except (DistillError, CheckpointError, ConfigError, DataError, TokenizerError) as error:
     raise Failure(str(error), 2) from error  # one line; its traceback with --debug
   except OSError as error:

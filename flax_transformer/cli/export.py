@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flax_transformer.cli.failures import Failure, add_debug_option, run_program
+from flax_transformer.cli.options import add_unverified_option, unverified_reporter
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -32,6 +33,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add('--step', type=int, help='checkpoint step to export (default: the latest)')
   add('--average-last', type=int, default=0, metavar='K',
       help='export the mean of the last K checkpoints (paper: 5)')
+  add_unverified_option(parser)
   add_debug_option(parser)
   args = parser.parse_args(argv)
   for option in ('step', 'average_last'):
@@ -54,7 +56,8 @@ def _main(argv: Sequence[str] | None) -> int:
   from flax_transformer.run.checkpoints import CheckpointError
   from flax_transformer.run.export import export_run
   try:
-    output = export_run(args.run, args.to, step=args.step, average_last=args.average_last)
+    output = export_run(args.run, args.to, step=args.step, average_last=args.average_last,
+                        on_unverified=unverified_reporter(args, 'export.py'))
   except ModuleNotFoundError as error:
     raise Failure(f'export needs {error.name}: pip install -e .[pretrained]', 2) from error
   except (CheckpointError, ConfigError, TokenizerError) as error:

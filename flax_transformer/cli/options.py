@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 from typing import Literal
@@ -194,3 +195,20 @@ def _int_at_least(text: str, low: int, kind: str) -> int:
   if value < low:
     raise argparse.ArgumentTypeError(f'expected {kind}, got {text!r}')
   return value
+
+
+def add_unverified_option(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument('--allow-unverified', action='store_true',
+                      help='load a checkpoint that has no recorded SHA-256s (sha256sums.json, '
+                           'e.g. one from an older version), saying it was not verified '
+                           '(default: it counts as damaged: decode.py, distill.py and export.py '
+                           'refuse it; train.py sets it aside and resumes from the newest '
+                           'verified one)')
+
+
+def unverified_reporter(args: argparse.Namespace, script: str):
+  """With --allow-unverified: a function printing 'SCRIPT: warning: LINE' (standard error) for
+  each checkpoint loaded unverified; else None (such checkpoints are refused)."""
+  if not args.allow_unverified:
+    return None
+  return lambda line: print(f'{script}: warning: {line}', file=sys.stderr, flush=True)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from flax_transformer.cli import compilation_cache
 from flax_transformer.cli.failures import add_debug_option, deadline, run_program, train_failure
-from flax_transformer.cli.options import (add_setting_options, configs_from_args, nonempty_path,
-                                          nonnegative_int, positive_int)
+from flax_transformer.cli.options import (add_setting_options, add_unverified_option,
+                                          configs_from_args, nonempty_path, nonnegative_int,
+                                          positive_int)
 from flax_transformer.config import RUN_PRESETS, ConfigError
 
 # How long a multi-host start waits for every process to join the coordinator (JAX's default).
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                      default=COORDINATOR_TIMEOUT_S,
                      help='give up when the processes have not all joined the coordinator '
                           'within this time (default: %(default)s)')
+  add_unverified_option(run)
   add_debug_option(run)
   add_setting_options(parser)
   return parser
@@ -134,6 +136,7 @@ def _main(argv: list[str] | None) -> int:
     parser.error(str(error))
   train(*configs, workdir, devices=args.devices,
         parallel=args.parallel, resume=args.resume, average_last=args.average_last,
-        skip_nonfinite=args.skip_nonfinite, init_from=args.init_from)
+        skip_nonfinite=args.skip_nonfinite, init_from=args.init_from,
+        allow_unverified=args.allow_unverified)
   cache.report()
   return 0

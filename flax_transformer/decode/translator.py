@@ -88,14 +88,18 @@ class Translator:
 
   @classmethod
   def from_checkpoint(cls, workdir: str | Path, step: int | None = None,
-                      average_last: int = 0, dtype: str | None = None) -> Translator:
+                      average_last: int = 0, dtype: str | None = None,
+                      on_unverified: Callable[[str], object] | None = None) -> Translator:
     """Loads WORKDIR's config, tokenizer and parameters (see `checkpoint.load_for_inference`).
 
     step: the checkpoint to load, None for the latest; average_last > 0: the
     mean of the last `average_last` checkpoints up to it (the paper averages 5).
     dtype: the compute dtype to decode in (see `Translator`).
+    on_unverified: load a checkpoint without recorded SHA-256s, telling this function
+      (None: refuse it, as damaged).
     """
-    return cls(*load_for_inference(workdir, step=step, average_last=average_last), dtype=dtype)
+    return cls(*load_for_inference(workdir, step=step, average_last=average_last,
+                                   on_unverified=on_unverified), dtype=dtype)
 
   @classmethod
   def from_pretrained(cls, directory: str | Path, dtype: str | None = None) -> Translator:
@@ -107,11 +111,13 @@ class Translator:
 
   @classmethod
   def from_directory(cls, directory: str | Path, step: int | None = None,
-                     average_last: int = 0, dtype: str | None = None) -> Translator:
+                     average_last: int = 0, dtype: str | None = None,
+                     on_unverified: Callable[[str], object] | None = None) -> Translator:
     """A run directory (`from_checkpoint`) or a Marian directory (`from_pretrained`), by its files."""
     from flax_transformer.pretrained.marian import is_marian_directory
     if not is_marian_directory(directory):
-      return cls.from_checkpoint(directory, step=step, average_last=average_last, dtype=dtype)
+      return cls.from_checkpoint(directory, step=step, average_last=average_last, dtype=dtype,
+                                 on_unverified=on_unverified)
     if step is not None or average_last:
       raise ConfigError(f'{directory} is a pretrained Marian model, which has one set of '
                         'parameters: step and average_last apply to run directories')

@@ -38,7 +38,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +99,13 @@ class Checkpoints:
   must not delete the save in progress of a live run.
   """
 
-  def __init__(self, workdir: str | Path, keep: int | None = None, read_only: bool = False):
+  def __init__(self, workdir: str | Path, keep: int | None = None, read_only: bool = False,
+               on_unverified: Callable[[str], object] | None = None):
+    """on_unverified: None refuses a checkpoint without recorded digests as damaged (its
+    files cannot be checked); a function loads it and is given the line saying so (the
+    programs' --allow-unverified)."""
     self.directory = (Path(workdir) / CHECKPOINT_DIR).resolve()
+    self._on_unverified = on_unverified
     # The caller decides when to save: orbax's own interval policy also saves the
     # first step of every run, which would then count among the last K averaged.
     # Not orbax's own read_only option, which logs three warnings on every use.
@@ -255,10 +260,13 @@ class Checkpoints:
     return restored
 
   def check_digests(self, step: int) -> None:
-    """Raises DamagedCheckpoint if a file of `step` differs from its recorded SHA-256.
+    """Raises DamagedCheckpoint unless every file of `step` is one its recorded SHA-256s
+    list, unchanged: a file missing, changed, or not listed, or no digests at all.
 
-    A checkpoint without recorded digests (its process was killed before the save
-    was confirmed, or an older run) is not checked here. Each step is hashed once.
+    A checkpoint without recorded digests (its process was killed before the save was
+    confirmed, an older run, or the file deleted) cannot be verified, so it is damaged
+    too, unless `on_unverified` was given: then it is loaded, and said so. Each step is
+    hashed once.
     """
     if step in self._verified:
       return
@@ -266,10 +274,21 @@ class Checkpoints:
     try:
       digests = json.loads((where / DIGESTS_FILE).read_text())
     except FileNotFoundError:
+      self._unverified(step, where)
       return
     except (OSError, ValueError) as error:
       raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} cannot '
                               f'be read ({error})', step, where / DIGESTS_FILE) from error
+    if not isinstance(digests, dict):
+      raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} is not '
+                              'a JSON object of file names and SHA-256s', step, where / DIGESTS_FILE)
+    unlisted = sorted(str(path.relative_to(where)) for path in where.rglob('*')
+                      if path.is_file() and path.name not in (DIGESTS_FILE, f'.{DIGESTS_FILE}.tmp')
+                      and str(path.relative_to(where)) not in digests)
+    if unlisted:
+      raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {unlisted[0]} is not '
+                              f'among the files written (not listed in {DIGESTS_FILE})', step,
+                              where / unlisted[0])
     for name, digest in digests.items():
       path = where / name
       if not path.is_file():
@@ -279,6 +298,17 @@ class Checkpoints:
         raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} is not the '
                                 'file written (its SHA-256 differs from the one recorded in '
                                 f'{DIGESTS_FILE})', step, path)
+    self._verified.add(step)
+
+  def _unverified(self, step: int, where: Path) -> None:
+    """A checkpoint without digests: DamagedCheckpoint, or loaded and reported."""
+    if self._on_unverified is None:
+      raise DamagedCheckpoint(
+          f'{where}: unverified checkpoint (step {step}): it has no {DIGESTS_FILE}, so its files '
+          'cannot be checked against what was written; --allow-unverified loads it anyway',
+          step, where / DIGESTS_FILE)
+    self._on_unverified(f'{where}: checkpoint {step} NOT VERIFIED (no {DIGESTS_FILE}); loaded '
+                        'as --allow-unverified asks')
     self._verified.add(step)
 
   def check_layers(self, step: int, config: ModelConfig, what: str) -> None:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from flax_transformer.pretrained import export
@@ -17,9 +18,11 @@ from flax_transformer.run.outputs import Protected, check_output
 
 
 def export_run(workdir: str | Path, output: str | Path, step: int | None = None,
-               average_last: int = 0) -> Path:
+               average_last: int = 0, on_unverified: Callable[[str], object] | None = None
+               ) -> Path:
   """Writes WORKDIR's model (the latest checkpoint, `step`, or the mean of the last
   `average_last` up to it) into OUTPUT as a Marian directory; returns OUTPUT.
+  on_unverified: as `load_for_inference`'s (None: a checkpoint without digests is refused).
 
   Refused before anything is read or written, each in one line (ExportError or
   CheckpointError, status 2 in the command): a model Marian cannot express
@@ -34,7 +37,8 @@ def export_run(workdir: str | Path, output: str | Path, step: int | None = None,
   _check_output(workdir, output)
   model_config = read_config(workdir)[0]
   export.check_exportable(model_config)
-  config, params, tokenizer = load_for_inference(workdir, step=step, average_last=average_last)
+  config, params, tokenizer = load_for_inference(workdir, step=step, average_last=average_last,
+                                                 on_unverified=on_unverified)
   which = f'the mean of its last {average_last} checkpoints' if average_last else (
       f'step {step}' if step is not None else 'its latest checkpoint')
   return export.export_marian(config, params, tokenizer, output, source=f'{workdir}, {which}')

@@ -57,7 +57,8 @@ def _check_output(workdir: Path, output: Path, last_k: int) -> None:
                           'write: it is not an earlier average; choose another directory')
 
 
-def _open_checkpoints(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, list[int]]:
+def _open_checkpoints(workdir: str | Path, on_unverified: Callable[[str], object] | None = None
+                      ) -> tuple[ModelConfig, Checkpoints, list[int]]:
   """A finished run's model config, its checkpoints opened read-only, and their steps."""
   workdir = Path(workdir)
   if not workdir.is_dir():
@@ -67,7 +68,7 @@ def _open_checkpoints(workdir: str | Path) -> tuple[ModelConfig, Checkpoints, li
   if not (workdir / CHECKPOINT_DIR).is_dir():
     raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: no such directory; the run saved no '
                           'checkpoint yet')
-  checkpoints = Checkpoints(workdir, read_only=True)
+  checkpoints = Checkpoints(workdir, read_only=True, on_unverified=on_unverified)
   steps = checkpoints.steps()
   if not steps:
     raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: holds no finished checkpoint')
@@ -99,7 +100,8 @@ def _mean_params(checkpoints: Checkpoints, steps: Sequence[int], target):
   return jax.tree.map(lambda t, x: (t / len(steps)).astype(x.dtype), total, target)
 
 
-def load_for_inference(workdir: str | Path, step: int | None = None, average_last: int = 0
+def load_for_inference(workdir: str | Path, step: int | None = None, average_last: int = 0,
+                       on_unverified: Callable[[str], object] | None = None
                        ) -> tuple[ModelConfig, Any, TextTokenizer]:
   """(ModelConfig, params, Tokenizer) of a run directory, ready for decoding.
 
@@ -108,13 +110,15 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
     step: the checkpoint to load; None loads the latest.
     average_last: if > 0, the element-wise mean of the parameters of the last
       `average_last` checkpoints up to `step` (paper §6.1 averages 5).
+    on_unverified: None refuses a checkpoint without recorded SHA-256s (DamagedCheckpoint);
+      a function loads it and is given the line saying it was not verified.
 
   Returns:
     The model config, the parameters (the 'params' collection, device arrays)
     and the tokenizer saved with them, checked to agree with the config.
   """
   check_bounds(average_last, NONNEGATIVE, 'average_last', CheckpointError)
-  model_config, checkpoints, steps = _open_checkpoints(workdir)
+  model_config, checkpoints, steps = _open_checkpoints(workdir, on_unverified)
   try:
     check_tokenizer(workdir)
     tokenizer = load_tokenizer(workdir)

@@ -31,7 +31,7 @@ import shlex
 import shutil
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -80,7 +80,8 @@ class DistillResult:
 
 def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None = None,
             method: DecodingMethod = BeamSearch(), batch_size: int = 64,
-            overwrite: bool = False, progress: bool = True) -> DistillResult:
+            overwrite: bool = False, progress: bool = True,
+            on_unverified: Callable[[str], object] | None = None) -> DistillResult:
   """Writes OUTPUT: the training split with the checkpoint's beam translations as targets.
 
   Args:
@@ -92,6 +93,8 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
     method: how the teacher decodes (default: the paper's beam search).
     batch_size: sentences per decoding batch.
     progress: show a progress bar (standard error) while translating.
+    on_unverified: load a teacher checkpoint without recorded SHA-256s, telling this
+      function (None: refuse it as damaged; `loading.load_for_inference`).
 
   Raises:
     DistillError: a cmlm checkpoint, an output that exists and is not empty
@@ -112,7 +115,7 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
     raise DataError(f'{data_config.source} has no train split (splits: {", ".join(dataset)})')
   sources = list(dataset['train']['source'])
   translations, truncated = _teacher_translations(checkpoint_dir, sources, method, batch_size,
-                                                  progress)
+                                                  progress, on_unverified)
   _write_output(output, checkpoint_dir, method, source, dataset, sources, translations,
                 data_config)
 
@@ -154,10 +157,12 @@ def _check_output(checkpoint_dir: Path, output: Path, source: Path, overwrite: b
 
 
 def _teacher_translations(checkpoint_dir: Path, sources: list[str], method: DecodingMethod,
-                          batch_size: int, progress: bool) -> tuple[list[str], int]:
+                          batch_size: int, progress: bool,
+                          on_unverified: Callable[[str], object] | None = None
+                          ) -> tuple[list[str], int]:
   """The teacher's translation of each source, under a progress bar, and how many sources were
   cut to the model's max_len; refuses all-empty translations."""
-  translator = Translator.from_checkpoint(checkpoint_dir)
+  translator = Translator.from_checkpoint(checkpoint_dir, on_unverified=on_unverified)
   encoded = translator.encode(sources)
   total = sum(ids is not None for ids in encoded.ids)
   with tqdm(total=total, unit='sent', desc='distill', disable=not progress, file=sys.stderr,

@@ -186,7 +186,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
           workdir: str | Path, *, dataset: datasets.DatasetDict | None = None,
           devices: int | None = None, parallel: str = 'shard_map', resume: bool = True,
           average_last: int = 0, skip_nonfinite: int = 0, init_from: str | Path | None = None,
-          print_fn: Callable[[str], None] = print) -> TrainResult:
+          allow_unverified: bool = False, print_fn: Callable[[str], None] = print) -> TrainResult:
   """Trains (or resumes) a run in `workdir`; see the module docstring.
 
   Args:
@@ -208,6 +208,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
     init_from: a Hugging Face Marian directory to fine-tune: a fresh run starts
       from its parameters and copies its tokenizer into WORKDIR; model_config must
       be its config (`pretrained.fine_tuning_config`).
+    allow_unverified: resume from a checkpoint without recorded SHA-256s (an older
+      version's), saying it was not verified; by default such a checkpoint is damaged
+      (set aside, and the newest verified one resumed).
     print_fn: where process 0's messages go.
 
   Raises:
@@ -224,7 +227,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
   directory = RunDirectory(workdir, init_from=init_from, data=data_config.source)
   with directory.locked():
     run = _prepare_training_run(model_config, train_config, data_config, directory, dataset,
-                                devices, parallel, resume, print_fn, init_from)
+                                devices, parallel, resume, print_fn, init_from, allow_unverified)
     loop = TrainingLoop(run, skip_nonfinite)
     state, start = _initial_state(run, loop, parallel)
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
@@ -276,14 +279,16 @@ def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
                           data_config: DataConfig, directory: RunDirectory,
                           dataset: datasets.DatasetDict | None, devices: int | None, parallel: str,
                           resume: bool, print_fn: Callable[[str], None],
-                          init_from: str | Path | None = None) -> _TrainingRun:
+                          init_from: str | Path | None = None,
+                          allow_unverified: bool = False) -> _TrainingRun:
   """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
   say = print_fn if directory.is_main else (lambda message: None)
   data_parallel = DataParallel(_local_devices(devices), mode=parallel)
   train_data = load_training_data(data_config, dataset)
   say(f'data: {train_data.describe()}')
   directory.prepare(resume)
-  checkpoints = Checkpoints(directory.path, keep=train_config.keep_checkpoints)
+  checkpoints = Checkpoints(directory.path, keep=train_config.keep_checkpoints,
+                            on_unverified=say if allow_unverified else None)
   pretrained_params = None
   if init_from is not None and checkpoints.latest_step() is None:
     _, pretrained_params, marian_tokenizer = load_marian(init_from)
