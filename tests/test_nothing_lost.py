@@ -6,6 +6,9 @@ corpus it was trained on, and symlinks to each. train.py, decode.py, distill.py 
 are aimed at each sentinel as the output (the sentinel itself, a symlink to it, a file inside
 it, its parent, '' and '.' from inside it); each refusal must be status 2 (averaging:
 CheckpointError), one line on standard error, and leave the tree byte for byte as it was.
+The alias matrix aims each program's outputs (decode.py, distill.py, train.py, export.py) at
+each of its inputs under every kind of name (`ALIAS_KINDS`): only a comparison of files by
+identity (`outputs.same_file`) refuses the hard links.
 """
 
 import hashlib
@@ -270,3 +273,87 @@ def test_train_values_are_refused_before_work(argv, message, tmp_path, monkeypat
 def test_decode_values_are_refused_before_work(tree, argv, message):
   status, out, err = call(decode_cli.main, ['--checkpoint', tree / 'run', *argv, 'one'])
   assert status == 2 and message in err and out == '', err
+
+
+# --- files known by identity --------------------------------------------------------------------
+
+# Each program's outputs aimed at each of its inputs: (program, argv before the output, the
+# output option, the input as a tree path, 'is' (the output is the input) or a path inside it).
+ALIAS_PAIRS = [
+    ('decode', ['--checkpoint', '{root}/run', '--input', '{root}/input.en',
+                '--reference', '{root}/reference.de'], '--output', 'input.en', 'is'),
+    ('decode', ['--checkpoint', '{root}/run', '--input', '{root}/input.en',
+                '--reference', '{root}/reference.de'], '--output', 'reference.de', 'is'),
+    ('decode', ['--checkpoint', '{root}/run', '--input', '{root}/input.en'], '--output', 'run',
+     'config.json'),
+    ('distill', ['--checkpoint', '{root}/run', '--data', '{root}/data', '--beam-size', '1'],
+     '--output', 'data', 'is'),
+    ('distill', ['--checkpoint', '{root}/run', '--data', '{root}/data', '--beam-size', '1'],
+     '--output', 'run', 'checkpoints'),
+    ('train', [*OPTIONS, '--data', '{root}/data', '--steps', '2'], '--workdir', 'data', 'is'),
+    ('train', [*OPTIONS, '--data', '{root}/data', '--steps', '2'], '--workdir', 'data', 'run'),
+    ('export', ['{root}/run'], '--to', 'run', 'checkpoints'),
+    ('export', ['{root}/run'], '--to', 'run', 'config.json'),
+]
+# How a name can reach a file: (kind, for files?, for directories?).
+ALIAS_KINDS = [('same', True, True), ('dotdot', True, True), ('relative', True, True),
+               ('trailing_slash', False, True), ('symlink', True, True),
+               ('symlink_above', True, True), ('hardlink', True, False)]
+
+
+def _alias(kind: str, target: str) -> tuple[str, str | None]:
+  """(a name for the tree path `target` of this kind, the cwd it is relative to)."""
+  names = {'same': '{root}/' + target, 'dotdot': '{root}/tool/sub/../../' + target,
+           'relative': target, 'trailing_slash': '{root}/' + target + '/',
+           'symlink': '{root}/aliases/' + target.replace('/', '_') + '.link',
+           'symlink_above': '{root}/aliases/up/' + target,
+           'hardlink': '{root}/aliases/' + target.replace('/', '_') + '.hard'}
+  return names[kind], ('.' if kind == 'relative' else None)
+
+
+def _alias_cases():
+  cases = []
+  for program, argv, option, source, where in ALIAS_PAIRS:
+    is_file = '.' in Path(source).name
+    for kind, for_files, for_directories in ALIAS_KINDS:
+      if not (for_files if is_file else for_directories):
+        continue
+      name, cwd = _alias(kind, source)
+      output = name if where == 'is' else f'{name.rstrip("/")}/{where}'
+      cases.append(pytest.param(program, [*argv, option, output], cwd, source,
+                                id=f'{program} {option} {where} {source} via {kind}'))
+  return cases
+
+
+@pytest.fixture(scope='module')
+def aliases(tree) -> Path:
+  """tree/aliases: a symlink to each input, one to the tree (up), a hard link to each file."""
+  (tree / 'reference.de').write_text('eins\nzwei\n')
+  directory = tree / 'aliases'
+  directory.mkdir()
+  (directory / 'up').symlink_to(tree)
+  for source in {pair[3] for pair in ALIAS_PAIRS}:
+    (directory / f'{source}.link').symlink_to(tree / source)
+    if (tree / source).is_file():
+      os.link(tree / source, directory / f'{source}.hard')
+  return tree
+
+
+PROGRAMS['export'] = __import__('export').main
+
+
+@pytest.mark.parametrize('program, argv, cwd, source', _alias_cases())
+def test_an_output_that_is_an_input_under_any_name_is_refused(aliases, program, argv, cwd, source,
+                                                              monkeypatch):
+  tree = aliases
+  if cwd is not None:
+    monkeypatch.chdir(tree)
+  argv = [a.replace('{root}', str(tree)) for a in argv]
+  before = snapshot(tree)
+  status, _, err = call(PROGRAMS[program], argv)
+  lines = err.strip().splitlines()
+  assert (status, len(lines)) == (2, 1), err
+  assert lines[0].startswith(f'{program}.py: error: '), err
+  # The line names the output as given and the input it would overwrite.
+  assert str(Path(argv[-1])) in lines[0] and str(tree / source) in lines[0], lines[0]
+  assert snapshot(tree) == before

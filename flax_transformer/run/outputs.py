@@ -4,8 +4,11 @@
                  'averaging output', CheckpointError, replaceable=AVERAGE_ENTRIES, ...)
 
 One rule for every program that writes an output (train.py its --workdir,
-checkpoint averaging and distillation a directory, decode.py a file): paths are
-compared resolved, symlinks followed, and an output that is a protected input,
+checkpoint averaging, distillation and export a directory, decode.py a file):
+files are known by identity, whatever names reach them (`same_file`): the same
+path, `..` segments, a relative and an absolute name, a trailing slash, a
+symbolic link to the file or to a folder above it (resolved), a hard link or a
+bind mount (the same device and inode). An output that is a protected input,
 holds one, or lies inside one (unless the input may hold outputs, as a run
 directory holds its average-lastK) is refused in one line naming both. An existing output is replaced only if it holds only what
 the program writes, or with the user's explicit consent (`replaceable=None`).
@@ -14,6 +17,7 @@ the program writes, or with the user's explicit consent (`replaceable=None`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
@@ -33,6 +37,17 @@ class Protected:
   may_hold: bool = False
 
 
+def same_file(a: Path, b: Path) -> bool:
+  """Whether two resolved paths name one file or directory: equal, or both existing with the
+  same device and inode (a hard link, a bind mount, a path through another mount)."""
+  if a == b:
+    return True
+  try:
+    return os.path.samefile(a, b)
+  except OSError:  # either does not exist (yet): only equal names are the same
+    return False
+
+
 def check_output(output: Path, protected: Sequence[Protected], label: str,
                  error: type[Exception], replaceable: Collection[str] | None = None,
                  occupied: str = '', advice: str = 'choose another directory',
@@ -49,9 +64,9 @@ def check_output(output: Path, protected: Sequence[Protected], label: str,
   target = output.resolve()
   for item in protected:
     path = item.path.resolve()
-    if target == path or target in path.parents:
+    if same_file(target, path) or any(same_file(target, above) for above in path.parents):
       raise error(f'{label} {output} would replace {item.described}; {advice}')
-    if path in target.parents and not item.may_hold:
+    if not item.may_hold and any(same_file(above, path) for above in target.parents):
       raise error(f'{label} {output} would write inside {item.described}; {advice}')
   if is_file:
     return
