@@ -502,3 +502,10 @@ def test_fine_tuning_an_export_is_refused_pointing_to_its_run(toy_run, exported,
                                          tmp_path / 'ft'])
   assert status == 2 and 'an export of a flax_transformer run' in err
   assert not (tmp_path / 'ft').exists()
+
+
+def test_an_odd_width_is_refused_naming_it():
+  config = ModelConfig.tiny(d_model=33, num_heads=3)
+  with pytest.raises(export.ExportError, match=r'^cannot export model.d_model=33: an odd width'):
+    export.check_exportable(config)
+  export.check_exportable(ModelConfig.tiny())  # the paper's kind of model passes

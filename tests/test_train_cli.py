@@ -65,10 +65,17 @@ def write_corpus(directory: Path, en: list[str], de: list[str]) -> Path:
     # Integer limits in full, not 9.22337e+18; an empty --workdir named as given, not as '.'.
     (['--train.seed=9223372036854775808'],
      'train.seed must be an integer in [0, 9223372036854775807], got 9223372036854775808'),
-    (['--workdir', ''], 'argument --workdir: empty; name a directory'),
 ])
 def test_cli_refuses_bad_options_up_front(argv, message):
   assert message in usage_error(train_cli.main, argv)
+
+
+def test_an_empty_workdir_is_named_as_given(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  status, _, err = call(train_cli.main, ['--workdir', '', '--steps=1'])
+  assert status == 2 and err.strip().splitlines() == [
+      "train.py: error: --workdir '' names no directory; name a new one (default: runs/PRESET)"]
+  assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize('argv,message,status', [

@@ -172,13 +172,6 @@ def _limits(bounds: Bounds) -> str:
   return bounds.limits('g')
 
 
-def nonempty_path(text: str) -> Path:
-  """A path option's value; '' is refused (Path('') would be the current directory, '.')."""
-  if not text:
-    raise argparse.ArgumentTypeError("empty; name a directory")
-  return Path(text)
-
-
 def positive_int(text: str) -> int:
   return _int_at_least(text, 1, 'a positive integer')
 

@@ -23,8 +23,7 @@ from pathlib import Path
 from flax_transformer.cli import compilation_cache
 from flax_transformer.cli.failures import add_debug_option, deadline, run_program, train_failure
 from flax_transformer.cli.options import (add_setting_options, add_unverified_option,
-                                          configs_from_args, nonempty_path, nonnegative_int,
-                                          positive_int)
+                                          configs_from_args, nonnegative_int, positive_int)
 from flax_transformer.config import RUN_PRESETS, ConfigError
 
 # How long a multi-host start waits for every process to join the coordinator (JAX's default).
@@ -44,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
   run = parser.add_argument_group('run')
   run.add_argument('--preset', choices=RUN_PRESETS, default='toy',
                    help='named settings to start from (default: toy, offline)')
-  run.add_argument('--workdir', type=nonempty_path, help='run directory: config.json, tokenizer.json, '
+  run.add_argument('--workdir', help='run directory: config.json, tokenizer.json, '
                    'checkpoints/, metrics.jsonl (default: runs/PRESET)')
   run.add_argument('--resume', action=argparse.BooleanOptionalAction, default=True,
                    help='continue from the latest checkpoint in --workdir if there is one; '
@@ -120,14 +119,16 @@ def _main(argv: list[str] | None) -> int:
   _start_hosts(parser, args)
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
-  from flax_transformer.run.directory import saved_steps
+  from flax_transformer.run.directory import NotARun, saved_steps
   from flax_transformer.train.loop import check_settings, train
 
   try:
     cache = compilation_cache.enable(args.compilation_cache)
   except ConfigError as error:
     parser.error(str(error))
-  workdir = args.workdir or Path('runs') / args.preset
+  if args.workdir == '':  # Path('') would be '.', and quoted so
+    raise NotARun("--workdir '' names no directory; name a new one (default: runs/PRESET)")
+  workdir = Path(args.workdir) if args.workdir is not None else Path('runs') / args.preset
   try:
     check_settings(*configs, args.average_last, args.skip_nonfinite,
                    pretrained=args.init_from is not None,
