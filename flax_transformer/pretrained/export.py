@@ -51,8 +51,7 @@ import numpy as np
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.data.tokenizer import (SPECIAL_TOKENS, TextTokenizer, Tokenizer,
                                              special_tokens_as_text)
-from flax_transformer.pretrained.marian import (TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer,
-                                                is_export)
+from flax_transformer.pretrained.marian import TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer
 
 # Our activation names -> transformers' (our 'gelu' is the tanh form: transformers' gelu_new).
 ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu_new', 'silu': 'swish'}
@@ -307,7 +306,7 @@ Beam search does not carry over exactly: decode.py
 log-probability by GNMT's ((5 + length) / 6) ** alpha; transformers' `num_beams=4,
 length_penalty=0.6` and CTranslate2's `beam_size=4, length_penalty=0.6` divide it
 by length ** 0.6, so long and short hypotheses are weighed a little differently.
-Both peers use LayerNorm epsilon 1e-5 (this model was trained with \
+Both peers use LayerNorm epsilon {MARIAN_EPSILON:g} (this model was trained with \
 {config.layer_norm_epsilon:g}).
 '''
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flax_transformer.pretrained import export
-from flax_transformer.pretrained.marian import is_marian_directory
+from flax_transformer.pretrained.marian import is_export, is_marian_directory
 from flax_transformer.run.directory import CheckpointError, read_config
 from flax_transformer.run.loading import RUN_ENTRIES, load_for_inference
 from flax_transformer.run.outputs import Protected, check_output
@@ -52,6 +52,6 @@ def _check_output(workdir: Path, output: Path) -> None:
                replaceable=export.FILES,
                occupied='holds other files than an earlier export; choose another directory',
                advice='choose another directory (e.g. WORKDIR/export)')
-  if (output / 'config.json').is_file() and not export.is_export(output):
+  if (output / 'config.json').is_file() and not is_export(output):
     raise CheckpointError(f'export output {output} holds a config.json that export did not '
                           'write; choose another directory')
