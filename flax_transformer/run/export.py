@@ -13,8 +13,7 @@ from pathlib import Path
 from flax_transformer.pretrained import export
 from flax_transformer.pretrained.marian import is_export, is_marian_directory
 from flax_transformer.run.directory import CheckpointError, read_config
-from flax_transformer.run.loading import RUN_ENTRIES, load_for_inference
-from flax_transformer.run.outputs import Protected, check_output
+from flax_transformer.run.loading import check_run_output, load_for_inference
 
 
 def export_run(workdir: str | Path, output: str | Path, step: int | None = None,
@@ -45,13 +44,7 @@ def export_run(workdir: str | Path, output: str | Path, step: int | None = None,
 
 
 def _check_output(workdir: Path, output: Path) -> None:
-  run = Protected(workdir, f'the run directory {workdir}', may_hold=True)
-  parts = [Protected(workdir / name, f'{workdir / name}, part of the run {workdir}')
-           for name in sorted(RUN_ENTRIES)]
-  check_output(output, [run, *parts], 'export output', CheckpointError,
-               replaceable=export.FILES,
-               occupied='holds other files than an earlier export; choose another directory',
-               advice='choose another directory (e.g. WORKDIR/export)')
-  if (output / 'config.json').is_file() and not is_export(output):
-    raise CheckpointError(f'export output {output} holds a config.json that export did not '
-                          'write; choose another directory')
+  check_run_output(workdir, output, 'export output', export.FILES,
+                   occupied='holds other files than an earlier export; choose another directory',
+                   advice='choose another directory (e.g. WORKDIR/export)', ours=is_export,
+                   not_ours='export did not write')

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,28 +33,40 @@ from flax_transformer.run.sizes import check_fits
 # Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
 _ROTATION_TRIES = 10
 # A run directory's own entries, which an output inside it must not replace.
-RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR, ENCODED_DIR,
+_RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR, ENCODED_DIR,
                           LOCK_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES})
 # What averaging writes: an existing output holding only these is an earlier average.
 _AVERAGE_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES})
 
 
-def _check_output(workdir: Path, output: Path, last_k: int) -> None:
-  """Refuses an output whose replacement would delete the run or anything else
-  (`outputs.check_output`): WORKDIR/average-last5 is fine; WORKDIR itself, a directory
-  above it, or WORKDIR/checkpoints/... are not, symlinks followed."""
+def check_run_output(workdir: Path, output: Path, label: str, replaceable: Collection[str],
+                     occupied: str, advice: str, ours: Callable[[Path], bool],
+                     not_ours: str) -> None:
+  """Refuses an output made from WORKDIR whose replacement would delete the run or anything
+  else (`outputs.check_output`): WORKDIR/average-last5 or WORKDIR/export is fine; WORKDIR
+  itself, a directory above it, or WORKDIR/checkpoints/... are not, whatever their names.
+  An output holding only `replaceable` names may be replaced, and only if its config.json,
+  if any, is the writer's own (`ours(output)`; else '... holds a config.json that
+  {not_ours}')."""
   run = Protected(workdir, f'the run directory {workdir}', may_hold=True)
   parts = [Protected(workdir / name, f'{workdir / name}, part of the run {workdir}')
-           for name in sorted(RUN_ENTRIES)]
-  check_output(output, [run, *parts], 'averaging output', CheckpointError,
-               replaceable=_AVERAGE_ENTRIES,
-               occupied='holds other files than an earlier average (config.json, the tokenizer, '
-                        'checkpoints/); choose another directory',
-               advice=f'choose another directory (default: {workdir}/average-last{last_k})')
-  if (output / CONFIG_FILE).exists() and read_marker(output) is None:
-    # Only what averaging wrote may go: a config.json of another program is not an average.
-    raise CheckpointError(f'averaging output {output} holds a config.json that train.py did not '
-                          'write: it is not an earlier average; choose another directory')
+           for name in sorted(_RUN_ENTRIES)]
+  check_output(output, [run, *parts], label, CheckpointError, replaceable=replaceable,
+               occupied=occupied, advice=advice)
+  if (output / CONFIG_FILE).exists() and not ours(output):
+    # Only what the writer wrote may go: a config.json of another program is not its output.
+    raise CheckpointError(f'{label} {output} holds a config.json that {not_ours}; choose '
+                          'another directory')
+
+
+def _check_output(workdir: Path, output: Path, last_k: int) -> None:
+  """`check_run_output` for an average of WORKDIR's last `last_k` checkpoints."""
+  check_run_output(workdir, output, 'averaging output', _AVERAGE_ENTRIES,
+                   occupied='holds other files than an earlier average (config.json, the '
+                            'tokenizer, checkpoints/); choose another directory',
+                   advice=f'choose another directory (default: {workdir}/average-last{last_k})',
+                   ours=lambda directory: read_marker(directory) is not None,
+                   not_ours='train.py did not write: it is not an earlier average')
 
 
 def _open_checkpoints(workdir: str | Path, on_unverified: Callable[[str], object] | None = None
