@@ -165,10 +165,8 @@ def check_tokenizer(workdir: str | Path) -> None:
   """
   workdir = Path(workdir)
   config_path, tokenizer_path = workdir / CONFIG_FILE, workdir / TOKENIZER_FILE
-  try:
-    recorded = json.loads(config_path.read_text()).get(TOKENIZER_DIGEST)
-  except (OSError, json.JSONDecodeError, AttributeError):
-    return  # read_config reports a missing or malformed config.json
+  # A missing or malformed config.json is read_config's to report.
+  recorded = _recorded_tokenizer_digest(workdir)
   if recorded is None or not tokenizer_path.is_file():
     return
   actual = file_digest(tokenizer_path)
@@ -215,12 +213,21 @@ def check_tokenizer_fits(workdir: str | Path, tokenizer: TextTokenizer) -> None:
         '--workdir (or with --no-resume)')
 
 
+def _recorded_tokenizer_digest(workdir: Path) -> str | None:
+  """The SHA-256 of tokenizer.json that WORKDIR/config.json records, or None (none recorded,
+  or config.json missing or not a JSON object)."""
+  try:
+    return json.loads((workdir / CONFIG_FILE).read_text()).get(TOKENIZER_DIGEST)
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
 def _is_recorded_tokenizer(workdir: Path) -> bool:
   """Whether WORKDIR/tokenizer.json is the file whose SHA-256 config.json recorded."""
+  recorded = _recorded_tokenizer_digest(workdir)
   try:
-    recorded = json.loads((workdir / CONFIG_FILE).read_text()).get(TOKENIZER_DIGEST)
     return recorded is not None and recorded == file_digest(workdir / TOKENIZER_FILE)
-  except (OSError, ValueError, AttributeError):
+  except OSError:
     return False
 
 
