@@ -173,9 +173,15 @@ def test_a_checkpoint_without_digests_is_never_loaded_unverified(tiny_copy, flip
       '--allow-unverified loads it anyway')
   status, out, err = call(decode_cli.main, ['--checkpoint', tiny_copy, '--method', 'greedy',
                                             '--allow-unverified', 'a b'])
-  assert status == 0 and len(out.splitlines()) == 1
   assert (f'decode.py: warning: {tiny_copy}/checkpoints/10: checkpoint 10 NOT VERIFIED (no '
           f'{DIGESTS_FILE}); loaded as --allow-unverified asks') in err.splitlines()
+  if not flipped:
+    assert status == 0 and len(out.splitlines()) == 1
+  else:
+    # The changed byte may still decode (the changed weights load, as asked) or may break the
+    # array's encoding, which orbax's read then reports as damage, naming the step.
+    assert (status == 0 and len(out.splitlines()) == 1) or (
+        status == 2 and 'damaged checkpoint (step 10)' in error_line(err, 'decode.py')), err
 
 
 @pytest.mark.parametrize('change, shown', [

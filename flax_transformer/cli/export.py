@@ -1,9 +1,9 @@
 """Write a run as a Hugging Face Marian model, which transformers and CTranslate2 load.
 
     python export.py runs/m30k --to export/m30k --average-last 5
-    python -c "from transformers import pipeline; \\
-        print(pipeline('translation', model='export/m30k')('Ein Hund läuft.'))"
     ct2-transformers-converter --model export/m30k --output_dir export/m30k-ct2
+    # transformers: MarianMTModel.from_pretrained('export/m30k').generate(...), greedy;
+    # README.md's Marian section shows both ways of loading it
 
 The directory holds config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json and a README.md saying how each of

@@ -1,4 +1,4 @@
-"""How train.py, decode.py, distill.py and export.py fail: one line on standard error and an exit status.
+"""How train.py, decode.py, distill.py and export.py fail: one line on standard error and a status.
 
     def main(argv=None):
       return run_program('train.py', lambda: _main(argv), argv, train_failure)

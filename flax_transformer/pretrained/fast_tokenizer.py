@@ -57,7 +57,8 @@ class ExportedTokenizer(Tokenizer):
     except (OSError, ValueError) as error:
       raise TokenizerError(f'{directory}: not a readable exported tokenizer ({error})') from None
     except Exception as error:  # the Rust side raises a bare Exception
-      raise TokenizerError(f'{directory / FILE_NAME}: not a valid tokenizer file ({error})') from None
+      raise TokenizerError(f'{directory / FILE_NAME}: not a valid tokenizer file '
+                           f'({error})') from None
     expected = dict(zip(('pad_token', 'bos_token', 'eos_token', 'unk_token'), SPECIAL_TOKENS))
     wrong = {key: names.get(key) for key, token in expected.items()
              if isinstance(names, dict) and names.get(key) != token}

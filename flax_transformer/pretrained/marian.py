@@ -318,7 +318,8 @@ def marian_config(hf: dict, where: str = 'config.json') -> ModelConfig:
         max_len=hf['max_position_embeddings'],
         activation=ACTIVATIONS[hf.get('activation_function', 'gelu')],
         share_embeddings=bool(shared), positions='concatenated', logits_bias=True,
-        layer_norm_epsilon=hf.get('layer_norm_eps', 1e-5), pad_id=hf['pad_token_id'], bos_id=hf['pad_token_id'],
+        layer_norm_epsilon=hf.get('layer_norm_eps', 1e-5), pad_id=hf['pad_token_id'],
+        bos_id=hf['pad_token_id'],
         eos_id=_single(hf, 'eos_token_id', where), unk_id=hf.get('unk_token_id', 1))
   except PretrainedError:
     raise

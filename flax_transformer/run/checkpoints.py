@@ -281,7 +281,8 @@ class Checkpoints:
                               f'be read ({error})', step, where / DIGESTS_FILE) from error
     if not isinstance(digests, dict):
       raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} is not '
-                              'a JSON object of file names and SHA-256s', step, where / DIGESTS_FILE)
+                              'a JSON object of file names and SHA-256s', step,
+                              where / DIGESTS_FILE)
     unlisted = sorted(str(path.relative_to(where)) for path in where.rglob('*')
                       if path.is_file() and path.name not in (DIGESTS_FILE, f'.{DIGESTS_FILE}.tmp')
                       and str(path.relative_to(where)) not in digests)
