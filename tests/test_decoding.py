@@ -595,3 +595,16 @@ def test_argmax_pick_breaks_ties_by_the_lowest_id_as_jnp_argmax():
   picked = np.asarray(autoregressive.argmax_pick(logits, jnp.zeros((3,), jnp.int32)))
   np.testing.assert_array_equal(picked, [1, 0, 0])
   np.testing.assert_array_equal(picked, np.argmax(np.asarray(logits), axis=-1))
+
+
+def test_argmax_pick_takes_the_first_nan_as_jnp_argmax():
+  """Non-finite logits (weights from a damaged checkpoint) still pick an id inside the
+  vocabulary: the first NaN, as jnp.argmax and np.argmax do, not one past the end."""
+  nan, inf = float('nan'), float('inf')
+  logits = jnp.array([[nan, nan, nan, nan],
+                      [0.5, nan, 9.0, nan],
+                      [-inf, inf, nan, 1.0],
+                      [-inf, -inf, -inf, 0.0]])
+  picked = np.asarray(autoregressive.argmax_pick(logits, jnp.zeros((4,), jnp.int32)))
+  np.testing.assert_array_equal(picked, [0, 1, 2, 3])
+  np.testing.assert_array_equal(picked, np.argmax(np.asarray(logits), axis=-1))

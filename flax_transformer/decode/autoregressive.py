@@ -494,9 +494,12 @@ def argmax_pick(logits: jax.Array, position: jax.Array) -> jax.Array:
   del position
   # Two plain reductions: XLA:CPU runs argmax's (value, index) reduction several
   # times slower than a max and a min.
+  # NaN is the largest, as in jnp.argmax: weights gone non-finite (a damaged checkpoint
+  # loaded with --allow-unverified) still give ids inside the vocabulary.
   vocab = logits.shape[-1]
   best = jnp.max(logits, axis=-1, keepdims=True)
-  return jnp.min(jnp.where(logits == best, jnp.arange(vocab), vocab), axis=-1)
+  is_best = (logits == best) | jnp.isnan(logits)
+  return jnp.min(jnp.where(is_best, jnp.arange(vocab), vocab), axis=-1)
 
 
 def sampling_pick(rng: jax.Array, config: Sampling) -> PickFn:
