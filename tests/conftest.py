@@ -196,6 +196,7 @@ SLOWEST_FILES = (
     'test_decoding.py',
     'test_decode_cli.py', 'test_multi30k.py', 'test_packing.py', 'test_benchmarks.py',
     'test_multihost.py', 'test_pretrained.py', 'test_model.py', 'test_interruption.py',
+    'test_signals.py',
     'test_training.py', 'test_scheduled_sampling.py', 'test_banded_attention.py',
     'test_cmlm_training.py', 'test_train_step.py', 'test_multidevice.py', 'test_cmlm.py',
     'test_train_cli.py', 'test_attention.py', 'test_faults.py', 'test_nothing_lost.py')

@@ -321,18 +321,21 @@ def test_an_unexpected_failure_is_one_line_and_debug_adds_the_traceback(tiny_cop
 
 # --- SIGTERM before training; a bad --data -----------------------------------------------------
 
-def test_sigterm_before_the_first_step_says_so_and_leaves_no_run_directory(tmp_path, monkeypatch):
+def test_sigterm_before_the_first_step_says_so_and_writes_nothing_of_the_run(tmp_path,
+                                                                              monkeypatch):
+  load = loop.load_training_data
+
   def terminated_while_loading(data_config, dataset=None):
-    os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
-    raise AssertionError('SIGTERM did not stop the run')
+    os.kill(os.getpid(), signal.SIGTERM)  # recorded; acted on at the next safe point
+    return load(data_config, dataset)
 
   monkeypatch.setattr(loop, 'load_training_data', terminated_while_loading)
   status, _, err = call(train_cli.main, ['--workdir', tmp_path / 'run', '--steps=1'])
-  assert status == 143 and err == (
-      'train.py: stopped by SIGTERM outside the training steps (while loading, or in the final '
-      'evaluation); nothing new was saved: run the same command to resume from the latest '
-      'checkpoint, if any\n')
-  assert not (tmp_path / 'run').exists()
+  assert status == 143 and err.splitlines()[-1] == (  # after the encoding's bar, cleared
+      'train.py: stopped by SIGTERM before the first step (while loading); nothing new was '
+      'saved: run the same command to resume from the latest checkpoint, if any')
+  assert not {'config.json', 'metrics.jsonl'} & {path.name for path in (tmp_path / 'run').iterdir()}
+  assert not list((tmp_path / 'run' / 'checkpoints').iterdir())
   assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the program's handler is gone
 
 
@@ -402,25 +405,32 @@ def test_a_failed_second_save_is_one_line_without_the_library_threads_reports(tm
   assert not [record for record in caplog.records if record.name == 'asyncio']
 
 
-def test_sigterm_after_the_final_evaluation_ends_with_the_usual_line(cmlm_copy, numbers_corpus,
-                                                                     monkeypatch):
-  def final_scores_then_sigterm(run, state, average_last):
-    os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
+@pytest.mark.parametrize('when', ['during', 'after'])
+def test_sigterm_in_or_after_the_final_evaluation_ends_with_its_line(cmlm_copy, numbers_corpus,
+                                                                     monkeypatch, when):
+  """During it: the evaluation is abandoned between batches and the line says to run again;
+  after it, in the last instant of the work: the line says nothing is lost. Both 143."""
+  scores = loop.translation_scores
 
-  monkeypatch.setattr(loop, '_final_scores', final_scores_then_sigterm)
+  def sigterm_in_the_evaluation(*args, **kwargs):
+    if when == 'during':
+      os.kill(os.getpid(), signal.SIGTERM)  # recorded; the translator stops before a batch
+    result = scores(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # after the last batch: no safe point follows
+    return result
+
+  monkeypatch.setattr(loop, 'translation_scores', sigterm_in_the_evaluation)
   status, out, err = cmlm_train(numbers_corpus, cmlm_copy, '--steps=6')  # trained: evaluates
   assert 'already trained to step 6' in out
-  assert status == 143 and error_line(err.replace('stopped', 'error: stopped'), 'train.py')
-  assert err.endswith('train.py: stopped by SIGTERM outside the training steps (while loading, '
-                      'or in the final evaluation); nothing new was saved: run the same command '
-                      'to resume from the latest checkpoint, if any\n')
+  assert status == 143 and ('exact match' in out) == (when == 'after')
+  assert err.splitlines()[-1] == (
+      f'train.py: stopped by SIGTERM in the final evaluation of step 6, saved in '
+      f'{cmlm_copy}/checkpoints/6. Run the same command again to evaluate it.' if when == 'during'
+      else 'train.py: stopped by SIGTERM after its work was done (nothing is lost)')
 
 
-@pytest.mark.parametrize('status, line', [
-    (0, 'train.py: stopped by SIGTERM while exiting, after its work was done and saved (nothing '
-        'is lost)\n'),
-    (1, '')])
-def test_sigterm_while_the_process_exits_ends_it_with_one_line(status, line, monkeypatch):
+@pytest.mark.parametrize('status', [0, 1], ids=['after_success', 'after_a_failure'])
+def test_sigterm_while_the_process_exits_ends_it_with_one_line(status, monkeypatch):
   # Run as the process's own program (argv None), the work done: the process ends after the
   # atexit callbacks, without the interpreter's teardown, in which Python has restored
   # SIGTERM's default action; a SIGTERM during the callbacks gets its line and status 143.
@@ -430,8 +440,7 @@ def test_sigterm_while_the_process_exits_ends_it_with_one_line(status, line, mon
     raise SystemExit(code)
 
   def sigterm_during_the_callbacks():
-    os.kill(os.getpid(), signal.SIGTERM)
-    raise AssertionError('SIGTERM did not end the process')
+    os.kill(os.getpid(), signal.SIGTERM)  # recorded: the exit comes after the callbacks
 
   monkeypatch.setattr(failures.os, '_exit', exit_now)
   monkeypatch.setattr(failures.atexit, '_run_exitfuncs', sigterm_during_the_callbacks)
@@ -445,7 +454,8 @@ def test_sigterm_while_the_process_exits_ends_it_with_one_line(status, line, mon
   exit_status, _, err = call(lambda argv: failures.run_program('train.py', body, None,
                                                                failures.train_failure), [])
   assert exit_status == (143 if status == 0 else status)
-  assert err == (line or 'train.py: error: disk full\n')
+  assert err == ('train.py: error: disk full\n' if status else
+                 'train.py: stopped by SIGTERM after its work was done (nothing is lost)\n')
   assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 

@@ -14,7 +14,7 @@ import pytest
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'flax_transformer'
-LAYERS = ('config', 'nn', 'data', 'pretrained', 'run', 'decode', 'train', 'cli')
+LAYERS = ('config', 'signals', 'nn', 'data', 'pretrained', 'run', 'decode', 'train', 'cli')
 
 
 def module_name(path: Path) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from tqdm import tqdm
 from flax_transformer.cli.failures import Failure, add_debug_option, one_line, run_program
 from flax_transformer.cli.options import (add_method_options, add_unverified_option,
                                           method_settings, unverified_reporter)
+from flax_transformer.signals import Stopped
 
 # Sentences read, sorted and decoded together; their translations are written before the next
 # block is read. Large enough for length-sorted batches, small enough to see output soon.
@@ -129,10 +129,10 @@ def _translate(translator, method, sentences, references, output, args, show_pro
     print(f'decode.py: error: writing {destination} failed ({error.strerror or error}); it holds '
           f'the translations of the first {len(translations)} lines at most', file=sys.stderr)
     return 1
-  except KeyboardInterrupt:
-    print(f'decode.py: interrupted; {destination} holds the translations of the first '
+  except Stopped as stop:  # between batches: the block under way is not written
+    print(f'decode.py: {stop}; {destination} holds the translations of the first '
           f'{len(translations)} lines', file=sys.stderr)
-    return 128 + signal.SIGINT
+    return stop.exit_code
   except Exception as error:
     raise Failure(f'failed after {len(translations)} lines, whose translations are in '
                   f'{destination}: {one_line(error)}', 1) from error

@@ -36,9 +36,12 @@ Exit status of the programs (the one table; their docstrings point here):
          express (pre-LN, cmlm, restricted attention; the setting named), an output over the
          run or holding other files than an earlier export: nothing written
   3    train.py: a step's loss or gradient not finite (more than --skip-nonfinite times)
-  130  SIGINT (Ctrl-C); train.py saves the step reached first
-  143  SIGTERM; train.py saves the step reached first; at any point up to the process's
-         end (after the final evaluation too), with one line
+  130  SIGINT (Ctrl-C), 143 SIGTERM: at any point up to the process's end, with one line.
+         The handler only records the signal (`flax_transformer.signals`); the program
+         stops at its next safe point: train.py after the step under way, saving it
+         (an evaluation under way is abandoned), decode.py and distill.py between
+         batches, any program after its work is done. A second SIGINT ends the
+         process at once.
 
 No Python traceback reaches the user unless `--debug` is given or the
 environment sets FLAX_TRANSFORMER_DEBUG=1: then the traceback comes first, and
@@ -71,6 +74,8 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
+from flax_transformer import signals
+
 DEBUG_ENVIRONMENT = 'FLAX_TRANSFORMER_DEBUG'
 # Characters of an unexpected error's message shown in its one line.
 _MESSAGE_CHARS = 300
@@ -82,13 +87,6 @@ class Failure(Exception):
   def __init__(self, message: str, exit_code: int):
     super().__init__(message)
     self.exit_code = exit_code
-
-
-class Terminated(BaseException):
-  """SIGTERM outside the training steps (which stop at a step boundary and save first).
-
-  A BaseException, as KeyboardInterrupt: no `except Exception` on the way swallows it.
-  """
 
 
 def add_debug_option(parser: argparse.ArgumentParser) -> None:
@@ -111,28 +109,27 @@ def run_program(script: str, body: Callable[[], int], argv: Sequence[str] | None
   exiting = argv is None
   argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
   debug = debug_requested(argv)
-  # Under jax.distributed, SIGTERM belongs to JAX's preemption service.
+  # Under jax.distributed, SIGTERM belongs to JAX's preemption service, and SIGINT keeps
+  # its default: one process alone cannot stop at a step the others agree on.
   distributed = any(a.startswith(('--distributed', '--coordinator')) for a in argv)
-  exiting_script = script if exiting and not distributed else None
-  outcome: dict[str, int | None] = {'status': None}
-  with _quiet_libraries(debug), _sigterm_raises(not distributed, exiting_script, outcome):
+  recording = contextlib.nullcontext() if distributed else signals.recording(script)
+  with _quiet_libraries(debug), recording:
     failed = False
     try:
       status = body()
-    except (Exception, KeyboardInterrupt, Terminated) as error:
+    except (Exception, KeyboardInterrupt, signals.Stopped) as error:
       if debug:
         traceback.print_exc()
       line, status = report(error) or describe(error)
-      sys.stdout.flush()
-      print(f'{script}: {line}', file=sys.stderr, flush=True)
+      _say(script, line)
       failed = True
     if failed:
       # The failure's frames held the checkpoint library's objects (`error` is gone now): its
       # failed writes' futures report themselves when collected, which must happen while quiet.
       gc.collect()
-    outcome['status'] = status
-    if exiting_script is not None:
-      _end_process(status)
+    status = _after_the_work(script, status, signals.received())
+    if exiting and not distributed:
+      _end_process(script, status)
     return status
 
 
@@ -142,8 +139,9 @@ def describe(error: BaseException) -> tuple[str, int]:
     return f'error: {error}', error.exit_code
   if isinstance(error, KeyboardInterrupt):
     return 'interrupted by SIGINT', 128 + signal.SIGINT
-  if isinstance(error, Terminated):
-    return 'stopped by SIGTERM', 128 + signal.SIGTERM
+  if isinstance(error, signals.Stopped):
+    # distill.py and export.py: their outputs are staged and renamed into place when complete.
+    return f'{error} before its work was done; its output was not written', error.exit_code
   return f'error: {one_line(error)}', 1
 
 
@@ -170,10 +168,9 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
   if isinstance(error, KeyboardInterrupt):
     return ('interrupted by SIGINT, nothing more saved; the checkpoints on disk are complete: '
             'run the same command to resume from the latest'), 128 + signal.SIGINT
-  if isinstance(error, Terminated):
-    return ('stopped by SIGTERM outside the training steps (while loading, or in the final '
-            'evaluation); nothing new was saved: run the same command to resume from the latest '
-            'checkpoint, if any'), 128 + signal.SIGTERM
+  if isinstance(error, signals.Stopped):
+    return (f'{error} before the first step (while loading); nothing new was saved: run the '
+            'same command to resume from the latest checkpoint, if any'), error.exit_code
   if isinstance(error, MemoryError):
     return 'error: out of memory; choose a smaller model or train.max_tokens', 1
   if _device_out_of_memory(error):
@@ -234,50 +231,38 @@ def _quiet_libraries(debug: bool) -> Iterator[None]:
       logger.setLevel(level)
 
 
-@contextlib.contextmanager
-def _sigterm_raises(enabled: bool, exiting_script: str | None, outcome: dict) -> Iterator[None]:
-  """SIGTERM raises Terminated, so that it is reported; StopSignals takes over while training.
-
-  Once outcome['status'] is set (the work done and reported), SIGTERM in a process that ends
-  after the program (`exiting_script`) ends it at once (`_exit_on_sigterm`).
-  """
-  if not enabled or threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  def terminate(number, frame):
-    if outcome['status'] is not None and exiting_script is not None:
-      _exit_on_sigterm(exiting_script, outcome['status'])
-    raise Terminated()
-  previous = signal.signal(signal.SIGTERM, terminate)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
+def _after_the_work(script: str, status: int, number: int | None) -> int:
+  """The program's status, or 128 + `number` with its line if a signal came that no safe point
+  acted on (in the last instant of the work): the work is done, so nothing is lost."""
+  if status != 0 or number is None:
+    return status
+  _say(script, f'stopped by {signal.Signals(number).name} after its work was done (nothing is '
+       'lost)')
+  return 128 + number
 
 
-def _end_process(status: int) -> None:
+def _end_process(script: str, status: int) -> None:
   """Ends the process with `status` once the work is done, after the atexit callbacks (which
   may still save: coverage, logging) but without the interpreter's teardown.
 
   Python restores the default SIGTERM action before that teardown, which takes seconds as
-  JAX and orbax close: a SIGTERM then would end the process without a word.
+  JAX and orbax close: a SIGTERM then would end the process without a word. A signal during
+  the callbacks or the last flush still gets its line and status: it is read last, a few
+  bytecodes before the exit (a signal after that meets a process that has ended its work).
   """
-  for stream in (sys.stdout, sys.stderr):
-    stream.flush()
-  atexit._run_exitfuncs()  # under `terminate`: a SIGTERM meanwhile gets its line
+  atexit._run_exitfuncs()
   for stream in (sys.stdout, sys.stderr):
     with contextlib.suppress(OSError, ValueError):  # a callback may have closed it
       stream.flush()
+  status = _after_the_work(script, status, signals.received())
   os._exit(status)
 
 
-def _exit_on_sigterm(script: str, status: int) -> None:
-  """Ends the process at once on a SIGTERM that came after the program's work: one line and
-  status 143 after a success; after a failure, whose line is out already, its status."""
-  if status:
-    os._exit(status)
-  end_process_now(script, 'stopped by SIGTERM while exiting, after its work was done and saved '
-                  '(nothing is lost)', 128 + signal.SIGTERM)
+def _say(script: str, line: str) -> None:
+  """'SCRIPT: LINE' on standard error, after what standard output holds."""
+  with contextlib.suppress(OSError, ValueError):
+    sys.stdout.flush()
+  print(f'{script}: {line}', file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

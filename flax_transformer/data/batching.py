@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from flax_transformer import signals
 from flax_transformer.config import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, Bounds, check_bounds
 from flax_transformer.data.corpus import DataError
 from flax_transformer.data.tokenizer import Tokenizer
@@ -151,6 +152,7 @@ def encode_corpus(dataset: datasets.Dataset, tokenizer: Tokenizer, max_len: int)
   for start, chunk in zip(itertools.count(0, _ENCODE_CHUNK),
                           tqdm(chunks, desc='encode', unit='chunk', leave=False,
                                total=math.ceil(len(dataset) / _ENCODE_CHUNK))):
+    signals.check()
     for row, src, tgt in zip(itertools.count(start), tokenizer.encode(chunk['source']),
                              tokenizer.encode_target(chunk['target'])):
       if len(src) < max_len and len(tgt) < max_len:

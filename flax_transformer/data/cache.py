@@ -74,6 +74,7 @@ import os
 import pickle
 import secrets
 import shutil
+import signal
 import socket
 import time
 from collections import deque
@@ -84,6 +85,7 @@ import datasets
 import numpy as np
 from tqdm.auto import tqdm
 
+from flax_transformer import signals
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
 from flax_transformer.data.corpus import DataError, invalid_utf8
@@ -486,6 +488,7 @@ def _build(source: PairSource, fingerprint: dict, tokenizer: TextTokenizer, key:
         rows += clean_rows
         kept += len(kept_rows)
         bar.update(block_rows)
+        signals.check()  # a program's SIGTERM or SIGINT: the partial directory is removed
     manifest = {'format': FORMAT_VERSION, 'key': key, 'fingerprint': fingerprint,
                 'source': source.describe(), 'tokenizer': type(tokenizer).__name__,
                 'max_len': int(max_len), 'num_pairs': kept, 'num_dropped': rows - kept,
@@ -585,6 +588,8 @@ _WORKER: dict = {}
 
 
 def _start_worker(tokenizer_pickle: bytes, max_len: int) -> None:
+  # Ctrl-C reaches the whole process group: the parent decides when to stop, and ends the pool.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   # One thread per worker: the workers are the parallelism (no oversubscription).
   os.environ['TOKENIZERS_PARALLELISM'] = 'false'
   _WORKER['tokenizer'] = pickle.loads(tokenizer_pickle)

@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from flax_transformer import signals
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.decode import autoregressive
@@ -181,7 +182,8 @@ class Translator:
 
     Decodes the non-empty sources longest first, `batch_size` at a time, and
     calls `on_batch(number of sentences)` after each batch (e.g. a progress bar's
-    update).
+    update). Under `signals.recording()` (the programs), a SIGTERM or SIGINT raises
+    `signals.Stopped` before the next batch.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f'batch_size must be a positive integer, got {batch_size!r}')
@@ -190,6 +192,7 @@ class Translator:
     order = sorted(present, key=lambda i: -len(sources.ids[i]))
     translations = [''] * len(sources.ids)
     for batch_index, start in enumerate(range(0, len(order), batch_size)):
+      signals.check()  # a program's SIGTERM or SIGINT stops here, between batches
       indices = order[start:start + batch_size]
       src = self._pad([sources.ids[i] for i in indices], batch_size)
       tokens = method.run(self.model, self.variables, src, batch_index)

@@ -12,10 +12,11 @@ resumes there:
           save(state)
           raise Interrupted(stop.signal_number, step + 1)
 
-One process: handlers for SIGTERM and SIGINT note the first signal, and
-`requested` reads that note. A second SIGINT raises KeyboardInterrupt at once,
-for whoever does not want to wait for the save (the checkpoints already on disk
-are complete: orbax writes each one to a temporary directory and renames it).
+One process: the signals are recorded (`flax_transformer.signals`), never raised
+inside whatever code runs, and `requested` reads the record. A second SIGINT
+stops at once, for whoever does not want to wait for the save (the checkpoints
+already on disk are complete: orbax writes each one to a temporary directory and
+renames it).
 
 Several processes (after `jax.distributed.initialize`): every process has to stop
 at the same step, or the others would wait forever in the checkpoint's
@@ -25,21 +26,21 @@ synchronisation; `requested(step)` asks it at every step (the processes must
 call it for every step from the same first one, which resumed runs do). SIGINT
 keeps Python's default there: KeyboardInterrupt, without a save.
 
-Outside the `with` block the default handlers are back: SIGTERM ends the
-process at once, SIGINT raises KeyboardInterrupt.
+Outside the `with` block (and any outer `signals.recording`, as the programs
+hold) the default handlers are back: SIGTERM ends the process at once, SIGINT
+raises KeyboardInterrupt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import threading
 from pathlib import Path
-from types import FrameType
 
 import jax
 from jax.experimental import multihost_utils
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from flax_transformer import signals
 
 
 class Interrupted(Exception):
@@ -48,18 +49,24 @@ class Interrupted(Exception):
   signal_number: the signal (SIGTERM for a preemption agreed between processes).
   step: the steps trained, and the number of the checkpoint saved.
   checkpoint: the checkpoint's directory.
+  evaluating: the signal came in the final evaluation, after the last step was
+    saved; the same command evaluates it again.
   exit_code: 128 + signal_number, the shell's code for a process ended by that
     signal (143 for SIGTERM, 130 for SIGINT): the run did not finish, so
     `train.py && decode.py` stops, and a scheduler that restarts failed jobs
     restarts it, to resume from `checkpoint`.
   """
 
-  def __init__(self, signal_number: int, step: int, checkpoint: Path):
+  def __init__(self, signal_number: int, step: int, checkpoint: Path, evaluating: bool = False):
     self.signal_number = signal_number
     self.step = step
     self.checkpoint = checkpoint
-    super().__init__(f'stopped by {signal.Signals(signal_number).name} after step {step}; '
-                     f'saved {checkpoint}. Run the same command again to resume from there.')
+    name = signal.Signals(signal_number).name
+    super().__init__(
+        f'stopped by {name} in the final evaluation of step {step}, saved in {checkpoint}. Run '
+        'the same command again to evaluate it.' if evaluating else
+        f'stopped by {name} after step {step}; saved {checkpoint}. Run the same command again '
+        'to resume from there.')
 
   @property
   def exit_code(self) -> int:
@@ -67,7 +74,7 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-  """Context manager: notes SIGTERM and SIGINT instead of dying; see the module docstring.
+  """Context manager: records SIGTERM and SIGINT instead of dying; see the module docstring.
 
   Signal handlers can only be installed by the main thread; elsewhere (a
   training run started from a worker thread) the defaults stay, and
@@ -76,21 +83,19 @@ class StopSignals:
 
   def __init__(self):
     self.signal_number: int | None = None
-    self._previous: dict[int, object] = {}
     self._multiprocess = jax.process_count() > 1
+    self._recording = contextlib.ExitStack()
 
   def __enter__(self) -> StopSignals:
     # With several processes SIGTERM belongs to JAX's preemption notifier, and SIGINT
     # keeps its default: one process alone cannot stop at a step the others agree on.
-    if not self._multiprocess and threading.current_thread() is threading.main_thread():
-      for number in SIGNALS:
-        self._previous[number] = signal.signal(number, self._note)
+    if not self._multiprocess:
+      self._recording.enter_context(signals.recording())
     return self
 
   def __exit__(self, *exc_info) -> None:
-    for number, handler in self._previous.items():
-      signal.signal(number, handler)
-    self._previous.clear()
+    self.received()
+    self._recording.close()
 
   def requested(self, step: int) -> bool:
     """Whether to stop after `step` (call it once per step, with the steps done)."""
@@ -99,10 +104,10 @@ class StopSignals:
         self.signal_number = signal.SIGTERM
         return True
       return False
-    return self.signal_number is not None
+    return self.received() is not None
 
-  def _note(self, number: int, frame: FrameType | None) -> None:
-    if self.signal_number == signal.SIGINT and number == signal.SIGINT:
-      raise KeyboardInterrupt('second SIGINT: stopped without saving')
-    if self.signal_number is None:
-      self.signal_number = number
+  def received(self) -> int | None:
+    """The signal that asked to stop (kept after the block), or None."""
+    if self.signal_number is None and not self._multiprocess:
+      self.signal_number = signals.received()
+    return self.signal_number

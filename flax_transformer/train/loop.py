@@ -58,6 +58,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from flax_transformer import signals
 from flax_transformer.config import (NONNEGATIVE_INT, ConfigError, DataConfig, ModelConfig,
                                      TrainConfig, check_bounds)
 from flax_transformer.data.assembly import ArrayBatcher
@@ -230,18 +231,15 @@ def train(model_config: ModelConfig, train_config: TrainConfig, data_config: Dat
                                 devices, parallel, resume, print_fn, init_from, allow_unverified)
     loop = TrainingLoop(run, skip_nonfinite)
     state, start = _initial_state(run, loop, parallel)
+    signals.check()  # a signal while loading stops before anything of the run is written
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
     directory.write_settings(run.model_config, train_config, data_config, loop.packing_plan)
     run.log = (MetricsLog(directory.metrics_file, resume_step=start,
                           tensorboard_dir=directory.tensorboard_dir) if directory.is_main else None)
     try:
       state = loop.train_from(state, start)
-      if start >= train_config.steps:
-        run.say(f'{directory.path} is already trained to step {start} '
-                f'(train.steps={train_config.steps}); evaluating it')
-        loop.validate(start, state.params)
       final_state = run.data_parallel.unreplicate(state)
-      _final_scores(run, final_state, average_last)
+      _final_evaluation(run, loop, final_state, start, average_last)
     finally:
       if run.log is not None:
         run.log.close()
@@ -440,8 +438,7 @@ class TrainingLoop:
           buffer.add(metrics)
           done, stopping = step + 1, stop.requested(step + 1)
           run.checkpoints.check_saved()
-          self._after_step(state, done, stopping, buffer, bar, run_start)
-          if stopping:
+          if self._after_step(state, done, stopping, buffer, bar, run_start):
             break
         bar.close()
         # Still under StopSignals: a signal now waits for the last save to be committed.
@@ -452,47 +449,62 @@ class TrainingLoop:
       with contextlib.suppress(WriteError):
         run.checkpoints.close()
       raise
-    if stop.signal_number is not None:
+    if stop.received() is not None:
       # Stopped at a step, saved. A signal after the last step, while its checkpoint was
       # written, also ends here: the evaluation is left to the next run ("already trained").
       raise Interrupted(stop.signal_number, done, run.checkpoints.directory / str(done))
     return state
 
   def _after_step(self, state: TrainState, done: int, stopping: bool, buffer: MetricBuffer,
-                  bar, run_start: float) -> None:
-    """The log line, finiteness check, validation, save and BLEU due after step `done`."""
+                  bar, run_start: float) -> bool:
+    """The log line, finiteness check, validation, save and BLEU due after step `done`.
+
+    Returns whether to stop: asked before (`stopping`), or a signal during an evaluation,
+    which is then abandoned; either way step `done` is saved.
+    """
     run, config = self.run, self.run.train_config
     final = done == config.steps
-    save_now = stopping or final or done % config.checkpoint_every == 0
+    validate = not stopping and (done % config.eval_every == 0 or final)
+    bleu = (not stopping and bool(config.bleu_every) and done % config.bleu_every == 0
+            and 'validation' in run.dataset)
+    save_due = final or done % config.checkpoint_every == 0
     log_now = stopping or final or done % config.log_every == 0
-    new = buffer.fetch() if save_now or log_now else []
+    # Checked before a save (which an evaluation's signal may bring): a state after too many
+    # non-finite steps is not saved.
+    new = buffer.fetch() if stopping or save_due or log_now or validate or bleu else []
     if log_now:
       values = {**buffer.summary(), 'elapsed_s': time.perf_counter() - run_start}
       run.record(done, values)
       if 'loss' in values:
         bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
-    # Before the save: a state after too many non-finite steps is not saved.
     check_finite(new, done - len(new) + 1, buffer.skipped, self.skip_nonfinite,
                  run.checkpoints, run.say)
-    if not stopping and (done % config.eval_every == 0 or final):
-      self.validate(done, state.params)
-    if save_now:
+    if validate:
+      stopping = _abandoned_on_signal(lambda: self.validate(done, state.params))
+    if stopping or save_due:
       run.checkpoints.save(run.data_parallel.unreplicate(state))
-    if (not stopping and config.bleu_every and done % config.bleu_every == 0
-        and 'validation' in run.dataset):
-      params = run.data_parallel.unreplicate(state.params)
-      values, report = _split_scores(run, params, 'validation')
-      run.record(done, {f'val_{name}': value for name, value in values.items()})
-      run.say(f'step {done}: validation {describe_scores(values, report)}')
+    if bleu and not stopping:
+      stopping = _abandoned_on_signal(lambda: self._validation_bleu(done, state.params))
+      if stopping and not save_due:
+        run.checkpoints.save(run.data_parallel.unreplicate(state))
+    return stopping
+
+  def _validation_bleu(self, step: int, params) -> None:
+    run = self.run
+    values, report = _split_scores(run, run.data_parallel.unreplicate(params), 'validation')
+    run.record(step, {f'val_{name}': value for name, value in values.items()})
+    run.say(f'step {step}: validation {describe_scores(values, report)}')
 
   def validate(self, step: int, params) -> None:
     """Logs the validation loss, ppl and accuracy (and a cmlm model's length accuracy)."""
     if not self.val_batches:
       return
     run = self.run
-    outputs = [self.eval_fn(params, run.data_parallel.shard_batch(batch))
-               for batch in tqdm(self.val_batches, desc='validation', unit='batch', leave=False,
-                                 disable=not run.directory.is_main, dynamic_ncols=True)]
+    outputs = []
+    for batch in tqdm(self.val_batches, desc='validation', unit='batch', leave=False,
+                      disable=not run.directory.is_main, dynamic_ncols=True):
+      signals.check()
+      outputs.append(self.eval_fn(params, run.data_parallel.shard_batch(batch)))
     sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *run.data_parallel.unreplicate(outputs))
     values = _metrics(sums)
     run.record(step, {f'val_{name}': value for name, value in values.items()})
@@ -500,6 +512,15 @@ class TrainingLoop:
               if 'length_accuracy' in values else '')
     run.say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
             f'token accuracy {values["accuracy"]:.1%}{length}')
+
+
+def _abandoned_on_signal(evaluate: Callable[[], None]) -> bool:
+  """Runs an evaluation; True if a signal stopped it (the signal stays recorded), else False."""
+  try:
+    evaluate()
+  except signals.Stopped:
+    return True
+  return False
 
 
 def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
@@ -584,6 +605,23 @@ def check_finite(metrics: list[dict], first_step: int, skipped: list[int], limit
 
 
 # --- stage 4: the final scores ----------------------------------------------------------------
+
+def _final_evaluation(run: _TrainingRun, loop: TrainingLoop, state: TrainState, start: int,
+                      average_last: int) -> None:
+  """The final scores (after the validation loss, for a run that was trained already); a
+  signal abandons them, and the next run evaluates the saved final step again."""
+  steps = run.train_config.steps
+  try:
+    if start >= steps:
+      run.say(f'{run.directory.path} is already trained to step {start} '
+              f'(train.steps={steps}); evaluating it')
+      loop.validate(start, state.params)
+    _final_scores(run, state, average_last)
+  except signals.Stopped as stop:
+    step = max(start, steps)
+    raise Interrupted(stop.signal_number, step, run.checkpoints.directory / str(step),
+                      evaluating=True) from None
+
 
 def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> None:
   """Test (else validation) scores of the final parameters, and of the averaged checkpoints."""
