@@ -155,8 +155,11 @@ MUTANTS = [
       'tests/test_decoding.py'),
     # Survived tests/test_decoding.py when last run: random logits never tie exactly.
     m('argmax_takes_last_tie', DEC + 'autoregressive.py',
-      'return jnp.min(jnp.where(logits == best, jnp.arange(vocab), vocab), axis=-1)',
-      'return jnp.max(jnp.where(logits == best, jnp.arange(vocab), -1), axis=-1)',
+      'return jnp.min(jnp.where(is_best, jnp.arange(vocab), vocab), axis=-1)',
+      'return jnp.max(jnp.where(is_best, jnp.arange(vocab), -1), axis=-1)',
+      'tests/test_decoding.py'),
+    m('nan_is_not_picked', DEC + 'autoregressive.py',
+      'is_best = (logits == best) | jnp.isnan(logits)', 'is_best = logits == best',
       'tests/test_decoding.py'),
     # --- mask-predict (non_autoregressive.py) --------------------------------------------
     m('lowest_remasks_highest', NAR, 'keys = jnp.where(in_row, scores, jnp.inf)',
