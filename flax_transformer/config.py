@@ -299,14 +299,33 @@ class TrainConfig:
   scheduled_sampling_choice: Literal['argmax', 'sample'] = setting(
       'argmax', "scheduled sampling: the first pass's prediction is its argmax, or a token "
       'sampled from its softmax')
+  profile: str | None = setting(None, 'START,STOP: a jax.profiler trace of the steps after '
+                                      'step START up to step STOP, in WORKDIR/profile '
+                                      '(TensorBoard or Perfetto); none: no trace')
 
   # Fields a resumed run may change: they say how long and how chattily to train, not how.
   RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
-                                 'keep_checkpoints', 'bleu_every', 'prefetch'})
+                                 'keep_checkpoints', 'bleu_every', 'prefetch', 'profile'})
 
   def __post_init__(self):
     check_fields(self, 'train')
     _check_scheduled_sampling(self)
+    self.profile_steps  # noqa: B018 -- raises ConfigError for a malformed train.profile
+
+  @property
+  def profile_steps(self) -> tuple[int, int] | None:
+    """train.profile as (START, STOP), 0 <= START < STOP; None when not profiling."""
+    if self.profile is None:
+      return None
+    parts = self.profile.split(',')
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+      raise ConfigError(f'train.profile must be START,STOP (two step numbers, e.g. 10,15), got '
+                        f'{self.profile!r}')
+    start, stop = (int(part) for part in parts)
+    if start >= stop:
+      raise ConfigError(f'train.profile={self.profile}: STOP must be after START (the steps '
+                        'after START up to STOP are traced)')
+    return start, stop
 
   def replace(self, **overrides) -> TrainConfig:
     return dataclasses.replace(self, **overrides)

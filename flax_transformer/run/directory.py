@@ -10,6 +10,7 @@
     WORKDIR/metrics.jsonl    one JSON object per logged step (metrics_log.py)
     WORKDIR/encoded/         the tokenized training split (data/cache.py), unless
                              data.cache_dir names another place
+    WORKDIR/profile/         a jax.profiler trace, if train.profile asks (train/profiling.py)
 
 `RunDirectory` is what training asks of it: `locked` (the directory created,
 writable and locked against a second writer for the whole run: run_lock.py),
@@ -67,6 +68,7 @@ METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
 # The tokenized training split's cache (data.cache), unless data.cache_dir puts it elsewhere.
 ENCODED_DIR = 'encoded'
+PROFILE_DIR = 'profile'
 # config.json's marker: which program wrote the directory, and the layout it follows (1: the
 # runs before the marker, which have no such keys).
 WRITTEN_BY = 'flax_transformer train.py'
@@ -80,7 +82,7 @@ AVERAGE_PREFIX = 'average-last'
 # What a run holds besides config.json and its tokenizer's files; their temporary files
 # (.NAME.tmp) and check_writable's probes (.write-test-*) are its own too.
 _RUN_ENTRIES = frozenset({TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
-                          ENCODED_DIR, LOCK_FILE})
+                          ENCODED_DIR, PROFILE_DIR, LOCK_FILE})
 
 
 class CheckpointError(ValueError):
@@ -253,7 +255,7 @@ def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config
   """Raises CheckpointError unless WORKDIR's run can continue with these configs.
 
   The model settings must be identical; of the training and data settings only
-  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log) and
+  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log, a profile) and
   DataConfig.RESUMABLE_CHANGES (where the cache lives) may differ.
   """
   saved_model, saved_train, saved_data = read_config(workdir)
@@ -445,6 +447,10 @@ class RunDirectory:
   @property
   def encoded_dir(self) -> Path:
     return self.path / ENCODED_DIR
+
+  @property
+  def profile_dir(self) -> Path:
+    return self.path / PROFILE_DIR
 
   def check_writable(self) -> None:
     """Raises WriteError now, rather than at the first save hours later."""

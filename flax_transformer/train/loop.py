@@ -82,6 +82,7 @@ from flax_transformer.run.sizes import check_fits
 from flax_transformer.train import scheduled_sampling
 from flax_transformer.train.evaluation import describe_scores, translation_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
+from flax_transformer.train.profiling import StepTrace
 from flax_transformer.train.metrics import length_metrics, token_metrics
 from flax_transformer.train.optimizer import make_optimizer
 from flax_transformer.train.parallel import DataParallel
@@ -430,13 +431,16 @@ class TrainingLoop:
     bar = tqdm(initial=start, total=config.steps, desc='train', unit='step',
                disable=not run.directory.is_main, dynamic_ncols=True)
     batches = Prefetcher(self.local_batch, start, config.steps, config.prefetch)
+    trace = StepTrace(config.profile_steps, run.directory.profile_dir, run.say)
     try:
-      with StopSignals() as stop, batches:
+      with StopSignals() as stop, batches, contextlib.closing(trace):
         for step, batch in batches:
+          trace.before_step(step, state)
           state, metrics = self.step_fn(state, batch)
           bar.update()
           buffer.add(metrics)
           done, stopping = step + 1, stop.requested(step + 1)
+          trace.after_step(done, state)
           run.checkpoints.check_saved()
           if self._after_step(state, done, stopping, buffer, bar, run_start):
             break
