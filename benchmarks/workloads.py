@@ -263,6 +263,7 @@ class OurStep:
     compiled = train.make_parallel_step(model, optimizer, train_config, parallel).lower(
         state, batch).compile()
     self.compile_s = time.perf_counter() - start
+    self.compiled = compiled  # e.g. its memory_analysis()
     self._state = state
 
     def step() -> float:

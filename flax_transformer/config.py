@@ -15,6 +15,7 @@ import functools
 import typing
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -160,8 +161,16 @@ class ModelConfig:
   attention_radius: int | None = setting(None, 'restricted self-attention (paper §4): each '
                                                'position sees positions within this distance; '
                                                'none: unrestricted', bounds=NONNEGATIVE_INT)
-  dtype: Literal['float32', 'bfloat16'] = setting('float32', 'compute dtype (parameters, logits '
-                                                             'and loss stay float32)')
+  dtype: Literal['auto', 'float32', 'bfloat16'] = setting(
+      'auto', 'compute dtype (parameters, logits and loss stay float32); auto: bfloat16 on a GPU '
+      'or TPU, float32 on a CPU, decided where the model runs; a run begun with float32 or '
+      'bfloat16 keeps it when resumed')
+  remat: Literal['none', 'layer', 'dots'] = setting(
+      'none', "training's memory for time: none keeps every activation for the backward pass; "
+      "layer keeps each layer's input and recomputes the rest; dots also keeps the dense "
+      'projections (and feed-forward) outputs and recomputes attention and the elementwise work. '
+      'The same gradients either way; a run may change it when resumed. XLA:CPU saves almost '
+      'nothing with it (benchmarks/README.md)')
   kind: Literal['autoregressive', 'cmlm'] = setting(
       'autoregressive', "autoregressive: the paper's causal decoder, one token per step; cmlm: "
       'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
@@ -179,6 +188,8 @@ class ModelConfig:
 
   # Fields the tokenizer decides: the trained vocabulary's size and its special ids.
   TOKENIZER_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
+  # Fields a resumed run may change: how it computes, not what.
+  RESUMABLE_CHANGES = frozenset({'remat'})
 
   def __post_init__(self):
     check_fields(self, 'model')
@@ -208,7 +219,8 @@ class ModelConfig:
 
   @property
   def compute_dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.dtype)
+    """The dtype the model computes in here: `dtype`, with 'auto' resolved (`resolve_dtype`)."""
+    return jnp.dtype(resolve_dtype(self.dtype))
 
   def replace(self, **overrides) -> ModelConfig:
     return dataclasses.replace(self, **overrides)
@@ -350,6 +362,15 @@ class TrainConfig:
     defaults = dict(steps=400, max_tokens=2048, warmup_steps=200, log_every=50,
                     eval_every=200, checkpoint_every=200)
     return cls(**{**defaults, **overrides})
+
+
+def resolve_dtype(dtype: str, backend: str | None = None) -> str:
+  """`ModelConfig.dtype` as a dtype name: 'auto' is 'bfloat16' on a GPU or TPU (their matrix
+  units run it at several times float32's rate) and 'float32' on a CPU (`backend`, default
+  JAX's), where bfloat16 is slower without bfloat16 instructions (benchmarks/README.md)."""
+  if dtype != 'auto':
+    return dtype
+  return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
 
 
 def _check_scheduled_sampling(config: TrainConfig) -> None:

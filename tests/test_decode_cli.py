@@ -103,7 +103,7 @@ def test_cli_decodes_in_bfloat16_as_the_translator_does(run_dir, random_run, cap
   assert status == 0, captured.err
   translator = Translator(random_run.config, random_run.params, tokenizer=random_run.tokenizer,
                           dtype='bfloat16')
-  assert translator.config.dtype == 'bfloat16' and random_run.config.dtype == 'float32'
+  assert translator.config.dtype == 'bfloat16' and random_run.config.compute_dtype == 'float32'
   assert captured.out.split('\n')[:-1] == translator.translate(SENTENCES, Greedy(), batch_size=2)
 
 

@@ -77,13 +77,15 @@ class Translator:
   """A model, its parameters and its tokenizer, translating lists of strings."""
 
   def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, dtype: str | None = None):
-    """dtype: the compute dtype to decode in, 'float32' or 'bfloat16' (bfloat16 matmuls with
-    float32 accumulation, logits and search in float32); None: the model's own `config.dtype`."""
+    """dtype: the compute dtype to decode in, 'float32', 'bfloat16' (bfloat16 matmuls with
+    float32 accumulation, logits and search in float32) or 'auto' (`config.resolve_dtype`);
+    None: the model's own `config.dtype`."""
     tokenizer.check_compatible(config)
     self.config = config if dtype is None else config.replace(dtype=dtype)
     self.model = build_model(self.config)
     # Matrices in the compute dtype once here, not at every decoding step.
-    self.variables = autoregressive.cast_matrices(autoregressive.as_variables(params), self.config.dtype)
+    self.variables = autoregressive.cast_matrices(autoregressive.as_variables(params),
+                                                  self.config.compute_dtype)
     self.tokenizer = tokenizer
     self._attention_weights = jax.jit(functools.partial(attention_weights, self.model))
 

@@ -161,6 +161,25 @@ class DecoderBlock(nn.Module):
     return self.ffn_sublayer(y, self.ffn(self.ffn_sublayer.normalize_input(y)), train), cache
 
 
+# What each `ModelConfig.remat` keeps for the backward pass: `layer` saves nothing inside a
+# layer (its input is kept by the caller); `dots` saves the products without batch dimensions,
+# the dense projections and the feed-forward, and recomputes the batched attention products,
+# the softmax, the LayerNorms and dropout.
+REMAT_POLICIES = {'layer': None, 'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def rematerialised(block: type[nn.Module], remat: str, train_argnum: int) -> type[nn.Module]:
+  """`block` as it is (remat 'none'), or wrapped in `nn.remat` with `REMAT_POLICIES[remat]`.
+
+  The parameters keep their names, so checkpoints do not depend on the setting.
+  train_argnum: the position of `train` in `block.__call__`, self counted as 0 (static: it
+  decides whether dropout runs).
+  """
+  if remat == 'none':
+    return block
+  return nn.remat(block, policy=REMAT_POLICIES[remat], static_argnums=(train_argnum,))
+
+
 class Encoder(nn.Module):
   """N encoder blocks (plus a final LayerNorm when pre-LN)."""
   config: ModelConfig
@@ -168,8 +187,9 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool) -> jax.Array:
     """x `[B, S, D]` (embedded source) -> memory `[B, S, D]`."""
+    block = rematerialised(EncoderBlock, self.config.remat, train_argnum=3)
     for i in range(self.config.num_encoder_layers):
-      x = EncoderBlock(self.config, name=f'layer_{i}')(x, mask, train)
+      x = block(self.config, name=f'layer_{i}')(x, mask, train)
     if self.config.norm_placement == 'pre':
       x = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon,
                        dtype=self.config.compute_dtype, name='final_norm')(x)
@@ -181,7 +201,8 @@ class Decoder(nn.Module):
   config: ModelConfig
 
   def setup(self):
-    self.layers = [DecoderBlock(self.config, name=f'layer_{i}')
+    block = rematerialised(DecoderBlock, self.config.remat, train_argnum=5)
+    self.layers = [block(self.config, name=f'layer_{i}')
                    for i in range(self.config.num_decoder_layers)]
     if self.config.norm_placement == 'pre':
       self.final_norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype)

@@ -254,12 +254,12 @@ def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config
                     data_config: DataConfig) -> None:
   """Raises CheckpointError unless WORKDIR's run can continue with these configs.
 
-  The model settings must be identical; of the training and data settings only
-  TrainConfig.RESUMABLE_CHANGES (how long to train, how often to log, a profile) and
-  DataConfig.RESUMABLE_CHANGES (where the cache lives) may differ.
+  Only ModelConfig.RESUMABLE_CHANGES (rematerialisation), TrainConfig.RESUMABLE_CHANGES (how
+  long to train, how often to log, a profile) and DataConfig.RESUMABLE_CHANGES (where the
+  cache lives) may differ.
   """
   saved_model, saved_train, saved_data = read_config(workdir)
-  differences = _differences('model', saved_model, model_config, ())
+  differences = _differences('model', saved_model, model_config, ModelConfig.RESUMABLE_CHANGES)
   differences += _differences('data', saved_data, data_config, DataConfig.RESUMABLE_CHANGES)
   differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
   if differences:
@@ -535,6 +535,17 @@ class RunDirectory:
     """
     if (self.path / CONFIG_FILE).is_file():
       check_resumable(self.path, model_config, train_config, data_config)
+
+  def kept_dtype(self, model_config: ModelConfig) -> ModelConfig:
+    """`model_config`, its dtype 'auto' (the default) replaced by the explicit dtype of the run
+    saved here: a run begun in float32 or bfloat16 keeps computing in it when resumed."""
+    if model_config.dtype != 'auto' or not (self.path / CONFIG_FILE).is_file():
+      return model_config
+    try:
+      saved = read_config(self.path)[0].dtype
+    except CheckpointError:
+      return model_config  # check_settings names what is wrong with config.json
+    return model_config.replace(dtype=saved)
 
   def write_settings(self, model_config: ModelConfig, train_config: TrainConfig,
                      data_config: DataConfig, packing_plan: str = PACKING_PLAN) -> None:

@@ -297,7 +297,7 @@ def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
   tokenizer = directory.tokenizer(
       lambda: train_data.tokenizer_texts(data_config.tokenizer_sample), data_config,
       has_checkpoints=checkpoints.latest_step() is not None, say=say)
-  model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
+  model_config = directory.kept_dtype(model_config.replace(vocab_size=tokenizer.vocab_size))
   tokenizer.check_compatible(model_config)
   directory.check_settings(model_config, train_config, data_config)
   return _TrainingRun(directory=directory, model_config=model_config, train_config=train_config,
@@ -338,8 +338,11 @@ def _initial_state(run: _TrainingRun, loop: TrainingLoop, parallel: str) -> tupl
     run.say(f'resumed from {run.checkpoints.directory / str(start)}')
   processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
   kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
+  dtype = run.model_config.compute_dtype.name
+  if run.model_config.dtype == 'auto':
+    dtype += f' (model.dtype auto on {jax.default_backend()})'
   run.say(f'model: {count_params(abstract_state.params):,} parameters,{kind} '
-          f'{run.model_config.dtype} compute; {run.data_parallel.num_devices} device(s)'
+          f'{dtype} compute; {run.data_parallel.num_devices} device(s)'
           f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}')
   return run.data_parallel.replicate(state), start
 
