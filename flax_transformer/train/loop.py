@@ -338,11 +338,11 @@ def _initial_state(run: _TrainingRun, loop: TrainingLoop, parallel: str) -> tupl
     run.say(f'resumed from {run.checkpoints.directory / str(start)}')
   processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
   kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
-  dtype = run.model_config.compute_dtype.name
+  dtype = f'{run.model_config.compute_dtype.name} compute'
   if run.model_config.dtype == 'auto':
     dtype += f' (model.dtype auto on {jax.default_backend()})'
   run.say(f'model: {count_params(abstract_state.params):,} parameters,{kind} '
-          f'{dtype} compute; {run.data_parallel.num_devices} device(s)'
+          f'{dtype}; {run.data_parallel.num_devices} device(s)'
           f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}')
   return run.data_parallel.replicate(state), start
 
