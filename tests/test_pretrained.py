@@ -31,8 +31,8 @@ from flax_transformer.decode import autoregressive  # noqa: E402
 from flax_transformer.decode.methods import Greedy  # noqa: E402
 from flax_transformer.decode.translator import Translator  # noqa: E402
 from flax_transformer.nn.build import build_model  # noqa: E402
-from flax_transformer.pretrained.marian import (PretrainedError, load_marian,  # noqa: E402
-                                                marian_config)
+from flax_transformer.pretrained.marian import (PretrainedError,  # noqa: E402
+                                                fine_tuning_config, load_marian, marian_config)
 
 SENTENCES = ['The animal did not cross the street because it was too tired.', 'A man',
              'She sings a song about the sea.', 'Several people are sitting on a bench.']
@@ -292,6 +292,10 @@ def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(
 
   err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
   assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err
+  assert '(it may change attention_dropout_rate, dropout_rate, dtype, remat)' in err
+  # How it computes is the run's to choose.
+  config = fine_tuning_config(marian_dir, {'remat': 'dots', 'dtype': 'bfloat16'})
+  assert (config.remat, config.dtype) == ('dots', 'bfloat16')
 
 
 # --- a damaged Marian directory: refused naming the file and what is wrong -------------------

@@ -43,7 +43,7 @@ def add_setting_options(parser: argparse.ArgumentParser) -> None:
                          help='fine-tune a Hugging Face Marian model (config.json, '
                               'model.safetensors, source.spm, target.spm, vocab.json): its '
                               'architecture, tokenizer and parameters; --model options may only '
-                              'change dropout_rate, attention_dropout_rate and dtype')
+                              'change dropout_rate, attention_dropout_rate, dtype and remat')
   presets = {name: run_preset(name) for name in RUN_PRESETS}
   for index, (section, cls) in enumerate(SECTIONS.items()):
     group = parser.add_argument_group(f'{section} settings (value per preset: '
