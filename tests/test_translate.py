@@ -128,5 +128,5 @@ def test_translator_decodes_in_the_dtype_asked_for(config, params, tokenizer):
   # Matrices cast once here; vectors (biases, LayerNorm) stay float32.
   layer = translator.variables['params']['decoder']['layer_0']['ffn']['wi']
   assert (layer['kernel'].dtype.name, layer['bias'].dtype.name) == ('bfloat16', 'float32')
-  with pytest.raises(ConfigError, match='model.dtype must be one of float32, bfloat16'):
+  with pytest.raises(ConfigError, match='model.dtype must be one of auto, float32, bfloat16'):
     Translator(config, params, tokenizer, dtype='float16')

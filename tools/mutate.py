@@ -91,9 +91,12 @@ MUTANTS = [
       "logits = jnp.einsum(f'BTNH,{key_axes}->BNTS', q, k, preferred_element_type=jnp.float32)",
       "logits = jnp.einsum(f'BTNH,{key_axes}->BNTS', q, k)",
       'tests/test_attention.py', 'tests/test_model.py::test_bfloat16_compute_keeps_float32_params_and_logits'),
-    m('bfloat16_never_used', 'flax_transformer/config.py', 'return jnp.dtype(self.dtype)',
-      "return jnp.dtype('float32')",
+    m('bfloat16_never_used', 'flax_transformer/config.py',
+      'return jnp.dtype(resolve_dtype(self.dtype))', "return jnp.dtype('float32')",
       'tests/test_model.py::test_bfloat16_compute_keeps_float32_params_and_logits'),
+    m('auto_is_float32_everywhere', 'flax_transformer/config.py',
+      "return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'",
+      "return 'float32'", 'tests/test_compute_dtype.py'),
     # --- layers --------------------------------------------------------------------------
     m('pre_ln_normalizes_nothing', NN + 'layers.py',
       "return self.norm(x) if self.config.norm_placement == 'pre' else x", 'return x',
@@ -234,6 +237,14 @@ MUTANTS = [
     m('cmlm_inputs_mask_one_too_many', TRAIN + 'cmlm_objective.py',
       '  masked = rank < count[:, None]\n', '  masked = rank <= count[:, None]\n',
       'tests/test_cmlm.py'),
+    # --- signals (signals.py, cli/failures.py) ---------------------------------------------
+    m('signal_never_acted_on_between_batches', 'flax_transformer/decode/translator.py',
+      '      signals.check()  # a program', '      pass  # a program', 'tests/test_signals.py'),
+    m('signal_after_the_work_forgotten', 'flax_transformer/cli/failures.py',
+      '  if status != 0 or number is None:\n    return status',
+      '  if True:\n    return status', 'tests/test_signals.py', 'tests/test_faults.py'),
+    m('signal_in_an_evaluation_not_saved', TRAIN + 'loop.py',
+      '      if stopping and not save_due:\n', '      if False:\n', 'tests/test_signals.py'),
 ]
 
 
