@@ -30,9 +30,11 @@ from flax_transformer.run.loading import load_for_inference
 
 REPO = Path(__file__).resolve().parents[1]
 # The numbers corpus on the tiny model of the cmlm runs, autoregressive: validation every 2
-# steps, a BLEU evaluation at step 4, greedy decoding of the test split at the end.
-OPTIONS = [option for option in CMLM_OPTIONS if 'max_length_offset' not in option] + [
-    '--train.bleu_every=4', '--steps=6']
+# steps, a BLEU evaluation at step 4 (between checkpoints, at 3 and 6: an abandoned one must
+# save its step itself), greedy decoding of the test split at the end.
+OPTIONS = [option for option in CMLM_OPTIONS
+           if 'max_length_offset' not in option and 'checkpoint_every' not in option] + [
+    '--train.checkpoint_every=3', '--train.bleu_every=4', '--steps=6']
 
 
 # --- the record ----------------------------------------------------------------------------------
