@@ -168,9 +168,9 @@ class ModelConfig:
   remat: Literal['none', 'layer', 'dots'] = setting(
       'none', "training's memory for time: none keeps every activation for the backward pass; "
       "layer keeps each layer's input and recomputes the rest; dots also keeps the dense "
-      'projections (and feed-forward) outputs and recomputes attention and the elementwise work. '
-      'The same gradients either way; a run may change it when resumed. XLA:CPU saves almost '
-      'nothing with it (benchmarks/README.md)')
+      'projections (and feed-forward) outputs and recomputes attention and the elementwise work '
+      '(the layers then run as one scan). The same gradients; dropout draws other masks. A run '
+      'may change it when resumed')
   kind: Literal['autoregressive', 'cmlm'] = setting(
       'autoregressive', "autoregressive: the paper's causal decoder, one token per step; cmlm: "
       'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '

@@ -168,16 +168,30 @@ class DecoderBlock(nn.Module):
 REMAT_POLICIES = {'layer': None, 'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def rematerialised(block: type[nn.Module], remat: str, train_argnum: int) -> type[nn.Module]:
-  """`block` as it is (remat 'none'), or wrapped in `nn.remat` with `REMAT_POLICIES[remat]`.
+def scanned_layers(apply_layer, layers: list, x: jax.Array, per_layer, remat: str,
+                   rng: jax.Array) -> jax.Array:
+  """The layers as one `lax.scan` over their parameters stacked, each step rematerialised.
 
-  The parameters keep their names, so checkpoints do not depend on the setting.
-  train_argnum: the position of `train` in `block.__call__`, self counted as 0 (static: it
-  decides whether dropout runs).
+  apply_layer(params, dropout_key, x, extra) -> x: one layer; layers: each layer's
+  parameters, as the model names them (`layer_0`, ...); x `[B, L, D]`: the stack's input,
+  carried from layer to layer; per_layer: a pytree with a leading axis of one entry per
+  layer (a decoder's cross-attention keys and values), or None; rng: split into one dropout
+  key per layer (so the dropout masks are not those of the unrolled layers).
+
+  Unrolled, the recomputation of `jax.checkpoint` saves nothing on XLA:CPU, which schedules
+  it as soon as its inputs exist (benchmarks/README.md); a scan's loop makes the backward
+  pass recompute one layer at a time. The parameters stay separate on disk: only this
+  computation stacks them.
   """
-  if remat == 'none':
-    return block
-  return nn.remat(block, policy=REMAT_POLICIES[remat], static_argnums=(train_argnum,))
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+  keys = jax.random.split(rng, len(layers))
+
+  def step(carry, layer):
+    params, key, extra = layer
+    return apply_layer(params, key, carry, extra), None
+
+  step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  return jax.lax.scan(step, x, (stacked, keys, per_layer))[0]
 
 
 class Encoder(nn.Module):
@@ -187,9 +201,16 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool) -> jax.Array:
     """x `[B, S, D]` (embedded source) -> memory `[B, S, D]`."""
-    block = rematerialised(EncoderBlock, self.config.remat, train_argnum=3)
-    for i in range(self.config.num_encoder_layers):
-      x = block(self.config, name=f'layer_{i}')(x, mask, train)
+    names = [f'layer_{i}' for i in range(self.config.num_encoder_layers)]
+    if self.config.remat != 'none' and train and not self.is_initializing():
+      block = EncoderBlock(self.config, parent=None)
+      apply_layer = lambda params, key, x, _: block.apply({'params': params}, x, mask, True,
+                                                          rngs={'dropout': key})
+      x = scanned_layers(apply_layer, [self.variables['params'][name] for name in names], x,
+                         None, self.config.remat, self.make_rng('dropout'))
+    else:
+      for name in names:
+        x = EncoderBlock(self.config, name=name)(x, mask, train)
     if self.config.norm_placement == 'pre':
       x = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon,
                        dtype=self.config.compute_dtype, name='final_norm')(x)
@@ -201,8 +222,7 @@ class Decoder(nn.Module):
   config: ModelConfig
 
   def setup(self):
-    block = rematerialised(DecoderBlock, self.config.remat, train_argnum=5)
-    self.layers = [block(self.config, name=f'layer_{i}')
+    self.layers = [DecoderBlock(self.config, name=f'layer_{i}')
                    for i in range(self.config.num_decoder_layers)]
     if self.config.norm_placement == 'pre':
       self.final_norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype)
@@ -216,6 +236,15 @@ class Decoder(nn.Module):
                caches: tuple[KVCache, ...] | None = None, cache_index: jax.Array | int = 0,
                ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
     """y `[B, T, D]` (embedded target) -> `[B, T, D]`, and the updated per-layer caches."""
+    if self.config.remat != 'none' and train and caches is None and not self.is_initializing():
+      block = DecoderBlock(self.config, parent=None)
+      apply_layer = lambda params, key, y, kv: block.apply(
+          {'params': params}, y, kv, self_mask, cross_mask, True, rngs={'dropout': key})[0]
+      stacked_kv = jax.tree.map(lambda *leaves: jnp.stack(leaves), *cross_kv)
+      layers = [self.variables['params'][f'layer_{i}'] for i in range(len(self.layers))]
+      y = scanned_layers(apply_layer, layers, y, stacked_kv, self.config.remat,
+                         self.make_rng('dropout'))
+      return (self.final_norm(y) if self.config.norm_placement == 'pre' else y), None
     new_caches = []
     for i, layer in enumerate(self.layers):
       y, cache = layer(y, cross_kv[i], self_mask, cross_mask, train,
