@@ -14,6 +14,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +24,19 @@ from pathlib import Path
 from tests.support.cpuinfo import first_processor
 
 RESULTS = Path(__file__).resolve().parent / 'results'
+ROOT = RESULTS.parent.parent
+
+
+def python_worker(code: str, args, checkout: Path = ROOT, failed: str = 'the worker failed') -> dict:
+  """Runs `code` in a fresh `python -c` with `args`, importing from `checkout`, and returns the
+  JSON object its last line of standard output prints; a failure ends the benchmark with
+  `failed` and the end of the worker's standard error."""
+  done = subprocess.run([sys.executable, '-c', code, *map(str, args)], cwd=checkout,
+                        capture_output=True, text=True,
+                        env={**os.environ, 'PYTHONPATH': str(checkout)}, check=False)
+  if done.returncode:
+    raise SystemExit(f'{failed}:\n{done.stderr[-3000:]}')
+  return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def pin_threads(threads: int | None) -> list[int]:

@@ -22,14 +22,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import RESULTS, machine_info, python_worker, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
 
 WORKER = '''
 import json, sys, time
@@ -50,12 +47,7 @@ print(json.dumps({'compile_s': step.compile_s, 'step_s': time.perf_counter() - b
 
 
 def run_worker(cache_dir: str, args: argparse.Namespace) -> dict:
-  done = subprocess.run([sys.executable, '-c', WORKER, cache_dir, args.model, str(args.rows),
-                         str(args.length)], cwd=ROOT, capture_output=True, text=True,
-                        env={**os.environ, 'PYTHONPATH': str(ROOT)}, check=False)
-  if done.returncode:
-    raise SystemExit(f'the worker failed:\n{done.stderr[-3000:]}')
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  return python_worker(WORKER, [cache_dir, args.model, args.rows, args.length])
 
 
 def main(argv=None) -> None:

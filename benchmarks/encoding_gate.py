@@ -33,9 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import RESULTS, ROOT, machine_info, python_worker, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
 CONTENDERS = ('reference', 'plain', 'memo')
 
 # Run in each contender's process, with its checkout first on sys.path.
@@ -61,13 +60,8 @@ print(json.dumps({'seconds': seconds, 'lines': source.num_lines, 'pairs': len(co
 
 def encode_in_process(checkout: Path, data: Path, tokenizer_dir: Path, memo: str) -> dict:
   with tempfile.TemporaryDirectory(prefix='encoding-gate-') as cache_dir:
-    environment = {**os.environ, 'PYTHONPATH': str(checkout)}
-    result = subprocess.run([sys.executable, '-c', WORKER, str(data), str(tokenizer_dir),
-                             cache_dir, memo], cwd=checkout, env=environment,
-                            capture_output=True, text=True, check=False)
-  if result.returncode:
-    raise SystemExit(f'encoding in {checkout} failed:\n{result.stderr[-3000:]}')
-  return json.loads(result.stdout.strip().splitlines()[-1])
+    return python_worker(WORKER, [data, tokenizer_dir, cache_dir, memo], checkout,
+                         failed=f'encoding in {checkout} failed')
 
 
 def main(argv=None) -> None:

@@ -21,13 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, write_json
+from benchmarks.common import RESULTS, machine_info, python_worker, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ('none', 'layer', 'dots')
 
 WORKER = '''
@@ -75,14 +72,6 @@ print(json.dumps(result))
 '''
 
 
-def run(code: str, *args: str) -> dict:
-  done = subprocess.run([sys.executable, '-c', code, *args], cwd=ROOT, capture_output=True,
-                        text=True, env={**os.environ, 'PYTHONPATH': str(ROOT)}, check=False)
-  if done.returncode:
-    raise SystemExit(f'the worker failed:\n{done.stderr[-3000:]}')
-  return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--model', default='base')
@@ -96,15 +85,15 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   rows = {}
   for setting in args.settings.split(','):
-    rows[setting] = run(WORKER, args.model, setting, str(args.rows), str(args.length),
-                        'step' if args.step else 'compile', str(args.vocab))
+    rows[setting] = python_worker(WORKER, [args.model, setting, args.rows, args.length,
+                                           'step' if args.step else 'compile', args.vocab])
     print(setting, json.dumps(rows[setting]), flush=True)
   payload = {'machine': machine_info(os.cpu_count()), 'model': args.model, 'vocab': args.vocab,
              'shape': {'rows': args.rows, 'length': args.length,
                        'tokens_per_side': args.rows * args.length},
              'settings': rows}
   if args.minimal:
-    payload['minimal'] = run(MINIMAL)
+    payload['minimal'] = python_worker(MINIMAL, [])
     print('minimal', json.dumps(payload['minimal']), flush=True)
   write_json(args.output, payload)
   print(f'wrote {args.output}')
