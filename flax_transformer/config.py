@@ -171,6 +171,13 @@ class ModelConfig:
       'projections (and feed-forward) outputs and recomputes attention and the elementwise work '
       '(the layers then run as one scan). The same gradients; dropout draws other masks. A run '
       'may change it when resumed')
+  attention_kernel: Literal['auto', 'einsum', 'xla', 'cudnn'] = setting(
+      'auto', 'how attention is computed (the same function): einsum, our own products, the '
+      'reference; xla or cudnn, jax.nn.dot_product_attention (cudnn: fused flash attention, a '
+      'GPU with bfloat16 compute and head_dim <= 256, a multiple of 8); auto: cudnn for whole '
+      'sequences on a GPU where it applies, einsum elsewhere. Rows must be right-padded; packed '
+      'rows, restricted attention, pooled beams and attention dropout take einsum (xla and cudnn '
+      'refuse attention dropout). A run may change it when resumed')
   kind: Literal['autoregressive', 'cmlm'] = setting(
       'autoregressive', "autoregressive: the paper's causal decoder, one token per step; cmlm: "
       'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
@@ -189,7 +196,7 @@ class ModelConfig:
   # Fields the tokenizer decides: the trained vocabulary's size and its special ids.
   TOKENIZER_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
   # Fields a resumed run may change: how it computes, not what.
-  RESUMABLE_CHANGES = frozenset({'remat'})
+  RESUMABLE_CHANGES = frozenset({'remat', 'attention_kernel'})
 
   def __post_init__(self):
     check_fields(self, 'model')
@@ -199,6 +206,7 @@ class ModelConfig:
     if self.cmlm_decoder_input != 'mask' and self.kind != 'cmlm':
       raise ConfigError(f"model.cmlm_decoder_input={self.cmlm_decoder_input!r} is for "
                         f"model.kind='cmlm'; an {self.kind} decoder is fed its previous tokens")
+    _check_attention_kernel(self)
     special = {'pad_id': self.pad_id, 'bos_id': self.bos_id, 'eos_id': self.eos_id,
                'unk_id': self.unk_id}
     # BOS may be PAD (a decoder that starts from PAD); the others must differ.
@@ -371,6 +379,49 @@ def resolve_dtype(dtype: str, backend: str | None = None) -> str:
   if dtype != 'auto':
     return dtype
   return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
+
+
+# cuDNN's fused attention takes these compute dtypes and head sizes (jax 0.10.2).
+CUDNN_DTYPES = ('bfloat16', 'float16')
+CUDNN_MAX_HEAD_DIM = 256
+
+
+def resolve_attention_kernel(config: ModelConfig, backend: str | None = None) -> str:
+  """`ModelConfig.attention_kernel` as the kernel the model runs on `backend` (default JAX's):
+  'einsum', 'xla' or 'cudnn'.
+
+  auto is cudnn on a GPU when cuDNN takes the model (bfloat16 compute, head_dim <= 256 and a
+  multiple of 8, no attention dropout): its saving is the `[B, N, T, S]` scores a training step
+  keeps for the backward pass. Elsewhere auto is einsum: a CPU runs the same products either
+  way, and a TPU has no cuDNN. Raises ConfigError for cudnn where no GPU is.
+  """
+  backend = backend or jax.default_backend()
+  if config.attention_kernel == 'cudnn' and backend != 'gpu':
+    raise ConfigError(f'model.attention_kernel=cudnn needs a GPU (cuDNN); this runs on {backend}: '
+                      'use auto, einsum or xla')
+  if config.attention_kernel != 'auto':
+    return config.attention_kernel
+  dtype = resolve_dtype(config.dtype, backend)
+  fits = (dtype in CUDNN_DTYPES and config.head_dim <= CUDNN_MAX_HEAD_DIM
+          and config.head_dim % 8 == 0 and config.attention_dropout_rate == 0)
+  return 'cudnn' if backend == 'gpu' and fits else 'einsum'
+
+
+def _check_attention_kernel(config: ModelConfig) -> None:
+  """Raises ConfigError for an explicit fused kernel the model's settings rule out."""
+  kernel = config.attention_kernel
+  if kernel in ('xla', 'cudnn') and config.attention_dropout_rate > 0:
+    raise ConfigError(f'model.attention_kernel={kernel} has no attention dropout '
+                      f'(jax.nn.dot_product_attention); with model.attention_dropout_rate='
+                      f'{config.attention_dropout_rate} use einsum or auto')
+  if kernel != 'cudnn':
+    return
+  if config.dtype not in ('auto', *CUDNN_DTYPES):
+    raise ConfigError(f'model.attention_kernel=cudnn computes in bfloat16 or float16, not '
+                      f'model.dtype={config.dtype}: use model.dtype=bfloat16 (or auto, on a GPU)')
+  if config.head_dim > CUDNN_MAX_HEAD_DIM or config.head_dim % 8:
+    raise ConfigError(f'model.attention_kernel=cudnn needs a head size (d_model / num_heads) of at '
+                      f'most {CUDNN_MAX_HEAD_DIM} and a multiple of 8, got {config.head_dim}')
 
 
 def _check_scheduled_sampling(config: TrainConfig) -> None:

@@ -28,7 +28,9 @@ def profiled(numbers_corpus, tmp_path_factory):
 def test_the_trace_holds_the_training_step_in_both_formats(profiled):
   workdir, (status, out, err) = profiled
   assert status == 0, err
-  assert 'float32 compute (model.dtype auto on cpu);' in out  # the default, named
+  # the defaults, named
+  assert ('float32 compute (model.dtype auto on cpu), einsum attention '
+          '(model.attention_kernel auto on cpu);') in out
   assert (f'profile: steps 2 to 3 traced into {workdir}/profile (tensorboard --logdir '
           f'{workdir}/profile, or *.trace.json.gz in ui.perfetto.dev)') in out.splitlines()
   (xplane,) = (workdir / 'profile').glob('plugins/profile/*/*.xplane.pb')

@@ -81,7 +81,10 @@ class Translator:
     float32 accumulation, logits and search in float32) or 'auto' (`config.resolve_dtype`);
     None: the model's own `config.dtype`."""
     tokenizer.check_compatible(config)
-    self.config = config if dtype is None else config.replace(dtype=dtype)
+    kernel = config.attention_kernel
+    if kernel == 'cudnn' and (jax.default_backend() != 'gpu' or dtype == 'float32'):
+      kernel = 'auto'  # a model trained with cuDNN's kernel decodes anywhere: it is how, not what
+    self.config = config.replace(dtype=dtype or config.dtype, attention_kernel=kernel)
     self.model = build_model(self.config)
     # Matrices in the compute dtype once here, not at every decoding step.
     self.variables = autoregressive.cast_matrices(autoregressive.as_variables(params),

@@ -75,6 +75,28 @@ def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.einsum('BNTS,BNSH->BNTH', weights.astype(v.dtype), v).transpose(0, 2, 1, 3)
 
 
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: masks.KeyLengths,
+                    implementation: str = 'xla') -> jax.Array:
+  """`scaled_dot_product_attention` by `jax.nn.dot_product_attention` (no weights returned).
+
+  Args:
+    q: `[B, T, N, H]` queries.
+    k, v: `[B, S, N, H]` keys and values.
+    mask: the visible keys as lengths, causal or not (`masks.KeyLengths`); a causal mask is
+      aligned top-left, so it serves a whole sequence (T == S), not a cached step (there:
+      lengths, not causal).
+    implementation: 'xla' (any backend) or 'cudnn' (cuDNN flash attention: a GPU, bfloat16
+      or float16, H <= 256 and a multiple of 8).
+
+  Returns:
+    out `[B, T, N, H]`, equal to `scaled_dot_product_attention(q, k, v, mask.dense(T, S))`
+    (logits and softmax in float32 either way).
+  """
+  return jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal,
+                                      key_value_seq_lengths=mask.lengths,
+                                      implementation=implementation)
+
+
 def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, radius: int, *,
                      causal: bool = False, key_padding: jax.Array | None = None) -> jax.Array:
   """Restricted self-attention (paper §4) that computes only the band: O(T r) scores, not T^2.
@@ -260,6 +282,9 @@ class MultiHeadAttention(nn.Module):
   d_model: int
   attention_dropout_rate: float = 0.0
   dtype: jnp.dtype = jnp.float32
+  # The kernel a `masks.KeyLengths` mask runs on: 'einsum' (its dense form), 'xla' or 'cudnn'
+  # (`fused_attention`); other masks always take einsum.
+  kernel: str = 'einsum'
 
   def setup(self):
     dense = lambda name, use_bias=True: Dense(self.d_model, dtype=self.dtype, name=name,
@@ -343,8 +368,9 @@ class MultiHeadAttention(nn.Module):
                deterministic: bool = True) -> jax.Array:
     """Attends from `inputs_q` `[B, T, D]` to `kv`; returns `[B, T, D]`.
 
-    mask: bool broadcastable to `[B, N, T, S]`, or a `masks.Band` (self-attention
-    with a plain cache): then only the band is computed (`_band_attention`).
+    mask: bool broadcastable to `[B, N, T, S]`; a `masks.Band` (self-attention
+    with a plain cache): then only the band is computed (`_band_attention`); or a
+    `masks.KeyLengths`: then the module's `kernel` computes it.
 
     The attention weights `[B, N, T, S]` are sown into the 'intermediates'
     collection (free unless the caller asks for it as mutable); see
@@ -360,11 +386,15 @@ class MultiHeadAttention(nn.Module):
     if self.attention_dropout_rate > 0.0 and not deterministic:
       # Dropout on the weights needs them explicitly: the output is computed after it.
       weights_fn = lambda weights: self.weights_dropout(weights, deterministic=False)
-    if isinstance(mask, masks.Band) and not self.is_mutable_collection('intermediates'):
+    sowing = self.is_mutable_collection('intermediates')
+    if isinstance(mask, masks.Band) and not sowing:
       out = _band_attention(q, k, v, mask, weights_fn)
+    elif (isinstance(mask, masks.KeyLengths) and self.kernel != 'einsum' and weights_fn is None
+          and not sowing):
+      out = fused_attention(q, _heads_first(k), _heads_first(v), mask, self.kernel)
     else:
       # Asked for the weights `[B, N, T, S]`, a Band is materialized: they are that big anyway.
-      if isinstance(mask, masks.Band):
+      if isinstance(mask, (masks.Band, masks.KeyLengths)):
         mask = mask.dense(q.shape[1], k.shape[2])
       out, weights = _masked_attention(q, k, v, mask, weights_fn, keys_transposed=kv.beam_size > 1)
       self.sow('intermediates', 'attention_weights', weights)

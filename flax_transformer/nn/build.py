@@ -12,13 +12,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_transformer.config import ModelConfig
+from flax_transformer.config import ModelConfig, resolve_attention_kernel
 from flax_transformer.nn.cmlm import CMLMTransformer
 from flax_transformer.nn.model import Transformer
 
 
 def build_model(config: ModelConfig) -> Transformer | CMLMTransformer:
-  """The paper's `Transformer` (kind 'autoregressive') or the `CMLMTransformer` (kind 'cmlm')."""
+  """The paper's `Transformer` (kind 'autoregressive') or the `CMLMTransformer` (kind 'cmlm').
+
+  Raises ConfigError for a model.attention_kernel that cannot run here (cudnn without a GPU).
+  """
+  resolve_attention_kernel(config)
   return CMLMTransformer(config) if config.kind == 'cmlm' else Transformer(config)
 
 

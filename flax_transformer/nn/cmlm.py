@@ -136,7 +136,7 @@ class CMLMTransformer(Transformer):
     # packed, the whole of its own sentence.
     self_mask = self._self_attention_mask(tokens, False, segments)
     y, _ = self.decoder(self._embed(tokens, 'target', 0, train, positions), cross_kv, self_mask,
-                        src_mask, train)
+                        self._cross_mask(src_mask, packing), train)
     return self._logits(y)
 
   def decode_parallel(self, tokens: jax.Array, memory: jax.Array, src_mask: jax.Array,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.config import ModelConfig
+from flax_transformer.config import ModelConfig, resolve_attention_kernel
 from flax_transformer.nn.attention import KVCache, MultiHeadAttention
 from flax_transformer.nn.dropout import Dropout
 from flax_transformer.nn.matmul import Dense
@@ -92,7 +92,8 @@ class Sublayer(nn.Module):
 def _attention(config: ModelConfig, name: str) -> MultiHeadAttention:
   return MultiHeadAttention(num_heads=config.num_heads, d_model=config.d_model,
                             attention_dropout_rate=config.attention_dropout_rate,
-                            dtype=config.compute_dtype, name=name)
+                            dtype=config.compute_dtype, kernel=resolve_attention_kernel(config),
+                            name=name)
 
 
 class EncoderBlock(nn.Module):

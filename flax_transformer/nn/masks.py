@@ -149,6 +149,37 @@ class Band:
                    None if self.key_padding is None else self.key_padding[:, None, None, :])
 
 
+@flax.struct.dataclass
+class KeyLengths:
+  """A padding (and look-ahead) mask kept as each row's count of visible keys: the form a fused
+  kernel takes (`jax.nn.dot_product_attention`'s `key_value_seq_lengths` and `is_causal`).
+
+  Key s is visible to query t iff s < lengths[b] and, when causal, s <= t. Rows are
+  right-padded, as batching makes them: the visible keys are a prefix. `dense` is the same
+  mask as a bool array.
+
+  lengths: int32 `[B]`, at least 1 (`of_visible` makes it so).
+  """
+  lengths: jax.Array
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+  @classmethod
+  def of_visible(cls, visible: jax.Array, causal: bool = False) -> KeyLengths:
+    """From bool `[B, S]` (or a padding mask `[B, 1, 1, S]`), True on a right-padded prefix.
+
+    A row with no visible key (an all-PAD filler row) counts one: a fused kernel would give it
+    no zero row (xla: the values' mean; cuDNN: undefined), and its outputs carry no loss.
+    """
+    lengths = jnp.sum(visible.reshape(visible.shape[0], -1), axis=-1, dtype=jnp.int32)
+    return cls(lengths=jnp.maximum(lengths, 1), causal=causal)
+
+  def dense(self, length: int, kv_length: int | None = None) -> jax.Array:
+    """The mask as bool `[B, 1, T, S]` for T = length queries and S = kv_length keys."""
+    kv_length = length if kv_length is None else kv_length
+    visible = (jnp.arange(kv_length) < self.lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    return combine(visible, causal_mask(length, kv_length) if self.causal else None)
+
+
 def beam_history_mask(history: jax.Array, position: jax.Array | int) -> jax.Array:
   """Which slots of a pooled beam cache hold each beam's own earlier tokens.
 

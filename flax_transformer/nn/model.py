@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flax_transformer.config import ModelConfig
+from flax_transformer.config import ModelConfig, resolve_attention_kernel
 from flax_transformer.nn import masks
 from flax_transformer.nn.attention import KVCache
 from flax_transformer.nn.dropout import Dropout
@@ -191,8 +191,26 @@ class Transformer(nn.Module):
     visible = self._visible_keys(tokens, causal)                               # [B, L]
     if c.attention_radius is not None:
       return masks.Band(key_padding=visible, radius=c.attention_radius, causal=causal)
+    if self._fused_kernel():
+      return masks.KeyLengths.of_visible(visible, causal)
     return masks.combine(visible[:, None, None, :],
                          masks.causal_mask(tokens.shape[1]) if causal else None)
+
+  def _fused_kernel(self, cached: bool = False) -> bool:
+    """Whether attention takes a fused kernel here (`config.resolve_attention_kernel`): masks are
+    then built as `masks.KeyLengths`. A cached step (one query) takes it when the kernel is
+    asked for by name: auto keeps einsum there, as a step keeps no scores to save."""
+    if resolve_attention_kernel(self.config) == 'einsum':
+      return False
+    return not cached or self.config.attention_kernel != 'auto'
+
+  def _cross_mask(self, src_mask: jax.Array, packing: masks.Packing | None = None,
+                  cached: bool = False) -> jax.Array | masks.KeyLengths:
+    """The cross-attention mask the decoder takes: `source_mask`'s bool `[B, 1, 1, S]`, as
+    `masks.KeyLengths` where a fused kernel runs (packed rows keep their segment mask)."""
+    if packing is None and self._fused_kernel(cached):
+      return masks.KeyLengths.of_visible(src_mask)
+    return src_mask
 
   def _visible_keys(self, tokens: jax.Array, causal: bool) -> jax.Array:
     """bool `[B, L]`: the non-PAD positions of ids `[B, L]`.
@@ -239,7 +257,8 @@ class Transformer(nn.Module):
                                                                 packing.tgt_positions)
     self_mask = self._self_attention_mask(tgt_in, True, segments)
     y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train, positions),
-                        self.decoder.cross_kv(memory), self_mask, src_mask, train)
+                        self.decoder.cross_kv(memory), self_mask,
+                        self._cross_mask(src_mask, packing), train)
     return self._logits(y)
 
   def __call__(self, src: jax.Array, tgt_in: jax.Array, train: bool = False,
@@ -268,12 +287,19 @@ class Transformer(nn.Module):
     so the logits equal those of `decode` on the same prefix. `position` may be
     traced (a `lax.scan` counter); the caller keeps position + T <= cache.max_len.
     """
+    batch, length = tokens.shape
     radius = self.config.attention_radius
     # With a radius, attention reads only the r + T cache slots that can be visible.
-    self_mask = (masks.causal_mask(tokens.shape[1], cache.max_len, position) if radius is None
-                 else masks.Band(offset=position, radius=radius, causal=True))
+    if radius is not None:
+      self_mask = masks.Band(offset=position, radius=radius, causal=True)
+    elif length == 1 and self._fused_kernel(cached=True):
+      # A fused kernel's look-ahead mask is aligned top-left: one query sees slots 0..position.
+      self_mask = masks.KeyLengths(jnp.full((batch,), position + 1, jnp.int32))
+    else:
+      self_mask = masks.causal_mask(length, cache.max_len, position)
     y, self_kv = self.decoder(self._embed(tokens, 'target', position, False), cache.cross_kv,
-                              self_mask, cache.src_mask, False, cache.self_kv, position)
+                              self_mask, self._cross_mask(cache.src_mask, cached=True), False,
+                              cache.self_kv, position)
     return self._logits(y), cache.replace(self_kv=self_kv)
 
   def start_beam_decoding(self, src: jax.Array, max_len: int, beam_size: int) -> BeamDecodeCache:

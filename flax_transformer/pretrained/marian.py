@@ -553,7 +553,8 @@ def _check_shapes(params: dict, config: ModelConfig, where: str) -> None:
 
 
 # Model settings a fine-tuning run may change: how it trains, not what it computes.
-FINE_TUNING_CHANGES = frozenset({'dropout_rate', 'attention_dropout_rate', 'dtype', 'remat'})
+FINE_TUNING_CHANGES = frozenset({'dropout_rate', 'attention_dropout_rate', 'dtype', 'remat',
+                                 'attention_kernel'})
 
 
 def is_export(directory: str | Path) -> bool:

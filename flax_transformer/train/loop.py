@@ -60,7 +60,7 @@ from tqdm.auto import tqdm
 
 from flax_transformer import signals
 from flax_transformer.config import (NONNEGATIVE_INT, ConfigError, DataConfig, ModelConfig,
-                                     TrainConfig, check_bounds)
+                                     TrainConfig, check_bounds, resolve_attention_kernel)
 from flax_transformer.data.assembly import ArrayBatcher
 from flax_transformer.data.batching import SEQUENCE_LENGTH, Batch, EncodedCorpus, encode_corpus
 from flax_transformer.data.corpus import load_parallel
@@ -338,13 +338,28 @@ def _initial_state(run: _TrainingRun, loop: TrainingLoop, parallel: str) -> tupl
     run.say(f'resumed from {run.checkpoints.directory / str(start)}')
   processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
   kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
-  dtype = f'{run.model_config.compute_dtype.name} compute'
-  if run.model_config.dtype == 'auto':
-    dtype += f' (model.dtype auto on {jax.default_backend()})'
   run.say(f'model: {count_params(abstract_state.params):,} parameters,{kind} '
-          f'{dtype}; {run.data_parallel.num_devices} device(s)'
+          f'{_how_it_computes(run)}; {run.data_parallel.num_devices} device(s)'
           f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}')
   return run.data_parallel.replicate(state), start
+
+
+def _how_it_computes(run: _TrainingRun) -> str:
+  """The model line's compute dtype and attention kernel, each saying where auto decided it,
+  and which attention the kernel does not take."""
+  config, backend = run.model_config, jax.default_backend()
+  dtype = f'{config.compute_dtype.name} compute'
+  if config.dtype == 'auto':
+    dtype += f' (model.dtype auto on {backend})'
+  kernel = resolve_attention_kernel(config)
+  attention = f'{kernel} attention'
+  if kernel != 'einsum' and run.train_config.packing:
+    attention += ' (packed rows: einsum)'
+  elif kernel != 'einsum' and config.attention_radius is not None:
+    attention += ' (self-attention: banded)'
+  elif config.attention_kernel == 'auto':
+    attention += f' (model.attention_kernel auto on {backend})'
+  return f'{dtype}, {attention}'
 
 
 def _restore_latest_intact(run: _TrainingRun, abstract_state) -> tuple[TrainState, int] | None:
