@@ -248,8 +248,8 @@ def test_the_first_preset_is_the_size_its_multi30k_run_recorded():
 
 def test_the_benchmark_commands_name_existing_modules():
   """gpu.sh's, README.md's and benchmarks/README.md's commands (its first block) run modules that
-  exist; gpu.sh's options are solo's."""
-  from benchmarks import solo
+  exist; gpu.sh passes its options to the GPU check, whose parts are what its usage names."""
+  from benchmarks import gpu_check
   repo = Path(__file__).resolve().parent.parent
   gpu = (repo / 'benchmarks' / 'gpu.sh').read_text()
   texts = {'gpu.sh': gpu, 'README.md': (repo / 'README.md').read_text(),
@@ -259,10 +259,10 @@ def test_the_benchmark_commands_name_existing_modules():
     assert names, where
     for name in names:
       assert (repo / 'benchmarks' / f'{name}.py').is_file(), f'{where} runs benchmarks.{name}'
-  options = re.search(r'python3 -m benchmarks\.solo (.*?)"\$@"', gpu, re.S).group(1)
-  options = options.replace('\\', ' ').split()
-  args = solo.parse_args(options + ['--model', 'big', '--shape', '768x32x32'])
-  assert (args.contenders, args.tasks, args.peak_size) == (('ours',), ('train',), 8192)
+  assert 'python3 -m benchmarks.gpu_check "$@"' in gpu
+  usage = re.search(r'gpu\.sh (--parts \S+)', gpu).group(1).split()
+  assert gpu_check.parse_args(usage).parts == ['mfu', 'decode']
+  assert set(re.search(r'gpu_check_\{(.*?)\}', gpu).group(1).split(',')) == set(gpu_check.PARTS)
 
 
 # --- benchmarks.solo: each contender in its own process -------------------------------------
