@@ -18,6 +18,7 @@ from flax_transformer.nn.model import Transformer
 from flax_transformer.train import (DataParallel, TrainState, create_train_state,
                                    label_smoothed_cross_entropy, make_optimizer,
                                    make_parallel_step, token_metrics, transformer_schedule)
+from flax_transformer.train.losses import chunked_loss_sums, loss_sums
 
 PAD, BOS, EOS = 0, 1, 2
 # One layer each side: the step's behaviour does not depend on depth, and compiles halve.
@@ -90,6 +91,24 @@ def test_pad_positions_carry_no_loss():
   changed[targets == PAD] = 100 * rng.normal(size=((targets == PAD).sum(), 11))
   np.testing.assert_array_equal(label_smoothed_cross_entropy(logits, targets, 0.1, PAD),
                                 label_smoothed_cross_entropy(changed, targets, 0.1, PAD))
+
+
+@pytest.mark.parametrize('chunk', [1, 5, 7, 18, 64], ids=lambda c: f'chunk{c}')
+def test_chunked_loss_sums_equal_the_whole_batchs(chunk):
+  """A chunk at a time (chunks that do and do not divide the 18 tokens) against float64."""
+  rng = np.random.default_rng(2)
+  states = rng.normal(size=(3, 6, 8)).astype(np.float32)
+  projection = (2 * rng.normal(size=(8, 17))).astype(np.float32)
+  targets = rng.integers(1, 17, (3, 6)).astype(np.int32)
+  targets[0, 4:] = PAD
+  logits_fn = lambda h: h @ projection
+  sums = jax.jit(lambda s: chunked_loss_sums(logits_fn, s, targets, 0.1, PAD, chunk))(states)
+  logits = np.asarray(states, np.float64) @ projection
+  want_loss, want_tokens = reference_smoothed_ce(logits, targets, 0.1, PAD)
+  assert float(sums['tokens']) == want_tokens == 16
+  np.testing.assert_allclose(float(sums['loss_sum']), want_loss, rtol=2e-6)
+  whole = loss_sums(jnp.asarray(states) @ projection, targets, 0.1, PAD)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6), sums, whole)
 
 
 def test_token_metrics():
@@ -226,6 +245,19 @@ def test_step_gradient_is_that_of_the_per_token_mean_loss(single, setup):
   want = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
   _, metrics = step(single.replicate(initial), single.shard_batch(batch))
   np.testing.assert_allclose(float(single.unreplicate(metrics)['grad_norm']), want, rtol=1e-4)
+
+
+def test_a_remat_step_with_its_chunked_loss_equals_the_plain_step(single, setup):
+  """remat (and so the loss a chunk of logits at a time): the same sums and gradient norm."""
+  model, optimizer, step, initial = setup
+  remat = Transformer(CONFIG.replace(remat='layer'))
+  remat_step = make_parallel_step(remat, optimizer, TRAIN_CONFIG, single)
+  batch = single.shard_batch(random_copy_batch(np.random.default_rng(7), ROWS, LENGTH, WORDS))
+  _, want = step(single.replicate(initial), batch)
+  _, got = remat_step(single.replicate(initial), batch)
+  want, got = single.unreplicate(want), single.unreplicate(got)
+  for name in ('loss_sum', 'nll_sum', 'correct', 'tokens', 'grad_norm'):
+    np.testing.assert_allclose(float(got[name]), float(want[name]), rtol=1e-5, err_msg=name)
 
 
 def test_gradient_accumulation_equals_one_large_batch(single, setup):

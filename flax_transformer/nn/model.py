@@ -252,6 +252,11 @@ class Transformer(nn.Module):
       train: dropout on.
       packing: segment ids and positions of packed rows; None: one pair per row.
     """
+    return self._logits(self._decoder_states(tgt_in, memory, src_mask, train, packing))
+
+  def _decoder_states(self, tgt_in: jax.Array, memory: jax.Array, src_mask: jax.Array,
+                      train: bool, packing: masks.Packing | None) -> jax.Array:
+    """`decode` up to the output projection: the decoder's last states `[B, T, D]`."""
     self._check_length(tgt_in, 'target')
     segments, positions = (None, None) if packing is None else (packing.tgt_segments,
                                                                 packing.tgt_positions)
@@ -259,7 +264,7 @@ class Transformer(nn.Module):
     y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train, positions),
                         self.decoder.cross_kv(memory), self_mask,
                         self._cross_mask(src_mask, packing), train)
-    return self._logits(y)
+    return y
 
   def __call__(self, src: jax.Array, tgt_in: jax.Array, train: bool = False,
                packing: masks.Packing | None = None) -> jax.Array:
@@ -269,6 +274,17 @@ class Transformer(nn.Module):
     """
     memory = self.encode(src, train, packing)
     return self.decode(tgt_in, memory, self.source_mask(src, packing), train, packing)
+
+  def decoder_states(self, src: jax.Array, tgt_in: jax.Array, train: bool = False,
+                     packing: masks.Packing | None = None) -> jax.Array:
+    """`__call__` without the output projection: the decoder's last states `[B, T, D]`, which
+    `logits` turns into `__call__`'s logits (a loss may project them a chunk at a time)."""
+    memory = self.encode(src, train, packing)
+    return self._decoder_states(tgt_in, memory, self.source_mask(src, packing), train, packing)
+
+  def logits(self, states: jax.Array) -> jax.Array:
+    """Decoder states `[..., D]` -> float32 logits `[..., V]`."""
+    return self._logits(states)
 
   def start_decoding(self, src: jax.Array, max_len: int) -> DecodeCache:
     """Runs the encoder once and returns the cache for up to `max_len` decode steps."""

@@ -9,6 +9,8 @@ giving the others PAD targets.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -63,3 +65,31 @@ def loss_sums(logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: i
   correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
   return {'loss_sum': jnp.sum(smoothed * weights), 'nll_sum': jnp.sum(nll * weights),
           'correct': jnp.sum(correct * weights), 'tokens': jnp.sum(weights)}
+
+
+def chunked_loss_sums(logits_fn: Callable[[jax.Array], jax.Array], states: jax.Array,
+                      targets: jax.Array, smoothing: float, pad_id: int,
+                      chunk: int = 2048) -> dict[str, jax.Array]:
+  """`loss_sums(logits_fn(states), ...)` with never more than `chunk` tokens' logits at once.
+
+  states `[B, T, D]` and targets `[B, T]` are flattened and cut into chunks of `chunk`
+  tokens (the last padded with PAD targets); a `lax.scan` projects and scores one chunk at a
+  time, each step under `jax.checkpoint`, so the backward pass recomputes a chunk's `[chunk,
+  V]` logits instead of keeping the whole batch's `[B, T, V]` (at the base preset's 25,000
+  tokens and 37,000 pieces, 3.4 GiB a copy). The same sums, added in another order.
+  """
+  width = states.shape[-1]
+  states, targets = states.reshape(-1, width), targets.reshape(-1)               # [N, D], [N]
+  chunks = -(-targets.shape[0] // chunk)
+  padding = chunks * chunk - targets.shape[0]
+  states = jnp.pad(states, ((0, padding), (0, 0))).reshape(chunks, chunk, width)
+  targets = jnp.pad(targets, (0, padding), constant_values=pad_id).reshape(chunks, chunk)
+
+  @jax.checkpoint
+  def chunk_sums(chunk_states, chunk_targets):
+    return loss_sums(logits_fn(chunk_states), chunk_targets, smoothing, pad_id)
+
+  # Each chunk's sums as the scan's outputs, not a carry: under shard_map a carry would have to
+  # start as a per-device value.
+  per_chunk = jax.lax.map(lambda inputs: chunk_sums(*inputs), (states, targets))
+  return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)

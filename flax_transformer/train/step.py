@@ -34,7 +34,7 @@ from flax_transformer.data import packing
 from flax_transformer.data.batching import Batch
 from flax_transformer.nn.model import Transformer
 from flax_transformer.train import cmlm_objective, scheduled_sampling
-from flax_transformer.train.losses import loss_sums
+from flax_transformer.train.losses import chunked_loss_sums, loss_sums
 from flax_transformer.train.optimizer import make_schedule, schedule_count
 from flax_transformer.train.parallel import AXIS, DataParallel
 
@@ -164,9 +164,18 @@ def _autoregressive_loss_fn(model: Transformer, batch: Batch, dropout_key: jax.A
   global_tokens = lax.psum(jnp.sum(batch.tgt_out != config.pad_id), AXIS)
 
   def loss_fn(params):
-    logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
-                         rngs={'dropout': dropout_key}, packing=batch.packing)  # [B, T, V]
-    sums = loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+    if config.remat == 'none':
+      logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
+                           rngs={'dropout': dropout_key}, packing=batch.packing)  # [B, T, V]
+      sums = loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+    else:
+      # Remat trades time for memory in the loss too: the logits a chunk at a time.
+      states = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
+                           rngs={'dropout': dropout_key}, packing=batch.packing,
+                           method=Transformer.decoder_states)                   # [B, T, D]
+      sums = chunked_loss_sums(
+          lambda h: model.apply({'params': params}, h, method=Transformer.logits), states,
+          batch.tgt_out, train_config.label_smoothing, config.pad_id)
     return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
 
   return loss_fn
