@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, one command, on a machine with an NVIDIA GPU and jax[cuda] installed:
 #
-#   bash benchmarks/gpu.sh                    # every part, within about 8 minutes on an H200
+#   bash benchmarks/gpu.sh                    # every part, within 8 minutes on an H200
 #   bash benchmarks/gpu.sh --parts mfu,decode # some of them (benchmarks/gpu_check.py --help)
 #
 # benchmarks/gpu_check.py: the fused attention kernel's numerics against einsum; training-step
@@ -9,7 +9,9 @@
 # 390 x 64+64 tokens; greedy and beam tokens/s at batch 32 and 256; the input side on the 4.5M
 # stand-in (host seconds per batch against device seconds per step); and the Multi30k preset to
 # its end with its test BLEU (the corpus from ../shared/data/multi30k, or --multi30k DIR).
-# Results: benchmarks/results/gpu_check_{numerics,mfu,decode,input,multi30k}.json.
+# Then one attention layer per kernel and length (benchmarks/attention_kernels.py, ~30 s).
+# Results: benchmarks/results/gpu_check_{numerics,mfu,decode,input,multi30k}.json and
+# attention_kernels_gpu.json.
 # More, when there is time: python3 -m benchmarks.solo --contenders ours --tasks train ...
 # (float32 too) and python3 -m benchmarks.complexity (Table 1's per-layer cost).
 set -euo pipefail
@@ -35,3 +37,5 @@ if ! python3 -c 'import flax, optax, orbax.checkpoint, datasets, tokenizers, sac
 fi
 
 python3 -m benchmarks.gpu_check "$@"
+# One attention layer per kernel by length (einsum, xla, cudnn): what auto's choice rests on.
+python3 -m benchmarks.attention_kernels

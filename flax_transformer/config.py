@@ -169,8 +169,8 @@ class ModelConfig:
       'none', "training's memory for time: none keeps every activation for the backward pass; "
       "layer keeps each layer's input and recomputes the rest; dots also keeps the dense "
       'projections (and feed-forward) outputs and recomputes attention and the elementwise work '
-      '(the layers then run as one scan). The same gradients; dropout draws other masks. A run '
-      'may change it when resumed')
+      '(the layers then run as one scan); either way the loss takes the logits 2,048 tokens at a '
+      'time. The same gradients; dropout draws other masks. A run may change it when resumed')
   attention_kernel: Literal['auto', 'einsum', 'xla', 'cudnn'] = setting(
       'auto', 'how attention is computed (the same function): einsum, our own products, the '
       'reference; xla or cudnn, jax.nn.dot_product_attention (cudnn: fused flash attention, a '
@@ -381,20 +381,25 @@ def resolve_dtype(dtype: str, backend: str | None = None) -> str:
   return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
 
 
-# cuDNN's fused attention takes these compute dtypes and head sizes (jax 0.10.2).
+# cuDNN's fused attention takes these compute dtypes and head sizes (jax 0.10.2): up to 256 on
+# Hopper and later, 128 before (auto's limit, which every GPU it picks cuDNN on takes).
 CUDNN_DTYPES = ('bfloat16', 'float16')
 CUDNN_MAX_HEAD_DIM = 256
+AUTO_CUDNN_MAX_HEAD_DIM = 128
 
 
 def resolve_attention_kernel(config: ModelConfig, backend: str | None = None) -> str:
   """`ModelConfig.attention_kernel` as the kernel the model runs on `backend` (default JAX's):
   'einsum', 'xla' or 'cudnn'.
 
-  auto is cudnn on a GPU when cuDNN takes the model (bfloat16 compute, head_dim <= 256 and a
-  multiple of 8, no attention dropout): its saving is the `[B, N, T, S]` scores a training step
-  keeps for the backward pass. Elsewhere auto is einsum: a CPU runs the same products either
-  way, and a TPU has no cuDNN. Raises ConfigError for cudnn where no GPU is.
+  auto is cudnn on a GPU when cuDNN takes the model (bfloat16 compute, head_dim <= 128 and a
+  multiple of 8, no attention dropout; an Ampere or later card): its saving is the `[B, N, T,
+  S]` scores a training step keeps for the backward pass. Elsewhere auto is einsum: a CPU runs
+  the same products either way (benchmarks/README.md), and a TPU has no cuDNN. Raises
+  ConfigError for cudnn where no GPU is.
   """
+  if backend is None and jax.default_backend() == 'gpu' and not _flash_capable_gpu():
+    backend = 'gpu (before Ampere)'  # no cuDNN flash attention: auto takes einsum
   backend = backend or jax.default_backend()
   if config.attention_kernel == 'cudnn' and backend != 'gpu':
     raise ConfigError(f'model.attention_kernel=cudnn needs a GPU (cuDNN); this runs on {backend}: '
@@ -402,9 +407,18 @@ def resolve_attention_kernel(config: ModelConfig, backend: str | None = None) ->
   if config.attention_kernel != 'auto':
     return config.attention_kernel
   dtype = resolve_dtype(config.dtype, backend)
-  fits = (dtype in CUDNN_DTYPES and config.head_dim <= CUDNN_MAX_HEAD_DIM
+  fits = (dtype in CUDNN_DTYPES and config.head_dim <= AUTO_CUDNN_MAX_HEAD_DIM
           and config.head_dim % 8 == 0 and config.attention_dropout_rate == 0)
   return 'cudnn' if backend == 'gpu' and fits else 'einsum'
+
+
+def _flash_capable_gpu() -> bool:
+  """Whether JAX's first device is a GPU of compute capability 8.0 or later (Ampere on), the
+  cards cuDNN's flash attention runs on."""
+  try:
+    return float(jax.devices()[0].compute_capability) >= 8.0
+  except (AttributeError, TypeError, ValueError):
+    return False
 
 
 def _check_attention_kernel(config: ModelConfig) -> None:

@@ -207,9 +207,21 @@ def test_packed_rows_banded_attention_and_weights_keep_einsum(fused_calls):
     ({}, 'cpu', 'einsum'), ({}, 'tpu', 'einsum'), ({}, 'gpu', 'cudnn'),
     ({'dtype': 'float32'}, 'gpu', 'einsum'), ({'d_model': 48}, 'gpu', 'einsum'),
     ({'attention_dropout_rate': 0.1}, 'gpu', 'einsum'), ({'attention_kernel': 'xla'}, 'cpu', 'xla'),
-    ({'attention_kernel': 'einsum'}, 'gpu', 'einsum'), ({'attention_kernel': 'cudnn'}, 'gpu', 'cudnn')])
+    ({'attention_kernel': 'einsum'}, 'gpu', 'einsum'), ({'attention_kernel': 'cudnn'}, 'gpu', 'cudnn'),
+    ({'d_model': 1024, 'num_heads': 4}, 'gpu', 'einsum'),   # head_dim 256: Hopper only
+    ({'d_model': 1024, 'num_heads': 4, 'attention_kernel': 'cudnn', 'dtype': 'bfloat16'}, 'gpu',
+     'cudnn')])
 def test_auto_takes_cudnn_on_a_gpu_where_it_applies(settings, backend, expected):
   assert resolve_attention_kernel(ModelConfig.tiny(**settings), backend) == expected
+
+
+@pytest.mark.parametrize('capability, expected', [('9.0', 'cudnn'), ('8.0', 'cudnn'),
+                                                  ('7.5', 'einsum')])
+def test_auto_takes_cudnn_on_ampere_and_later_only(monkeypatch, capability, expected):
+  import types
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(jax, 'devices', lambda: [types.SimpleNamespace(compute_capability=capability)])
+  assert resolve_attention_kernel(ModelConfig.tiny()) == expected
 
 
 @pytest.mark.parametrize('settings, message', [

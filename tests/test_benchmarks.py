@@ -265,6 +265,15 @@ def test_the_benchmark_commands_name_existing_modules():
   assert set(re.search(r'gpu_check_\{(.*?)\}', gpu).group(1).split(',')) == set(gpu_check.PARTS)
 
 
+def test_attention_kernels_times_each_kernel_of_this_backend():
+  from benchmarks import attention_kernels
+  [row] = attention_kernels.measure([8], tokens=32, rounds=1)
+  assert (row['length'], row['rows'], row['dtype']) == (8, 4, 'float32')
+  for kernel in ('einsum', 'xla'):
+    assert row[f'{kernel}_ms'] > 0 and row[f'{kernel}_temp_mib'] >= 0
+    assert row[f'{kernel}_over_einsum'] == round(row[f'{kernel}_ms'] / row['einsum_ms'], 3)
+
+
 # --- benchmarks.solo: each contender in its own process -------------------------------------
 
 # The python of a FlaxMarian environment (transformers < 5), where one was made; no default.

@@ -89,3 +89,14 @@ def test_multi30k_trains_to_the_end_and_scores_the_test_set(check):
   assert any('BLEU' in line for line in results['score_lines']), results['score_lines']
   # lowercasing only adds n-gram matches, at the same lengths
   assert 0 <= results['test_2016_bleu'] <= results['test_2016_bleu_lowercased'] <= 100
+
+
+def test_a_run_past_its_deadline_gets_sigterm():
+  import signal
+  import time
+  started = time.monotonic()
+  status, out, _ = gpu_check.run_until(
+      [sys.executable, '-c', 'import time; print("started", flush=True); time.sleep(60)'],
+      deadline=started + 1, least_s=0.5)
+  assert status == -signal.SIGTERM and out == 'started\n'
+  assert time.monotonic() - started < 30

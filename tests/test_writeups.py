@@ -202,7 +202,7 @@ SPEED_ROWS = {
     "mask-predict (1 iteration, 1 length) vs greedy, the first Multi30k preset's size, batch 1 / batch 64": lambda: {
         2: [cmlm_speedup(1), cmlm_speedup(64)],
     },
-    "one GPU (`bash benchmarks/gpu.sh`): big model, bfloat16 training step, 768 rows, share of the matmul peak":
+    "one GPU (H200, 2026-11-29): big model, bfloat16 training step, 768 rows, share of the matmul peak":
         lambda: {2: [gpu_share()]},
     "raw text → first training step, 4.5M-pair stand-in, base preset (tokenizer, encoding, compiling), vs this "
     "library before ([input side](benchmarks/README.md#the-input-side-at-the-papers-scale))": lambda: {
