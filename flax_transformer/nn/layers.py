@@ -169,14 +169,25 @@ class DecoderBlock(nn.Module):
 REMAT_POLICIES = {'layer': None, 'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def scanned_layers(apply_layer, layers: list, x: jax.Array, per_layer, remat: str,
+def _stacked(trees: list):
+  """Pytrees of one structure -> one pytree whose leaves gain a leading axis, one per tree."""
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _scans(module: nn.Module, train: bool) -> bool:
+  """Whether a stack runs as `scanned_layers`: training with `model.remat`, past init (which
+  declares each layer's parameters on its own)."""
+  return module.config.remat != 'none' and train and not module.is_initializing()
+
+
+def scanned_layers(apply_layer, layers: list, x: jax.Array, per_layer: list | None, remat: str,
                    rng: jax.Array) -> jax.Array:
   """The layers as one `lax.scan` over their parameters stacked, each step rematerialised.
 
   apply_layer(params, dropout_key, x, extra) -> x: one layer; layers: each layer's
   parameters, as the model names them (`layer_0`, ...); x `[B, L, D]`: the stack's input,
-  carried from layer to layer; per_layer: a pytree with a leading axis of one entry per
-  layer (a decoder's cross-attention keys and values), or None; rng: split into one dropout
+  carried from layer to layer; per_layer: one pytree per layer that the layer reads (a
+  decoder's cross-attention keys and values; `extra`), or None; rng: split into one dropout
   key per layer (so the dropout masks are not those of the unrolled layers).
 
   Unrolled, the recomputation of `jax.checkpoint` saves nothing on XLA:CPU, which schedules
@@ -184,7 +195,6 @@ def scanned_layers(apply_layer, layers: list, x: jax.Array, per_layer, remat: st
   pass recompute one layer at a time. The parameters stay separate on disk: only this
   computation stacks them.
   """
-  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
   keys = jax.random.split(rng, len(layers))
 
   def step(carry, layer):
@@ -192,7 +202,8 @@ def scanned_layers(apply_layer, layers: list, x: jax.Array, per_layer, remat: st
     return apply_layer(params, key, carry, extra), None
 
   step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  return jax.lax.scan(step, x, (stacked, keys, per_layer))[0]
+  extras = None if per_layer is None else _stacked(per_layer)
+  return jax.lax.scan(step, x, (_stacked(layers), keys, extras))[0]
 
 
 class Encoder(nn.Module):
@@ -203,7 +214,7 @@ class Encoder(nn.Module):
   def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool) -> jax.Array:
     """x `[B, S, D]` (embedded source) -> memory `[B, S, D]`."""
     names = [f'layer_{i}' for i in range(self.config.num_encoder_layers)]
-    if self.config.remat != 'none' and train and not self.is_initializing():
+    if _scans(self, train):
       block = EncoderBlock(self.config, parent=None)
       apply_layer = lambda params, key, x, _: block.apply({'params': params}, x, mask, True,
                                                           rngs={'dropout': key})
@@ -237,13 +248,12 @@ class Decoder(nn.Module):
                caches: tuple[KVCache, ...] | None = None, cache_index: jax.Array | int = 0,
                ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
     """y `[B, T, D]` (embedded target) -> `[B, T, D]`, and the updated per-layer caches."""
-    if self.config.remat != 'none' and train and caches is None and not self.is_initializing():
+    if _scans(self, train) and caches is None:
       block = DecoderBlock(self.config, parent=None)
       apply_layer = lambda params, key, y, kv: block.apply(
           {'params': params}, y, kv, self_mask, cross_mask, True, rngs={'dropout': key})[0]
-      stacked_kv = jax.tree.map(lambda *leaves: jnp.stack(leaves), *cross_kv)
       layers = [self.variables['params'][f'layer_{i}'] for i in range(len(self.layers))]
-      y = scanned_layers(apply_layer, layers, y, stacked_kv, self.config.remat,
+      y = scanned_layers(apply_layer, layers, y, list(cross_kv), self.config.remat,
                          self.make_rng('dropout'))
       return (self.final_norm(y) if self.config.norm_placement == 'pre' else y), None
     new_caches = []
