@@ -46,9 +46,11 @@ def results_of(check, part: str) -> dict:
 def test_numerics_compare_the_fused_kernel_with_einsum(check):
   results = results_of(check, 'numerics')
   assert results['fused'] == 'xla'  # cuDNN's place on a CPU
+  assert results['float32']['kernel'] == results['bfloat16']['kernel'] == 'xla'
   for name in ('logits', 'gradients'):
-    assert 0 < results['float32'][f'{name}_max_difference_over_largest'] < 1e-5
-    assert 0 < results['bfloat16'][f'{name}_max_difference_over_largest'] < 0.1
+    assert 0 <= results['float32'][f'{name}_max_difference_over_largest'] < 1e-5
+    # bfloat16 keeps 8 bits: measured 0.6-0.8% (logits) and 3.4-4.0% (gradients) here
+    assert 0 <= results['bfloat16'][f'{name}_max_difference_over_largest'] < 0.1
 
 
 def test_mfu_times_each_kernel_and_remat_policy(check):
