@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, accelerator_info, machine_info, write_json
@@ -412,7 +413,11 @@ def main(argv=None) -> int:
       deadline = started + spent + share * args.budget_s if part != 'multi30k' else \
           started + args.budget_s
       begin = time.monotonic()
-      results = run_part(part, setting, deadline, args, Path(scratch))
+      try:
+        results = run_part(part, setting, deadline, args, Path(scratch))
+      except Exception as error:  # noqa: BLE001 -- one part's failure must not cost the others
+        results = {'failed': f'{type(error).__name__}: {error}'[:2000],
+                   'traceback': traceback.format_exc()[-4000:]}
       spent = time.monotonic() - started
       path = write_json(args.output_dir / f'gpu_check_{part}.json',
                         {**header, 'part': part, 'wall_s': round(time.monotonic() - begin, 1),

@@ -102,3 +102,16 @@ def test_a_run_past_its_deadline_gets_sigterm():
       deadline=started + 1, least_s=0.5)
   assert status == -signal.SIGTERM and out == 'started\n'
   assert time.monotonic() - started < 30
+
+
+def test_a_failing_part_is_written_and_the_others_still_run(tmp_path, monkeypatch):
+  def broken(setting, deadline):
+    raise NotImplementedError('cuDNN: unsupported sequence length')
+
+  monkeypatch.setattr(gpu_check, 'numerics', broken)
+  monkeypatch.setattr(gpu_check, 'decode', lambda setting, deadline: {'cells': []})
+  status = gpu_check.main(['--tiny', '--parts', 'numerics,decode', '--output-dir', str(tmp_path)])
+  assert status == 1
+  failed = json.loads((tmp_path / 'gpu_check_numerics.json').read_text())['results']
+  assert failed['failed'] == 'NotImplementedError: cuDNN: unsupported sequence length'
+  assert json.loads((tmp_path / 'gpu_check_decode.json').read_text())['results'] == {'cells': []}
