@@ -259,24 +259,15 @@ def test_cudnn_without_a_gpu_is_refused_to_train_and_decodes_with_auto():
 WORKER = r'''
 import sys
 import numpy as np
-from support.device_workers import train_runs
+from support.device_workers import train_runs, uneven_batch
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.data.batching import Batch
 from flax_transformer.nn.model import Transformer
 
 out = sys.argv[1]
 config = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
 train_config = TrainConfig(steps=3, warmup_steps=4, lr_scale=4.0, adam_eps=1.0)
 
-def batch_at(step, rows=8, length=10):
-  rng = np.random.default_rng(step)
-  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
-  for row in range(rows):
-    words = rng.integers(4, config.vocab_size, length - 1 - row)
-    src[row, :len(words) + 1] = [*words, 2]
-    tgt_in[row, :len(words) + 1] = [1, *words[::-1]]
-    tgt_out[row, :len(words) + 1] = [*words[::-1], 2]
-  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
+batch_at = lambda step: uneven_batch(config.vocab_size, step, length=10)
 
 results = train_runs(Transformer(config), train_config, ['shard_map-1'], 3, batch_at)
 fused = train_runs(Transformer(config.replace(attention_kernel='xla')), train_config,

@@ -25,7 +25,7 @@ import sys
 import jax
 import numpy as np
 from flax import traverse_util
-from flax_transformer.data.batching import Batch
+from support.device_workers import uneven_batch
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nn.model import Transformer
 from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
@@ -45,16 +45,8 @@ initial = jax.device_get(create_train_state(model, optimizer_with(1.0)[1], seed=
 results = {f'initial/params/{name}': value
            for name, value in traverse_util.flatten_dict(initial.params, sep='/').items()}
 
-def batch(step, rows=8, length=12):
-  rng = np.random.default_rng(step)
-  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
-  for row in range(rows):
-    # Long rows first, short rows last: device 0 gets many more tokens than device 3.
-    words = rng.integers(4, config.vocab_size, length - 1 - row)
-    src[row, :len(words) + 1] = [*words, 2]
-    tgt_in[row, :len(words) + 1] = [1, *words[::-1]]
-    tgt_out[row, :len(words) + 1] = [*words[::-1], 2]
-  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
+def batch(step):
+  return uneven_batch(config.vocab_size, step)
 
 for run in runs:
   devices, _, eps = run.partition('@')

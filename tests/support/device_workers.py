@@ -36,6 +36,22 @@ def run_worker(source: str, out: Path, args, device_count: int,
     return dict(data)
 
 
+def uneven_batch(vocab_size: int, step: int, rows: int = 8, length: int = 12):
+  """Inside a worker: step's `Batch` of reversal pairs, row r holding length - 1 - r words, so
+  that the long rows come first and device 0 gets many more tokens than the last device."""
+  import numpy as np
+
+  from flax_transformer.data.batching import Batch
+  rng = np.random.default_rng(step)
+  src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
+  for row in range(rows):
+    words = rng.integers(4, vocab_size, length - 1 - row)
+    src[row, :len(words) + 1] = [*words, 2]
+    tgt_in[row, :len(words) + 1] = [1, *words[::-1]]
+    tgt_out[row, :len(words) + 1] = [*words[::-1], 2]
+  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))
+
+
 def train_runs(model, train_config, runs, steps: int, batch_at) -> dict[str, np.ndarray]:
   """Inside a worker: each run ('shard_map-2', 'pmap-4', ...) trains `steps` steps from the same
   initial state on `batch_at(step)`; -> {'RUN/loss/STEP': loss per token, 'RUN/params/NAME': ...}."""
