@@ -117,16 +117,21 @@ def median_rate(build, steps: range, rounds: int) -> float:
   return statistics.median(rates)
 
 
+def load_only_cache(cache_dir: Path):
+  """The one encoded corpus a run wrote into CACHE_DIR (`data.cache.load`, unverified)."""
+  from flax_transformer.data.cache import load
+  [key] = [json.loads((path / 'manifest.json').read_text())['key']
+           for path in cache_dir.iterdir() if not path.name.startswith('.')]
+  return load(cache_dir, key, verify=False)
+
+
 def batch_rates(cache_dir: Path, max_tokens: int, packing: int, rounds: int,
                 steps: int) -> dict:
   from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
   from flax_transformer.data.batching import Batcher
-  from flax_transformer.data.cache import load
   from flax_transformer.data.packing import PackingBatcher
-  [key] = [json.loads((path / 'manifest.json').read_text())['key']
-           for path in cache_dir.iterdir() if not path.name.startswith('.')]
   begin = time.perf_counter()
-  corpus = load(cache_dir, key, verify=False)
+  corpus = load_only_cache(cache_dir)
   results = {'pairs': len(corpus), 'cache_load_s': round(time.perf_counter() - begin, 2),
              'max_tokens': max_tokens, 'packed_row_length': packing}
   kinds = {'bucketed': (Batcher(corpus, max_tokens, 0, row_multiple=2),

@@ -45,7 +45,8 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, accelerator_info, machine_info, write_json
+from benchmarks.common import (RESULTS, ROOT, accelerator_info, machine_info, time_calls,
+                               write_json)
 from benchmarks.workloads import Shape
 
 PARTS = ('numerics', 'mfu', 'decode', 'input', 'multi30k')
@@ -108,14 +109,9 @@ def model_config(name: str, **overrides):
 
 
 def median_seconds(fn, setting: Setting) -> float:
-  for _ in range(setting.warmup):
-    fn()
-  times = []
-  for _ in range(setting.rounds):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  """The median of `setting.rounds` timed calls of `fn`, after `setting.warmup` untimed ones."""
+  time_calls(fn, setting.warmup)
+  return statistics.median(time_calls(fn, setting.rounds))
 
 
 # --- numerics -----------------------------------------------------------------------------
@@ -173,14 +169,7 @@ def matmul_peak(size: int) -> float:
   iterations = 20
   run = jax_matmul_loop(size, size, size, 'bfloat16', iterations)
   run()
-  return 2 * size ** 3 * iterations / statistics.median(
-      [time_one(run) for _ in range(5)])
-
-
-def time_one(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
+  return 2 * size ** 3 * iterations / statistics.median(time_calls(run, 5))
 
 
 def step_cell(name: str, shape: Shape, kernel: str, remat: str, setting: Setting) -> dict:
@@ -291,23 +280,23 @@ def host_and_device(setting: Setting, workdir: Path) -> dict:
 
   from flax_transformer.config import TrainConfig
   from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
-  from flax_transformer.data.cache import load
   from flax_transformer.run.directory import read_config
 
+  from benchmarks.data_pipeline import load_only_cache
   from benchmarks.workloads import OurStep
-  cache_dir = workdir / 'encoded'
-  [key] = [json.loads((path / 'manifest.json').read_text())['key']
-           for path in cache_dir.iterdir() if not path.name.startswith('.')]
-  corpus = load(cache_dir, key, verify=False)
+  corpus = load_only_cache(workdir / 'encoded')
   tokens = setting.input_max_tokens
   results = {}
   for kind, batcher in (('bucketed', ArrayBatcher(corpus, tokens, 0, row_multiple=2)),
                         ('packed', ArrayPackingBatcher(corpus, tokens, 0, 64, row_multiple=2))):
     batcher.batch_at(0)  # the epoch's plan, built once an epoch
-    steps = range(1, setting.input_steps + 1)
-    host = [time_one(lambda step=step: jax.block_until_ready(
-        jax.device_put(batcher.local_batch_at(step, 0, 1)))) for step in steps]
-    shapes = [batcher.local_batch_at(step, 0, 1).src.shape for step in steps]
+    host, shapes = [], []
+    for step in range(1, setting.input_steps + 1):
+      start = time.perf_counter()
+      batch = batcher.local_batch_at(step, 0, 1)
+      jax.block_until_ready(jax.device_put(batch))
+      host.append(time.perf_counter() - start)
+      shapes.append(batch.src.shape)
     results[f'{kind}_host_s_per_batch'] = statistics.median(host)
     results[f'{kind}_host_s_per_batch_p90'] = statistics.quantiles(host, n=10)[-1]
     results[f'{kind}_most_frequent_shape'] = list(statistics.mode(shapes))
