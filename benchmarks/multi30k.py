@@ -45,10 +45,11 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi3
 RESULTS = Path(__file__).resolve().parent / 'results'
 
 
-def searches(alphas: list[float]) -> dict[str, DecodingMethod]:
-  """Greedy, and beam 4 at each length penalty alpha: {'greedy': ..., 'beam4-a0.6': ...}."""
+def searches(alphas: list[float], beams: list[int] = (4,)) -> dict[str, DecodingMethod]:
+  """Greedy, and each beam size at each length penalty alpha: {'greedy': ..., 'beam4-a0.6': ...}."""
   return {'greedy': Greedy(),
-          **{f'beam4-a{alpha:g}': BeamSearch(beam_size=4, alpha=alpha) for alpha in alphas}}
+          **{f'beam{beam}-a{alpha:g}': BeamSearch(beam_size=beam, alpha=alpha)
+             for beam in beams for alpha in alphas}}
 
 
 def mask_predict_searches() -> dict[str, DecodingMethod]:
@@ -62,38 +63,17 @@ def mask_predict_searches() -> dict[str, DecodingMethod]:
 
 
 def score(hypotheses: list[str], references: list[str], language: str | None = None) -> dict:
-  """Cased and lowercased sacreBLEU (13a) and chrF of detokenized output, with signatures.
+  """Cased and lowercased sacreBLEU (13a) and chrF of detokenized output, with signatures
+  (`evaluation.corpus_scores`, as train.py and decode.py report them).
 
-  With the target `language`, also 'bleu_moses_lc': the published Multi30k
-  scores' own metric (multi-bleu.perl on lowercased, Moses-tokenised text), as
-  lowercased sacreBLEU with tokenize='none' on both sides tokenised by sacremoses.
-  It differs from 13a where Moses keeps a token whole ("z.B.", "Co.") or splits
-  one apart ("Mann ' s").
+  With the target `language`, also 'bleu_tok': the published Multi30k scores' own metric,
+  tokenized BLEU (`evaluation.tokenized_bleu`: both sides punctuation-normalised,
+  lowercased and Moses-tokenized by sacremoses, then sacreBLEU with tokenize='none').
   """
-  cased, lowered, chrf = (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
-                          sacrebleu.metrics.CHRF())
-  result = {'bleu': cased.corpus_score(hypotheses, [references]).score,
-            'bleu_lc': lowered.corpus_score(hypotheses, [references]).score,
-            'chrf': chrf.corpus_score(hypotheses, [references]).score,
-            'signatures': {'bleu': str(cased.get_signature()), 'bleu_lc': str(lowered.get_signature()),
-                           'chrf': str(chrf.get_signature())}}
-  if language is not None:
-    # force: the text is tokenised on purpose, which sacreBLEU would otherwise warn about.
-    moses = sacrebleu.metrics.BLEU(lowercase=True, tokenize='none', force=True)
-    tokenized = [moses_tokenize(texts, language) for texts in (hypotheses, references)]
-    result['bleu_moses_lc'] = moses.corpus_score(tokenized[0], [tokenized[1]]).score
-    result['signatures']['bleu_moses_lc'] = f'sacremoses {language} | {moses.get_signature()}'
-  return result
-
-
-def moses_tokenize(texts: list[str], language: str) -> list[str]:
-  """Moses' tokenizer.perl -l LANGUAGE, unescaped (sacremoses)."""
-  try:
-    from sacremoses import MosesTokenizer
-  except ImportError:
-    raise SystemExit('the Moses-tokenised BLEU line needs sacremoses: pip install -e .[bench]') from None
-  tokenizer = MosesTokenizer(lang=language)
-  return [tokenizer.tokenize(text, return_str=True, escape=False) for text in texts]
+  from flax_transformer.train.evaluation import corpus_scores
+  values, signatures = corpus_scores(hypotheses, references, language)
+  values.pop('exact_match')
+  return {**values, 'signatures': signatures}
 
 
 def read_metrics(workdir: Path) -> list[dict]:
@@ -146,11 +126,22 @@ def evaluate(args) -> dict:
   splits = {name: (list(dataset[name]['source']), list(dataset[name]['target']))
             for name in ('validation', 'test')}
   cmlm = config.get('model', {}).get('kind') == 'cmlm'
-  variants = mask_predict_searches() if cmlm else searches(args.alphas)
+  variants = mask_predict_searches() if cmlm else searches(args.alphas, args.beams)
+  # A lowercased run is chosen by tokenized BLEU (its cased BLEU only counts its case errors).
+  select = args.select or ('bleu_tok' if data_config.get('lowercase') else 'bleu')
   rows = []
-  for weights, average_last in (('last', 0),
-                                *((f'average-last{k}', k) for k in args.average_last)):
-    translator = Translator.from_checkpoint(workdir, average_last=average_last)
+  saved = sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
+  short = [k for k in args.average_last if k > len(saved)]
+  if short:  # a run stopped (or early) before it kept that many
+    print(f'average-last{",".join(map(str, short))} left out: the run kept {len(saved)} '
+          'checkpoints')
+  weight_sets = [('last', workdir, 0), *((f'average-last{k}', workdir, k)
+                                         for k in args.average_last if k <= len(saved))]
+  if args.best and (workdir / 'best').is_dir():
+    weight_sets.append(('best', workdir / 'best', 0))
+  weight_sets = [w for w in weight_sets if w[0] in args.weights] if args.weights else weight_sets
+  for weights, directory, average_last in weight_sets:
+    translator = Translator.from_checkpoint(directory, average_last=average_last)
     for search_name, search in variants.items():
       for split, (sources, references) in splits.items():
         start = time.perf_counter()
@@ -161,56 +152,89 @@ def evaluate(args) -> dict:
                **score(hypotheses, references, tgt)}
         rows.append(row)
         print(f'{weights:>16s} {search_name:>11s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
-              f'lowercased {row["bleu_lc"]:5.2f}  Moses-tokenised lowercased {row["bleu_moses_lc"]:5.2f}  '
+              f'lowercased {row["bleu_lc"]:5.2f}  tokenized {row["bleu_tok"]:5.2f}  '
               f'chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
               flush=True)
   validation = [r for r in rows if r['split'] == 'validation']
-  best = max(validation, key=lambda r: r['bleu'])
+  best = max(validation, key=lambda r: r[select])
   selected = next(r for r in rows if r['split'] == 'test' and r['weights'] == best['weights']
                   and r['search'] == best['search'])
-  print(f'selected on validation: {best["weights"]} + {best["search"]}; test_2016 BLEU '
-        f'{selected["bleu"]:.2f}, lowercased {selected["bleu_lc"]:.2f}, Moses-tokenised lowercased '
-        f'{selected["bleu_moses_lc"]:.2f}, chrF {selected["chrf"]:.2f}')
-  print(f'  {selected["signatures"]["bleu_lc"]}\n  {selected["signatures"]["bleu_moses_lc"]}')
+  print(f'selected on validation {select}: {best["weights"]} + {best["search"]}; test_2016 BLEU '
+        f'{selected["bleu"]:.2f}, lowercased {selected["bleu_lc"]:.2f}, tokenized '
+        f'{selected["bleu_tok"]:.2f}, chrF {selected["chrf"]:.2f}')
+  print(f'  {selected["signatures"]}')
   translator = Translator.from_checkpoint(workdir)
   result = {'benchmark': 'multi30k', 'machine': common.machine_info(os.cpu_count()),
             'direction': f'{src}-{tgt}', 'workdir': str(workdir), 'config': config,
             'parameters': count_params(translator.variables['params']),
             **training_summary(workdir), 'rows': rows,
-            'selected': {'weights': best['weights'], 'search': best['search']}}
+            'selected': {'weights': best['weights'], 'search': best['search'], 'by': select}}
   name = f'multi30k_{src}{tgt}{"_cmlm" if cmlm else ""}.json'
   output = common.write_json(Path(args.output or RESULTS / name), result)
   print(f'wrote {output}')
   return result
 
 
+def bleu_key(lines: list[dict]) -> str:
+  """The validation BLEU a run's curve shows: tokenized BLEU when its log has it (the
+  literature's metric), else cased sacreBLEU (logs written before tokenized BLEU existed)."""
+  return 'val_bleu_tok' if any('val_bleu_tok' in m for m in lines) else 'val_bleu'
+
+
+def time_to_bleu(lines: list[dict], target: float) -> dict | None:
+  """{'step', 'minutes'} of the first validation BLEU (`bleu_key`) at or above `target`, with the
+  training clock's minutes at that step; None if the run never reached it."""
+  clock, key = step_clock(lines), bleu_key(lines)
+  for m in lines:
+    if m.get(key, -1.0) >= target:
+      seconds = clock.get(m['step'])
+      return {'step': m['step'], 'minutes': None if seconds is None else seconds / 60,
+              'metric': key, 'value': m[key]}
+  return None
+
+
 def plot(args) -> None:
-  """Validation loss and BLEU against training time, one PNG."""
+  """Validation loss and BLEU against training time, one PNG; several runs on one figure."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  workdir = Path(args.workdir)
-  lines = read_metrics(workdir)
-  elapsed = step_clock(lines)
-  def hours(step):
-    return elapsed[step] / 3600 if step in elapsed else None
-  loss = [(hours(m['step']), m['val_loss']) for m in lines if 'val_loss' in m]
-  bleu = [(hours(m['step']), m['val_bleu']) for m in lines if 'val_bleu' in m]
-  train = [(hours(m['step']), m['loss']) for m in lines if 'loss' in m and 'elapsed_s' in m]
+  workdirs = [Path(w) for w in args.workdir.split(',')]
   figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
-  left.plot(*zip(*train), color='0.7', linewidth=1, label='training (smoothed labels)')
-  left.plot(*zip(*loss), marker='o', markersize=3, label='validation')
-  left.set(xlabel='training time (hours)', ylabel='loss per target token', ylim=(1, 6))
-  left.legend()
-  if bleu:
-    right.plot(*zip(*bleu), marker='o', markersize=3, color='C2')
-  right.set(xlabel='training time (hours)', ylabel='validation BLEU (greedy, cased)')
+  keys = set()
+  for index, workdir in enumerate(workdirs):
+    lines = read_metrics(workdir)
+    elapsed, key, color = step_clock(lines), bleu_key(lines), f'C{index}'
+    keys.add(key)
+    minutes = lambda step: elapsed[step] / 60 if step in elapsed else None
+    loss = [(minutes(m['step']), m['val_loss']) for m in lines if 'val_loss' in m]
+    bleu = [(minutes(m['step']), m[key]) for m in lines if key in m]
+    train = [(minutes(m['step']), m['loss']) for m in lines if 'loss' in m and 'elapsed_s' in m]
+    name = workdir.name if len(workdirs) > 1 else 'validation'
+    if len(workdirs) == 1:
+      left.plot(*zip(*train), color='0.7', linewidth=1, label='training (smoothed labels)')
+    left.plot(*zip(*loss), marker='o', markersize=2, color=color, label=name)
+    if bleu:
+      right.plot(*zip(*bleu), marker='o', markersize=2, color=color, label=workdir.name)
+    if args.target is not None:
+      reached = time_to_bleu(lines, args.target)
+      print(f'{workdir}: validation {key} >= {args.target:g} ' + (
+          f'at step {reached["step"]}, {reached["minutes"]:.0f} min of training'
+          if reached and reached['minutes'] is not None else 'not reached'))
+  left.set(xlabel='training time (minutes)', ylabel='loss per target token', ylim=(1, 6))
+  left.legend(fontsize=8)
+  names = {'val_bleu_tok': 'tokenized BLEU', 'val_bleu': 'BLEU, cased'}
+  right.set(xlabel='training time (minutes)',
+            ylabel=f'validation {" / ".join(names[k] for k in sorted(keys))} (greedy)')
+  if args.target is not None:
+    right.axhline(args.target, color='0.5', linewidth=0.8, linestyle='--')
+  if len(workdirs) > 1:
+    right.legend(fontsize=8)
   for axis in (left, right):
     axis.grid(alpha=0.3)
-  figure.suptitle(args.title or f'{workdir.name}: Multi30k', fontsize=10)
+  figure.suptitle(args.title or f'{", ".join(w.name for w in workdirs)}: Multi30k', fontsize=10)
   figure.tight_layout()
-  output = Path(args.output or RESULTS / f'{workdir.name}.png')
+  output = Path(args.output or RESULTS / f'{workdirs[0].name}.png')
   figure.savefig(output)
   print(f'wrote {output} ({os.path.getsize(output) / 1024:.0f} KB)')
 
@@ -303,10 +327,23 @@ def main() -> None:
   scores.add_argument('--alphas', type=comma_separated(float),
                       default=[0.6], help='beam length penalties to score, e.g. 0.6,1.0,1.5,2.0 '
                                           '(chosen on validation like the rest)')
+  scores.add_argument('--beams', type=comma_separated(int), default=[4],
+                      help='beam sizes to score, e.g. 4,5')
+  scores.add_argument('--best', action=argparse.BooleanOptionalAction, default=True,
+                      help="also WORKDIR/best, the run's best validation checkpoint, if it has one")
+  scores.add_argument('--weights', type=comma_separated(str),
+                      help='only these weights, e.g. average-last10,best (default: last, each '
+                           'average and best)')
+  scores.add_argument('--select', choices=('bleu', 'bleu_lc', 'bleu_tok', 'chrf'),
+                      help='validation score that selects the reported variant (default: '
+                           'bleu_tok for a lowercased run, else bleu)')
   scores.add_argument('--output', help='JSON file (default benchmarks/results/'
                                        'multi30k_<src><tgt>[_cmlm].json)')
   curves = commands.add_parser('plot', help='validation loss and BLEU against training time')
-  curves.add_argument('--workdir', required=True)
+  curves.add_argument('--workdir', required=True,
+                      help='run directories, comma-separated (one curve each)')
+  curves.add_argument('--target', type=float,
+                      help='a validation BLEU to reach: print the training minutes each run took')
   curves.add_argument('--output', help='PNG file (default benchmarks/results/<workdir name>.png)')
   curves.add_argument('--title')
   side_by_side = commands.add_parser('compare', help='runs side by side up to a common step')

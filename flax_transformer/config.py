@@ -274,6 +274,12 @@ class TrainConfig:
   warmup_steps: int = setting(4000, 'updates of linear learning-rate warmup', bounds=POSITIVE_INT)
   lr_scale: float = setting(1.0, "factor on the paper's rate d_model^-0.5 * min(n^-0.5, "
                                  'n * warmup_steps^-1.5), n = update + 1', bounds=POSITIVE)
+  peak_lr: float | None = setting(None, 'the peak learning rate, reached after warmup_steps '
+                                         'and decayed as the inverse square root of the update '
+                                         "(fairseq's --lr with inverse_sqrt): the paper's schedule "
+                                         'scaled to this peak; none: the paper\'s peak, '
+                                         '(d_model * warmup_steps)^-0.5 * lr_scale',
+                                  bounds=POSITIVE)
   adam_b1: float = setting(0.9, 'Adam beta1', bounds=UNIT_INTERVAL)
   adam_b2: float = setting(0.98, 'Adam beta2', bounds=UNIT_INTERVAL)
   adam_eps: float = setting(1e-9, 'Adam epsilon', bounds=POSITIVE)
@@ -293,6 +299,12 @@ class TrainConfig:
                                      'the last 5)', bounds=POSITIVE_INT)
   bleu_every: int = setting(0, 'steps between validation BLEU scores; 0: only at the end',
                             bounds=NONNEGATIVE_INT)
+  best_metric: Literal['loss', 'bleu'] = setting(
+      'loss', 'what WORKDIR/best keeps: the parameters of the lowest validation loss (every '
+      'eval_every steps) or the highest validation BLEU (every bleu_every steps)')
+  patience: int = setting(0, 'stop after this many validations of train.best_metric without '
+                             "improvement (fairseq's --patience); 0: train to train.steps",
+                          bounds=NONNEGATIVE_INT)
   length_loss_weight: float = setting(0.1, "cmlm: weight of the length classifier's "
                                            'cross-entropy (per sentence) beside the masked-token '
                                            "loss (fairseq's CMLM: 0.1)", bounds=NONNEGATIVE)
@@ -325,12 +337,19 @@ class TrainConfig:
 
   # Fields a resumed run may change: they say how long and how chattily to train, not how.
   RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
-                                 'keep_checkpoints', 'bleu_every', 'prefetch', 'profile'})
+                                 'keep_checkpoints', 'bleu_every', 'prefetch', 'profile',
+                                 'patience'})
 
   def __post_init__(self):
     check_fields(self, 'train')
     _check_scheduled_sampling(self)
     self.profile_steps  # noqa: B018 -- raises ConfigError for a malformed train.profile
+    if self.peak_lr is not None and self.lr_scale != 1.0:
+      raise ConfigError(f'train.peak_lr={self.peak_lr} sets the peak itself; train.lr_scale='
+                        f'{self.lr_scale} scales the paper\'s peak: set one of them')
+    if self.best_metric == 'bleu' and not self.bleu_every:
+      raise ConfigError('train.best_metric=bleu needs validation BLEU during training: set '
+                        'train.bleu_every')
 
   @property
   def profile_steps(self) -> tuple[int, int] | None:
@@ -486,6 +505,17 @@ class DataConfig:
   cache_dir: str | None = setting(None, 'where the tokenized training split is cached, one '
                                         'subdirectory per data content and tokenizer (share it '
                                         'between runs of one corpus); none: WORKDIR/encoded')
+  normalize_punctuation: bool = setting(False, "Moses' punctuation normalisation of every text "
+                                               'the tokenizer sees (Multi30k\'s standard '
+                                               'preprocessing; true/false)')
+  lowercase: bool = setting(False, 'lowercase every text the tokenizer sees, so outputs are '
+                                   'lowercase (true/false)')
+  pretokenize: Literal['none', 'moses'] = setting(
+      'none', 'moses: split punctuation from words with the Moses tokenizer of each side\'s '
+      'language before the subword model (training, validation and decoding input alike); none: '
+      'the subword model sees text as written')
+  detokenize: bool = setting(True, 'with data.pretokenize=moses: Moses-detokenize outputs into '
+                                   'text; false: leave them tokenized (true/false)')
 
   # Fields a resumed run may change: where the cache lives changes no token id.
   RESUMABLE_CHANGES = frozenset({'cache_dir'})
@@ -502,6 +532,9 @@ class DataConfig:
         raise ConfigError(f'data.{name} must be a non-empty string, got {value!r}')
     if self.src_lang == self.tgt_lang:
       raise ConfigError(f'data.src_lang and data.tgt_lang are both {self.src_lang!r}')
+    if not self.detokenize and self.pretokenize != 'moses':
+      raise ConfigError('data.detokenize=false is read only with data.pretokenize=moses (there '
+                        'is nothing to detokenize)')
 
   def replace(self, **overrides) -> DataConfig:
     return dataclasses.replace(self, **overrides)
@@ -509,7 +542,7 @@ class DataConfig:
 
 # The three sections of a run's settings, as config.json and train.py's options name them.
 SECTIONS = {'model': ModelConfig, 'train': TrainConfig, 'data': DataConfig}
-RUN_PRESETS = ('toy', 'multi30k', 'base')
+RUN_PRESETS = ('toy', 'multi30k', 'multi30k_fairseq', 'base')
 # Names of earlier versions, old -> new, the one table every reader reads: a setting is
 # 'SECTION.NAME', its section a config's ('model': train.py refuses the old option naming the
 # new one, config.json's old key is read as the new) or a decoding method's name
@@ -518,6 +551,11 @@ RUN_PRESETS = ('toy', 'multi30k', 'base')
 RENAMED = {'model.nat_decoder_input': 'model.cmlm_decoder_input',
            'method.nat': 'method.mask_predict',
            'mask_predict.nat_length': 'mask_predict.length'}
+
+
+# Batches of 8,192 tokens in one epoch of Multi30k's 29,000 training pairs, preprocessed as the
+# multi30k_fairseq preset does: its validations and checkpoints come once an epoch.
+MULTI30K_FAIRSEQ_EPOCH = 72
 
 
 def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
@@ -538,6 +576,20 @@ def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
     return (ModelConfig(d_model=128, num_heads=4, num_encoder_layers=4, num_decoder_layers=4,
                         d_ff=512, max_len=128, dropout_rate=0.3, dtype='bfloat16'),
             TrainConfig.multi30k(), DataConfig(source='bentrevett/multi30k', vocab_size=16_000))
+  if name == 'multi30k_fairseq':
+    # Wu et al. (2021)'s fairseq baseline, LividWo/Revisit-MMT README-baseline.md: its
+    # transformer_tiny, 2 GPUs x 4,096 tokens an update, --lr 0.005 after 2,000 warm-up
+    # updates, Adam eps 1e-8, --clip-norm 25, --patience 10 on the validation loss of each
+    # epoch, the last 10 epoch checkpoints averaged (docs/multi30k.md).
+    return (ModelConfig(d_model=128, num_heads=4, num_encoder_layers=4, num_decoder_layers=4,
+                        d_ff=256, max_len=128, dropout_rate=0.3),
+            TrainConfig(seed=1, steps=8000, max_tokens=8192, warmup_steps=2000, peak_lr=0.005,
+                        adam_eps=1e-8, max_grad_norm=25.0, log_every=50,
+                        eval_every=MULTI30K_FAIRSEQ_EPOCH, checkpoint_every=MULTI30K_FAIRSEQ_EPOCH,
+                        keep_checkpoints=10, patience=10,
+                        bleu_every=5 * MULTI30K_FAIRSEQ_EPOCH),
+            DataConfig(source='bentrevett/multi30k', vocab_size=10_000,
+                       normalize_punctuation=True, lowercase=True, pretokenize='moses'))
   if name == 'base':
     return ModelConfig.base(), TrainConfig.paper(), DataConfig(source='wmt14:de-en',
                                                                   vocab_size=37_000)

@@ -117,10 +117,19 @@ def test_cli_file_to_file_with_reference_scores(run_dir, greedy_translations, tm
   captured = capsys.readouterr()
   assert status == 0, captured.err
   assert output.read_text().split('\n')[:-1] == greedy_translations
-  bleu, chrf = captured.out.strip().split('\n')
+  bleu, lowercased, chrf, tokenized = captured.out.strip().split('\n')
   assert bleu.startswith('BLEU = ') and 'signature: nrefs:1|case:mixed|eff:no|tok:13a' in bleu
+  assert lowercased.startswith('BLEU = ') and 'signature: nrefs:1|case:lc|eff:no|tok:13a' in lowercased
   assert chrf.startswith('chrF2 = ') and 'signature: nrefs:1|case:mixed|eff:yes|nc:6' in chrf
   assert 0.0 < float(bleu.split()[2]) < 100.0
+  # The literature's tokenized BLEU, in the run's target language, as the library scores it.
+  from flax_transformer.run.directory import read_config
+  from flax_transformer.train.evaluation import tokenized_bleu
+  lang = read_config(run_dir)[2].tgt_lang
+  expected, signature = tokenized_bleu(greedy_translations,
+                                       greedy_translations[:-1] + ['something else'], lang)
+  assert tokenized.startswith('tokenized BLEU = ') and f'signature: {signature}' in tokenized
+  assert float(tokenized.split()[3]) == pytest.approx(expected.score, abs=0.01)
 
 
 def test_cli_warns_about_overlong_lines(run_dir, tokenizer, tmp_path, capsys):

@@ -50,23 +50,21 @@ def test_score_lowercases_only_the_lowercased_variant():
   assert result['bleu_lc'] == pytest.approx(100.0)
   # Cased, only 'fährt mit dem' + 'eine' + '.' match: far below.
   assert result['bleu'] < 50.0
-  assert 'lc' in result['signatures']['bleu_lc'] and 'mixed' in result['signatures']['bleu']
+  assert 'case:lc' in result['signatures'] and 'case:mixed' in result['signatures']
 
 
-def test_moses_line_scores_moses_tokens_lowercased():
+def test_tokenized_line_scores_moses_tokens_lowercased():
   # Moses keeps "z.B." whole where 13a splits it into "z . B ."; both sides match either way,
   # but a hypothesis that splits it itself only matches the reference under 13a.
   references = ['Ein Hund, z.B. ein Pudel, springt.']
   hypotheses = ['ein hund, z. b. ein pudel, springt.']
   result = multi30k.score(hypotheses, references, 'de')
-  assert multi30k.moses_tokenize(references, 'de') == ['Ein Hund , z.B. ein Pudel , springt .']
   assert result['bleu_lc'] == pytest.approx(100.0)
-  assert result['bleu_moses_lc'] < 60.0
-  assert multi30k.score(references, references, 'de')['bleu_moses_lc'] == pytest.approx(100.0)
-  signature = result['signatures']['bleu_moses_lc']
-  assert 'sacremoses de' in signature and 'tok:none' in signature and 'lc' in signature
-  assert 'bleu_moses_lc' not in multi30k.score(hypotheses, references)
-
+  assert result['bleu_tok'] < 60.0
+  assert multi30k.score(references, references, 'de')['bleu_tok'] == pytest.approx(100.0)
+  signature = result['signatures']
+  assert 'moses-norm+lc+tok-de' in signature and 'tok:none' in signature
+  assert 'bleu_tok' not in multi30k.score(hypotheses, references)
 
 def test_step_clock_carries_over_resumes_of_older_logs():
   # A log written before the clock carried on: the process resumed at step 20 (its line the
@@ -91,9 +89,36 @@ def test_plot_writes_a_small_png(tmp_path):
       lines.append({'step': step, 'val_bleu': 30.0})
   (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(m) + '\n' for m in lines))
   output = tmp_path / 'curves.png'
-  multi30k.plot(SimpleNamespace(workdir=str(tmp_path), output=str(output), title=None))
+  multi30k.plot(SimpleNamespace(workdir=str(tmp_path), output=str(output), title=None,
+                                target=None))
   assert output.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert output.stat().st_size < 200 * 1024
+
+
+def test_time_to_bleu_reads_the_first_validation_at_the_target(tmp_path, capsys):
+  lines = [{'step': step, 'loss': 3.0, 'elapsed_s': 1.5 * step} for step in range(50, 401, 50)]
+  lines += [{'step': 100, 'val_bleu': 45.0, 'val_bleu_tok': 30.0},
+            {'step': 200, 'val_bleu': 46.0, 'val_bleu_tok': 40.5},
+            {'step': 300, 'val_bleu': 47.0, 'val_bleu_tok': 39.0},
+            {'step': 400, 'val_bleu': 48.0, 'val_bleu_tok': 41.0}]
+  # Tokenized BLEU, when logged, is the curve's: step 200 (300 s of training), not 100.
+  assert multi30k.time_to_bleu(lines, 40.0) == {'step': 200, 'minutes': 5.0,
+                                                'metric': 'val_bleu_tok', 'value': 40.5}
+  assert multi30k.time_to_bleu(lines, 42.0) is None
+  older = [{k: v for k, v in m.items() if k != 'val_bleu_tok'} for m in lines]
+  assert multi30k.time_to_bleu(older, 46.0)['step'] == 200
+  # Two runs on one figure, the time to the target printed for each.
+  for name in ('a', 'b'):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / 'metrics.jsonl').write_text(
+        ''.join(json.dumps({**m, 'val_loss': 2.0} if 'val_bleu' in m else m) + '\n'
+                for m in lines))
+  output = tmp_path / 'both.png'
+  multi30k.plot(SimpleNamespace(workdir=f'{tmp_path / "a"},{tmp_path / "b"}', output=str(output),
+                                title=None, target=40.0))
+  printed = capsys.readouterr().out
+  assert printed.count('validation val_bleu_tok >= 40 at step 200, 5 min of training') == 2
+  assert output.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
@@ -141,3 +166,27 @@ def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
   # token, its loss per sentence is the larger.
   assert result['runs'][0]['vocab_size'] < result['runs'][1]['vocab_size']
   assert sentence_losses[0] > sentence_losses[1]
+
+
+@pytest.mark.filterwarnings('ignore:source length .* output capped')
+def test_the_fairseq_preset_validates_and_saves_once_an_epoch(tmp_path, multi30k_dir):
+  """multi30k_fairseq validates and checkpoints every MULTI30K_FAIRSEQ_EPOCH steps, as fairseq
+  does at each epoch's end: that is its batches per epoch on the real corpus, preprocessed,
+  and a run of it sees lowercased Moses tokens and writes detokenized lowercase text."""
+  from flax_transformer.config import MULTI30K_FAIRSEQ_EPOCH
+  model_config, train_config, data_config = run_preset('multi30k_fairseq')
+  corpus = load_parallel(str(multi30k_dir), data_config.src_lang, data_config.tgt_lang)
+  subset = datasets.DatasetDict({'train': corpus['train'],
+                                 'validation': corpus['validation'].select(range(8)),
+                                 'test': corpus['test'].select(range(8))})
+  messages = []
+  result = train(model_config, train_config.replace(steps=1, log_every=1, bleu_every=0),
+                 data_config.replace(source=str(multi30k_dir)), tmp_path, dataset=subset,
+                 print_fn=messages.append)
+  text = '\n'.join(messages)
+  assert f'29,000 pairs in {MULTI30K_FAIRSEQ_EPOCH} batches per epoch of <= 8,192 tokens' in text
+  assert 'punctuation normalised, lowercased, Moses-tokenized (outputs detokenized)' in text
+  assert result.tokenizer.vocab_size == 10_000
+  assert result.tokenizer.encode(['A man, in blue.']) == result.tokenizer.inner.encode(
+      ['a man , in blue .'])
+  assert 'tokenized BLEU' in text and 'pre:moses-norm+lc+tok-de' in text

@@ -11,10 +11,10 @@ One sentence per line in (UTF-8, split at '\\n' only, as training reads its data
 one translation per line out, in input order, written block by block; a progress
 bar on standard error counts the sentences of a file or standard input. Empty
 lines give empty lines; a line longer than the model's max_len is truncated with
-a warning naming it. --reference prints sacreBLEU's BLEU and chrF with their
-signatures. A failure part way keeps the translations already written and says
-how many. A failure is one line on standard error (--debug adds the traceback) and
-an exit status, as the table in flax_transformer/cli/failures.py lists them.
+a warning naming it. --reference prints BLEU (cased, lowercased, tokenized) and chrF,
+signatures included. A failure part way keeps the translations already written and says how
+many; it is one line on standard error (--debug adds the traceback) and an exit status, as
+the table in flax_transformer/cli/failures.py lists them.
 """
 
 from __future__ import annotations
@@ -45,14 +45,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add = parser.add_argument
   add('sentences', nargs='*', help='sentences to translate (else --input or stdin)')
   add('--checkpoint', required=True, type=Path,
-      help='run directory written by train.py (config.json, tokenizer.json, checkpoints/), or '
-      'a Hugging Face Marian directory (config.json, model.safetensors, source.spm, ...)')
+      help='run directory of train.py (config.json, tokenizer.json, checkpoints/), its RUN/best '
+      'or RUN/average-lastK, or a Hugging Face Marian directory (config.json, model.safetensors)')
   add('--step', type=int, help='checkpoint step to load (default: the latest)')
   add('--average-last', type=int, default=0, metavar='K',
       help='average the parameters of the last K checkpoints (paper: 5)')
   add('--input', type=Path, help='file with one sentence per line ("-": stdin)')
   add('--output', type=Path, help='write translations here (default: stdout)')
-  add('--reference', type=Path, help='reference translations, one per line: print BLEU and chrF')
+  add('--reference', type=Path, help='reference translations, one per line: print BLEU (cased, '
+      'lowercased, tokenized as the literature reports it) and chrF')
+  add('--target-lang', metavar='LANG', help="--reference's tokenized BLEU: the output language")
   add('--batch-size', type=int, default=64, help='sentences per batch')
   add('--dtype', choices=('float32', 'bfloat16'),
       help="compute dtype to decode in (default: the model's): bfloat16 runs the matmuls in "
@@ -96,6 +98,7 @@ def _main(argv: Sequence[str] | None) -> int:
     translator = Translator.from_directory(args.checkpoint, args.step, args.average_last,
                                            args.dtype, unverified_reporter(args, 'decode.py'))
     method = method or default_method(translator.config, **settings)
+    args.target_lang = args.target_lang or text_io.target_language(args.checkpoint)
     translator.check_method(method, len(sentences), args.batch_size)
     output = text_io.open_output(args.output)
   except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
@@ -105,7 +108,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def _translate(translator, method, sentences, references, output, args, show_progress) -> int:
   """Decodes block by block, writing each block's translations before reading the next."""
-  from flax_transformer.cli.text_io import blocks
+  from flax_transformer.cli import text_io
   destination, translations = args.output or 'standard output', []
   max_len = translator.config.max_len
   try:
@@ -114,7 +117,7 @@ def _translate(translator, method, sentences, references, output, args, show_pro
       # Library warnings (e.g. an output budget capped at max_len) as one plain line each.
       warnings.showwarning = lambda message, *_, **__: progress.write(
           f'decode.py: warning: {message}', file=sys.stderr)
-      for start, block in blocks(sentences, args.batch_size * BATCHES_PER_BLOCK):
+      for start, block in text_io.blocks(sentences, args.batch_size * BATCHES_PER_BLOCK):
         done = translator.translate(
             block, method, batch_size=args.batch_size, on_batch=progress.update,
             on_truncated=lambda index, count, start=start: progress.write(
@@ -140,10 +143,7 @@ def _translate(translator, method, sentences, references, output, args, show_pro
     if output is not sys.stdout and not output.closed:
       with contextlib.suppress(OSError):  # after an error: what failed is reported already
         output.close()
-  if references is not None:
-    from sacrebleu.metrics import BLEU, CHRF
-    stream = sys.stdout if args.output else sys.stderr
-    for metric in (BLEU(), CHRF()):
-      score = metric.corpus_score(translations, [references])
-      print(f'{score}  signature: {metric.get_signature()}', file=stream)
+  if references is not None:  # BLEU cased, lowercased and tokenized, chrF (train/evaluation.py)
+    print(*text_io.score_lines(translations, references, args.target_lang), sep='\n',
+          file=sys.stdout if args.output else sys.stderr)
   return 0

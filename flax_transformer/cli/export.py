@@ -27,7 +27,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog='export.py', description=__doc__.split('\n\n')[0],
                                    allow_abbrev=False)
   add = parser.add_argument
-  add('run', type=Path, help='run directory written by train.py (or its average-lastK)')
+  add('run', type=Path, help='run directory written by train.py (or its average-lastK, or its '
+      'best: RUN/best, the best validation checkpoint)')
   add('--to', required=True, type=Path, metavar='DIR',
       help='directory to write (new, empty, or an earlier export, which is replaced)')
   add('--step', type=int, help='checkpoint step to export (default: the latest)')

@@ -82,3 +82,18 @@ def blocks(items: Sequence[str], size: int) -> Iterator[tuple[int, Sequence[str]
   """(first index, items) of consecutive blocks of `size` items."""
   for start in range(0, len(items), size):
     yield start, items[start:start + size]
+
+
+def target_language(checkpoint: Path) -> str | None:
+  """A run directory's data.tgt_lang (also an average's or best's), else None (a Marian model)."""
+  from flax_transformer.run.directory import CheckpointError, read_config
+  try:
+    return read_config(checkpoint)[2].tgt_lang
+  except CheckpointError:
+    return None
+
+
+def score_lines(translations, references, lang: str | None) -> list[str]:
+  """--reference's report (`evaluation.score_lines`), imported only when asked for."""
+  from flax_transformer.train.evaluation import score_lines as lines
+  return lines(translations, references, lang)

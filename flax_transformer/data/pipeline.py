@@ -71,10 +71,16 @@ class TrainingData:
   def tokenizer_texts(self, sample: int) -> list[str]:
     """What the tokenizer is trained on: the sources, then the targets, of `sample` training
     pairs drawn at random (every pair when 0 or when the split has no more)."""
+    sources, targets = self.tokenizer_pairs(sample)
+    return sources + targets
+
+  def tokenizer_pairs(self, sample: int) -> tuple[list[str], list[str]]:
+    """`tokenizer_texts`' sources and targets apart (each side is preprocessed in its own
+    language)."""
     sources, targets = self._pairs().sample_pairs(sample, SAMPLE_SEED)
     if not sources:
       self._check_not_empty(0)
-    return sources + targets
+    return sources, targets
 
   def _check_not_empty(self, pairs: int) -> None:
     """Raises DataError, as `corpus.load_parallel` does, for a split with no pair left."""

@@ -318,6 +318,12 @@ def tokenizer_files(tokenizer: TextTokenizer, config: ModelConfig) -> tuple[dict
   fine-tuned from an OPUS-MT model) stays one: its sentencepiece models are copied and
   vocab.json gets the exported ids.
   """
+  from flax_transformer.data.preprocessing import PreprocessingTokenizer
+  if isinstance(tokenizer, PreprocessingTokenizer):
+    raise ExportError(f'this run was trained on preprocessed text ({tokenizer.preprocessing.describe()}: '
+                      'data.normalize_punctuation, data.lowercase, data.pretokenize), which a Marian '
+                      "model's tokenizer cannot reproduce: transformers and CTranslate2 would feed "
+                      'it text it never saw; export a run trained on text as written')
   if isinstance(tokenizer, Tokenizer):
     return fast_tokenizer_files(tokenizer, config), {}
   if not isinstance(tokenizer, MarianTokenizer):

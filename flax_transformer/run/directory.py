@@ -69,6 +69,9 @@ TENSORBOARD_DIR = 'tensorboard'
 # The tokenized training split's cache (data.cache), unless data.cache_dir puts it elsewhere.
 ENCODED_DIR = 'encoded'
 PROFILE_DIR = 'profile'
+# The parameters of the best validation score so far (train.best_metric), decodable as a run.
+BEST_DIR = 'best'
+BEST_KEY = 'best'
 # config.json's marker: which program wrote the directory, and the layout it follows (1: the
 # runs before the marker, which have no such keys).
 WRITTEN_BY = 'flax_transformer train.py'
@@ -82,7 +85,7 @@ AVERAGE_PREFIX = 'average-last'
 # What a run holds besides config.json and its tokenizer's files; their temporary files
 # (.NAME.tmp) and check_writable's probes (.write-test-*) are its own too.
 _RUN_ENTRIES = frozenset({TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
-                          ENCODED_DIR, PROFILE_DIR, LOCK_FILE})
+                          ENCODED_DIR, PROFILE_DIR, LOCK_FILE, BEST_DIR})
 
 
 class CheckpointError(ValueError):
@@ -150,11 +153,14 @@ def write_config(workdir: str | Path, model_config: ModelConfig, train_config: T
   return path
 
 
-def write_averaged_config(workdir: Path, output: Path, steps: Sequence[int]) -> None:
-  """OUTPUT/config.json: WORKDIR's, marked as the average of its checkpoints `steps`, so that
-  OUTPUT is never taken for a run (`averaged_run`)."""
+def write_averaged_config(workdir: Path, output: Path, steps: Sequence[int],
+                          extra: dict | None = None) -> None:
+  """OUTPUT/config.json: WORKDIR's, marked as the average of its checkpoints `steps` (plus
+  `extra`'s keys, e.g. the best checkpoint's score), so that OUTPUT is never taken for a run
+  (`averaged_run`)."""
   content = json.loads((workdir / CONFIG_FILE).read_text())
   content[AVERAGED_KEY] = {'run': str(workdir.resolve()), 'steps': [int(s) for s in steps]}
+  content.update(extra or {})
   _write_atomically(output / CONFIG_FILE, json.dumps(content, indent=2) + '\n')
 
 
@@ -401,8 +407,8 @@ def clear_run(workdir: str | Path, init_from: str | Path | None = None) -> None:
   workdir = Path(workdir).resolve()
   for name in (CONFIG_FILE, METRICS_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES):
     (workdir / name).unlink(missing_ok=True)
-  for directory in [workdir / CHECKPOINT_DIR, workdir / TENSORBOARD_DIR,
-                    *workdir.glob(f'{AVERAGE_PREFIX}*')]:
+  for directory in [workdir / CHECKPOINT_DIR, workdir / TENSORBOARD_DIR, workdir / BEST_DIR,
+                    workdir / f'.{BEST_DIR}.tmp', *workdir.glob(f'{AVERAGE_PREFIX}*')]:
     if directory.is_dir():
       shutil.rmtree(directory)
 

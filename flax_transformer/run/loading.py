@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flax_transformer.config import NONNEGATIVE, Bounds, ModelConfig, check_bounds
+from flax_transformer.data import preprocessing
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
@@ -135,6 +136,8 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
     check_tokenizer(workdir)
     tokenizer = load_tokenizer(workdir)
     check_tokenizer_fits(workdir, tokenizer)
+    # The run's text preprocessing (data.lowercase, data.pretokenize, ...) comes with it.
+    tokenizer = preprocessing.wrap(tokenizer, read_config(workdir)[2])
     target = functools.cache(lambda: abstract_params(model_config))  # traced once, if at all
     for attempt in range(1, _ROTATION_TRIES + 1):
       try:
@@ -193,16 +196,24 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
     params = _mean_params(checkpoints, selected, abstract_params(model_config))
   finally:
     checkpoints.close()
+  write_params_run(workdir, output, selected, params)
+  return output
+
+
+def write_params_run(workdir: Path, output: Path, steps: Sequence[int], params,
+                     extra: dict | None = None) -> None:
+  """OUTPUT as a decodable copy of WORKDIR holding `params` alone: its tokenizer, its
+  config.json marked as made from `steps` (plus `extra`'s keys), one params-only checkpoint
+  numbered as the last of `steps`. An existing OUTPUT is replaced (the caller checked it)."""
   if jax.process_index() == 0:
     if output.exists():
       shutil.rmtree(output)
     output.mkdir(parents=True)
     for name in saved_tokenizer_class(workdir).FILES:
       shutil.copy2(workdir / name, output / name)
-    write_averaged_config(workdir, output, selected)
+    write_averaged_config(workdir, output, steps, extra)
   # Every process takes part in the orbax save, after process 0 has prepared the directory.
-  multihost_utils.sync_global_devices('average_checkpoints: output directory ready')
-  averaged = Checkpoints(output)
-  averaged.save_params(selected[-1], params)
-  averaged.close()
-  return output
+  multihost_utils.sync_global_devices('write_params_run: output directory ready')
+  written = Checkpoints(output)
+  written.save_params(steps[-1], params)
+  written.close()

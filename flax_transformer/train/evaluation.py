@@ -27,6 +27,7 @@ import sacrebleu
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from flax_transformer.data.preprocessing import moses_tokenized
 from flax_transformer.decode.methods import DecodingMethod, Greedy
 from flax_transformer.decode.translator import Translator
 
@@ -39,9 +40,11 @@ BLEU_MAX_ORDER = 4
 
 
 def translation_scores(translator: Translator, split: datasets.Dataset, method: DecodingMethod,
-                       progress: str | None = None) -> tuple[dict[str, float], dict[str, str]]:
-  """Decodes a split's sources with `method`: ({'bleu', 'chrf', 'exact_match'},
-  {'signature', 'samples'}).
+                       progress: str | None = None, lang: str | None = None
+                       ) -> tuple[dict[str, float], dict[str, str]]:
+  """Decodes a split's sources with `method`: ({'bleu', 'bleu_lc', 'chrf', 'exact_match'},
+  {'signature', 'samples'}), with 'bleu_tok' (`tokenized_bleu`) when `lang`, the target
+  language, is given.
 
   progress: the label of a progress bar (sentences, rate, ETA) over this process's share;
   None shows none.
@@ -55,16 +58,45 @@ def translation_scores(translator: Translator, split: datasets.Dataset, method: 
             disable=progress is None, dynamic_ncols=True) as bar:
     hypotheses = translate_across_processes(translator, sources, method=method,
                                             on_batch=bar.update)
-  bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-  bleu_score = bleu.corpus_score(hypotheses, [references])
-  chrf_score = chrf.corpus_score(hypotheses, [references])
-  exact = float(np.mean([h == r for h, r in zip(hypotheses, references)]))
+  values, signatures = corpus_scores(hypotheses, references, lang)
   samples = '\n'.join(f'  source:    {s}\n  reference: {r}\n  output:    {h}'
                       for s, r, h in list(zip(sources, references, hypotheses))[:NUM_SAMPLES])
-  signature = f'BLEU {bleu.get_signature()}, chrF {chrf.get_signature()}'
-  return ({'bleu': bleu_score.score, 'chrf': chrf_score.score, 'exact_match': exact},
-          {'signature': signature, 'samples': samples,
-           'bleu_left_out': bleu_left_out(references, bleu.tokenizer)})
+  return values, {'signature': signatures, 'samples': samples,
+                  'bleu_left_out': bleu_left_out(references, sacrebleu.metrics.BLEU().tokenizer)}
+
+
+def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], lang: str | None = None
+                  ) -> tuple[dict[str, float], str]:
+  """({'bleu', 'bleu_lc', 'chrf', 'exact_match'} and 'bleu_tok' when `lang` is given, the
+  signatures in one line): sacreBLEU cased and lowercased (13a) and chrF on the text as
+  given, and `tokenized_bleu` in the target language `lang`."""
+  bleu, bleu_lc, chrf = (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
+                         sacrebleu.metrics.CHRF())
+  values = {'bleu': bleu.corpus_score(hypotheses, [references]).score,
+            'bleu_lc': bleu_lc.corpus_score(hypotheses, [references]).score,
+            'chrf': chrf.corpus_score(hypotheses, [references]).score,
+            'exact_match': float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
+  signature = (f'BLEU {bleu.get_signature()}, BLEU lowercased {bleu_lc.get_signature()}, '
+               f'chrF {chrf.get_signature()}')
+  if lang is not None:
+    score, tokenized_signature = tokenized_bleu(hypotheses, references, lang)
+    values['bleu_tok'] = score.score
+    signature += f', tokenized BLEU {tokenized_signature}'
+  return values, signature
+
+
+def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: str
+                   ) -> tuple[sacrebleu.metrics.bleu.BLEUScore, str]:
+  """BLEU as fairseq-era papers report it on Multi30k ("tokenized BLEU"): hypotheses and
+  references punctuation-normalised, lowercased and Moses-tokenized in `lang` (sacremoses,
+  escape off), scored by sacreBLEU with no tokenizer of its own. Returns the score and its
+  signature, which names that preprocessing."""
+  bleu = sacrebleu.metrics.BLEU(tokenize='none', force=True)
+  score = bleu.corpus_score(moses_tokenized(hypotheses, lang),
+                            [moses_tokenized(references, lang)])
+  import sacremoses
+  return score, (f'{bleu.get_signature()}|pre:moses-norm+lc+tok-{lang}|'
+                 f'sacremoses:{sacremoses.__version__}')
 
 
 def bleu_left_out(references: Sequence[str], tokenize: Callable[[str], str]) -> str:
@@ -78,12 +110,29 @@ def bleu_left_out(references: Sequence[str], tokenize: Callable[[str], str]) -> 
           'is 0 whatever the output')
 
 
+def score_lines(hypotheses: Sequence[str], references: Sequence[str], lang: str | None
+                ) -> list[str]:
+  """decode.py --reference's report: sacreBLEU's BLEU cased and lowercased and chrF, then the
+  tokenized BLEU in the target language `lang` (or why it is missing), each with its signature."""
+  lines = []
+  for metric in (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
+                 sacrebleu.metrics.CHRF()):
+    score = metric.corpus_score(hypotheses, [references])
+    lines.append(f'{score}  signature: {metric.get_signature()}')
+  if lang is None:
+    return [*lines, 'tokenized BLEU: not computed, the target language is unknown (--target-lang)']
+  score, signature = tokenized_bleu(hypotheses, references, lang)
+  return [*lines, f'tokenized {score}  signature: {signature}']
+
+
 def describe_scores(values: dict[str, float], report: dict[str, str]) -> str:
   """'BLEU 37.06, chrF 62.50, exact match 12.3%', or without BLEU and why (`bleu_left_out`)."""
   scores = f'chrF {values["chrf"]:.2f}, exact match {values["exact_match"]:.1%}'
   if report.get('bleu_left_out'):
     return f'{scores} ({report["bleu_left_out"]})'
-  return f'BLEU {values["bleu"]:.2f}, {scores}'
+  lowercased = f', lowercased {values["bleu_lc"]:.2f}' if 'bleu_lc' in values else ''
+  tokenized = f', tokenized BLEU {values["bleu_tok"]:.2f}' if 'bleu_tok' in values else ''
+  return f'BLEU {values["bleu"]:.2f}{lowercased}{tokenized}, {scores}'
 
 
 

@@ -67,6 +67,7 @@ from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import check_settings as check_packing
 from flax_transformer.data.pipeline import (Prefetcher, TrainingData, load_training_data,
                                             make_batcher)
+from flax_transformer.data import preprocessing
 from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy, default_method
@@ -80,6 +81,7 @@ from flax_transformer.run.directory import RunDirectory, saved_steps
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits
 from flax_transformer.train import scheduled_sampling
+from flax_transformer.train.best import BestCheckpoint
 from flax_transformer.train.evaluation import describe_scores, translation_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.profiling import StepTrace
@@ -170,6 +172,13 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig, data_co
              train_config.max_tokens)
   scheduled_sampling.check_model(model_config, train_config)
   check_packing(model_config, train_config)
+  steps = preprocessing.TextPreprocessing.of(data_config)
+  if pretrained and steps.active:
+    raise ConfigError(f'--init-from brings a tokenizer trained on text as written; data '
+                      f'preprocessing ({steps.describe()}) would feed it text it never saw: '
+                      'leave data.normalize_punctuation, data.lowercase and data.pretokenize '
+                      'at their defaults when fine-tuning')
+  preprocessing.check_available(steps)
 
 
 def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> int:
@@ -285,6 +294,11 @@ def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
   data_parallel = DataParallel(_local_devices(devices), mode=parallel)
   train_data = load_training_data(data_config, dataset)
   say(f'data: {train_data.describe()}')
+  _check_validation(train_config, train_data.evaluation)
+  steps = preprocessing.TextPreprocessing.of(data_config)
+  if steps.active:
+    say(f'text: {steps.describe()} (data.normalize_punctuation, data.lowercase, '
+        'data.pretokenize)')
   directory.prepare(resume)
   checkpoints = Checkpoints(directory.path, keep=train_config.keep_checkpoints,
                             on_unverified=say if allow_unverified else None)
@@ -295,8 +309,10 @@ def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
       marian_tokenizer.save(directory.path)
     say(f'fine-tuning {init_from}')
   tokenizer = directory.tokenizer(
-      lambda: train_data.tokenizer_texts(data_config.tokenizer_sample), data_config,
+      lambda: _tokenizer_texts(train_data, data_config, steps), data_config,
       has_checkpoints=checkpoints.latest_step() is not None, say=say)
+  # Everything the run encodes or decodes sees text through the data settings' preprocessing.
+  tokenizer = preprocessing.wrap(tokenizer, data_config)
   model_config = directory.kept_dtype(model_config.replace(vocab_size=tokenizer.vocab_size))
   tokenizer.check_compatible(model_config)
   directory.check_settings(model_config, train_config, data_config)
@@ -305,6 +321,27 @@ def _prepare_training_run(model_config: ModelConfig, train_config: TrainConfig,
                       dataset=train_data.evaluation, tokenizer=tokenizer,
                       data_parallel=data_parallel, checkpoints=checkpoints, say=say,
                       pretrained_params=pretrained_params)
+
+
+def _check_validation(train_config: TrainConfig, evaluation: datasets.DatasetDict) -> None:
+  """Raises ConfigError for settings that read validation scores when there is no validation
+  split (the best checkpoint, early stopping)."""
+  if 'validation' in evaluation:
+    return
+  wanted = [name for name, on in (('train.patience', train_config.patience),
+                                  ('train.best_metric=bleu', train_config.best_metric == 'bleu'))
+            if on]
+  if wanted:
+    raise ConfigError(f'{wanted[0]} reads validation scores, but the data has no validation '
+                      'split (data.valid_split names one)')
+
+
+def _tokenizer_texts(train_data: TrainingData, data_config: DataConfig,
+                     steps: preprocessing.TextPreprocessing) -> list[str]:
+  """The tokenizer's training sample, sources then targets, each preprocessed in its language."""
+  sources, targets = train_data.tokenizer_pairs(data_config.tokenizer_sample)
+  return (steps.prepare(sources, data_config.src_lang)
+          + steps.prepare(targets, data_config.tgt_lang))
 
 
 def _local_devices(count: int | None) -> list[jax.Device] | None:
@@ -432,6 +469,8 @@ class TrainingLoop:
     run.say(f'train: {self.batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side '
             f'longer than model.max_len={run.model_config.max_len} tokens with EOS)')
     self.val_batches = _eval_batches(run, 'validation')
+    self.best = (BestCheckpoint(run.directory.path, config) if 'validation' in run.dataset
+                 else None)
 
   def local_batch(self, step: int) -> Batch:
     """This process's rows of step `step`'s batch, split over the devices."""
@@ -448,6 +487,10 @@ class TrainingLoop:
     buffer, run_start, done = MetricBuffer(run.data_parallel), time.perf_counter() - logged_s, start
     bar = tqdm(initial=start, total=config.steps, desc='train', unit='step',
                disable=not run.directory.is_main, dynamic_ncols=True)
+    if self.best is not None and self.best.exhausted(start):
+      run.say(f'stopped early at step {start}: {config.patience} validations without a better '
+              f'{config.best_metric} (train.patience); {self.best.describe()}')
+      return state
     batches = Prefetcher(self.local_batch, start, config.steps, config.prefetch)
     trace = StepTrace(config.profile_steps, run.directory.profile_dir, run.say)
     try:
@@ -503,19 +546,32 @@ class TrainingLoop:
                  run.checkpoints, run.say)
     if validate:
       stopping = _abandoned_on_signal(lambda: self.validate(done, state.params))
-    if stopping or save_due:
+    early = not stopping and self.best is not None and self.best.exhausted(done)
+    if stopping or save_due or early:
       run.checkpoints.save(run.data_parallel.unreplicate(state))
-    if bleu and not stopping:
+    if bleu and not stopping and not early:
       stopping = _abandoned_on_signal(lambda: self._validation_bleu(done, state.params))
-      if stopping and not save_due:
+      early = not stopping and self.best.exhausted(done)
+      if (stopping or early) and not save_due:
         run.checkpoints.save(run.data_parallel.unreplicate(state))
-    return stopping
+    if early:
+      run.say(f'step {done}: stopping early, {config.patience} validations without a better '
+              f'{config.best_metric} (train.patience); {self.best.describe()}')
+    return stopping or early
 
   def _validation_bleu(self, step: int, params) -> None:
     run = self.run
-    values, report = _split_scores(run, run.data_parallel.unreplicate(params), 'validation')
+    params = run.data_parallel.unreplicate(params)
+    values, report = _split_scores(run, params, 'validation')
     run.record(step, {f'val_{name}': value for name, value in values.items()})
     run.say(f'step {step}: validation {describe_scores(values, report)}')
+    if run.train_config.best_metric == 'bleu':
+      self._consider_best(step, values['bleu'], params)
+
+  def _consider_best(self, step: int, value: float, params) -> None:
+    """WORKDIR/best follows a better validation score (`best.BestCheckpoint`)."""
+    if self.best.consider(step, value, params):
+      self.run.record(step, {f'best_val_{self.best.best.metric}': value})
 
   def validate(self, step: int, params) -> None:
     """Logs the validation loss, ppl and accuracy (and a cmlm model's length accuracy)."""
@@ -534,6 +590,8 @@ class TrainingLoop:
               if 'length_accuracy' in values else '')
     run.say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
             f'token accuracy {values["accuracy"]:.1%}{length}')
+    if run.train_config.best_metric == 'loss' and self.best is not None:
+      self._consider_best(step, values['loss'], run.data_parallel.unreplicate(params))
 
 
 def _abandoned_on_signal(evaluate: Callable[[], None]) -> bool:
@@ -551,7 +609,8 @@ def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
   cache_dir = run.data_config.cache_dir or run.directory.encoded_dir
   several = jax.process_count() > 1
   return run.train_data.encoded_train(
-      run.tokenizer, run.directory.tokenizer_digest(), run.model_config.max_len, cache_dir,
+      run.tokenizer, preprocessing.keyed_digest(run.directory.tokenizer_digest(), run.tokenizer),
+      run.model_config.max_len, cache_dir,
       is_writer=run.directory.is_main, progress=run.directory.is_main, say=run.say,
       wait=(lambda: multihost_utils.sync_global_devices('encoded corpus ready')) if several
       else None)
@@ -670,5 +729,7 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
 
 def _split_scores(run: _TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
   translator = Translator(run.model_config, params, run.tokenizer)
+  lang = run.data_config.tgt_lang if preprocessing.moses_available() else None
   return translation_scores(translator, run.dataset[split], evaluation_method(run.model_config),
-                            progress=f'decode {split}' if run.directory.is_main else None)
+                            progress=f'decode {split}' if run.directory.is_main else None,
+                            lang=lang)

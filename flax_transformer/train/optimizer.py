@@ -30,8 +30,16 @@ def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) ->
 
 
 def make_schedule(train_config: TrainConfig, model_config: ModelConfig) -> optax.Schedule:
-  return transformer_schedule(model_config.d_model, train_config.warmup_steps,
-                              train_config.lr_scale)
+  """The paper's schedule, scaled by `lr_scale` or to peak at `peak_lr`.
+
+  The paper's rate is fairseq's inverse_sqrt in another form: a linear warmup to the peak
+  (d_model * warmup_steps)^-0.5, then peak * (warmup_steps / n)^0.5. So a peak of P is the
+  paper's schedule scaled by P * (d_model * warmup_steps)^0.5.
+  """
+  scale = train_config.lr_scale
+  if train_config.peak_lr is not None:
+    scale = train_config.peak_lr * (model_config.d_model * train_config.warmup_steps) ** 0.5
+  return transformer_schedule(model_config.d_model, train_config.warmup_steps, scale)
 
 
 def make_optimizer(train_config: TrainConfig, model_config: ModelConfig

@@ -1,0 +1,132 @@
+"""Multi30k quality runs one after another within a time budget: train, then evaluate each.
+
+  python -m benchmarks.multi30k_grid --runs fairseq-ende-s1,fairseq-ende-s2 --budget 3600
+  python -m benchmarks.multi30k_grid --list                       # the recipes by name
+
+Each recipe is train.py's options (a preset and overrides); `--runs` picks them in the order
+given. A run is trained (`train.py ... --average-last 10`), then scored by
+`benchmarks.multi30k evaluate` on validation and test_2016 from the mean of its last 10
+checkpoints and from its best validation checkpoint, greedy and beam 4 and 5 at length
+penalties 0.6, 1.0 and 1.5; the variant is chosen on validation. Each stage runs in a process
+of its own and is stopped (SIGTERM, its state saved) when the budget runs out, so a GPU lent for
+minutes returns what it finished. Results: `--results DIR/<run>.json` (multi30k evaluate's) and
+`<run>.metrics.jsonl` (the curve), and `grid.json`, what ran, how long, and how it ended.
+
+The recipes (docs/multi30k.md says what each measured):
+  fairseq-*: the fairseq anchor (preset multi30k_fairseq) as Wu et al. (2021) ran it;
+  ours-*: this library's best recipe on the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import common
+from benchmarks.multi30k import DEFAULT_DATA
+
+ROOT = Path(__file__).resolve().parents[1]
+DE_EN = ['--data.src_lang', 'de', '--data.tgt_lang', 'en']
+# Options of this library's recipe beside the anchor's (chosen on validation, docs/multi30k.md).
+OURS = ['--model.d_ff', '512', '--train.packing', '64']
+RECIPES = {
+    'fairseq-ende-s1': ['--preset', 'multi30k_fairseq'],
+    'fairseq-ende-s2': ['--preset', 'multi30k_fairseq', '--train.seed', '2'],
+    'fairseq-deen-s1': ['--preset', 'multi30k_fairseq', *DE_EN],
+    'fairseq-deen-s2': ['--preset', 'multi30k_fairseq', '--train.seed', '2', *DE_EN],
+    'ours-ende-s1': ['--preset', 'multi30k_fairseq', *OURS],
+    'ours-ende-s2': ['--preset', 'multi30k_fairseq', *OURS, '--train.seed', '2'],
+    'ours-deen-s1': ['--preset', 'multi30k_fairseq', *OURS, *DE_EN],
+    # Candidates for `OURS`, each one change to the anchor.
+    'dff512-ende-s1': ['--preset', 'multi30k_fairseq', '--model.d_ff', '512'],
+    'packed-ende-s1': ['--preset', 'multi30k_fairseq', '--train.packing', '64'],
+    'attdrop-ende-s1': ['--preset', 'multi30k_fairseq', '--model.attention_dropout_rate', '0.1'],
+    'patience20-ende-s1': ['--preset', 'multi30k_fairseq', '--train.patience', '20'],
+    # The default preset, raw cased text.
+    'multi30k-ende-s0': ['--preset', 'multi30k'],
+}
+EVALUATE = ['--average-last', '10', '--weights', 'average-last10,best', '--beams', '4,5',
+            '--alphas', '0.6,1.0,1.5']
+
+
+def run_stage(command: list[str], log: Path, deadline: float) -> dict:
+  """Runs `command` (output to `log`) until it ends or `deadline`, then SIGTERM and 60 s grace."""
+  start = time.monotonic()
+  with log.open('a') as out:
+    out.write(f'$ {" ".join(command)}\n')
+    out.flush()
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+      code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+      ended = 'finished' if code == 0 else f'failed ({code})'
+    except subprocess.TimeoutExpired:
+      process.terminate()
+      try:
+        code = process.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+      ended = 'stopped at the budget'
+  return {'command': command, 'seconds': time.monotonic() - start, 'exit_code': code,
+          'ended': ended}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(prog='python -m benchmarks.multi30k_grid', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--runs', default='fairseq-ende-s1', help='recipes, comma-separated')
+  parser.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
+  parser.add_argument('--workroot', default='runs/grid', help='where the run directories go')
+  parser.add_argument('--results', default=str(ROOT / 'benchmarks' / 'results' / 'grid'),
+                      help='where the JSON results and curves go')
+  parser.add_argument('--budget', type=float, default=3 * 3600, help='seconds for all the runs')
+  parser.add_argument('--evaluate-seconds', type=float, default=120,
+                      help='seconds kept back from training for each run\'s evaluation')
+  parser.add_argument('--evaluate', default=' '.join(EVALUATE),
+                      help='options of benchmarks.multi30k evaluate (default: %(default)s)')
+  parser.add_argument('--list', action='store_true', help='print the recipes and exit')
+  args, extra = parser.parse_known_args()
+  if args.list:
+    for name, options in RECIPES.items():
+      print(f'{name:>20s}: train.py {" ".join(options)}')
+    return
+  names = args.runs.split(',')
+  unknown = [name for name in names if name not in RECIPES]
+  if unknown:
+    parser.error(f'unknown recipe {unknown[0]!r}; known: {", ".join(RECIPES)}')
+  if not Path(args.data).is_dir():
+    parser.error(f'{args.data}: no Multi30k directory there (pass --data DIR)')
+  deadline = time.monotonic() + args.budget
+  results, workroot = Path(args.results), Path(args.workroot)
+  results.mkdir(parents=True, exist_ok=True)
+  grid = {'benchmark': 'multi30k-grid', 'machine': common.machine_info(os.cpu_count()),
+          'budget_s': args.budget, 'runs': {}}
+  for name in names:
+    if time.monotonic() > deadline - 2 * args.evaluate_seconds:
+      grid['runs'][name] = {'ended': 'not started: the budget ran out'}
+      continue
+    workdir, log = workroot / name, results / f'{name}.log'
+    train = run_stage([sys.executable, 'train.py', *RECIPES[name], *extra, '--data', args.data,
+                       '--workdir', str(workdir), '--average-last', '10'], log,
+                      deadline - args.evaluate_seconds)
+    entry = grid['runs'][name] = {'train': train}
+    if (workdir / 'metrics.jsonl').is_file():
+      shutil.copy(workdir / 'metrics.jsonl', results / f'{name}.metrics.jsonl')
+    if (workdir / 'checkpoints').is_dir():
+      entry['evaluate'] = run_stage(
+          [sys.executable, '-m', 'benchmarks.multi30k', 'evaluate', '--workdir', str(workdir),
+           '--data', args.data, *args.evaluate.split(), '--output', str(results / f'{name}.json')], log,
+          deadline)
+    common.write_json(results / 'grid.json', grid)
+    print(f'{name}: {json.dumps({k: v.get("ended") for k, v in entry.items()})}', flush=True)
+  common.write_json(results / 'grid.json', grid)
+
+
+if __name__ == '__main__':
+  main()
