@@ -343,7 +343,10 @@ class TrainConfig:
   def __post_init__(self):
     check_fields(self, 'train')
     _check_scheduled_sampling(self)
-    self.profile_steps  # noqa: B018 -- raises ConfigError for a malformed train.profile
+    profile = self.profile_steps  # raises ConfigError for a malformed train.profile
+    if profile is not None and profile[0] >= self.steps:
+      raise ConfigError(f'train.profile={self.profile} starts after the last step (train.steps='
+                        f'{self.steps}): no step would be traced')
     if self.peak_lr is not None and self.lr_scale != 1.0:
       raise ConfigError(f'train.peak_lr={self.peak_lr} sets the peak itself; train.lr_scale='
                         f'{self.lr_scale} scales the paper\'s peak: set one of them')

@@ -132,3 +132,16 @@ def test_export_refuses_a_preprocessed_run(stopped_run, tmp_path):
     export_run(workdir / 'best', tmp_path / 'export')
   assert '\n' not in str(error.value) and 'lowercased' in str(error.value)
   assert not (tmp_path / 'export').exists()
+
+
+def test_a_run_trained_lowercased_is_not_resumed_cased(stopped_run, numbers):
+  """Its tokenizer and checkpoints were made from lowercased text: resuming with other
+  preprocessing is refused in one line naming the setting, before any work."""
+  from flax_transformer.run.directory import CheckpointError
+  workdir, _, _ = stopped_run
+  before = sorted(p.name for p in (workdir / 'checkpoints').iterdir())
+  with pytest.raises(CheckpointError, match='data.lowercase') as error:
+    train(MODEL, FROZEN, DATA.replace(lowercase=False), workdir, dataset=numbers,
+          print_fn=lambda m: None)
+  assert '\n' not in str(error.value)
+  assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == before

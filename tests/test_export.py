@@ -311,6 +311,14 @@ def test_an_earlier_export_is_replaced_and_step_and_average_choose_the_weights(t
                              rtol=1e-6)
   card = (output / 'README.md').read_text()
   assert 'mean of its last 2 checkpoints' in card and 'length ** 0.6' in card
+  # The export inside the run is the run's own: train.py resumes it (it refused, naming
+  # 'export', before), while a foreign folder beside it is still refused.
+  from flax_transformer.run.directory import NotARun, check_workdir, foreign_entries
+  assert foreign_entries(workdir) == []
+  check_workdir(workdir)
+  (workdir / 'notes').mkdir()
+  with pytest.raises(NotARun, match='holds what no run of train.py wrote: notes'):
+    check_workdir(workdir)
 
 
 def test_a_bad_option_is_refused_by_the_parser(tmp_path):

@@ -56,7 +56,10 @@ def test_a_profiled_run_is_still_a_run_that_resumes(profiled, numbers_corpus):
 @pytest.mark.parametrize('value, message', [
     ('3,1', 'train.profile=3,1: STOP must be after START (the steps after START up to STOP are '
             'traced)'),
-    ('5', "train.profile must be START,STOP (two step numbers, e.g. 10,15), got '5'")])
+    ('5', "train.profile must be START,STOP (two step numbers, e.g. 10,15), got '5'"),
+    # The toy preset's 400 steps end before the range begins: a trace of nothing, refused.
+    ('400,410', 'train.profile=400,410 starts after the last step (train.steps=400): no step '
+                'would be traced')])
 def test_a_bad_profile_range_is_refused_naming_it(value, message, tmp_path):
   status, _, err = call(train_cli.main, ['--workdir', tmp_path / 'run', f'--train.profile={value}'])
   assert status == 2 and message in err and not (tmp_path / 'run').exists()

@@ -19,7 +19,8 @@ from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
 from flax_transformer.run.directory import CheckpointError
 from flax_transformer.run.loading import load_for_inference
-from flax_transformer.train.evaluation import bleu_left_out, describe_scores, translation_scores
+from flax_transformer.train.evaluation import (bleu_left_out, describe_scores, tokenized_bleu,
+                                               translation_scores)
 from flax_transformer.train.loop import NonFiniteError, train
 from flax_transformer.train import transformer_schedule
 
@@ -157,8 +158,16 @@ def test_translation_scores_are_sacrebleus_and_the_share_of_exact_matches():
   assert ('reference: zwei Katzen schlafen auf dem Sofa\n  output:    zwei Hunde schlafen auf '
           'dem Sofa') in report['samples']
   assert report['bleu_left_out'] == ''
-  assert describe_scores(values, report) == (f'BLEU {values["bleu"]:.2f}, chrF {values["chrf"]:.2f}, '
-                                             'exact match 50.0%')
+  assert values['bleu_lc'] == pytest.approx(
+      sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True).score)
+  assert describe_scores(values, report) == (
+      f'BLEU {values["bleu"]:.2f}, lowercased {values["bleu_lc"]:.2f}, chrF {values["chrf"]:.2f}, '
+      'exact match 50.0%')
+  # With the target language, tokenized BLEU too (no lang given here: none).
+  assert 'bleu_tok' not in values
+  tokenized, _ = translation_scores(KnownOutputs(), split, Greedy(), lang='de')
+  assert tokenized['bleu_tok'] == pytest.approx(tokenized_bleu(hypotheses, references, 'de')[0].score)
+  assert 'tokenized BLEU' in describe_scores(tokenized, report)
 
 
 @pytest.mark.parametrize('references, left_out', [

@@ -268,7 +268,8 @@ MUTANTS = [
       '  if status != 0 or number is None:\n    return status',
       '  if True:\n    return status', 'tests/test_signals.py', 'tests/test_faults.py'),
     m('signal_in_an_evaluation_not_saved', TRAIN + 'loop.py',
-      '      if stopping and not save_due:\n', '      if False:\n', 'tests/test_signals.py'),
+      '      if (stopping or early) and not save_due:\n', '      if False:\n',
+      'tests/test_signals.py'),
 ]
 
 

@@ -51,7 +51,7 @@ from flax_transformer.config import (RENAMED, SECTIONS, ConfigError, DataConfig,
 from flax_transformer.data.cache import tokenizer_files_digest
 from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
-from flax_transformer.pretrained.marian import MarianTokenizer
+from flax_transformer.pretrained.marian import MarianTokenizer, is_export
 from flax_transformer.run.lock import LOCK_FILE, RunLock
 from flax_transformer.run.outputs import Protected, check_output
 
@@ -324,7 +324,7 @@ def foreign_entries(workdir: str | Path, init_from: str | Path | None = None) ->
   empty or train.py's own directory.
 
   A run's own: config.json marked as train.py's, the files of `_RUN_ENTRIES`, its
-  average-lastK outputs, their temporary files, and its tokenizer's files: tokenizer.json,
+  average-lastK outputs, exports written into it (export.py), their temporary files, and its tokenizer's files: tokenizer.json,
   or a fine-tuned Marian model's when config.json lists them (older runs: when config.json is
   train.py's) or when they are `init_from`'s, copied by a run that stopped before writing
   config.json.
@@ -344,7 +344,14 @@ def foreign_entries(workdir: str | Path, init_from: str | Path | None = None) ->
   return sorted(entry.name for entry in workdir.iterdir()
                 if entry.name not in own | own_temporary
                 and not entry.name.startswith('.write-test-')
-                and not (entry.name.startswith(AVERAGE_PREFIX) and _is_average(entry)))
+                and not (entry.name.startswith(AVERAGE_PREFIX) and _is_average(entry))
+                and not _is_own_export(entry))
+
+
+def _is_own_export(directory: Path) -> bool:
+  """Whether DIRECTORY is an export.py output (`export.py RUN --to RUN/export`, as its error
+  messages suggest): made from the run, kept by it like an average."""
+  return directory.is_dir() and not directory.is_symlink() and is_export(directory)
 
 
 def _is_average(directory: Path) -> bool:

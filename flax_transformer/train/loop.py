@@ -573,8 +573,9 @@ class TrainingLoop:
     if self.best.consider(step, value, params):
       self.run.record(step, {f'best_val_{self.best.best.metric}': value})
 
-  def validate(self, step: int, params) -> None:
-    """Logs the validation loss, ppl and accuracy (and a cmlm model's length accuracy)."""
+  def validate(self, step: int, params, keep_best: bool = True) -> None:
+    """Logs the validation loss, ppl and accuracy (and a cmlm model's length accuracy); with
+    `keep_best`, `params` are the devices' (replicated) and WORKDIR/best follows the loss."""
     if not self.val_batches:
       return
     run = self.run
@@ -590,7 +591,7 @@ class TrainingLoop:
               if 'length_accuracy' in values else '')
     run.say(f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
             f'token accuracy {values["accuracy"]:.1%}{length}')
-    if run.train_config.best_metric == 'loss' and self.best is not None:
+    if keep_best and run.train_config.best_metric == 'loss' and self.best is not None:
       self._consider_best(step, values['loss'], run.data_parallel.unreplicate(params))
 
 
@@ -696,7 +697,7 @@ def _final_evaluation(run: _TrainingRun, loop: TrainingLoop, state: TrainState, 
     if start >= steps:
       run.say(f'{run.directory.path} is already trained to step {start} '
               f'(train.steps={steps}); evaluating it')
-      loop.validate(start, state.params)
+      loop.validate(start, state.params, keep_best=False)  # validated when it was trained
     _final_scores(run, state, average_last)
   except signals.Stopped as stop:
     step = max(start, steps)
