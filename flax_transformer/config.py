@@ -301,7 +301,7 @@ class TrainConfig:
                             bounds=NONNEGATIVE_INT)
   best_metric: Literal['loss', 'bleu'] = setting(
       'loss', 'what WORKDIR/best keeps: the parameters of the lowest validation loss (every '
-      'eval_every steps) or the highest validation BLEU (every bleu_every steps)')
+      'eval_every steps) or the highest validation tokenized BLEU (every bleu_every steps)')
   patience: int = setting(0, 'stop after this many validations of train.best_metric without '
                              "improvement (fairseq's --patience); 0: train to train.steps",
                           bounds=NONNEGATIVE_INT)

@@ -145,3 +145,17 @@ def test_a_run_trained_lowercased_is_not_resumed_cased(stopped_run, numbers):
           print_fn=lambda m: None)
   assert '\n' not in str(error.value)
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == before
+
+
+def test_best_by_bleu_follows_the_validation_tokenized_bleu(tmp_path, numbers):
+  """best_metric=bleu keeps the parameters of the highest validation tokenized BLEU, scored
+  every bleu_every steps; its recorded value is the logged val_bleu_tok of that step."""
+  config = FROZEN.replace(steps=4, patience=0, best_metric='bleu', bleu_every=2, eval_every=4)
+  train(MODEL, config, DATA, tmp_path / 'run', dataset=numbers, print_fn=lambda m: None)
+  best = read_best(tmp_path / 'run')
+  lines = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  scored = {line['step']: line['val_bleu_tok'] for line in lines if 'val_bleu_tok' in line}
+  assert sorted(scored) == [2, 4] and best.metric == 'bleu'
+  # Equal scores do not replace the best: the first of the highest is kept.
+  first_highest = min(step for step, value in scored.items() if value == max(scored.values()))
+  assert best.step == first_highest and best.value == pytest.approx(scored[best.step], abs=1e-9)

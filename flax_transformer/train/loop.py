@@ -566,7 +566,8 @@ class TrainingLoop:
     run.record(step, {f'val_{name}': value for name, value in values.items()})
     run.say(f'step {step}: validation {describe_scores(values, report)}')
     if run.train_config.best_metric == 'bleu':
-      self._consider_best(step, values['bleu'], params)
+      # Tokenized BLEU: the literature's, and blind to case, which a lowercased run lacks.
+      self._consider_best(step, values.get('bleu_tok', values['bleu']), params)
 
   def _consider_best(self, step: int, value: float, params) -> None:
     """WORKDIR/best follows a better validation score (`best.BestCheckpoint`)."""
