@@ -190,3 +190,32 @@ def test_the_fairseq_preset_validates_and_saves_once_an_epoch(tmp_path, multi30k
   assert result.tokenizer.encode(['A man, in blue.']) == result.tokenizer.inner.encode(
       ['a man , in blue .'])
   assert 'tokenized BLEU' in text and 'pre:moses-norm+lc+tok-de' in text
+
+
+def test_the_grid_stops_a_stage_at_its_budget_and_refuses_unknown_recipes(tmp_path, capsys):
+  import sys
+  import time
+
+  from benchmarks import multi30k_grid
+  log = tmp_path / 'stage.log'
+  start = time.monotonic()
+  stage = multi30k_grid.run_stage([sys.executable, '-c', 'import time; time.sleep(60)'], log,
+                                  deadline=time.monotonic() + 1.0)
+  assert stage['ended'] == 'stopped at the budget' and stage['exit_code'] != 0
+  assert time.monotonic() - start < 30 and log.read_text().startswith('$ ')
+  finished = multi30k_grid.run_stage([sys.executable, '-c', 'print("done")'], log,
+                                     deadline=time.monotonic() + 60)
+  assert finished['ended'] == 'finished' and 'done' in log.read_text()
+  # Every recipe is train.py's options on a preset train.py knows.
+  from flax_transformer.config import RUN_PRESETS
+  for options in multi30k_grid.RECIPES.values():
+    assert options[0] == '--preset' and options[1] in RUN_PRESETS
+  sys_argv = sys.argv
+  try:
+    sys.argv = ['multi30k_grid', '--runs', 'fairseq-ende-s1,no-such-recipe']
+    with pytest.raises(SystemExit) as exit_status:
+      multi30k_grid.main()
+  finally:
+    sys.argv = sys_argv
+  assert exit_status.value.code == 2
+  assert "unknown recipe 'no-such-recipe'" in capsys.readouterr().err
