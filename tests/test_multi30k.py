@@ -16,15 +16,20 @@ from flax_transformer.nn.model import count_params
 from flax_transformer.train.loop import train
 
 
+def whole_train_split(multi30k_dir, data_config, evaluated: int) -> datasets.DatasetDict:
+  """Multi30k's whole training split, and the first `evaluated` pairs of validation and test."""
+  corpus = load_parallel(str(multi30k_dir), data_config.src_lang, data_config.tgt_lang)
+  return datasets.DatasetDict({'train': corpus['train'],
+                               'validation': corpus['validation'].select(range(evaluated)),
+                               'test': corpus['test'].select(range(evaluated))})
+
+
 @pytest.mark.filterwarnings('ignore:source length .* output capped')
 def test_preset_trains_on_multi30k(tmp_path, multi30k_dir):
   model_config, train_config, data_config = run_preset('multi30k')
-  corpus = load_parallel(str(multi30k_dir), data_config.src_lang, data_config.tgt_lang)
   # The preset's tokenizer, batches and model on the whole training split; 3 steps, and
   # 16 sentences each to validate on and decode (the full splits take minutes untrained).
-  subset = datasets.DatasetDict({'train': corpus['train'],
-                                 'validation': corpus['validation'].select(range(16)),
-                                 'test': corpus['test'].select(range(16))})
+  subset = whole_train_split(multi30k_dir, data_config, 16)
   messages = []
   result = train(model_config, train_config.replace(steps=3, log_every=1, eval_every=3,
                                                     bleu_every=0, checkpoint_every=3),
@@ -175,10 +180,7 @@ def test_the_fairseq_preset_validates_and_saves_once_an_epoch(tmp_path, multi30k
   and a run of it sees lowercased Moses tokens and writes detokenized lowercase text."""
   from flax_transformer.config import MULTI30K_FAIRSEQ_EPOCH
   model_config, train_config, data_config = run_preset('multi30k_fairseq')
-  corpus = load_parallel(str(multi30k_dir), data_config.src_lang, data_config.tgt_lang)
-  subset = datasets.DatasetDict({'train': corpus['train'],
-                                 'validation': corpus['validation'].select(range(8)),
-                                 'test': corpus['test'].select(range(8))})
+  subset = whole_train_split(multi30k_dir, data_config, 8)
   messages = []
   result = train(model_config, train_config.replace(steps=1, log_every=1, bleu_every=0),
                  data_config.replace(source=str(multi30k_dir)), tmp_path, dataset=subset,
