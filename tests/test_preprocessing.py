@@ -97,6 +97,10 @@ def test_the_wrapped_tokenizer_prepares_each_side_in_its_language_and_finishes_o
       ['a dog runs , a man walks .'])
   assert wrapped.encode_target(['Ein Hund läuft.']) == cased_tokenizer.encode(
       ['ein hund läuft .'])
+  # Each side in its own language: Moses splits an apostrophe's 's' as English ("'s") only.
+  assert wrapped.encode(["Peter's dog."]) == cased_tokenizer.encode(["peter 's dog ."])
+  assert wrapped.encode_target(["Peter's Hund."]) == cased_tokenizer.encode(["peter ' s hund ."])
+  assert cased_tokenizer.encode(["peter 's"]) != cased_tokenizer.encode(["peter ' s"])
   ids, lengths = wrapped.encode_flat(['A dog runs.'])
   assert ids.tolist() == cased_tokenizer.encode(['a dog runs .'])[0] and lengths.tolist() == [
       len(ids)]
