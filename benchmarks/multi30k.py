@@ -36,6 +36,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import sacrebleu
 
 from benchmarks import common
@@ -175,6 +176,15 @@ def evaluate(args) -> dict:
   return result
 
 
+def seconds_at(clock: dict[int, float], step: int) -> float | None:
+  """The training clock at `step`, interpolated between the logged steps around it (a
+  validation every 72 steps falls between lines logged every 50); None outside them."""
+  steps = sorted(clock)
+  if not steps or not steps[0] <= step <= steps[-1]:
+    return clock.get(step)
+  return float(np.interp(step, steps, [clock[s] for s in steps]))
+
+
 def bleu_key(lines: list[dict]) -> str:
   """The validation BLEU a run's curve shows: tokenized BLEU when its log has it (the
   literature's metric), else cased sacreBLEU (logs written before tokenized BLEU existed)."""
@@ -187,7 +197,7 @@ def time_to_bleu(lines: list[dict], target: float) -> dict | None:
   clock, key = step_clock(lines), bleu_key(lines)
   for m in lines:
     if m.get(key, -1.0) >= target:
-      seconds = clock.get(m['step'])
+      seconds = seconds_at(clock, m['step'])
       return {'step': m['step'], 'minutes': None if seconds is None else seconds / 60,
               'metric': key, 'value': m[key]}
   return None
@@ -206,7 +216,9 @@ def plot(args) -> None:
     lines = read_metrics(workdir)
     elapsed, key, color = step_clock(lines), bleu_key(lines), f'C{index}'
     keys.add(key)
-    minutes = lambda step: elapsed[step] / 60 if step in elapsed else None
+    def minutes(step, elapsed=elapsed):
+      seconds = seconds_at(elapsed, step)
+      return None if seconds is None else seconds / 60
     loss = [(minutes(m['step']), m['val_loss']) for m in lines if 'val_loss' in m]
     bleu = [(minutes(m['step']), m[key]) for m in lines if key in m]
     train = [(minutes(m['step']), m['loss']) for m in lines if 'loss' in m and 'elapsed_s' in m]
@@ -226,7 +238,7 @@ def plot(args) -> None:
   names = {'val_bleu_tok': 'tokenized BLEU', 'val_bleu': 'BLEU, cased'}
   right.set(xlabel='training time (minutes)',
             ylabel=f'validation {" / ".join(names[k] for k in sorted(keys))} (greedy)')
-  if args.target is not None:
+  if args.target is not None and right.has_data():
     right.axhline(args.target, color='0.5', linewidth=0.8, linestyle='--')
   if len(workdirs) > 1:
     right.legend(fontsize=8)

@@ -110,6 +110,14 @@ def test_time_to_bleu_reads_the_first_validation_at_the_target(tmp_path, capsys)
   assert multi30k.time_to_bleu(lines, 40.0) == {'step': 200, 'minutes': 5.0,
                                                 'metric': 'val_bleu_tok', 'value': 40.5}
   assert multi30k.time_to_bleu(lines, 42.0) is None
+  # A validation between two logged steps (every 72 against every 50) reads the clock
+  # interpolated between them; outside the logged steps there is none.
+  clock = multi30k.step_clock(lines)
+  assert multi30k.seconds_at(clock, 175) == pytest.approx(262.5)
+  assert multi30k.seconds_at(clock, 401) is None
+  between = lines + [{'step': 390, 'val_bleu_tok': 41.5}]
+  assert multi30k.time_to_bleu(between, 41.2) == {'step': 390, 'minutes': pytest.approx(9.75),
+                                                  'metric': 'val_bleu_tok', 'value': 41.5}
   older = [{k: v for k, v in m.items() if k != 'val_bleu_tok'} for m in lines]
   assert multi30k.time_to_bleu(older, 46.0)['step'] == 200
   # Two runs on one figure, the time to the target printed for each.
