@@ -114,6 +114,7 @@ def evaluate(args) -> dict:
   from flax_transformer.data.corpus import load_parallel
   from flax_transformer.decode.translator import Translator
   from flax_transformer.nn.model import count_params
+  from flax_transformer.run.directory import saved_steps
 
   workdir = Path(args.workdir)
   config = json.loads((workdir / 'config.json').read_text())
@@ -131,7 +132,7 @@ def evaluate(args) -> dict:
   # A lowercased run is chosen by tokenized BLEU (its cased BLEU only counts its case errors).
   select = args.select or ('bleu_tok' if data_config.get('lowercase') else 'bleu')
   rows = []
-  saved = sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir() if p.name.isdigit())
+  saved = saved_steps(workdir)
   short = [k for k in args.average_last if k > len(saved)]
   if short:  # a run stopped (or early) before it kept that many
     print(f'average-last{",".join(map(str, short))} left out: the run kept {len(saved)} '

@@ -125,13 +125,10 @@ def moses_available() -> bool:
 
 def check_available(preprocessing: TextPreprocessing) -> None:
   """Raises ConfigError, before any work, when sacremoses is needed and not installed."""
-  if not (preprocessing.normalize_punctuation or preprocessing.pretokenize == 'moses'):
-    return
-  try:
-    import sacremoses  # noqa: F401
-  except ImportError:
+  needed = preprocessing.normalize_punctuation or preprocessing.pretokenize == 'moses'
+  if needed and not moses_available():
     raise ConfigError('data.normalize_punctuation and data.pretokenize=moses need sacremoses: '
-                      'pip install sacremoses') from None
+                      'pip install sacremoses')
 
 
 class PreprocessingTokenizer:

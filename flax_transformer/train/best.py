@@ -16,7 +16,6 @@ resumed run counts the same ones.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path
@@ -24,8 +23,7 @@ from pathlib import Path
 import jax
 
 from flax_transformer.config import TrainConfig
-from flax_transformer.run.directory import (BEST_DIR, BEST_KEY, CONFIG_FILE, read_marker,
-                                            saved_steps)
+from flax_transformer.run.directory import BEST_DIR, BEST_KEY, read_marker, saved_steps
 from flax_transformer.run.loading import write_params_run
 
 
@@ -105,14 +103,3 @@ class BestCheckpoint:
     return (f'best validation {self.best.metric} {self.best.value:.4g} at step {self.best.step} '
             f'({self.workdir / BEST_DIR})')
 
-
-def best_config_path(workdir: str | Path) -> Path:
-  return Path(workdir) / BEST_DIR / CONFIG_FILE
-
-
-def best_record(workdir: str | Path) -> dict | None:
-  """WORKDIR/best/config.json's record of the best score, as a dict, or None."""
-  try:
-    return json.loads(best_config_path(workdir).read_text()).get(BEST_KEY)
-  except (OSError, ValueError, AttributeError):
-    return None

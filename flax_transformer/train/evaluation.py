@@ -70,8 +70,7 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], lang: st
   """({'bleu', 'bleu_lc', 'chrf', 'exact_match'} and 'bleu_tok' when `lang` is given, the
   signatures in one line): sacreBLEU cased and lowercased (13a) and chrF on the text as
   given, and `tokenized_bleu` in the target language `lang`."""
-  bleu, bleu_lc, chrf = (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
-                         sacrebleu.metrics.CHRF())
+  bleu, bleu_lc, chrf = sacrebleu_metrics()
   values = {'bleu': bleu.corpus_score(hypotheses, [references]).score,
             'bleu_lc': bleu_lc.corpus_score(hypotheses, [references]).score,
             'chrf': chrf.corpus_score(hypotheses, [references]).score,
@@ -83,6 +82,13 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], lang: st
     values['bleu_tok'] = score.score
     signature += f', tokenized BLEU {tokenized_signature}'
   return values, signature
+
+
+def sacrebleu_metrics() -> tuple[sacrebleu.metrics.BLEU, sacrebleu.metrics.BLEU,
+                                   sacrebleu.metrics.CHRF]:
+  """The text-as-given scores every report gives: BLEU cased and lowercased (13a), chrF."""
+  return (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
+          sacrebleu.metrics.CHRF())
 
 
 def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: str
@@ -115,8 +121,7 @@ def score_lines(hypotheses: Sequence[str], references: Sequence[str], lang: str 
   """decode.py --reference's report: sacreBLEU's BLEU cased and lowercased and chrF, then the
   tokenized BLEU in the target language `lang` (or why it is missing), each with its signature."""
   lines = []
-  for metric in (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
-                 sacrebleu.metrics.CHRF()):
+  for metric in sacrebleu_metrics():
     score = metric.corpus_score(hypotheses, [references])
     lines.append(f'{score}  signature: {metric.get_signature()}')
   if lang is None:
