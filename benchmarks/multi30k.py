@@ -132,6 +132,8 @@ def evaluate(args) -> dict:
   # A lowercased run is chosen by tokenized BLEU (its cased BLEU only counts its case errors).
   select = args.select or ('bleu_tok' if data_config.get('lowercase') else 'bleu')
   rows = []
+  name = f'multi30k_{src}{tgt}{"_cmlm" if cmlm else ""}.json'
+  output_path = Path(args.output or RESULTS / name)
   saved = saved_steps(workdir)
   short = [k for k in args.average_last if k > len(saved)]
   if short:  # a run stopped (or early) before it kept that many
@@ -153,6 +155,9 @@ def evaluate(args) -> dict:
                'sentences': len(sources), 'decode_seconds': seconds,
                **score(hypotheses, references, tgt)}
         rows.append(row)
+        # Each row as it comes: a budget that stops the evaluation keeps what it scored.
+        common.write_json(output_path, {'benchmark': 'multi30k', 'partial': True,
+                                        'workdir': str(workdir), 'rows': rows})
         print(f'{weights:>16s} {search_name:>11s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
               f'lowercased {row["bleu_lc"]:5.2f}  tokenized {row["bleu_tok"]:5.2f}  '
               f'chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
@@ -171,8 +176,7 @@ def evaluate(args) -> dict:
             'parameters': count_params(translator.variables['params']),
             **training_summary(workdir), 'rows': rows,
             'selected': {'weights': best['weights'], 'search': best['search'], 'by': select}}
-  name = f'multi30k_{src}{tgt}{"_cmlm" if cmlm else ""}.json'
-  output = common.write_json(Path(args.output or RESULTS / name), result)
+  output = common.write_json(output_path, result)
   print(f'wrote {output}')
   return result
 

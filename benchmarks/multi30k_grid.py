@@ -1,6 +1,7 @@
 """Multi30k quality runs one after another within a time budget: train, then evaluate each.
 
   python -m benchmarks.multi30k_grid --runs fairseq-ende-s1,fairseq-ende-s2 --budget 3600
+  python -m benchmarks.multi30k_grid --runs A,B,C --parallel --budget 540   # all at once, a GPU
   python -m benchmarks.multi30k_grid --list                       # the recipes by name
 
 Each recipe is train.py's options (a preset and overrides); `--runs` picks them in the order
@@ -9,7 +10,9 @@ given. A run is trained (`train.py ... --average-last 10`), then scored by
 checkpoints and from its best validation checkpoint, greedy and beam 4 and 5 at length
 penalties 0.6, 1.0 and 1.5; the variant is chosen on validation. Each stage runs in a process
 of its own and is stopped (SIGTERM, its state saved) when the budget runs out, so a GPU lent for
-minutes returns what it finished. Results: `--results DIR/<run>.json` (multi30k evaluate's) and
+minutes returns what it finished. `--parallel` trains every run at once, then evaluates every
+one at once: a GPU lent for minutes runs these small models far below its capacity, and one at a
+time would leave it waiting on each run's host side and compiling. Results: `--results DIR/<run>.json` (multi30k evaluate's) and
 `<run>.metrics.jsonl` (the curve), and `grid.json`, what ran, how long, and how it ended.
 
 The recipes (docs/multi30k.md says what each measured):
@@ -43,6 +46,7 @@ RECIPES = {
     # Candidates for this library's own recipe, each one change to the anchor, to be chosen on
     # validation (none is yet: docs/multi30k.md).
     'dff512-ende-s1': ['--preset', 'multi30k_fairseq', '--model.d_ff', '512'],
+    'dff512-ende-s2': ['--preset', 'multi30k_fairseq', '--model.d_ff', '512', '--train.seed', '2'],
     'packed-ende-s1': ['--preset', 'multi30k_fairseq', '--train.packing', '64'],
     'attdrop-ende-s1': ['--preset', 'multi30k_fairseq', '--model.attention_dropout_rate', '0.1'],
     'patience20-ende-s1': ['--preset', 'multi30k_fairseq', '--train.patience', '20'],
@@ -53,26 +57,38 @@ EVALUATE = ['--average-last', '10', '--weights', 'average-last10,best', '--beams
             '--alphas', '0.6,1.0,1.5']
 
 
+def run_stages(commands: list[list[str]], logs: list[Path], deadline: float,
+               env: dict[str, str] | None = None) -> list[dict]:
+  """Runs `commands` at once (each to its log) until each ends or `deadline`, then SIGTERM and
+  60 s grace (a training run saves its step) before SIGKILL."""
+  start = time.monotonic()
+  processes = []
+  for command, log in zip(commands, logs):
+    with log.open('a') as out:
+      out.write(f'$ {" ".join(command)}\n')
+      out.flush()
+      processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                        env=env))
+  seconds, ended = [None] * len(processes), [None] * len(processes)
+  while any(code is None for code in seconds):
+    for i, process in enumerate(processes):
+      if seconds[i] is None and process.poll() is not None:
+        seconds[i] = time.monotonic() - start
+        ended[i] = ended[i] or ('finished' if process.returncode == 0
+                                else f'failed ({process.returncode})')
+      elif seconds[i] is None and time.monotonic() > deadline and ended[i] is None:
+        process.terminate()
+        ended[i] = 'stopped at the budget'
+      elif seconds[i] is None and time.monotonic() > deadline + 60:
+        process.kill()
+    time.sleep(0.5)
+  return [{'command': command, 'seconds': seconds[i], 'exit_code': processes[i].returncode,
+           'ended': ended[i]} for i, command in enumerate(commands)]
+
+
 def run_stage(command: list[str], log: Path, deadline: float) -> dict:
   """Runs `command` (output to `log`) until it ends or `deadline`, then SIGTERM and 60 s grace."""
-  start = time.monotonic()
-  with log.open('a') as out:
-    out.write(f'$ {" ".join(command)}\n')
-    out.flush()
-    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-      code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-      ended = 'finished' if code == 0 else f'failed ({code})'
-    except subprocess.TimeoutExpired:
-      process.terminate()
-      try:
-        code = process.wait(timeout=60)
-      except subprocess.TimeoutExpired:
-        process.kill()
-        code = process.wait()
-      ended = 'stopped at the budget'
-  return {'command': command, 'seconds': time.monotonic() - start, 'exit_code': code,
-          'ended': ended}
+  return run_stages([command], [log], deadline)[0]
 
 
 def main() -> None:
@@ -88,6 +104,8 @@ def main() -> None:
                       help='seconds kept back from training for each run\'s evaluation')
   parser.add_argument('--evaluate', default=' '.join(EVALUATE),
                       help='options of benchmarks.multi30k evaluate (default: %(default)s)')
+  parser.add_argument('--parallel', action='store_true',
+                      help='train all the runs at once, then evaluate them all at once (a GPU)')
   parser.add_argument('--list', action='store_true', help='print the recipes and exit')
   args, extra = parser.parse_known_args()
   if args.list:
@@ -105,26 +123,46 @@ def main() -> None:
   results.mkdir(parents=True, exist_ok=True)
   grid = {'benchmark': 'multi30k-grid', 'machine': common.machine_info(os.cpu_count()),
           'budget_s': args.budget, 'runs': {}}
-  for name in names:
+  workdirs = {name: workroot / name for name in names}
+  logs = {name: results / f'{name}.log' for name in names}
+
+  def train_command(name):
+    return [sys.executable, 'train.py', *RECIPES[name], *extra, '--data', args.data,
+            '--workdir', str(workdirs[name]), '--average-last', '10']
+
+  def evaluate_command(name):
+    return [sys.executable, '-m', 'benchmarks.multi30k', 'evaluate', '--workdir',
+            str(workdirs[name]), '--data', args.data, *args.evaluate.split(), '--output',
+            str(results / f'{name}.json')]
+
+  def collect(name):
+    if (workdirs[name] / 'metrics.jsonl').is_file():
+      shutil.copy(workdirs[name] / 'metrics.jsonl', results / f'{name}.metrics.jsonl')
+    return (workdirs[name] / 'checkpoints').is_dir()
+
+  if args.parallel:
+    # Each process takes GPU memory as it needs it, not 75% of it at its start.
+    env = {**os.environ, 'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}
+    trained = run_stages([train_command(name) for name in names], [logs[n] for n in names],
+                         deadline - args.evaluate_seconds, env)
+    for name, train in zip(names, trained):
+      grid['runs'][name] = {'train': train}
+    common.write_json(results / 'grid.json', grid)
+    scored = [name for name in names if collect(name)]
+    for name, evaluation in zip(scored, run_stages([evaluate_command(n) for n in scored],
+                                                   [logs[n] for n in scored], deadline, env)):
+      grid['runs'][name]['evaluate'] = evaluation
+  for name in [] if args.parallel else names:
     if time.monotonic() > deadline - 2 * args.evaluate_seconds:
       grid['runs'][name] = {'ended': 'not started: the budget ran out'}
       continue
-    workdir, log = workroot / name, results / f'{name}.log'
-    train = run_stage([sys.executable, 'train.py', *RECIPES[name], *extra, '--data', args.data,
-                       '--workdir', str(workdir), '--average-last', '10'], log,
-                      deadline - args.evaluate_seconds)
-    entry = grid['runs'][name] = {'train': train}
-    if (workdir / 'metrics.jsonl').is_file():
-      shutil.copy(workdir / 'metrics.jsonl', results / f'{name}.metrics.jsonl')
-    if (workdir / 'checkpoints').is_dir():
-      entry['evaluate'] = run_stage(
-          [sys.executable, '-m', 'benchmarks.multi30k', 'evaluate', '--workdir', str(workdir),
-           '--data', args.data, *args.evaluate.split(), '--output', str(results / f'{name}.json')], log,
-          deadline)
+    entry = grid['runs'][name] = {
+        'train': run_stage(train_command(name), logs[name], deadline - args.evaluate_seconds)}
+    if collect(name):
+      entry['evaluate'] = run_stage(evaluate_command(name), logs[name], deadline)
     common.write_json(results / 'grid.json', grid)
     print(f'{name}: {json.dumps({k: v.get("ended") for k, v in entry.items()})}', flush=True)
   common.write_json(results / 'grid.json', grid)
-
 
 if __name__ == '__main__':
   main()
