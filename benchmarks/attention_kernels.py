@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from benchmarks.common import RESULTS, accelerator_info, interleaved_medians, machine_info, write_json
+from benchmarks.common import RESULTS, accelerator_info, machine_info, write_json
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -55,6 +55,9 @@ def attention_gradient(kernel: str, rows: int, length: int, dtype: str):
 
 def measure(lengths: list[int], tokens: int, rounds: int) -> list[dict]:
   import jax
+
+  from flax_transformer import bench
+  from flax_transformer.bench.compiled import compile_programs, memory_of
   dtype = 'bfloat16' if jax.default_backend() == 'gpu' else 'float32'
   rows_out = []
   for length in lengths:
@@ -62,12 +65,13 @@ def measure(lengths: list[int], tokens: int, rounds: int) -> list[dict]:
     calls, temp = {}, {}
     for kernel in kernels_here():
       fn, args = attention_gradient(kernel, rows, length, dtype)
-      temp[kernel] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-      calls[kernel] = lambda fn=fn, args=args: jax.block_until_ready(fn(*args))
-    times = interleaved_medians(calls, rounds, warmup=2)
+      (compiled,), _ = compile_programs(lambda: [fn.lower(*args)])
+      temp[kernel] = memory_of([compiled]).temporaries
+      calls[kernel] = lambda compiled=compiled, args=args: jax.block_until_ready(compiled(*args))
+    times = bench.alternating_rounds(calls, rounds, warmup=2)
     row = {'length': length, 'rows': rows, 'dtype': dtype}
     for kernel in calls:
-      row[f'{kernel}_ms'] = round(times[kernel]['median_s'] * 1e3, 3)
+      row[f'{kernel}_ms'] = round(times[kernel].median_s * 1e3, 3)
       row[f'{kernel}_temp_mib'] = round(temp[kernel] / 2 ** 20, 1)
     for kernel in calls:
       row[f'{kernel}_over_einsum'] = round(row[f'{kernel}_ms'] / row['einsum_ms'], 3)

@@ -6,7 +6,7 @@ with an empty cache, then in a new process with the cache the first one wrote.
 Each round, in processes of their own (as train.py and its restart would be):
 
   cold  an empty cache directory (`cli.compilation_cache.enable`, as train.py sets it):
-        trace, lower and compile `OurStep` for one batch shape, then run one step;
+        trace, lower and compile train.py's step (`flax_transformer.bench.TrainingStep`) for one batch shape, then run one step;
   warm  a new process on the directory `cold` wrote: the same, so XLA's compilation is
         read from the cache (tracing and lowering still happen, as in any process).
 
@@ -29,20 +29,20 @@ from benchmarks.common import RESULTS, machine_info, python_worker, write_json
 
 
 WORKER = '''
-import json, sys, time
+import json, sys
 from flax_transformer.cli import compilation_cache
 cache = compilation_cache.enable(sys.argv[1])
-import jax
 from benchmarks import workloads
+from flax_transformer import bench
 from flax_transformer.config import TrainConfig
-config = workloads.model_config(sys.argv[2])
-shape = workloads.Shape(batch=int(sys.argv[3]), src_len=int(sys.argv[4]), tgt_len=int(sys.argv[4]))
-step = workloads.OurStep(config, TrainConfig(), shape, jax.devices()[:1])
-begin = time.perf_counter()
-step.step()
+step = bench.TrainingStep(workloads.model_config(sys.argv[2]), TrainConfig(),
+                          bench.BatchShape(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[4])),
+                          devices=1)
+report = step.report(bench.time_rounds(step.run, 1, warmup=0))
 read, compiled = cache.counts()
-print(json.dumps({'compile_s': step.compile_s, 'step_s': time.perf_counter() - begin,
-                  'programs_read': read, 'programs_compiled': compiled}))
+print(json.dumps({'compile_s': report.compilation.seconds, 'step_s': report.timing.median_s,
+                  'cache': report.compilation.cache, 'programs_read': read,
+                  'programs_compiled': compiled}))
 '''
 
 

@@ -45,14 +45,12 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import (RESULTS, ROOT, accelerator_info, machine_info, time_calls,
-                               write_json)
+from benchmarks.common import RESULTS, ROOT, accelerator_info, machine_info, write_json
 from benchmarks.workloads import Shape
 
 PARTS = ('numerics', 'mfu', 'decode', 'input', 'multi30k')
 DEFAULT_MULTI30K = ROOT.parent / 'shared' / 'data' / 'multi30k'
 # Dense bfloat16 tensor-core peaks from the datasheets (FLOP/s), by device_kind substring.
-DATASHEET_BF16_PEAK = {'H200': 989.4e12, 'H100': 989.4e12, 'A100': 312e12, 'L40S': 362e12}
 # Each part's share of the budget; the multi30k run takes what the others leave.
 BUDGET_SHARES = {'numerics': 0.05, 'mfu': 0.4, 'decode': 0.1, 'input': 0.15}
 
@@ -110,8 +108,8 @@ def model_config(name: str, **overrides):
 
 def median_seconds(fn, setting: Setting) -> float:
   """The median of `setting.rounds` timed calls of `fn`, after `setting.warmup` untimed ones."""
-  time_calls(fn, setting.warmup)
-  return statistics.median(time_calls(fn, setting.rounds))
+  from flax_transformer import bench
+  return bench.time_rounds(fn, setting.rounds, setting.warmup).median_s
 
 
 # --- numerics -----------------------------------------------------------------------------
@@ -163,39 +161,32 @@ def numerics(setting: Setting, deadline: float) -> dict:
 
 # --- mfu ----------------------------------------------------------------------------------
 
-def matmul_peak(size: int) -> float:
-  """FLOP/s of bfloat16 [size, size] @ [size, size] (float32 accumulation), median of 5."""
-  from benchmarks.solo_worker import jax_matmul_loop
-  iterations = 20
-  run = jax_matmul_loop(size, size, size, 'bfloat16', iterations)
-  run()
-  return 2 * size ** 3 * iterations / statistics.median(time_calls(run, 5))
-
-
-def step_cell(name: str, shape: Shape, kernel: str, remat: str, setting: Setting) -> dict:
-  """One training step's median time, MFU inputs, compile time and compiled temporaries."""
-  import jax
-
+def step_cell(name: str, shape: Shape, kernel: str, remat: str, setting: Setting,
+              peak: float) -> dict:
+  """One training step's report (`flax_transformer.bench`): median time, TFLOP/s, MFU against
+  the measured and the datasheet peak, compile time and compiled temporaries."""
+  from flax_transformer import bench
   from flax_transformer.config import TrainConfig
-
-  from benchmarks.workloads import OurStep, train_flops
   config = model_config(name, dtype='bfloat16', attention_kernel=kernel, remat=remat)
-  step = OurStep(config, TrainConfig(), shape, jax.devices()[:1])
-  seconds = median_seconds(step.step, setting)
-  memory = step.compiled.memory_analysis()
-  return {'model': name, 'shape': str(shape), 'target_tokens': shape.target_tokens,
-          'kernel': kernel, 'remat': remat, 'median_s': seconds,
-          'tflops': train_flops(config, shape) / seconds / 1e12,
-          'compile_s': round(step.compile_s, 2),
-          'temp_gib': None if memory is None else memory.temp_size_in_bytes / 2 ** 30}
+  step = bench.TrainingStep(config, TrainConfig(), shape, devices=1)
+  report = step.report(bench.time_rounds(step.run, setting.rounds, setting.warmup), peak)
+  cell = {'model': name, 'shape': str(shape), 'target_tokens': shape.target_tokens,
+          'kernel': kernel, 'remat': remat, 'median_s': report.timing.median_s,
+          'tflops': report.flops_per_s / 1e12, 'compile_s': round(report.compilation.seconds, 2),
+          'temp_gib': None if report.memory is None else report.memory.temporaries / 2 ** 30,
+          'mfu_of_measured_peak': report.mfu}
+  if report.datasheet_mfu is not None:
+    cell['mfu_of_datasheet_peak'] = report.datasheet_mfu
+  return cell
 
 
 def mfu(setting: Setting, deadline: float) -> dict:
   """Every (model, shape, kernel, remat) cell, the default first; MFU against both peaks."""
   import jax
-  peak = matmul_peak(setting.peak_size)
-  kind = jax.devices()[0].device_kind
-  datasheet = next((v for k, v in DATASHEET_BF16_PEAK.items() if k in kind), None)
+
+  from flax_transformer import bench
+  peak = bench.measure_peak('bfloat16', setting.peak_size, iterations=20, rounds=5).flops_per_s
+  datasheet = bench.datasheet_peak(jax.devices()[0].device_kind, 'bfloat16')
   fused = fused_kernel()
   # Most telling first, so that a short budget skips the least: the default kernel without
   # remat, then einsum, then the remat policies with each kernel.
@@ -211,10 +202,7 @@ def mfu(setting: Setting, deadline: float) -> dict:
           cells.append({'model': name, 'shape': str(shape), 'kernel': kernel, 'remat': remat,
                         'skipped': 'time budget'})
           continue
-        cell = step_cell(name, shape, kernel, remat, setting)
-        cell['mfu_of_measured_peak'] = cell['tflops'] * 1e12 / peak
-        if datasheet:
-          cell['mfu_of_datasheet_peak'] = cell['tflops'] * 1e12 / datasheet
+        cell = step_cell(name, shape, kernel, remat, setting, peak)
         cells.append(cell)
         print(json.dumps(cell), flush=True)
         gc.collect()
@@ -225,31 +213,22 @@ def mfu(setting: Setting, deadline: float) -> dict:
 # --- decode -------------------------------------------------------------------------------
 
 def decode(setting: Setting, deadline: float) -> dict:
-  """Greedy and beam 4 tokens/s (new tokens of every sentence) at each batch size."""
-  import jax
-
-  from flax_transformer import Transformer
-  from flax_transformer.decode import autoregressive
-
-  from benchmarks.workloads import decode_sources
+  """Greedy and beam 4 tokens/s (new tokens of every sentence) at each batch size, as
+  `flax_transformer.bench.decode_report` measures them."""
+  from flax_transformer import bench
+  from flax_transformer.decode.methods import BeamSearch, Greedy
   config = model_config(setting.models[0], dtype='bfloat16', dropout_rate=0.0)
-  model, n = Transformer(config), setting.new_tokens
-  cells = []
+  n, cells = setting.new_tokens, []
   for batch in setting.decode_batches:
-    src = decode_sources(config, batch, setting.source_len)
-    params = jax.jit(model.init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
-    searches = {
-        'greedy': lambda: jax.block_until_ready(
-            autoregressive.greedy(model, params, src, max_len=n, min_len=n)),
-        'beam4': lambda: jax.block_until_ready(
-            autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))}
-    for search, run in searches.items():
+    for search, method in (('greedy', Greedy()), ('beam4', BeamSearch(beam_size=4))):
       if time.monotonic() > deadline:
         cells.append({'search': search, 'batch': batch, 'skipped': 'time budget'})
         continue
-      seconds = median_seconds(run, setting)
-      cells.append({'search': search, 'batch': batch, 'median_s': seconds,
-                    'tokens_per_s': batch * n / seconds})
+      report = bench.decode_report(config, method, batch=batch, src_len=setting.source_len,
+                                   new_tokens=n, rounds=setting.rounds, warmup=setting.warmup)
+      cells.append({'search': search, 'batch': batch, 'median_s': report.timing.median_s,
+                    'tokens_per_s': report.tokens_per_s,
+                    'compile_s': round(report.compilation.seconds, 2)})
   return {'model': setting.models[0], 'source_len': setting.source_len, 'new_tokens': n,
           'cells': cells}
 
@@ -283,7 +262,7 @@ def host_and_device(setting: Setting, workdir: Path) -> dict:
   from flax_transformer.run.directory import read_config
 
   from benchmarks.data_pipeline import load_only_cache
-  from benchmarks.workloads import OurStep
+  from flax_transformer import bench
   corpus = load_only_cache(workdir / 'encoded')
   tokens = setting.input_max_tokens
   results = {}
@@ -302,8 +281,8 @@ def host_and_device(setting: Setting, workdir: Path) -> dict:
     results[f'{kind}_most_frequent_shape'] = list(statistics.mode(shapes))
   rows, length = results['bucketed_most_frequent_shape']
   model_config = read_config(workdir)[0]
-  step = OurStep(model_config, TrainConfig(), Shape(rows, length, length), jax.devices()[:1])
-  results['device_s_per_step'] = median_seconds(step.step, setting)
+  step = bench.TrainingStep(model_config, TrainConfig(), Shape(rows, length, length), devices=1)
+  results['device_s_per_step'] = median_seconds(step.run, setting)
   results['device_step_shape'] = str(Shape(rows, length, length))
   results['host_over_device'] = results['bucketed_host_s_per_batch'] / results['device_s_per_step']
   return results

@@ -3,7 +3,7 @@
     python -m benchmarks.remat_memory [--model base] [--rows 390 --length 64] [--step]
 
 For each of none, layer and dots, in a process of its own: trace, lower and compile the
-training step (`workloads.OurStep`: the model, Adam, one device) for one batch shape and
+training step (`flax_transformer.bench.TrainingStep`: train.py's step on one device) for one batch shape and
 read XLA's `memory_analysis()`: temporaries (activations kept for the backward pass and
 scratch), arguments, outputs. The default shape is the paper's batch: 390 rows of 64
 tokens, 24,960 tokens per side (about 25,000), and its 37,000-piece vocabulary. `--step` also runs two steps and reports
@@ -28,22 +28,22 @@ from benchmarks.common import RESULTS, machine_info, python_worker, write_json
 SETTINGS = ('none', 'layer', 'dots')
 
 WORKER = '''
-import json, resource, sys, time
-import jax
+import json, resource, sys
 from benchmarks import workloads
+from flax_transformer import bench
 from flax_transformer.config import TrainConfig
 config = workloads.model_config(sys.argv[1]).replace(remat=sys.argv[2], vocab_size=int(sys.argv[6]))
-shape = workloads.Shape(batch=int(sys.argv[3]), src_len=int(sys.argv[4]), tgt_len=int(sys.argv[4]))
-step = workloads.OurStep(config, TrainConfig(), shape, jax.devices()[:1])
-memory = step.compiled.memory_analysis()
-result = {'compile_s': step.compile_s, 'temp_bytes': memory.temp_size_in_bytes,
-          'argument_bytes': memory.argument_size_in_bytes,
-          'output_bytes': memory.output_size_in_bytes, 'alias_bytes': memory.alias_size_in_bytes}
-if sys.argv[5] == 'step':
-  step.step()
-  begin = time.perf_counter()
-  step.step()
-  result['step_s'] = time.perf_counter() - begin
+step = bench.TrainingStep(config, TrainConfig(),
+                          bench.BatchShape(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[4])),
+                          devices=1)
+stepping = sys.argv[5] == 'step'
+report = step.report(bench.time_rounds(step.run, 1, warmup=1) if stepping else bench.Timing((0.0,)))
+memory = report.memory
+result = {'compile_s': report.compilation.seconds, 'temp_bytes': memory.temporaries,
+          'argument_bytes': memory.arguments, 'output_bytes': memory.outputs,
+          'alias_bytes': memory.aliased}
+if stepping:
+  result['step_s'] = report.timing.median_s
   result['peak_rss_bytes'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps(result))
 '''

@@ -2,14 +2,15 @@
 
 Shared by `benchmarks.solo` and its workers, `step_parts`, `ab`, `cmlm`, `packing`
 and tests/test_benchmarks.py (which checks the FLOP counts against the dots XLA
-is given). Only the standard library is imported here up front: a peer's worker
-process runs under a python of its own, without flax_transformer; whatever
-needs JAX or the library imports it inside.
+is given). Up front only the standard library and `flax_transformer.bench.flops` (the
+hand counts: the config and the model modules, jax and flax) are imported: a peer's
+worker process runs under a python of its own; whatever needs more of the library
+imports it inside.
 
   Shape, SHAPE        a training batch; the issue's 32 x (32 + 32) tokens
   model_config        'base' (the paper's, vocabulary 8,000), 'small' (the first
                       multi30k preset's size, `first_preset`), 'big'
-  train_flops         one training step's matmul FLOPs, and `train_flop_classes`
+  train_flops         one training step's matmul FLOPs (the library's), and `train_flop_classes`
                       the same split by the matmul shape they run at
   decode_flops        greedy / beam decoding's (`prefix_flops` + `step_flops`), and
                       `decode_flop_classes`
@@ -20,10 +21,13 @@ needs JAX or the library imports it inside.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
-import time
 from pathlib import Path
+
+# The hand counts and the batch shape; flax_transformer.bench.flops imports only the config
+# (and the package's model modules: jax and flax), which a peer's python has too.
+from flax_transformer.bench.flops import (BatchShape, decode_flops, encoder_layer_flops,
+                                          prefix_flops, step_flops, train_flops)
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 # The first multi30k preset's size, kept as data beside the results measured at it.
@@ -32,19 +36,8 @@ MODELS = ('base', 'small', 'big')
 VOCAB_SIZE = 8000
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-  """One batch: `batch` rows of `src_len` source and `tgt_len` target tokens."""
-  batch: int
-  src_len: int
-  tgt_len: int
-
-  @property
-  def target_tokens(self) -> int:
-    return self.batch * self.tgt_len
-
-  def __str__(self):
-    return f'{self.batch}x{self.src_len}+{self.tgt_len}'
+# One batch: `batch` rows of `src_len` source and `tgt_len` target tokens (the library's).
+Shape = BatchShape
 
 
 SHAPE = Shape(batch=32, src_len=32, tgt_len=32)
@@ -74,81 +67,7 @@ def model_config(name: str = 'base', **overrides):
   return config.replace(**overrides)
 
 
-# --- FLOPs -------------------------------------------------------------------------------
-
-def encoder_layer_flops(config, batch: int, src_len: int) -> int:
-  """Matmul FLOPs of one encoder layer's forward pass over B rows of S tokens (2 per multiply-add):
-  2BS(4D^2 + 2DF) for Q, K, V, O and the FFN, 4BS^2 D for QK^T and AV."""
-  B, S, D, F = batch, src_len, config.d_model, config.d_ff
-  return 2 * B * S * (4 * D * D + 2 * D * F) + 4 * B * S * S * D
-
-
-def train_flops(config, shape: Shape) -> int:
-  """Matmul FLOPs of one training step (2 per multiply-add), forward and backward.
-
-  With B rows, S source and T target tokens, D = d_model, F = d_ff, V = vocab,
-  N_e / N_d encoder / decoder layers, the forward pass multiplies
-
-    encoder layer   2BS(4D^2 + 2DF) + 4BS^2 D          Q, K, V, O, FFN; QK^T and AV
-    decoder layer   2BT(4D^2 + 2DF) + 4BT^2 D          masked self-attention, FFN
-                    + 2BT(2D^2) + 2BS(2D^2) + 4BTSD    cross-attention: Q, O on T; K, V on S
-    output          2BTDV                              logits against the shared embedding
-
-  and the backward pass multiplies twice as much (for every matmul, the
-  gradients of both operands). The causal mask does not halve QK^T: the masked
-  half is computed and then masked, in our step and in the peers'. Not counted:
-  the embedding lookups and their scatter-add gradient, softmax, LayerNorm,
-  dropout and Adam (elementwise; under 1% of the total at the benchmarked shapes).
-  """
-  B, S, T = shape.batch, shape.src_len, shape.tgt_len
-  D, F, V = config.d_model, config.d_ff, config.vocab_size
-  encoder = encoder_layer_flops(config, B, S)
-  decoder = (2 * B * T * (4 * D * D + 2 * D * F) + 4 * B * T * T * D
-             + 2 * B * T * 2 * D * D + 2 * B * S * 2 * D * D + 4 * B * T * S * D)
-  forward = (config.num_encoder_layers * encoder + config.num_decoder_layers * decoder
-             + 2 * B * T * D * V)
-  return 3 * forward
-
-
-def prefix_flops(config, batch: int, src_len: int) -> int:
-  """Matmul FLOPs before the first decoding step (2 per multiply-add): the encoder, then K and V.
-
-  With B sources of S tokens, D = d_model, F = d_ff, N_e / N_d layers:
-
-    encoder layer   2BS(4D^2 + 2DF) + 4BS^2 D      Q, K, V, O, FFN; QK^T and AV
-    decoder layer   2BS(2D^2)                      cross-attention K and V, once
-  """
-  D = config.d_model
-  return (config.num_encoder_layers * encoder_layer_flops(config, batch, src_len)
-          + config.num_decoder_layers * 2 * batch * src_len * 2 * D * D)
-
-
-def step_flops(config, rows: int, src_len: int, attended: int) -> int:
-  """Matmul FLOPs of one decode step of R rows attending to `attended` positions of their own.
-
-    decoder layer   2R(4D^2 + 2DF)                 Q, K, V, O of one token, FFN
-                    + 2R(2D^2) + 4RSD              cross-attention Q, O; QK^T and AV over S
-                    + 4R A D                       self-attention QK^T and AV over A positions
-    output          2RDV                           logits against the shared embedding
-
-  The compiled step attends to all L cache slots (masked), so its dots count
-  A = L; `decode_flops` counts the model's work, A = t + 1 at step t.
-  """
-  R, S, A = rows, src_len, attended
-  D, F, V = config.d_model, config.d_ff, config.vocab_size
-  layer = 2 * R * (4 * D * D + 2 * D * F) + 2 * R * 2 * D * D + 4 * R * S * D + 4 * R * A * D
-  return config.num_decoder_layers * layer + 2 * R * D * V
-
-
-def decode_flops(config, batch: int, src_len: int, new_tokens: int, beam_size: int = 1) -> int:
-  """Model FLOPs of decoding `new_tokens` for B sources: the prefix plus every step on B * beams rows.
-
-  The same count for every contender, so GFLOP/s compare like tokens/s; not
-  counted: softmax, LayerNorm, top-k and the cache reorder.
-  """
-  return prefix_flops(config, batch, src_len) + sum(
-      step_flops(config, batch * beam_size, src_len, t + 1) for t in range(new_tokens))
-
+# --- FLOPs (the hand counts are the library's: flax_transformer.bench.flops) -------------
 
 def _encoder_classes(classes: collections.Counter, config, batch: int, src_len: int) -> None:
   """Adds the encoder's forward matmuls over batch x src_len rows to `classes`."""
@@ -221,13 +140,10 @@ def synthetic_arrays(config, shape: Shape, seed: int = 0):
 
 
 def synthetic_batch(config, shape: Shape, seed: int = 0):
-  """`synthetic_arrays` as the library's `Batch`."""
-  import numpy as np
-
-  from flax_transformer.data.batching import Batch
-  src, tgt_in, tgt_out = synthetic_arrays(config, shape, seed)
-  return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out,
-               example_ids=np.arange(shape.batch, dtype=np.int32))
+  """`synthetic_arrays` as the library's `Batch` (`flax_transformer.bench.synthetic_batch`,
+  which draws the same ids: tests/test_benchmarks.py checks)."""
+  from flax_transformer.bench.step import synthetic_batch
+  return synthetic_batch(config, shape, seed=seed)
 
 
 def decode_sources(config, batch: int, source_len: int):
@@ -242,33 +158,18 @@ def decode_sources(config, batch: int, source_len: int):
 # --- our step ----------------------------------------------------------------------------
 
 class OurStep:
-  """`train.make_parallel_step` on `devices`, compiled ahead of time, on one fixed batch.
-
-  `compile_s` is tracing + lowering + XLA compilation; `step()` runs one update
-  (state buffers donated, as in training), waits for it and returns its loss
-  (the label-smoothed loss per target token, before the update).
-  """
+  """`flax_transformer.bench.TrainingStep` (train.py's mapped step) on the first
+  `len(devices)` devices, on one fixed batch: `compile_s`, `compiled` (e.g. its
+  memory_analysis()), and `step()`, one update (state donated) that waits for it and returns
+  its loss (the label-smoothed loss per target token, before the update)."""
 
   def __init__(self, model_config, train_config, shape: Shape, devices, mode: str = 'shard_map'):
-    import jax
+    from flax_transformer.bench.step import TrainingStep
+    self.training_step = TrainingStep(model_config, train_config, shape, devices=len(devices),
+                                      parallel=mode)
+    self.compile_s = self.training_step.compilation.seconds
+    self.compiled = self.training_step.compiled
 
-    from flax_transformer import train
-    from flax_transformer.nn.model import Transformer
-    model = Transformer(model_config)
-    optimizer = train.make_optimizer(train_config, model_config)
-    parallel = train.DataParallel(devices=devices, mode=mode)
-    state = parallel.replicate(train.create_train_state(model, optimizer, seed=0))
-    batch = parallel.shard_batch(synthetic_batch(model_config, shape))
-    start = time.perf_counter()
-    compiled = train.make_parallel_step(model, optimizer, train_config, parallel).lower(
-        state, batch).compile()
-    self.compile_s = time.perf_counter() - start
-    self.compiled = compiled  # e.g. its memory_analysis()
-    self._state = state
-
-    def step() -> float:
-      self._state, metrics = compiled(self._state, batch)
-      jax.block_until_ready((self._state, metrics))
-      return float(metrics['loss_sum']) / float(metrics['tokens'])
-
-    self.step = step
+  def step(self) -> float:
+    metrics = self.training_step.run()
+    return float(metrics['loss_sum']) / float(metrics['tokens'])

@@ -26,6 +26,7 @@ The subpackages, each importing only from those before it (tests/test_layers.py)
   decode       autoregressive and mask-predict decoding, methods, Translator
   train        objectives, optimizer, the step, data parallelism, the loop, distillation
   cli          the four programs
+  bench        benchmarking jit-compiled steps: step, decoding and peak reports, the command
 """
 
 import importlib

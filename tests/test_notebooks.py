@@ -78,7 +78,11 @@ INTEGER = re.compile(r'[-+]?\d+')
 #              the model wrote other words, the same streams and line counts. What the numbers
 #              mean is checked by the summary's facts (test_translate), and a summary cell that
 #              prints them is tagged 'trained' too.
-CELL_KINDS = ('timings', 'trained')
+#   'measured' a benchmark's report (notebook 05): step and decoding times, tokens/s, MFU,
+#              compile seconds, all of them measurements of this machine. Compared by form, as
+#              'trained'; what they must satisfy (tokens/s = tokens / median, the FLOP counts,
+#              the remat policies' memory order) is checked by the summary's facts.
+CELL_KINDS = ('timings', 'trained', 'measured')
 NUMBER_RTOL = 1e-3
 # Numbers this small are float32 roundoff itself (the notebooks print errors of ~1e-7), which
 # another instruction set changes by a factor.
@@ -274,7 +278,8 @@ def test_committed_outputs(path, executed):
       continue
     where = f'{path.name}, cell {index} ({old.source.splitlines()[0] if old.source else "empty"!r})'
     differences = outputs_differ(text_outputs(old), text_outputs(new),
-                                 trained='trained' in old.metadata.get('tags', []))
+                                 trained=bool({'trained', 'measured'}
+                                              & set(old.metadata.get('tags', []))))
     if differences:
       problems.append(f'{where}: ' + '\n'.join(differences))
     if image_count(old) != image_count(new):
@@ -381,6 +386,18 @@ def test_pretrained_marian(executed):
   assert to_animal.shape == to_street.shape and to_animal.ndim == 2
   assert ((0 <= to_animal) & (to_animal <= 1) & (0 <= to_street) & (to_street <= 1)).all()
   assert facts['it_animal_heads_over_street'] == int((to_animal > to_street).sum())
+
+
+def test_benchmarking(executed):
+  facts = summary(executed('05_benchmarking.ipynb'))
+  assert facts['hand_flops_equal_formula'] is True
+  # XLA counts the elementwise work too: a few percent above the matmuls at the base model.
+  assert 1.0 <= facts['xla_over_hand_flops'] <= 1.10
+  assert facts['tokens_per_s_is_tokens_over_median'] is True
+  assert facts['mfu_is_flops_over_time_over_peak'] is True
+  assert facts['layer_keeps_less_than_none'] is True and facts['dots_between'] is True
+  assert facts['decoded_tokens_exact'] is True
+  assert facts['remat_xla_flops_higher'] is True  # recomputation shows in XLA's count only
 
 
 if __name__ == '__main__':

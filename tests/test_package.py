@@ -64,8 +64,10 @@ def test_programs_are_thin(program):
 def test_every_program_is_an_installed_command():
   import tomllib
   scripts = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
-  assert scripts == {f'flax-transformer-{name}': f'flax_transformer.cli.{name}:main'
-                     for name in PROGRAMS}
+  # The four programs, and the benchmarking command of flax_transformer.bench.
+  assert scripts == {**{f'flax-transformer-{name}': f'flax_transformer.cli.{name}:main'
+                        for name in PROGRAMS},
+                     'flax-transformer-bench': 'flax_transformer.bench.command:main'}
   for name in PROGRAMS:
     assert f'from flax_transformer.cli.{name} import main' in (ROOT / f'{name}.py').read_text()
 

@@ -118,7 +118,7 @@ def enable(setting: str | None, environ: Mapping[str, str] = os.environ) -> Comp
   jax.config.update('jax_compilation_cache_dir', str(directory))
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
-  _listen(jax)
+  listen()
   return CompilationCache(directory, _start=dict(_events))
 
 
@@ -127,11 +127,18 @@ def _off(jax, note: str) -> CompilationCache:
   return CompilationCache(None, note)
 
 
-def _listen(jax) -> None:
+def listen() -> None:
+  """Counts JAX's cache events from now on (once per process; `enable` calls it)."""
+  import jax
   global _listening
   if not _listening:
     jax.monitoring.register_event_listener(_count)
     _listening = True
+
+
+def totals() -> tuple[int, int]:
+  """(programs read from the cache, programs compiled) since `listen()` was first called."""
+  return _events[_HITS], _events[_REQUESTS] - _events[_HITS]
 
 
 def _count(event: str, **_) -> None:

@@ -72,7 +72,6 @@ from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy, default_method
 from flax_transformer.decode.translator import Translator
-from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import count_params
 from flax_transformer.pretrained.marian import load_marian
 from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, WriteError
@@ -86,10 +85,9 @@ from flax_transformer.train.evaluation import describe_scores, translation_score
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.profiling import StepTrace
 from flax_transformer.train.metrics import length_metrics, token_metrics
-from flax_transformer.train.optimizer import make_optimizer
 from flax_transformer.train.parallel import DataParallel
-from flax_transformer.train.step import (TrainState, create_train_state, make_parallel_eval,
-                                         make_parallel_step)
+from flax_transformer.train.step import (TrainState, compiled_training, create_train_state,
+                                         make_parallel_eval)
 
 
 def evaluation_method(model_config: ModelConfig):
@@ -459,9 +457,8 @@ class TrainingLoop:
     self.run = run
     self.skip_nonfinite = skip_nonfinite
     config = run.train_config
-    self.model = build_model(run.model_config)
-    self.optimizer = make_optimizer(config, run.model_config)
-    self.step_fn = make_parallel_step(self.model, self.optimizer, config, run.data_parallel)
+    self.model, self.optimizer, self.step_fn = compiled_training(run.model_config, config,
+                                                                 run.data_parallel)
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
     corpus = _encoded_train(run)
     self.packing_plan = run.directory.packing_plan(run.checkpoints.latest_step() is not None)

@@ -32,10 +32,11 @@ from jax import lax
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.data import packing
 from flax_transformer.data.batching import Batch
+from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import Transformer
 from flax_transformer.train import cmlm_objective, scheduled_sampling
 from flax_transformer.train.losses import chunked_loss_sums, loss_sums
-from flax_transformer.train.optimizer import make_schedule, schedule_count
+from flax_transformer.train.optimizer import make_optimizer, make_schedule, schedule_count
 from flax_transformer.train.parallel import AXIS, DataParallel
 
 # Independent random streams derived from TrainConfig.seed.
@@ -256,6 +257,15 @@ def make_parallel_step(model: Transformer, optimizer: optax.GradientTransformati
   """
   step = functools.partial(train_step, model=model, optimizer=optimizer, train_config=train_config)
   return parallel.map(step, donate_first=True)
+
+
+def compiled_training(model_config: ModelConfig, train_config: TrainConfig,
+                      parallel: DataParallel):
+  """(model, optimizer, step): the model, the optimizer and the mapped training step exactly
+  as train.py builds them for these settings; `flax_transformer.bench` times the same."""
+  model = build_model(model_config)
+  optimizer = make_optimizer(train_config, model_config)
+  return model, optimizer, make_parallel_step(model, optimizer, train_config, parallel)
 
 
 def make_parallel_eval(model: Transformer, train_config: TrainConfig, parallel: DataParallel

@@ -1,0 +1,384 @@
+"""flax-transformer-bench (python -m flax_transformer.bench): time train.py's step, decoding,
+and the matmul peak, from the command line.
+
+    flax-transformer-bench step --preset base --shape 64x32+32 --peak measure
+    flax-transformer-bench step --workdir runs/multi30k              # a run's own settings
+    flax-transformer-bench decode --preset base --methods greedy,beam --batches 1,32
+    flax-transformer-bench peak --dtype bfloat16
+    flax-transformer-bench sweep --preset base --batches 16,32,64 --length 32 \\
+        --kernels einsum,xla --remats none,layer --json sweep.json --plot sweep.png
+
+Settings are train.py's: `--preset` and any `--model.X` / `--train.X` option (the vocabulary
+is the preset's `data.vocab_size`). Results print as a table; `--json`, `--csv` and `--plot`
+(matplotlib) write them. Bad options and shapes are refused in one line, before anything is
+compiled (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+from flax_transformer.cli import compilation_cache
+from flax_transformer.cli.failures import add_debug_option, run_program
+from flax_transformer.cli.options import add_setting_options, configs_from_args
+from flax_transformer.config import RUN_PRESETS, ConfigError
+
+PROGRAM = 'flax-transformer-bench'
+
+
+def comma_list(kind):
+  def parse(text: str):
+    try:
+      values = [kind(item) for item in text.split(',') if item]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'{text!r}: expected comma-separated '
+                                       f'{kind.__name__} values') from None
+    if not values:
+      raise argparse.ArgumentTypeError('expected at least one value')
+    return values
+  return parse
+
+
+def positive_ints(text: str) -> list[int]:
+  values = comma_list(int)(text)
+  if any(value < 1 for value in values):
+    raise argparse.ArgumentTypeError(f'{text!r}: every value must be a positive integer')
+  return values
+
+
+def positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{text!r}: expected a positive integer')
+  return value
+
+
+def shape_argument(text: str):
+  from flax_transformer.bench.flops import BatchShape
+  try:
+    return BatchShape.parse(text)
+  except ValueError as error:
+    raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def peak_argument(text: str):
+  if text in ('measure', 'none'):
+    return text
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: 'measure', 'none' or the peak in TFLOP/s")
+  return value * 1e12
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  commands = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
+  helps = {'step': "time train.py's training step for these settings",
+           'decode': 'time decoding (greedy, beam, sample, mask_predict)',
+           'peak': "time this backend's matmul peak",
+           'sweep': 'time the step over a grid of batch sizes, kernels, remat policies, dtypes'}
+  parsers = {name: commands.add_parser(name, help=text, description=text)
+             for name, text in helps.items()}
+  for name, sub in parsers.items():
+    add_debug_option(sub)
+    sub.add_argument('--rounds', type=positive_int, default=10 if name != 'decode' else 5,
+                     metavar='N', help='timed calls after warm-up (default %(default)s)')
+    sub.add_argument('--warmup', type=int, default=2, help='untimed calls first (default 2)')
+    sub.add_argument('--json', type=Path, metavar='FILE', help='write the reports as JSON')
+    sub.add_argument('--csv', type=Path, metavar='FILE', help='write the reports as CSV rows')
+    sub.add_argument('--compilation-cache', metavar='DIR', help=compilation_cache.HELP)
+    if name == 'peak':
+      sub.add_argument('--dtype', default='float32', help='float32, bfloat16 or float16')
+      sub.add_argument('--size', type=int, help='the square matmul side (default: 1024 on a '
+                                                'CPU, 8192 on an accelerator)')
+      sub.add_argument('--iterations', type=int, default=8, help='products per timed call')
+      continue
+    _add_settings_options(sub, name)
+  return parser
+
+
+def _add_settings_options(sub: argparse.ArgumentParser, name: str) -> None:
+  """What `step`, `decode` and `sweep` take beside the timing options: the settings, and each
+  command's own shapes and outputs."""
+  sub.add_argument('--preset', default='base', choices=RUN_PRESETS,
+                   help="train.py's preset the settings start from (default base)")
+  sub.add_argument('--workdir', type=Path,
+                   help="a run directory of train.py: its model and training settings")
+  add_setting_options(sub)
+  if name in ('step', 'sweep'):
+    sub.add_argument('--devices', type=int, help='devices to map the step over (default all)')
+    sub.add_argument('--parallel', choices=('shard_map', 'pmap'), default='shard_map')
+    sub.add_argument('--pair-len', type=int, default=16,
+                     help='packed rows: tokens per side of each pair (default 16)')
+    sub.add_argument('--peak', type=peak_argument, default='none',
+                     help="MFU against: 'measure' (this backend's matmul peak, timed first), "
+                          "a number of TFLOP/s, or 'none' (the datasheet's only)")
+  if name == 'step':
+    sub.add_argument('--shape', type=shape_argument,
+                     help='rows x source + target positions, e.g. 64x32+32 (default: '
+                          'train.max_tokens at length 64, or at train.packing)')
+  if name == 'sweep':
+    sub.add_argument('--batches', type=positive_ints, required=True, metavar='ROWS,...')
+    sub.add_argument('--length', type=int, default=32, help='positions per side (default 32)')
+    sub.add_argument('--kernels', type=comma_list(str), metavar='K,...',
+                     help='model.attention_kernel values (default: the settings\' own)')
+    sub.add_argument('--remats', type=comma_list(str), metavar='R,...',
+                     help='model.remat values (default: the settings\' own)')
+    sub.add_argument('--dtypes', type=comma_list(str), metavar='D,...',
+                     help='model.dtype values (default: the settings\' own)')
+    sub.add_argument('--plot', type=Path, metavar='FILE.png',
+                     help='tokens/s against batch size, and compiled memory (matplotlib)')
+  if name == 'decode':
+    sub.add_argument('--methods', type=comma_list(str), default=['greedy', 'beam'],
+                     help='decoding methods, comma-separated (default greedy,beam)')
+    sub.add_argument('--batches', type=positive_ints, default=[32], metavar='N,...')
+    sub.add_argument('--src-len', type=int, default=32, help='source tokens (default 32)')
+    sub.add_argument('--new-tokens', type=int, default=32,
+                     help='output tokens per sentence (default 32)')
+    sub.add_argument('--plot', type=Path, metavar='FILE.png',
+                     help='tokens/s against batch size per method (matplotlib)')
+
+
+def settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
+  """(model config, train config): the run's or the preset's, with the options applied."""
+  try:
+    if args.workdir is not None:
+      from flax_transformer.config import parse_overrides
+      from flax_transformer.run.directory import read_config
+      if not (args.workdir / 'config.json').is_file():
+        parser.error(f'--workdir {args.workdir}: no config.json there (not a run of train.py)')
+      model_config, train_config, _ = read_config(args.workdir)
+      for section, index in (('model', 0), ('train', 1)):
+        given = {k.split('.', 1)[1]: v for k, v in vars(args).items()
+                 if k.startswith(f'{section}.') and v is not None}
+        if index == 0:
+          model_config = parse_overrides(model_config, section, given)
+        else:
+          train_config = parse_overrides(train_config, section, given)
+      return model_config, train_config
+    model_config, train_config, data_config = configs_from_args(args)
+    given_vocab = getattr(args, 'model.vocab_size', None)
+    if given_vocab is None:
+      model_config = model_config.replace(vocab_size=data_config.vocab_size)
+    return model_config, train_config
+  except ConfigError as error:
+    parser.error(str(error))
+
+
+def check_methods(parser, names: list[str], model_config) -> list:
+  from flax_transformer.decode.methods import method_from_name
+  methods = []
+  for name in names:
+    try:
+      method = method_from_name(name)
+      if name != 'mask_predict':
+        method = dataclasses.replace(method, max_len=min(model_config.max_len, 1))
+      method.check_model(model_config)
+    except ConfigError as error:
+      parser.error(f'--methods {name}: {error}')
+    methods.append(method_from_name(name))
+  return methods
+
+
+def write_outputs(reports: list, args: argparse.Namespace) -> None:
+  rows = [report.to_dict() for report in reports]
+  if args.json:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({'program': PROGRAM, 'command': args.command,
+                                     'reports': rows}, indent=2) + '\n')
+    print(f'wrote {args.json}')
+  if args.csv:
+    flat = [flatten(row) for row in rows]
+    columns = list(dict.fromkeys(key for row in flat for key in row))
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open('w', newline='') as out:
+      writer = csv.DictWriter(out, fieldnames=columns)
+      writer.writeheader()
+      writer.writerows(flat)
+    print(f'wrote {args.csv}')
+
+
+def flatten(row: dict, prefix: str = '') -> dict:
+  """{'timing': {'median_s': x}} -> {'timing.median_s': x}; lists (every round's time) left
+  out of a CSV row."""
+  flat = {}
+  for key, value in row.items():
+    if isinstance(value, dict):
+      flat.update(flatten(value, f'{prefix}{key}.'))
+    elif not isinstance(value, list):
+      flat[f'{prefix}{key}'] = value
+  return flat
+
+
+def plot(reports: list, x: str, series: list[str], path: Path, title: str) -> None:
+  """tokens/s against `x` per series (and compiled memory beside, for steps)."""
+  try:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise SystemExit(f'{PROGRAM}: --plot needs matplotlib: pip install "flax_transformer[plot]"')
+  rows = [report.to_dict() for report in reports]
+  groups = {}
+  for row in rows:
+    groups.setdefault(' '.join(str(row[key]) for key in series), []).append(row)
+  memory = any(row.get('memory') for row in rows)
+  figure, axes = plt.subplots(1, 2 if memory else 1, figsize=(11 if memory else 6, 4),
+                              squeeze=False)
+  for label, group in groups.items():
+    group.sort(key=lambda row: row[x])
+    axes[0][0].plot([row[x] for row in group], [row['tokens_per_s'] for row in group], 'o-',
+                    label=label)
+    if memory:
+      axes[0][1].plot([row[x] for row in group],
+                      [(row['memory'] or {}).get('total', float('nan')) / 2 ** 20
+                       for row in group], 'o-', label=label)
+  axes[0][0].set(xlabel=x, ylabel='tokens/s', title=title)
+  axes[0][0].legend(fontsize=8)
+  if memory:
+    axes[0][1].set(xlabel=x, ylabel='compiled memory per device (MiB)', title='memory')
+  figure.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(path, dpi=120)
+  print(f'wrote {path}')
+
+
+def main(argv: list[str] | None = None) -> int:
+  """The program; argv None reads sys.argv. Failures: one line and a status."""
+  return run_program(PROGRAM, lambda: _main(argv), argv, lambda error: None)
+
+
+def _main(argv: list[str] | None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.warmup < 0:
+    parser.error(f'--warmup must be 0 or more, got {args.warmup}')
+  rounds = args.rounds
+  try:  # as train.py does: a compile the cache serves says so in the report
+    compilation_cache.enable(args.compilation_cache)
+  except ConfigError as error:
+    parser.error(str(error))
+  if args.command == 'peak':
+    from flax_transformer.bench.peaks import measure_peak
+    if args.dtype not in ('float32', 'bfloat16', 'float16'):
+      parser.error(f'--dtype {args.dtype!r}: choose float32, bfloat16 or float16')
+    if (args.size is not None and args.size < 1) or args.iterations < 1:
+      parser.error('--size and --iterations must be positive')
+    report = measure_peak(args.dtype, args.size, args.iterations, rounds, args.warmup)
+    print(report.table())
+    write_outputs([report], args)
+    return 0
+  model_config, train_config = settings(parser, args)
+  if args.command == 'decode':
+    return _decode(parser, args, model_config, rounds)
+  from flax_transformer.bench import step as step_module
+  cells = _cells(parser, args, model_config, train_config)
+  peak = args.peak
+  if peak == 'measure':
+    from flax_transformer.bench.peaks import measure_peak
+    peak = measure_peak(model_config.compute_dtype.name)
+    print(peak.table())
+  peak = None if peak == 'none' else peak
+  reports = []
+  from tqdm.auto import tqdm
+  with tqdm(total=len(cells) * (rounds + 1), desc=args.command, unit='call',
+            disable=len(cells) == 1) as bar:
+    for label, (model, train, shape) in cells.items():
+      step = step_module.TrainingStep(model, train, shape, devices=args.devices,
+                                      parallel=args.parallel, pair_len=args.pair_len)
+      bar.update(1)
+      from flax_transformer.bench.timing import time_rounds
+      for _ in range(args.warmup):
+        step.run()
+
+      def timed():
+        step.run()
+        bar.update(1)
+
+      reports.append(step.report(time_rounds(timed, rounds, 0), peak))
+      bar.set_postfix_str(label)
+  if len(reports) == 1:
+    print(reports[0].table())
+  else:
+    from flax_transformer.bench.comparison import reports_table
+    # Labels as resolved ('auto' names what it chose here).
+    print(reports_table({f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype}': r
+                         for r in reports}))
+  write_outputs(reports, args)
+  if args.command == 'sweep' and args.plot:
+    plot(reports, 'rows', ['attention_kernel', 'remat', 'dtype'], args.plot,
+         f'{reports[0].model}, length {args.length}')
+  return 0
+
+
+def _cells(parser, args, model_config, train_config) -> dict:
+  """{label: (model config, train config, shape)}, every one checked before any compiles."""
+  from flax_transformer.bench.flops import BatchShape
+  from flax_transformer.bench.step import check_step
+  if args.command == 'step':
+    grid = {'step': (model_config, train_config, args.shape)}
+  else:
+    if args.length < 1:
+      parser.error(f'--length must be positive, got {args.length}')
+    grid = {}
+    for rows, kernel, remat, dtype in itertools.product(
+        args.batches, args.kernels or [model_config.attention_kernel],
+        args.remats or [model_config.remat], args.dtypes or [model_config.dtype]):
+      from flax_transformer.config import parse_overrides
+      try:
+        model = parse_overrides(model_config, 'model', {'attention_kernel': kernel,
+                                                        'remat': remat, 'dtype': dtype})
+      except ConfigError as error:
+        parser.error(str(error))
+      grid[f'{rows} {kernel} {remat} {dtype}'] = (model, train_config,
+                                                  BatchShape(rows, args.length, args.length))
+  if args.pair_len < 1:
+    parser.error(f'--pair-len must be positive, got {args.pair_len}')
+  checked = {}
+  for label, (model, train, shape) in grid.items():
+    try:
+      shape, _ = check_step(model, train, shape, args.devices)
+    except (ValueError, ConfigError) as error:
+      parser.error(str(error))
+    checked[label] = (model, train, shape)
+  return checked
+
+
+def _decode(parser, args, model_config, rounds: int) -> int:
+  from flax_transformer.bench.decoding import Decoding
+  from flax_transformer.bench.timing import alternating_rounds
+  for name, value in (('--src-len', args.src_len), ('--new-tokens', args.new_tokens)):
+    if not 1 <= value <= model_config.max_len:
+      parser.error(f'{name} must be between 1 and model.max_len={model_config.max_len}, '
+                   f'got {value}')
+  methods = check_methods(parser, args.methods, model_config)
+  reports = []
+  from tqdm.auto import tqdm
+  for batch in args.batches:
+    contenders = {}
+    for name, method in zip(args.methods, methods):
+      contenders[name] = Decoding(model_config, method, batch=batch, src_len=args.src_len,
+                                  new_tokens=args.new_tokens)
+    with tqdm(total=rounds * len(contenders), desc=f'decode batch {batch}', unit='call') as bar:
+      timings = alternating_rounds({n: c.run for n, c in contenders.items()}, rounds,
+                                   args.warmup, bar.update)
+    for name, decoding in contenders.items():
+      report = decoding.report(timings[name])
+      reports.append(report)
+      print(report.table())
+  write_outputs(reports, args)
+  if args.plot:
+    plot(reports, 'batch', ['method'], args.plot, reports[0].model)
+  return 0

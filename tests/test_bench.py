@@ -1,0 +1,272 @@
+"""flax_transformer.bench: its reports' arithmetic, its FLOP counts against XLA's, the memory
+of the remat policies through it, that the step it times is train.py's, and its command.
+
+No test asserts a speed: timings are only checked to be what the reports compute from.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from flax_transformer import bench
+from flax_transformer.bench import command
+from flax_transformer.bench.compiled import Compilation, CompiledMemory
+from flax_transformer.bench.flops import BatchShape, train_flops
+from flax_transformer.bench.peaks import PeakReport, datasheet_peak
+from flax_transformer.bench.step import StepReport, TrainingStep, synthetic_batch
+from flax_transformer.bench.timing import Timing, alternating_rounds
+from flax_transformer.config import ModelConfig, TrainConfig
+from flax_transformer.train import loop as train_loop
+
+TINY = ModelConfig.tiny()
+# Matmuls dominate: softmax, LayerNorm and Adam add a few percent (tests/test_benchmarks.py).
+DENSE = ModelConfig.tiny(d_model=128, d_ff=512, vocab_size=512, num_heads=4)
+DENSE_SHAPE = BatchShape(8, 16, 12)
+
+
+def fake_timing(*seconds):
+  return Timing(tuple(float(s) for s in seconds))
+
+
+def test_timing_percentiles_by_hand():
+  timing = fake_timing(0.5, 0.1, 0.4, 0.2, 0.3)  # sorted 0.1 .. 0.5
+  assert timing.median_s == pytest.approx(0.3)
+  # Linear interpolation between order statistics: rank 0.4 and 3.6 of 0..4.
+  assert timing.p10_s == pytest.approx(0.1 + 0.4 * 0.1)
+  assert timing.p90_s == pytest.approx(0.4 + 0.6 * 0.1)
+  assert timing.to_dict()['times_s'] == [0.5, 0.1, 0.4, 0.2, 0.3]
+  with pytest.raises(ValueError, match='at least one'):
+    Timing(())
+
+
+def test_alternating_rounds_interleave_the_contenders():
+  calls = []
+  timings = alternating_rounds({'a': lambda: calls.append('a'), 'b': lambda: calls.append('b')},
+                               rounds=3, warmup=1)
+  assert calls == ['a', 'b'] + ['a', 'b'] * 3  # warm-up, then a b in every round
+  assert {name: len(t.times_s) for name, t in timings.items()} == {'a': 3, 'b': 3}
+  with pytest.raises(ValueError, match='rounds must be a positive integer'):
+    alternating_rounds({'a': lambda: None}, rounds=0)
+
+
+def step_report(**overrides):
+  values = dict(model='m', parameters=10, shape=BatchShape(4, 8, 6), packing=0, dtype='float32',
+                attention_kernel='einsum', remat='none', device='cpu', devices=2,
+                parallel='shard_map', real_tokens=20, compilation=Compilation(1.5, 'off', 1),
+                timing=fake_timing(0.2, 0.1, 0.4), analytic_flops=6_000, xla_flops=6_300.0,
+                memory=CompiledMemory(temporaries=100, arguments=40, outputs=40, aliased=30),
+                peak_flops_per_s=25_000.0, datasheet_flops_per_s=50_000.0)
+  return StepReport(**{**values, **overrides})
+
+
+def test_step_report_arithmetic():
+  report = step_report()
+  assert report.tokens_per_s == pytest.approx(20 / 0.2)
+  assert report.flops_per_s == pytest.approx(6_000 / 0.2)
+  # MFU: model FLOP/s over the peak of both devices.
+  assert report.mfu == pytest.approx(6_000 / 0.2 / (25_000 * 2))
+  assert report.datasheet_mfu == pytest.approx(6_000 / 0.2 / (50_000 * 2))
+  assert report.memory.total == 100 + 40 + 40 - 30
+  assert step_report(peak_flops_per_s=None).mfu is None
+  as_peak = PeakReport(device='cpu', dtype='float32', size=10, iterations=3,
+                       timing=fake_timing(0.001), datasheet_flops_per_s=None)
+  assert as_peak.flops == 2 * 10 ** 3 * 3
+  assert report.with_peak(as_peak).peak_flops_per_s == pytest.approx(6_000 / 0.001)
+  row = report.to_dict()
+  assert row['tokens_per_s'] == pytest.approx(100.0) and row['memory']['total'] == 150
+  assert json.loads(json.dumps(row)) == row  # JSON-ready
+  assert 'MFU' in report.table() and '60.0% of the measured peak' in report.table()
+
+
+def test_datasheet_peaks_match_the_device_names_jax_reports():
+  assert datasheet_peak('NVIDIA H100 80GB HBM3', 'bfloat16') == pytest.approx(989.4e12)
+  assert datasheet_peak('NVIDIA H200', 'float32') == pytest.approx(494.7e12)
+  assert datasheet_peak('TPU v5 lite', 'bfloat16') == pytest.approx(197e12)  # not v5p's
+  assert datasheet_peak('TPU v5p', 'bfloat16') == pytest.approx(459e12)
+  assert datasheet_peak('cpu', 'float32') is None
+  assert datasheet_peak('Tesla V100-SXM2-16GB', 'bfloat16') is None  # no bfloat16 there
+
+
+def test_batch_shape_parsing_and_token_budgets():
+  assert BatchShape.parse('32x64+48') == BatchShape(32, 64, 48)
+  assert BatchShape.parse('32x64') == BatchShape(32, 64, 64)
+  for bad in ('32', '0x8', 'ax8', '4x8+'):
+    if bad == '4x8+':
+      assert BatchShape.parse(bad) == BatchShape(4, 8, 8)
+      continue
+    with pytest.raises(ValueError):
+      BatchShape.parse(bad)
+  # train.py's bucket rows: max_tokens // L rounded down to the devices, at least that.
+  assert BatchShape.for_tokens(4096, 48, 4) == BatchShape(84, 48, 48)
+  assert BatchShape.for_tokens(100, 64, 2) == BatchShape(2, 64, 64)
+
+
+def test_packed_synthetic_batch_holds_whole_pairs_with_their_segments():
+  batch = synthetic_batch(TINY, BatchShape(3, 20, 20), packing=20, pair_len=6)
+  # 3 pairs of 6 a row, then 2 PAD positions.
+  np.testing.assert_array_equal(batch.src_segments[0], [1] * 6 + [2] * 6 + [3] * 6 + [0, 0])
+  np.testing.assert_array_equal(batch.tgt_positions[1, :7], [0, 1, 2, 3, 4, 5, 0])
+  assert (batch.tgt_out[:, 5::6][:, :3] == TINY.eos_id).all()
+  assert (batch.tgt_in[:, [0, 6, 12]] == TINY.bos_id).all()
+  np.testing.assert_array_equal(batch.tgt_in[:, 1:6], batch.tgt_out[:, 0:5])
+  assert int(batch.num_tokens) == 3 * 3 * 6
+  assert batch.example_ids.shape == (3, 20) and (batch.example_ids[:, 3:] == -1).all()
+
+
+@pytest.fixture(scope='module')
+def dense_steps():
+  """The dense configuration's step at a batch and at twice its rows, compiled once."""
+  return {rows: TrainingStep(DENSE, TrainConfig(), BatchShape(rows, 16, 12), devices=1)
+          for rows in (8, 16)}
+
+
+def test_xla_flops_within_ten_percent_of_the_hand_count(dense_steps):
+  report = dense_steps[8].report(fake_timing(1.0))
+  assert report.analytic_flops == train_flops(DENSE, DENSE_SHAPE)
+  assert report.analytic_flops <= report.xla_flops <= 1.10 * report.analytic_flops
+
+
+def test_doubling_the_batch_doubles_the_flops(dense_steps):
+  small, large = (dense_steps[rows].report(fake_timing(1.0)) for rows in (8, 16))
+  assert large.analytic_flops == 2 * small.analytic_flops
+  # XLA's count doubles too, but for the optimizer's per-parameter work, which stays.
+  assert 1.9 < large.xla_flops / small.xla_flops <= 2.0
+  assert large.real_tokens == 2 * small.real_tokens == 2 * 8 * 12
+
+
+def test_remat_policies_keep_less_memory_through_the_api():
+  config = ModelConfig.tiny(d_model=64, d_ff=256, num_heads=4, max_len=64)
+  shape = BatchShape(8, 48, 48)
+  temporaries = {remat: TrainingStep(config.replace(remat=remat), TrainConfig(), shape,
+                                     devices=1).report(fake_timing(1.0)).memory.temporaries
+                 for remat in ('none', 'layer', 'dots')}
+  assert temporaries['layer'] < temporaries['dots'] < temporaries['none'], temporaries
+
+
+def test_the_step_benchmarked_is_the_step_train_py_runs(tmp_path, monkeypatch):
+  """train.py's first step, lowered from the batch its batcher built, against the benchmark's
+  step at that batch's shape: the same program text."""
+  seen = {}
+  build = train_loop.compiled_training
+
+  def recording(model_config, train_config, parallel):
+    model, optimizer, step = build(model_config, train_config, parallel)
+
+    def step_and_record(state, batch):
+      if 'text' not in seen:
+        seen.update(text=step.lower(state, batch).as_text(), model=model_config,
+                    shape=BatchShape(*batch.src.shape, batch.tgt_in.shape[1]))
+      return step(state, batch)
+
+    return model, optimizer, step_and_record
+
+  monkeypatch.setattr(train_loop, 'compiled_training', recording)
+  from flax_transformer.config import DataConfig
+  train_config = TrainConfig(steps=1, max_tokens=256, warmup_steps=4, log_every=1, eval_every=1,
+                             checkpoint_every=1)
+  train_loop.train(ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=64),
+                   train_config, DataConfig(source='toy', vocab_size=256), tmp_path,
+                   devices=1, print_fn=lambda message: None)
+  benchmarked = TrainingStep(seen['model'], train_config, seen['shape'], devices=1)
+  assert benchmarked.lowered.as_text() == seen['text']
+  # Another training setting is another program: the comparison can fail.
+  other = TrainingStep(seen['model'], train_config.replace(label_smoothing=0.2), seen['shape'],
+                       devices=1)
+  assert other.lowered.as_text() != seen['text']
+
+
+def test_decode_reports_count_the_tokens_every_method_writes():
+  for method in ('greedy', 'beam', 'sample'):
+    report = bench.decode_report(TINY, method, batch=3, src_len=5, new_tokens=7, rounds=2)
+    assert report.generated_tokens == 3 * 7  # held to exactly new_tokens each
+    assert report.tokens_per_s == pytest.approx(21 / report.timing.median_s)
+    assert report.ms_per_token == pytest.approx(1e3 * report.timing.median_s / 7)
+    assert report.memory.temporaries > 0 and report.compilation.programs == 1
+  cmlm = bench.decode_report(ModelConfig.tiny(kind='cmlm'), 'mask_predict', batch=2, src_len=5,
+                             rounds=1)
+  assert cmlm.compilation.programs == 2 and cmlm.analytic_flops is None
+  assert cmlm.generated_tokens >= 2  # at least an EOS each
+
+
+def test_compare_times_every_contender_and_reports_each():
+  shape = BatchShape(4, 8, 8)
+  reports = bench.compare({'none': (TINY, TrainConfig(), shape),
+                           'layer': (TINY.replace(remat='layer'), TrainConfig(), shape)},
+                          rounds=2, warmup=1)
+  assert [r.remat for r in reports.values()] == ['none', 'layer']
+  assert all(len(r.timing.times_s) == 2 for r in reports.values())
+  # The function stays the package's name once its module is loaded (a module of the same
+  # name would shadow it).
+  from flax_transformer.bench import comparison
+  assert bench.compare is comparison.compare
+  table = bench.reports_table(reports)
+  assert table.splitlines()[1].startswith('none') and 'layer' in table
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['step', '--shape', '3x'], 'is not a batch shape'),
+    (['step', '--preset', 'toy', '--shape', '8x100+100'], 'longer than model.max_len=64'),
+    (['step', '--preset', 'toy', '--shape', '3x8', '--devices', '2'], 'devices must be between'),
+    (['step', '--model.remat', 'all'], 'model.remat must be one of'),
+    (['decode', '--preset', 'toy', '--methods', 'mask_predict'], 'decodes cmlm models'),
+    (['sweep', '--preset', 'toy', '--batches', '0'], 'every value must be a positive integer'),
+    (['peak', '--dtype', 'int8'], 'choose float32, bfloat16 or float16'),
+    (['step', '--preset', 'toy', '--train.packing', '32', '--shape', '4x16'],
+     'train.packing=32 packs rows of that length'),
+])
+def test_command_refuses_bad_options_in_one_line_before_compiling(argv, message, capsys,
+                                                                  monkeypatch):
+  compiled = []
+  monkeypatch.setattr(bench.step.TrainingStep, '__init__',
+                      lambda *a, **k: compiled.append(1) or None)
+  with pytest.raises(SystemExit) as exit_info:
+    command.main(argv)
+  assert exit_info.value.code == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert message in lines[-1] and not compiled
+
+
+def test_command_writes_the_reports_as_json_and_csv(tmp_path, capsys):
+  status = command.main(['step', '--preset', 'toy', '--model.d_model', '32', '--model.d_ff',
+                         '64', '--shape', '4x8+6', '--rounds', '2', '--warmup', '1', '--peak',
+                         '0.5', '--json', str(tmp_path / 'r.json'), '--csv',
+                         str(tmp_path / 'r.csv'), '--compilation-cache', 'off'])
+  assert status == 0
+  written = json.loads((tmp_path / 'r.json').read_text())
+  assert written['command'] == 'step' and len(written['reports']) == 1
+  row = written['reports'][0]
+  assert {'timing', 'tokens_per_s', 'analytic_flops', 'xla_flops', 'mfu', 'memory',
+          'compilation'} <= set(row)
+  assert row['shape'] == '4x8+6' and row['real_tokens'] == 24
+  assert row['compilation']['cache'] == 'off'
+  assert row['mfu'] == pytest.approx(row['flops_per_s'] / 0.5e12)
+  assert row['tokens_per_s'] == pytest.approx(24 / row['timing']['median_s'])
+  header, values = (tmp_path / 'r.csv').read_text().splitlines()
+  assert 'timing.median_s' in header.split(',') and 'memory.total' in header.split(',')
+  assert 'real target tokens' in capsys.readouterr().out
+
+
+def test_command_times_a_run_directorys_own_settings(random_run, tmp_path):
+  model_config = random_run.config
+  assert command.main(['step', '--workdir', str(random_run.run_dir), '--shape', '2x8', '--rounds', '1',
+                       '--warmup', '0', '--json', str(tmp_path / 'r.json')]) == 0
+  row = json.loads((tmp_path / 'r.json').read_text())['reports'][0]
+  assert row['model'].startswith(f'd{model_config.d_model} ')
+  assert f'vocab {model_config.vocab_size}' in row['model']
+
+
+def test_python_dash_m_runs_the_command():
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, '-m', 'flax_transformer.bench', 'peak', '--help'],
+                        capture_output=True, text=True, check=False)
+  assert done.returncode == 0 and '--iterations' in done.stdout
+
+
+def test_peak_measures_the_flops_it_ran():
+  report = bench.measure_peak('float32', size=64, iterations=2, rounds=2)
+  assert report.flops == 2 * 64 ** 3 * 2
+  assert report.flops_per_s == pytest.approx(report.flops / report.timing.median_s)
+  assert report.device == jax.devices()[0].device_kind
