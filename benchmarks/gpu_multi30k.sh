@@ -10,7 +10,8 @@
 # Every 30 s, and at the end, the results so far (logs, curves, scores, grid.json, nvidia-smi's
 # utilisation) are packed into RESULTS/multi30k_grid.tar.gz, one file, so a call cut short still
 # returns what it measured. DATA: a copy of ../shared/data/multi30k inside the checkout (a lent
-# machine gets only the checkout), in a folder .git/info/exclude ignores.
+# machine gets only the checkout), in a folder .git/info/exclude ignores. EVALUATE: the options of
+# benchmarks.multi30k evaluate, or 'none'; TRAIN_OPTIONS: train.py options added to every run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:?recipes, comma-separated (python -m benchmarks.multi30k_grid --list)}
@@ -29,7 +30,9 @@ pack() { tar czf "$results/.multi30k_grid.tar.gz" -C "$work" grid 2>/dev/null \
 packer=$!
 PYTHONUNBUFFERED=1 python3 -m benchmarks.multi30k_grid --parallel --runs "$runs" --budget "$budget" \
   --evaluate-seconds "${EVALUATE_SECONDS:-150}" --data "$data" --workroot "$work/runs" \
-  --results "$work/grid" --evaluate "--average-last 10 --weights average-last10,best --beams 5 --alphas 0.6,1.0 --batch-size 256"
+  --results "$work/grid" \
+  --evaluate "${EVALUATE:---average-last 10 --weights average-last10,best --beams 5 --alphas 0.6,1.0 --batch-size 256}" \
+  ${TRAIN_OPTIONS:-}
 code=$?
 kill "$packer" "$smi" 2>/dev/null
 pack
