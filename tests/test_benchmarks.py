@@ -247,12 +247,12 @@ def test_the_first_preset_is_the_size_its_multi30k_run_recorded():
 
 
 def test_the_benchmark_commands_name_existing_modules():
-  """gpu.sh's, README.md's and benchmarks/README.md's commands (its first block) run modules that
+  """gpu.sh's, docs/results.md's and benchmarks/README.md's commands (its first block) run modules that
   exist; gpu.sh passes its options to the GPU check, whose parts are what its usage names."""
   from benchmarks import gpu_check
   repo = Path(__file__).resolve().parent.parent
   gpu = (repo / 'benchmarks' / 'gpu.sh').read_text()
-  texts = {'gpu.sh': gpu, 'README.md': (repo / 'README.md').read_text(),
+  texts = {'gpu.sh': gpu, 'docs/results.md': (repo / 'docs' / 'results.md').read_text(),
            'benchmarks/README.md': (repo / 'benchmarks' / 'README.md').read_text().split('```')[1]}
   for where, text in texts.items():
     names = set(re.findall(r'-m benchmarks\.(\w+)', text))
@@ -438,3 +438,14 @@ def test_solo_ctranslate2_worker_decodes_our_models_greedy_tokens(tmp_path):
       assert np.asarray(worker.ask(op='time', result=True)['result']['tokens']).shape == (3, 4)
     worker.close()
     assert worker.process.returncode == 0
+
+
+def test_synthetic_arrays_draw_the_ids_of_the_librarys_synthetic_batch():
+  """The peers' numpy-only batches (`workloads.synthetic_arrays`) are the batches our step is
+  timed on (`flax_transformer.bench.synthetic_batch`): the same ids from the same seed."""
+  from flax_transformer.bench import synthetic_batch as library_batch
+  config, shape = ModelConfig.tiny(), Shape(batch=3, src_len=5, tgt_len=4)
+  batch = library_batch(config, shape, seed=7)
+  for ours, theirs in zip(workloads.synthetic_arrays(config, shape, seed=7),
+                          (batch.src, batch.tgt_in, batch.tgt_out)):
+    np.testing.assert_array_equal(ours, theirs)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_PEERS = all(importlib.util.find_spec(name) is not None
                 for name in ('torch', 'transformers', 'ctranslate2', 'safetensors'))
 README = ROOT / 'README.md'
-MAX_LINES = 250
+MAX_LINES = 150
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -32,7 +32,7 @@ def test_python_blocks_finds_each_block_and_its_line():
   assert python_blocks(text) == [(3, 'a = 1\n'), (9, 'b = a\n')]
 
 
-def test_readme_is_at_most_250_lines():
+def test_readme_is_at_most_150_lines():
   assert len(README.read_text().splitlines()) <= MAX_LINES
 
 

@@ -1,4 +1,4 @@
-"""README.md's numbers come from the results files under benchmarks/results/.
+"""docs/results.md: its numbers come from the results files under benchmarks/results/ (README.md quotes its headline numbers).
 
 README cites only the write-ups (docs/multi30k.md, benchmarks/README.md); the mapping below names, for each row of
 its "## Results" tables (the Multi30k BLEU/chrF table and the speed table), the results file(s) and record(s) the
@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
+# The tables live in docs/results.md; README.md states their headline numbers and links there.
+README = ROOT / "docs" / "results.md"
 
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
@@ -205,7 +206,7 @@ SPEED_ROWS = {
     "one GPU (H200, 2026-11-29): big model, bfloat16 training step, 768 rows, share of the matmul peak":
         lambda: {2: [gpu_share()]},
     "raw text → first training step, 4.5M-pair stand-in, base preset (tokenizer, encoding, compiling), vs this "
-    "library before ([input side](benchmarks/README.md#the-input-side-at-the-papers-scale))": lambda: {
+    "library before ([input side](../benchmarks/README.md#the-input-side-at-the-papers-scale))": lambda: {
         0: [[first_step_s("data_pipeline.json")]], 1: [[first_step_s("data_pipeline_2026-12-02.json")]],
         2: [[first_step_s("data_pipeline_2026-12-02.json") / first_step_s("data_pipeline.json")]],
     },
