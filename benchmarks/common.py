@@ -81,25 +81,15 @@ def time_calls(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 def interleaved_medians(contenders: Mapping[str, Callable[[], object]], rounds: int,
-                        calls_per_round: int = 1, warmup: int = 1,
+                        warmup: int = 1,
                         progress: Callable[[], None] | None = None) -> dict[str, dict]:
-  """Times several contenders side by side: round r times every contender in turn.
-
-  Returns {name: {'median_s', 'min_s', 'times_s'}} over rounds * calls_per_round
-  calls each, after `warmup` untimed calls each. `progress()` is called after
-  every timed call (a tqdm update).
-  """
-  for fn in contenders.values():
-    for _ in range(warmup):
-      fn()
-  times = {name: [] for name in contenders}
-  for _ in range(rounds):
-    for name, fn in contenders.items():
-      for seconds in time_calls(fn, calls_per_round):
-        times[name].append(seconds)
-        if progress:
-          progress()
-  return {name: summarize_times(ts) for name, ts in times.items()}
+  """`flax_transformer.bench.alternating_rounds` (round r times every contender in turn, after
+  `warmup` untimed calls each; `progress()` after every timed call) as
+  {name: {'median_s', 'min_s', 'times_s'}}. Imported here, not above: a peer's worker
+  imports this module under a python of its own and calls only `time_calls`."""
+  from flax_transformer.bench.timing import alternating_rounds
+  timings = alternating_rounds(contenders, rounds, warmup, progress)
+  return {name: summarize_times(list(timing.times_s)) for name, timing in timings.items()}
 
 
 def summarize_times(times: list[float]) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -178,17 +177,16 @@ def settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
 
 def check_methods(parser, names: list[str], model_config) -> list:
+  """The decoding methods `names` name, each refused in one line unless it decodes this model."""
   from flax_transformer.decode.methods import method_from_name
   methods = []
   for name in names:
     try:
       method = method_from_name(name)
-      if name != 'mask_predict':
-        method = dataclasses.replace(method, max_len=min(model_config.max_len, 1))
       method.check_model(model_config)
     except ConfigError as error:
       parser.error(f'--methods {name}: {error}')
-    methods.append(method_from_name(name))
+    methods.append(method)
   return methods
 
 
@@ -265,25 +263,36 @@ def _main(argv: list[str] | None) -> int:
   args = parser.parse_args(argv)
   if args.warmup < 0:
     parser.error(f'--warmup must be 0 or more, got {args.warmup}')
-  rounds = args.rounds
   try:  # as train.py does: a compile the cache serves says so in the report
     compilation_cache.enable(args.compilation_cache)
   except ConfigError as error:
     parser.error(str(error))
   if args.command == 'peak':
-    from flax_transformer.bench.peaks import measure_peak
-    if args.dtype not in ('float32', 'bfloat16', 'float16'):
-      parser.error(f'--dtype {args.dtype!r}: choose float32, bfloat16 or float16')
-    if (args.size is not None and args.size < 1) or args.iterations < 1:
-      parser.error('--size and --iterations must be positive')
-    report = measure_peak(args.dtype, args.size, args.iterations, rounds, args.warmup)
-    print(report.table())
-    write_outputs([report], args)
-    return 0
+    return _peak(parser, args)
   model_config, train_config = settings(parser, args)
   if args.command == 'decode':
-    return _decode(parser, args, model_config, rounds)
-  from flax_transformer.bench import step as step_module
+    return _decode(parser, args, model_config, args.rounds)
+  return _steps(parser, args, model_config, train_config)
+
+
+def _peak(parser, args) -> int:
+  from flax_transformer.bench.peaks import measure_peak
+  if args.dtype not in ('float32', 'bfloat16', 'float16'):
+    parser.error(f'--dtype {args.dtype!r}: choose float32, bfloat16 or float16')
+  if (args.size is not None and args.size < 1) or args.iterations < 1:
+    parser.error('--size and --iterations must be positive')
+  report = measure_peak(args.dtype, args.size, args.iterations, args.rounds, args.warmup)
+  print(report.table())
+  write_outputs([report], args)
+  return 0
+
+
+def _steps(parser, args, model_config, train_config) -> int:
+  """`step` and `sweep`: every cell checked, then each compiled and timed in turn."""
+  from tqdm.auto import tqdm
+
+  from flax_transformer.bench.step import TrainingStep
+  from flax_transformer.bench.timing import time_rounds
   cells = _cells(parser, args, model_config, train_config)
   peak = args.peak
   if peak == 'measure':
@@ -292,14 +301,12 @@ def _main(argv: list[str] | None) -> int:
     print(peak.table())
   peak = None if peak == 'none' else peak
   reports = []
-  from tqdm.auto import tqdm
-  with tqdm(total=len(cells) * (rounds + 1), desc=args.command, unit='call',
+  with tqdm(total=len(cells) * (args.rounds + 1), desc=args.command, unit='call',
             disable=len(cells) == 1) as bar:
     for label, (model, train, shape) in cells.items():
-      step = step_module.TrainingStep(model, train, shape, devices=args.devices,
-                                      parallel=args.parallel, pair_len=args.pair_len)
+      step = TrainingStep(model, train, shape, devices=args.devices, parallel=args.parallel,
+                          pair_len=args.pair_len)
       bar.update(1)
-      from flax_transformer.bench.timing import time_rounds
       for _ in range(args.warmup):
         step.run()
 
@@ -307,7 +314,7 @@ def _main(argv: list[str] | None) -> int:
         step.run()
         bar.update(1)
 
-      reports.append(step.report(time_rounds(timed, rounds, 0), peak))
+      reports.append(step.report(time_rounds(timed, args.rounds, 0), peak))
       bar.set_postfix_str(label)
   if len(reports) == 1:
     print(reports[0].table())
