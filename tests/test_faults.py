@@ -464,10 +464,11 @@ def test_device_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoints(tm
   """XLA's RESOURCE_EXHAUSTED (a batch shape too large for the device, found when it first
   runs) is named with what to lower; the checkpoint saved before it stays."""
   import jax
-  make_step = loop.make_parallel_step
+  build = loop.compiled_training
 
-  def failing_step(*args, **kwargs):
-    step, calls = make_step(*args, **kwargs), []
+  def failing_build(*args, **kwargs):
+    model, optimizer, step = build(*args, **kwargs)
+    calls = []
 
     def run(state, batch):
       calls.append(1)
@@ -475,9 +476,9 @@ def test_device_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoints(tm
         raise jax.errors.JaxRuntimeError(
             'RESOURCE_EXHAUSTED: Out of memory allocating 30602629616 bytes.')
       return step(state, batch)
-    return run
+    return model, optimizer, run
 
-  monkeypatch.setattr(loop, 'make_parallel_step', failing_step)
+  monkeypatch.setattr(loop, 'compiled_training', failing_build)
   options = [option for option in CMLM_OPTIONS if not option.startswith('--model.max_length')]
   status, _, err = call(train_cli.main, [*options, '--workdir', tmp_path / 'run', '--steps=3',
                                          '--train.checkpoint_every=1'])
