@@ -133,7 +133,7 @@ def machine_info(threads: int) -> dict:
       versions[package] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
       pass
-  info = {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+  info = {'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
           'cpu': cpu, 'cpu_details': cpu_details, 'cores_available': os.cpu_count(),
           'threads': threads,
           'python': platform.python_version(), 'versions': versions,

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, machine_info, python_worker, write_json
 
-
 WORKER = '''
 import json, sys
 from flax_transformer.cli import compilation_cache

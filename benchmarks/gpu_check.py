@@ -12,7 +12,7 @@ recorded as skipped, never silently dropped):
             largest difference over largest value.
   mfu       training-step model FLOPs utilisation, bfloat16, base and big, for each attention
             kernel and each remat policy, at 768 rows x 32+32 tokens and at 390 x 64+64
-            (24,960 target tokens, the paper's 25k): FLOPs (`workloads.train_flops`) over the
+            (24,960 target tokens, the paper's 25k): FLOPs (`bench.flops.train_flops`) over the
             median step time, against the card's measured bfloat16 matmul peak (8192^3) and
             its datasheet peak; compile time and compiled temporary memory beside.
   decode    greedy and beam-4 tokens/s, base bfloat16, 32 new tokens from 32-token sources, at
@@ -97,9 +97,8 @@ def fused_kernel() -> str:
 
 
 def model_config(name: str, **overrides):
-  from flax_transformer.config import ModelConfig
-
   from benchmarks import workloads
+  from flax_transformer.config import ModelConfig
   if name == 'tiny':
     return ModelConfig.tiny(vocab_size=64, num_encoder_layers=1, num_decoder_layers=1,
                             **overrides)
@@ -257,12 +256,11 @@ def host_and_device(setting: Setting, workdir: Path) -> dict:
   packed, and the step's device seconds at the bucketed batches' most frequent shape."""
   import jax
 
+  from benchmarks.data_pipeline import load_only_cache
+  from flax_transformer import bench
   from flax_transformer.config import TrainConfig
   from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
   from flax_transformer.run.directory import read_config
-
-  from benchmarks.data_pipeline import load_only_cache
-  from flax_transformer import bench
   corpus = load_only_cache(workdir / 'encoded')
   tokens = setting.input_max_tokens
   results = {}

@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import common
+
 # The random Marian directory is the Marian tests' fixture: one builder for tests, this
 # benchmark and notebook 04 (run from the repository root, `tests.support` imports).
 from tests.support.marian_directory import MarianShape, make_marian_directory

@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import sacrebleu
 
 from benchmarks import common
 from flax_transformer.decode.methods import BeamSearch, DecodingMethod, Greedy, MaskPredict

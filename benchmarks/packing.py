@@ -41,8 +41,12 @@ class Contender:
     import jax
 
     from flax_transformer.nn.build import build_model
-    from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
+    from flax_transformer.train import (
+      DataParallel,
+      create_train_state,
+      make_optimizer,
+      make_parallel_step,
+    )
     epoch = batcher.epoch(0)
     picked = [epoch[i * len(epoch) // steps] for i in range(steps)]
     self.tokens = [int(batch.num_tokens) for batch in picked]

@@ -30,7 +30,7 @@ alternating rounds as well: 4096^3 (`--peak-size`), and rows 1024 (the step's
 32 x 32 tokens), 32 and 128 (greedy and beam 4 decode steps) times the model's
 weights [D, F], [F, D], [D, D] and [D, V], float32 and bfloat16 (float32
 accumulation); only the shapes of the tasks run. GFLOP/s divide the
-analytic matmul FLOPs (`workloads.train_flops`, `workloads.decode_flops`) by the
+analytic matmul FLOPs (`bench.flops.train_flops`, `bench.flops.decode_flops`) by the
 median time; each is read against (a) the 4096^3 peak and (b) the FLOP-weighted
 peak at the task's own shapes (`weighted_peak`).
 
@@ -52,8 +52,14 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.workloads import (MODELS, Shape, decode_flop_classes, decode_flops, model_config,
-                                  train_flop_classes, train_flops)
+from benchmarks.workloads import (
+  MODELS,
+  Shape,
+  decode_flop_classes,
+  model_config,
+  train_flop_classes,
+)
+from flax_transformer.bench.flops import decode_flops, train_flops
 
 CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch', 'ctranslate2')
 DTYPES = ('float32', 'bfloat16')
@@ -333,7 +339,8 @@ def _shape(text: str) -> Shape:
   try:
     batch, src_len, tgt_len = (int(x) for x in text.lower().split('x'))
   except ValueError:
-    raise argparse.ArgumentTypeError(f'--shape must be BATCHxSRCxTGT like 32x32x32, got {text!r}')
+    raise argparse.ArgumentTypeError(
+        f'--shape must be BATCHxSRCxTGT like 32x32x32, got {text!r}') from None
   return Shape(batch, src_len, tgt_len)
 
 

@@ -26,8 +26,7 @@ from pathlib import Path
 
 # The hand counts and the batch shape; flax_transformer.bench.flops imports only the config
 # (and the package's model modules: jax and flax), which a peer's python has too.
-from flax_transformer.bench.flops import (BatchShape, decode_flops, encoder_layer_flops,
-                                          prefix_flops, step_flops, train_flops)
+from flax_transformer.bench.flops import BatchShape
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 # The first multi30k preset's size, kept as data beside the results measured at it.

@@ -34,8 +34,14 @@ import importlib
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.nn.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
 from flax_transformer.nn.layers import sinusoidal_positions
-from flax_transformer.nn.model import (BeamDecodeCache, DecodeCache, Transformer, attention_weights,
-                                       count_params, empty_self_cache)
+from flax_transformer.nn.model import (
+  BeamDecodeCache,
+  DecodeCache,
+  Transformer,
+  attention_weights,
+  count_params,
+  empty_self_cache,
+)
 
 __version__ = '0.1.0'
 

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.device_workers import assert_runs_match, run_worker
 from test_attention import reference_attention, reference_attention_grads
 
 from flax_transformer import ModelConfig
 from flax_transformer.config import ConfigError, resolve_attention_kernel
 from flax_transformer.nn import attention, masks
 from flax_transformer.nn.build import build_model
+from support.device_workers import assert_runs_match, run_worker
 
 SRC = jnp.array([[5, 9, 12, 7, 2, 0, 0], [4, 4, 8, 2, 0, 0, 0], [6, 2, 0, 0, 0, 0, 0]])
 TGT = jnp.array([[1, 8, 13, 6, 2], [1, 7, 2, 0, 0], [1, 9, 10, 11, 2]])
@@ -155,7 +155,8 @@ def test_a_cached_step_takes_the_kernel_asked_for_and_agrees(fused_calls):
 
 
 def test_auto_keeps_einsum_for_cached_steps_and_beams(monkeypatch, fused_calls):
-  from flax_transformer.nn import layers, model as model_module
+  from flax_transformer.nn import layers
+  from flax_transformer.nn import model as model_module
   # auto as it resolves on a GPU, with xla standing in for cuDNN on this CPU
   for module in (layers, model_module):
     monkeypatch.setattr(module, 'resolve_attention_kernel', lambda config: 'xla')

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.script_calls import call
 
 from flax_transformer import ModelConfig, Transformer
 from flax_transformer.cli import decode as decode_cli
 from flax_transformer.cli import train as train_cli
 from flax_transformer.nn import attention, masks
 from flax_transformer.nn.attention import banded_attention, scaled_dot_product_attention
+from support.script_calls import call
 
 # (length, radius, causal): lengths not a multiple of r, r = 0, and r beyond the length.
 CASES = [(13, 3, False), (11, 3, True), (9, 0, False), (7, 5, True)]

@@ -1,6 +1,6 @@
 """The benchmarks' arithmetic and plumbing: the analytic FLOP counts, the peers' sizes, the workers.
 
-`workloads.train_flops` must equal the matmul FLOPs of the step XLA is given
+`bench.flops.train_flops` must equal the matmul FLOPs of the step XLA is given
 (counted from its HLO, operand shapes and all), and stay within the elementwise
 margin of XLA's own cost analysis of the compiled step; `prefix_flops` and
 `step_flops` must equal the dots of the encoder pass and of one cached decode
@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 
 from benchmarks import workloads
-from benchmarks.workloads import (Shape, decode_flops, prefix_flops, step_flops, synthetic_batch,
-                                  train_flops)
+from benchmarks.workloads import Shape, synthetic_batch
 from flax_transformer import train
+from flax_transformer.bench.flops import decode_flops, prefix_flops, step_flops, train_flops
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nn.model import DecodeCache, Transformer, count_params
 

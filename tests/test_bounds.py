@@ -5,8 +5,17 @@ import math
 import numpy as np
 import pytest
 
-from flax_transformer.config import (NONNEGATIVE, NONNEGATIVE_INT, NUMBER, POSITIVE_INT, Bounds,
-                                     ConfigError, ModelConfig, TrainConfig, check_bounds)
+from flax_transformer.config import (
+  NONNEGATIVE,
+  NONNEGATIVE_INT,
+  NUMBER,
+  POSITIVE_INT,
+  Bounds,
+  ConfigError,
+  ModelConfig,
+  TrainConfig,
+  check_bounds,
+)
 
 
 class Refused(ValueError):

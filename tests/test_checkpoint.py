@@ -7,14 +7,19 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from support.checkpointed_run import TEXTS, TRAIN_CONFIG, shifted
 
 from flax_transformer.config import DataConfig
 from flax_transformer.nn.model import Transformer
-from flax_transformer.run import (CheckpointError, Checkpoints, DamagedCheckpoint,
-                                  average_checkpoints, load_for_inference)
+from flax_transformer.run import (
+  CheckpointError,
+  Checkpoints,
+  DamagedCheckpoint,
+  average_checkpoints,
+  load_for_inference,
+)
 from flax_transformer.run.directory import read_config, write_config
 from flax_transformer.train import create_train_state, make_optimizer
+from support.checkpointed_run import TEXTS, TRAIN_CONFIG, shifted
 
 # The run directory of conftest.py's checkpointed_run, which tests/test_run_directory.py shares.
 

@@ -9,9 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import numpy_transformer
-from support.tiny_cmlm import (CONFIG, COPY_CONFIG, EOS, MASK, PAD, SOURCES, R, pad_rows,
-                               source_lengths)
 
 from flax_transformer import ConfigError
 from flax_transformer.data.batching import Batch
@@ -19,6 +16,18 @@ from flax_transformer.nn import cmlm
 from flax_transformer.nn.cmlm import CMLMTransformer
 from flax_transformer.train import cmlm_objective
 from flax_transformer.train.cmlm_objective import CMLMInputs
+from support import numpy_transformer
+from support.tiny_cmlm import (
+  CONFIG,
+  COPY_CONFIG,
+  EOS,
+  MASK,
+  PAD,
+  SOURCES,
+  R,
+  pad_rows,
+  source_lengths,
+)
 
 
 def log_softmax64(logits):
@@ -256,7 +265,7 @@ def test_the_mask_row_embeds_mask_tokens(forward, params, src, decoder_input):
   moved = {**params, 'mask_embedding': params['mask_embedding'] + 1.0}
   before, _ = forward(params, src, decoder_input)
   after, _ = forward(moved, src, decoder_input)
-  assert np.abs((after - before)).max() > 1e-2
+  assert np.abs(after - before).max() > 1e-2
   unmasked = np.where(decoder_input == MASK, 9, decoder_input)
   np.testing.assert_array_equal(forward(moved, src, unmasked)[0], forward(params, src, unmasked)[0])
 

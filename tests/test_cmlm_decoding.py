@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from support.tiny_cmlm import CONFIG, COPY_CONFIG, EOS, PAD, SOURCES, R, pad_rows, source_lengths
 
 from flax_transformer import ConfigError, ModelConfig, Transformer
 from flax_transformer.data.batching import Batch
 from flax_transformer.decode import autoregressive, non_autoregressive
 from flax_transformer.decode.methods import MaskPredict
 from flax_transformer.nn import cmlm
-from flax_transformer.train import cmlm_objective
 from flax_transformer.nn.cmlm import CMLMTransformer
+from flax_transformer.train import cmlm_objective
+from support.tiny_cmlm import CONFIG, COPY_CONFIG, EOS, PAD, SOURCES, R, pad_rows, source_lengths
 
 LENGTH_BEAM = 3
 

@@ -9,14 +9,20 @@ tests/test_decode_cli.py's, the distillation that makes a cmlm corpus test_disti
 import jax
 import numpy as np
 import pytest
-from support.copy_task import PAD, copy_batch
-from support.device_workers import run_values, run_worker
 
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nn.cmlm import CMLMTransformer
-from flax_transformer.train import (DataParallel, create_train_state, length_metrics,
-                                   make_optimizer, make_parallel_eval, make_parallel_step,
-                                   token_metrics)
+from flax_transformer.train import (
+  DataParallel,
+  create_train_state,
+  length_metrics,
+  make_optimizer,
+  make_parallel_eval,
+  make_parallel_step,
+  token_metrics,
+)
+from support.copy_task import PAD, copy_batch
+from support.device_workers import run_values, run_worker
 
 # --- the training step ------------------------------------------------------------------
 

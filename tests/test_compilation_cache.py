@@ -10,11 +10,11 @@ from pathlib import Path
 
 import jax
 import pytest
-from support.script_calls import usage_error
 
+from flax_transformer.cli import compilation_cache
 from flax_transformer.cli import train as train_cli
 from flax_transformer.config import ConfigError
-from flax_transformer.cli import compilation_cache
+from support.script_calls import usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',

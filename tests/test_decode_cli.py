@@ -14,8 +14,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support.random_run import MAX_LEN, SENTENCES
-from support.script_calls import call, error_line
 
 from flax_transformer.cli import decode as decode_cli  # decode.py's program
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
@@ -26,6 +24,8 @@ from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import Transformer
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
+from support.random_run import MAX_LEN, SENTENCES
+from support.script_calls import call, error_line
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')

@@ -7,12 +7,12 @@ numbers_corpus; a cmlm teacher is conftest.py's cmlm_run.
 """
 
 import pytest
-from support.script_calls import call, error_line
 
 import distill as distill_cli  # the program at the repository root
 from flax_transformer.data.corpus import load_parallel
 from flax_transformer.decode.methods import BeamSearch
 from flax_transformer.decode.translator import Translator
+from support.script_calls import call, error_line
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')

@@ -22,8 +22,6 @@ import pytest
 
 pytest.importorskip('safetensors', reason='needs safetensors: pip install -e .[pretrained]')
 
-from support.script_calls import call, error_line  # noqa: E402
-
 from flax_transformer.cli import export as export_cli  # noqa: E402
 from flax_transformer.cli import train as train_cli  # noqa: E402
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
@@ -38,6 +36,7 @@ from flax_transformer.pretrained.marian import load_marian  # noqa: E402
 from flax_transformer.run.checkpoints import Checkpoints  # noqa: E402
 from flax_transformer.run.directory import write_config  # noqa: E402
 from flax_transformer.run.loading import load_for_inference  # noqa: E402
+from support.script_calls import call, error_line  # noqa: E402
 
 TOY_SENTENCES = [
     'one hundred one', 'forty-two', 'seven thousand five hundred ninety-four', 'six thousand eight',

@@ -21,9 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import CMLM_OPTIONS
-from support.lock_holder import lock_holder
-from support.runs import saved_steps
-from support.script_calls import call, error_line, usage_error
 
 from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
 from flax_transformer.cli import train as train_cli
@@ -31,10 +28,18 @@ from flax_transformer.config import ModelConfig
 from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.nn.model import count_params
-from flax_transformer.run.checkpoints import (DIGESTS_FILE, CheckpointError, Checkpoints,
-                                              DamagedCheckpoint, WriteError)
+from flax_transformer.run.checkpoints import (
+  DIGESTS_FILE,
+  CheckpointError,
+  Checkpoints,
+  DamagedCheckpoint,
+  WriteError,
+)
 from flax_transformer.run.sizes import check_fits, parameter_count
 from flax_transformer.train import loop
+from support.lock_holder import lock_holder
+from support.runs import saved_steps
+from support.script_calls import call, error_line, usage_error
 
 pytestmark = [
     pytest.mark.filterwarnings('ignore:source length .* output capped'),

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check
-from benchmarks.workloads import Shape, train_flops
+from benchmarks.workloads import Shape
+from flax_transformer.bench.flops import train_flops
 
 ROOT = Path(__file__).resolve().parent.parent
 

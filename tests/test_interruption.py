@@ -43,13 +43,13 @@ import time
 from pathlib import Path
 
 import pytest
-from support.environment import xla_flags
-from support.processes import free_ports, host_name_is_loopback
-from support.runs import assert_trees_equal, saved_steps, train_state
 
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.run.directory import file_digest
 from flax_transformer.train.interruption import Interrupted, StopSignals
+from support.environment import xla_flags
+from support.processes import free_ports, host_name_is_loopback
+from support.runs import assert_trees_equal, saved_steps, train_state
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_EVERY = 2

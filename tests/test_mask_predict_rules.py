@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import numpy_transformer
-from support.tiny_cmlm import BOS, CONFIG, EOS, MASK, PAD, SOURCES, R, pad_rows, source_lengths
 
 from flax_transformer.decode import non_autoregressive
 from flax_transformer.nn.cmlm import CMLMTransformer, num_length_classes
+from support import numpy_transformer
+from support.tiny_cmlm import BOS, CONFIG, EOS, MASK, PAD, SOURCES, R, pad_rows, source_lengths
 
 ITERATIONS, LENGTH_BEAM = 4, 2
 # float32 logits of the compiled decoder and of the plain forward pass differ by ~1e-6: every

@@ -7,8 +7,15 @@ import pytest
 
 from flax_transformer import ConfigError, ModelConfig
 from flax_transformer.decode import autoregressive
-from flax_transformer.decode.methods import (METHODS, BeamSearch, Greedy, MaskPredict, Sampling,
-                                             default_method, method_from_name)
+from flax_transformer.decode.methods import (
+  METHODS,
+  BeamSearch,
+  Greedy,
+  MaskPredict,
+  Sampling,
+  default_method,
+  method_from_name,
+)
 
 
 @pytest.mark.parametrize('make, message', [

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import numpy_transformer
 
-from flax_transformer import (ConfigError, ModelConfig, Transformer, attention_weights, count_params)
+from flax_transformer import ConfigError, ModelConfig, Transformer, attention_weights, count_params
+from support import numpy_transformer
 
 CONFIG = ModelConfig.tiny(dropout_rate=0.0)
 SENTENCE_SRC = [5, 9, 12, 7, 2]

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import numpy_transformer
 
 from flax_transformer import ModelConfig, Transformer
 from flax_transformer.nn.cmlm import CMLMTransformer, num_length_classes
+from support import numpy_transformer
 
 PAD, EOS, BOS = 0, 2, 1
 # Two sentences, the first padded on both sides: PAD keys must be hidden everywhere.

@@ -13,6 +13,7 @@ the step's global token normalisation must get right.
 
 import numpy as np
 import pytest
+
 from support.device_workers import run_values, run_worker
 
 STEPS = 4

@@ -41,15 +41,15 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-from support.environment import xla_flags
-from support.processes import free_ports, host_name_is_loopback
 
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.nn.model import Transformer
 from flax_transformer.run.checkpoints import Checkpoints
-from flax_transformer.run.loading import load_for_inference
 from flax_transformer.run.directory import read_config
+from flax_transformer.run.loading import load_for_inference
 from flax_transformer.train import TrainState, create_train_state, make_optimizer
+from support.environment import xla_flags
+from support.processes import free_ports, host_name_is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -41,6 +41,7 @@ import nbformat
 import numpy as np
 import pytest
 from nbclient import NotebookClient
+
 from support.cpuinfo import first_processor
 
 REPO = Path(__file__).resolve().parents[1]

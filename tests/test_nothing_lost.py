@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 import pytest
-from support.script_calls import call
 
 import decode as decode_cli
 import distill as distill_cli
@@ -26,11 +25,18 @@ import train as train_cli
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.run.checkpoints import CheckpointError
-from flax_transformer.run.directory import (RUN_FORMAT, WRITTEN_BY, NotARun, clear_run,
-                                            foreign_entries, run_format)
+from flax_transformer.run.directory import (
+  RUN_FORMAT,
+  WRITTEN_BY,
+  NotARun,
+  clear_run,
+  foreign_entries,
+  run_format,
+)
 from flax_transformer.run.loading import average_checkpoints
 from flax_transformer.run.sizes import check_decoding_fits, decoding_bytes
 from flax_transformer.train.loop import checkpoints_kept
+from support.script_calls import call
 
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
 

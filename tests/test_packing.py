@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
-from support.device_workers import assert_runs_match, run_values, run_worker
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data.batching import Batch, EncodedCorpus, _flatten_with_eos
@@ -17,6 +16,7 @@ from flax_transformer.data.packing import PackingBatcher, check_settings, pack_r
 from flax_transformer.nn import masks
 from flax_transformer.nn.model import Transformer, attention_weights
 from flax_transformer.train.losses import token_losses
+from support.device_workers import assert_runs_match, run_values, run_worker
 
 PAD, BOS, EOS = 0, 1, 2
 ROW = 16          # the packed row length
@@ -223,8 +223,12 @@ def test_no_attention_crosses_a_segment(params, packed_batch):
 def test_packed_bfloat16_step_with_gradient_accumulation(batcher, packed_batch):
   """The data-parallel step on packed batches in bfloat16, accumulating 2 batches per update:
   finite losses, no update after the first batch, an update after the second."""
-  from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
+  from flax_transformer.train import (
+    DataParallel,
+    create_train_state,
+    make_optimizer,
+    make_parallel_step,
+  )
   config = CONFIG.replace(dtype='bfloat16')
   train_config = TrainConfig(grad_accum_steps=2, warmup_steps=10, packing=ROW)
   model, optimizer = Transformer(config), make_optimizer(train_config, config)

@@ -146,7 +146,7 @@ def test_prefetcher_raises_the_error_at_its_item():
   seen = []
   with pytest.raises(DataError, match='step 3 is bad'):
     with Prefetcher(make, 0, 10, 2) as items:
-      for index, item in items:
+      for _, item in items:
         seen.append(item)
   assert seen == [0, 1, 2]
 

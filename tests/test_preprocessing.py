@@ -10,8 +10,11 @@ import pytest
 
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, run_preset
 from flax_transformer.data import preprocessing
-from flax_transformer.data.preprocessing import (PreprocessingTokenizer, TextPreprocessing,
-                                                 moses_tokenized)
+from flax_transformer.data.preprocessing import (
+  PreprocessingTokenizer,
+  TextPreprocessing,
+  moses_tokenized,
+)
 from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.train.evaluation import corpus_scores, tokenized_bleu
 from flax_transformer.train.loop import check_settings

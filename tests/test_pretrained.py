@@ -22,17 +22,20 @@ transformers = pytest.importorskip('transformers',
 pytest.importorskip('sentencepiece', reason='needs sentencepiece: pip install -e .[pretrained]')
 pytest.importorskip('safetensors', reason='needs safetensors: pip install -e .[pretrained]')
 
-from support.marian_directory import MarianShape, make_marian_directory  # noqa: E402
-from support.script_calls import call  # noqa: E402
-
 from flax_transformer.cli import decode as decode_cli  # noqa: E402
 from flax_transformer.config import ConfigError  # noqa: E402
 from flax_transformer.decode import autoregressive  # noqa: E402
 from flax_transformer.decode.methods import Greedy  # noqa: E402
 from flax_transformer.decode.translator import Translator  # noqa: E402
 from flax_transformer.nn.build import build_model  # noqa: E402
-from flax_transformer.pretrained.marian import (PretrainedError,  # noqa: E402
-                                                fine_tuning_config, load_marian, marian_config)
+from flax_transformer.pretrained.marian import (  # noqa: E402
+  PretrainedError,
+  fine_tuning_config,
+  load_marian,
+  marian_config,
+)
+from support.marian_directory import MarianShape, make_marian_directory  # noqa: E402
+from support.script_calls import call  # noqa: E402
 
 SENTENCES = ['The animal did not cross the street because it was too tired.', 'A man',
              'She sings a song about the sea.', 'Several people are sitting on a bench.']
@@ -213,8 +216,8 @@ FINE_TUNING = ['--train.max_tokens=256', '--train.warmup_steps=2', '--train.log_
 
 def test_train_py_fine_tunes_a_marian_model_into_a_run_that_decodes(marian_dir, loaded,
                                                                      tmp_path):
-  from support.marian_directory import SAMPLE_TEXT
   from flax_transformer.cli import train as train_program
+  from support.marian_directory import SAMPLE_TEXT
 
   corpus = tmp_path / 'corpus'
   corpus.mkdir()
@@ -251,10 +254,10 @@ def test_averaging_a_fine_tuned_marian_run_keeps_its_tokenizer(marian_dir, loade
   # --average-last copied only tokenizer.json, which a Marian run does not have: training
   # finished, then failed on WORKDIR/tokenizer.json. The average is a run directory that loads
   # and decodes with the Marian tokenizer, as the run itself does.
-  from support.marian_directory import SAMPLE_TEXT
   from flax_transformer.cli import train as train_program
   from flax_transformer.pretrained.marian import MarianTokenizer
   from flax_transformer.run.loading import load_for_inference
+  from support.marian_directory import SAMPLE_TEXT
 
   corpus = tmp_path / 'corpus'
   corpus.mkdir()
@@ -286,9 +289,8 @@ def test_averaging_a_fine_tuned_marian_run_keeps_its_tokenizer(marian_dir, loade
 
 
 def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(marian_dir):
-  from support.script_calls import usage_error
-
   from flax_transformer.cli import train as train_program
+  from support.script_calls import usage_error
 
   err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
   assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err
@@ -425,9 +427,8 @@ def test_decode_py_and_train_py_answer_a_damaged_marian_directory_with_status_2(
   assert f'{damaged / "model.safetensors"}: truncated' in err
   assert 'unexpected' not in err and 'Traceback' not in err
   # train.py --init-from reads the weights after the data, before compiling anything.
-  from support.marian_directory import SAMPLE_TEXT
-
   from flax_transformer.cli import train as train_program
+  from support.marian_directory import SAMPLE_TEXT
   corpus = tmp_path / 'corpus'
   corpus.mkdir()
   (corpus / 'train.en').write_text(''.join(f'{line}\n' for line in SAMPLE_TEXT[0::2]))

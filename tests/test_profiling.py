@@ -10,9 +10,9 @@ import json
 
 import pytest
 from conftest import CMLM_OPTIONS
-from support.script_calls import call
 
 import train as train_cli
+from support.script_calls import call
 
 OPTIONS = [option for option in CMLM_OPTIONS if 'max_length_offset' not in option]
 

@@ -13,14 +13,18 @@ import signal
 import socket
 
 import pytest
-from support.checkpointed_run import TRAIN_CONFIG
-from support.lock_holder import lock_holder
 
 from flax_transformer.config import DataConfig
-from flax_transformer.run.directory import CheckpointError
+from flax_transformer.run.directory import (
+  CheckpointError,
+  check_resumable,
+  file_digest,
+  read_config,
+)
 from flax_transformer.run.loading import load_for_inference
-from flax_transformer.run.directory import check_resumable, file_digest, read_config
 from flax_transformer.run.lock import LOCK_FILE, RunDirectoryInUse, RunLock
+from support.checkpointed_run import TRAIN_CONFIG
+from support.lock_holder import lock_holder
 
 # The run directory of conftest.py's checkpointed_run, which tests/test_checkpoint.py shares.
 

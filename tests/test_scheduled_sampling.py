@@ -12,16 +12,25 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
+
+from flax_transformer.config import (
+  ConfigError,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+  parse_overrides,
+)
+from flax_transformer.nn.model import Transformer
+from flax_transformer.train import (
+  DataParallel,
+  create_train_state,
+  make_optimizer,
+  make_parallel_step,
+)
+from flax_transformer.train import scheduled_sampling as ss
+from flax_transformer.train.loop import check_settings
 from support.copy_task import random_copy_batch
 from support.device_workers import assert_runs_match, run_worker
-
-from flax_transformer.train import scheduled_sampling as ss
-from flax_transformer.config import (ConfigError, DataConfig, ModelConfig, TrainConfig,
-                                     parse_overrides)
-from flax_transformer.nn.model import Transformer
-from flax_transformer.train.loop import check_settings
-from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
 
 PAD, BOS, EOS = 0, 1, 2
 CONFIG = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.1)

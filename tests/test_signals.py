@@ -22,11 +22,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import CMLM_OPTIONS
-from support.script_calls import call
 
 import train as train_cli
 from flax_transformer import signals
 from flax_transformer.run.loading import load_for_inference
+from support.script_calls import call
 
 REPO = Path(__file__).resolve().parents[1]
 # The numbers corpus on the tiny model of the cmlm runs, autoregressive: validation every 2

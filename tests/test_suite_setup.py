@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import conftest
+
 from support.environment import xla_flags
 
 TESTS = Path(__file__).resolve().parent

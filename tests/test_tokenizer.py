@@ -208,9 +208,8 @@ def test_a_marian_tokenizer_reads_special_strings_as_text(tmp_path):
   """sentencepiece returns a run of unknown characters as one piece, which can spell
   '</s>'; vocab.json would make that EOS."""
   pytest.importorskip('sentencepiece')
-  from support.marian_directory import _train_spm, _vocab
-
   from flax_transformer.pretrained.marian import MarianTokenizer
+  from support.marian_directory import _train_spm, _vocab
   # No '<', '/', 's', '>', 'p', 'a', 'd' in the text: '</s>' and '<pad>' are unknown runs.
   text = ['Ein Hund rennt im Freien.', 'Zwei Männer fühlen tief.', 'Hunde eilen, Kühe ruhen.']
   model = _train_spm(text * 30, 60)

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.runs import finite, read_metrics, saved_steps, train_state
-from support.script_calls import call, error_line, usage_error
 
 from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
 from flax_transformer.cli import train as train_cli
@@ -26,6 +24,8 @@ from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.train import distributed
 from flax_transformer.train.loop import load_data
+from support.runs import finite, read_metrics, saved_steps, train_state
+from support.script_calls import call, error_line, usage_error
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')

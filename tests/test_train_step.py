@@ -10,15 +10,22 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
-from support.copy_task import random_copy_batch
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig, parse_overrides
 from flax_transformer.data.batching import Batch
 from flax_transformer.nn.model import Transformer
-from flax_transformer.train import (DataParallel, TrainState, create_train_state,
-                                   label_smoothed_cross_entropy, make_optimizer,
-                                   make_parallel_step, token_metrics, transformer_schedule)
+from flax_transformer.train import (
+  DataParallel,
+  TrainState,
+  create_train_state,
+  label_smoothed_cross_entropy,
+  make_optimizer,
+  make_parallel_step,
+  token_metrics,
+  transformer_schedule,
+)
 from flax_transformer.train.losses import chunked_loss_sums, loss_sums
+from support.copy_task import random_copy_batch
 
 PAD, BOS, EOS = 0, 1, 2
 # One layer each side: the step's behaviour does not depend on depth, and compiles halve.

@@ -9,7 +9,6 @@ import jax
 import numpy as np
 import pytest
 import sacrebleu
-from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
 
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data.assembly import ArrayBatcher
@@ -19,10 +18,15 @@ from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
 from flax_transformer.run.directory import CheckpointError
 from flax_transformer.run.loading import load_for_inference
-from flax_transformer.train.evaluation import (bleu_left_out, describe_scores, tokenized_bleu,
-                                               translation_scores)
-from flax_transformer.train.loop import NonFiniteError, train
 from flax_transformer.train import transformer_schedule
+from flax_transformer.train.evaluation import (
+  bleu_left_out,
+  describe_scores,
+  tokenized_bleu,
+  translation_scores,
+)
+from flax_transformer.train.loop import NonFiniteError, train
+from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
 
 # Dropout stays on: exact resume must reproduce the step-folded dropout keys too. One layer
 # each side and a vocabulary that puts every pair in the 8-token bucket keep compiles short.

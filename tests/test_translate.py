@@ -6,13 +6,13 @@ decode.py, the command line over Translator, is tests/test_decode_cli.py's.
 
 import numpy as np
 import pytest
-from support.random_run import MAX_LEN, SENTENCES
 
 from flax_transformer import ConfigError, Transformer
 from flax_transformer.decode import autoregressive
 from flax_transformer.decode.methods import BeamSearch, Greedy, MaskPredict, Sampling
 from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.cmlm import CMLMTransformer
+from support.random_run import MAX_LEN, SENTENCES
 
 # The tiny model's max_len caps the source + 50 budget of the longest sentences;
 # test_decoding.py checks that warning.

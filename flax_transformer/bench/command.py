@@ -227,7 +227,8 @@ def plot(reports: list, x: str, series: list[str], path: Path, title: str) -> No
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
   except ImportError:
-    raise SystemExit(f'{PROGRAM}: --plot needs matplotlib: pip install "flax_transformer[plot]"')
+    raise SystemExit(
+        f'{PROGRAM}: --plot needs matplotlib: pip install "flax_transformer[plot]"') from None
   rows = [report.to_dict() for report in reports]
   groups = {}
   for row in rows:

@@ -18,13 +18,23 @@ import dataclasses
 import jax
 import numpy as np
 
-from flax_transformer.bench.compiled import (Compilation, CompiledMemory, compile_programs,
-                                             format_bytes, memory_of)
+from flax_transformer.bench.compiled import (
+  Compilation,
+  CompiledMemory,
+  compile_programs,
+  format_bytes,
+  memory_of,
+)
 from flax_transformer.bench.flops import decode_flops
 from flax_transformer.bench.step import describe_model
 from flax_transformer.bench.timing import Timing, time_rounds
 from flax_transformer.config import ModelConfig
-from flax_transformer.decode.methods import BeamSearch, DecodingMethod, MaskPredict, method_from_name
+from flax_transformer.decode.methods import (
+  BeamSearch,
+  DecodingMethod,
+  MaskPredict,
+  method_from_name,
+)
 from flax_transformer.decode.programs import decoding_programs
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import count_params

@@ -22,8 +22,13 @@ import dataclasses
 import jax
 import numpy as np
 
-from flax_transformer.bench.compiled import (Compilation, CompiledMemory, compile_programs,
-                                             format_bytes, memory_of)
+from flax_transformer.bench.compiled import (
+  Compilation,
+  CompiledMemory,
+  compile_programs,
+  format_bytes,
+  memory_of,
+)
 from flax_transformer.bench.flops import BatchShape, train_flops, xla_flops
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.timing import Timing, time_rounds

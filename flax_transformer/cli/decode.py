@@ -29,8 +29,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flax_transformer.cli.failures import Failure, add_debug_option, one_line, run_program
-from flax_transformer.cli.options import (add_method_options, add_unverified_option,
-                                          method_settings, unverified_reporter)
+from flax_transformer.cli.options import (
+  add_method_options,
+  add_unverified_option,
+  method_settings,
+  unverified_reporter,
+)
 from flax_transformer.signals import Stopped
 
 # Sentences read, sorted and decoded together; their translations are written before the next

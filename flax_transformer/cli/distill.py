@@ -15,8 +15,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flax_transformer.cli.failures import Failure, add_debug_option, run_program
-from flax_transformer.cli.options import (add_method_options, add_unverified_option,
-                                          method_settings, unverified_reporter)
+from flax_transformer.cli.options import (
+  add_method_options,
+  add_unverified_option,
+  method_settings,
+  unverified_reporter,
+)
 from flax_transformer.decode.methods import BeamSearch
 
 # How the teacher decodes; its fields are the method options (--beam-size, --alpha, ...).

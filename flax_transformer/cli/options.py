@@ -17,9 +17,19 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from flax_transformer.config import (RENAMED, RUN_PRESETS, SECTIONS, Bounds, DataConfig,
-                                     ModelConfig, TrainConfig, field_types, help_of,
-                                     parse_overrides, run_preset)
+from flax_transformer.config import (
+  RENAMED,
+  RUN_PRESETS,
+  SECTIONS,
+  Bounds,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+  field_types,
+  help_of,
+  parse_overrides,
+  run_preset,
+)
 
 
 def add_setting_options(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +120,7 @@ def add_method_options(parser: argparse.ArgumentParser, methods=None,
         type=_bounded(kind, field.metadata.get('bounds')) if choices is None else kind,
         help=(f'{", ".join(owner.name for owner in owners)}: ' if choose else '')
         + field.metadata['help'] + default)
-  for old, new in RENAMED.items():
+  for old in RENAMED:
     section, old_name = old.split('.', 1)
     if any(section == method.name for method in methods):
       group.add_argument(f'--{old_name.replace("_", "-")}', dest=old, help=argparse.SUPPRESS)

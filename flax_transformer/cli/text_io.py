@@ -57,7 +57,8 @@ def check_output(output: Path | None, checkpoint: Path, *inputs: Path | None) ->
   if output is None:
     return
   from flax_transformer.run.directory import averaged_run
-  from flax_transformer.run.outputs import Protected, check_output as check
+  from flax_transformer.run.outputs import Protected
+  from flax_transformer.run.outputs import check_output as check
   protected = [Protected(checkpoint, f'the checkpoint directory {checkpoint}')]
   run = averaged_run(checkpoint)  # an average-lastK's run is an input too
   protected += [Protected(run, f'the run {run}, averaged in {checkpoint}')] if run else []

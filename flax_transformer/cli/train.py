@@ -22,8 +22,13 @@ from pathlib import Path
 
 from flax_transformer.cli import compilation_cache
 from flax_transformer.cli.failures import add_debug_option, deadline, run_program, train_failure
-from flax_transformer.cli.options import (add_setting_options, add_unverified_option,
-                                          configs_from_args, nonnegative_int, positive_int)
+from flax_transformer.cli.options import (
+  add_setting_options,
+  add_unverified_option,
+  configs_from_args,
+  nonnegative_int,
+  positive_int,
+)
 from flax_transformer.config import RUN_PRESETS, ConfigError
 
 # How long a multi-host start waits for every process to join the coordinator (JAX's default).

@@ -58,7 +58,6 @@ from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, proces
 from flax_transformer.data.corpus import DataError
 from flax_transformer.data.packing import PackingBatcher, pack_rows
 
-
 # ------------------------------------------------------------------------------------------------
 # Rows of pairs, flat.
 

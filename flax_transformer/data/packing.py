@@ -28,8 +28,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from flax_transformer.config import NONNEGATIVE, ConfigError, ModelConfig, TrainConfig, check_bounds
-from flax_transformer.data.batching import (SEQUENCE_LENGTH, Batch, Batcher, EncodedCorpus,
-                                            rows_per_batch)
+from flax_transformer.data.batching import (
+  SEQUENCE_LENGTH,
+  Batch,
+  Batcher,
+  EncodedCorpus,
+  rows_per_batch,
+)
 from flax_transformer.data.corpus import DataError
 
 # Rows kept open for the next pairs while packing; more fill rows a little better and cost

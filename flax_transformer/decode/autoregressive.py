@@ -49,8 +49,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.config import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, Bounds,
-                                     ConfigError, ModelConfig, check_fields, setting)
+from flax_transformer.config import (
+  NONNEGATIVE,
+  NONNEGATIVE_INT,
+  POSITIVE,
+  POSITIVE_INT,
+  Bounds,
+  ConfigError,
+  ModelConfig,
+  check_fields,
+  setting,
+)
 from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
 from flax_transformer.run.sizes import check_decoding_fits
 

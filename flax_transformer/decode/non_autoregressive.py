@@ -48,8 +48,12 @@ import numpy as np
 from flax_transformer.config import POSITIVE_INT, Bounds, ConfigError, ModelConfig, setting
 from flax_transformer.decode import autoregressive
 from flax_transformer.nn import masks
-from flax_transformer.nn.cmlm import (CMLMTransformer, lengths_from_classes, mask_id,
-                                      num_length_classes)
+from flax_transformer.nn.cmlm import (
+  CMLMTransformer,
+  lengths_from_classes,
+  mask_id,
+  num_length_classes,
+)
 
 # Canvas widths are rounded up to a multiple of this: few compiled programs, little waste.
 WIDTH_MULTIPLE = 8

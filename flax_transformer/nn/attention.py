@@ -7,7 +7,7 @@ Axis legend for the einsums in this module:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax
 import flax.linen as nn

@@ -49,8 +49,12 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.data.tokenizer import (SPECIAL_TOKENS, TextTokenizer, Tokenizer,
-                                             special_tokens_as_text)
+from flax_transformer.data.tokenizer import (
+  SPECIAL_TOKENS,
+  TextTokenizer,
+  Tokenizer,
+  special_tokens_as_text,
+)
 from flax_transformer.pretrained.marian import TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer
 
 # Our activation names -> transformers' (our 'gelu' is the tanh form: transformers' gelu_new).

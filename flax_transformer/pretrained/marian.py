@@ -33,8 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.config import (NONNEGATIVE_INT, UNIT_INTERVAL, Bounds, ConfigError,
-                                     ModelConfig, check_bounds)
+from flax_transformer.config import (
+  NONNEGATIVE_INT,
+  UNIT_INTERVAL,
+  Bounds,
+  ConfigError,
+  ModelConfig,
+  check_bounds,
+)
 from flax_transformer.data.tokenizer import TokenizerError, check_compatible
 from flax_transformer.pretrained.fast_tokenizer import ExportedTokenizer
 

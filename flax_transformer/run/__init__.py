@@ -8,8 +8,14 @@ estimates checked before allocating).
 """
 
 from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, RotatedCheckpoint
-from flax_transformer.run.directory import (CheckpointError, RunDirectory, WriteError,
-                                            load_tokenizer, read_config, write_config)
+from flax_transformer.run.directory import (
+                                            CheckpointError,
+                                            RunDirectory,
+                                            WriteError,
+                                            load_tokenizer,
+                                            read_config,
+                                            write_config,
+)
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.run.lock import RunDirectoryInUse, RunLock
 from flax_transformer.run.metrics_log import MetricsLog

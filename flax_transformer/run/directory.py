@@ -46,8 +46,14 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from flax_transformer.config import (RENAMED, SECTIONS, ConfigError, DataConfig, ModelConfig,
-                                     TrainConfig)
+from flax_transformer.config import (
+  RENAMED,
+  SECTIONS,
+  ConfigError,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+)
 from flax_transformer.data.cache import tokenizer_files_digest
 from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches

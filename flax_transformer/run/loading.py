@@ -22,11 +22,21 @@ from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
 from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints, RotatedCheckpoint
-from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, ENCODED_DIR, METRICS_FILE,
-                                            TENSORBOARD_DIR, CheckpointError, check_tokenizer,
-                                            check_tokenizer_fits, load_tokenizer, read_config,
-                                            read_marker, saved_tokenizer_class,
-                                            write_averaged_config)
+from flax_transformer.run.directory import (
+  CHECKPOINT_DIR,
+  CONFIG_FILE,
+  ENCODED_DIR,
+  METRICS_FILE,
+  TENSORBOARD_DIR,
+  CheckpointError,
+  check_tokenizer,
+  check_tokenizer_fits,
+  load_tokenizer,
+  read_config,
+  read_marker,
+  saved_tokenizer_class,
+  write_averaged_config,
+)
 from flax_transformer.run.lock import LOCK_FILE
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.run.sizes import check_fits

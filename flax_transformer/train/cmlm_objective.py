@@ -26,6 +26,7 @@ from flax_transformer.nn import masks
 from flax_transformer.nn.cmlm import length_classes, mask_id, segment_slots
 from flax_transformer.train.losses import loss_sums
 
+
 @flax.struct.dataclass
 class CMLMInputs:
   """One batch as the CMLM objective sees it.

@@ -55,7 +55,7 @@ def join_lines(coordinator: str | None, num_processes: int | None, process_id: i
   """(the line while the processes join the coordinator, the line if they have not all
   joined within `timeout_s`), worded for this process's part."""
   where = coordinator or 'the address JAX detected'
-  until = (datetime.datetime.now(datetime.timezone.utc)
+  until = (datetime.datetime.now(datetime.UTC)
            + datetime.timedelta(seconds=timeout_s)).strftime('%H:%M:%S UTC')
   if process_id == 0:
     waiting = (f'coordinator at {where}: waiting for all {num_processes} processes to join, '

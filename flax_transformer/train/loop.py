@@ -59,15 +59,26 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from flax_transformer import signals
-from flax_transformer.config import (NONNEGATIVE_INT, ConfigError, DataConfig, ModelConfig,
-                                     TrainConfig, check_bounds, resolve_attention_kernel)
+from flax_transformer.config import (
+  NONNEGATIVE_INT,
+  ConfigError,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+  check_bounds,
+  resolve_attention_kernel,
+)
+from flax_transformer.data import preprocessing
 from flax_transformer.data.assembly import ArrayBatcher
 from flax_transformer.data.batching import SEQUENCE_LENGTH, Batch, EncodedCorpus, encode_corpus
 from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import check_settings as check_packing
-from flax_transformer.data.pipeline import (Prefetcher, TrainingData, load_training_data,
-                                            make_batcher)
-from flax_transformer.data import preprocessing
+from flax_transformer.data.pipeline import (
+  Prefetcher,
+  TrainingData,
+  load_training_data,
+  make_batcher,
+)
 from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy, default_method
@@ -75,19 +86,23 @@ from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import count_params
 from flax_transformer.pretrained.marian import load_marian
 from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, WriteError
-from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.run.directory import RunDirectory, saved_steps
+from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits
 from flax_transformer.train import scheduled_sampling
 from flax_transformer.train.best import BestCheckpoint
 from flax_transformer.train.evaluation import describe_scores, translation_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
-from flax_transformer.train.profiling import StepTrace
 from flax_transformer.train.metrics import length_metrics, token_metrics
 from flax_transformer.train.parallel import DataParallel
-from flax_transformer.train.step import (TrainState, compiled_training, create_train_state,
-                                         make_parallel_eval)
+from flax_transformer.train.profiling import StepTrace
+from flax_transformer.train.step import (
+  TrainState,
+  compiled_training,
+  create_train_state,
+  make_parallel_eval,
+)
 
 
 def evaluation_method(model_config: ModelConfig):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
 from support.environment import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,8 +59,12 @@ def train_runs(model, train_config, runs, steps: int, batch_at) -> dict[str, np.
   import jax
   from flax import traverse_util
 
-  from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
+  from flax_transformer.train import (
+    DataParallel,
+    create_train_state,
+    make_optimizer,
+    make_parallel_step,
+  )
   optimizer = make_optimizer(train_config, model.config)
   initial = jax.device_get(create_train_state(model, optimizer, seed=0))
   results = {}

@@ -29,9 +29,13 @@ from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import Transformer
+from flax_transformer.train import (
+  DataParallel,
+  create_train_state,
+  make_optimizer,
+  make_parallel_step,
+)
 from flax_transformer.train.evaluation import translate_across_processes
-from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
 
 STEPS = 2
 # Eight sentences and an empty one last, which translates to '' without decoding:
