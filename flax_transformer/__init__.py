@@ -46,10 +46,17 @@ from flax_transformer.nn.model import (
 __version__ = '0.1.0'
 
 # Public names defined in modules that import more (orbax, sacreBLEU): name -> module.
-_LAZY = {'Translator': 'decode.translator', 'BeamSearch': 'decode.methods',
-         'Greedy': 'decode.methods', 'MaskPredict': 'decode.methods', 'Sampling': 'decode.methods',
-         'DecodingMethod': 'decode.methods', 'default_method': 'decode.methods',
-         'build_model': 'nn.build', 'CMLMTransformer': 'nn.cmlm'}
+_LAZY = {
+  'Translator': 'decode.translator',
+  'BeamSearch': 'decode.methods',
+  'Greedy': 'decode.methods',
+  'MaskPredict': 'decode.methods',
+  'Sampling': 'decode.methods',
+  'DecodingMethod': 'decode.methods',
+  'default_method': 'decode.methods',
+  'build_model': 'nn.build',
+  'CMLMTransformer': 'nn.cmlm',
+}
 
 
 def __getattr__(name: str):
@@ -59,9 +66,27 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    'BeamDecodeCache', 'BeamSearch', 'CMLMTransformer', 'ConfigError', 'DataConfig', 'DecodeCache',
-    'DecodingMethod', 'Greedy', 'KVCache', 'MaskPredict', 'ModelConfig', 'MultiHeadAttention',
-    'Sampling', 'TrainConfig', 'Transformer', 'Translator', 'attention_weights', 'build_model',
-    'count_params', 'default_method', 'empty_self_cache', 'scaled_dot_product_attention',
-    'sinusoidal_positions',
+  'BeamDecodeCache',
+  'BeamSearch',
+  'CMLMTransformer',
+  'ConfigError',
+  'DataConfig',
+  'DecodeCache',
+  'DecodingMethod',
+  'Greedy',
+  'KVCache',
+  'MaskPredict',
+  'ModelConfig',
+  'MultiHeadAttention',
+  'Sampling',
+  'TrainConfig',
+  'Transformer',
+  'Translator',
+  'attention_weights',
+  'build_model',
+  'count_params',
+  'default_method',
+  'empty_self_cache',
+  'scaled_dot_product_attention',
+  'sinusoidal_positions',
 ]

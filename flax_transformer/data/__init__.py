@@ -11,15 +11,27 @@ from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, encode
 from flax_transformer.data.corpus import DataError, describe, load_parallel
 from flax_transformer.data.packing import PackingBatcher, padding_share
 from flax_transformer.data.tokenizer import (
-                                             TextTokenizer,
-                                             Tokenizer,
-                                             TokenizerError,
-                                             check_compatible,
+  TextTokenizer,
+  Tokenizer,
+  TokenizerError,
+  check_compatible,
 )
 from flax_transformer.data.toy_task import number_translation
 
 __all__ = [
-    'Batch', 'Batcher', 'DataError', 'EncodedCorpus', 'PackingBatcher', 'TextTokenizer',
-    'Tokenizer', 'TokenizerError', 'check_compatible', 'describe', 'encode_corpus',
-    'load_parallel', 'number_translation', 'padding_share', 'shard',
+  'Batch',
+  'Batcher',
+  'DataError',
+  'EncodedCorpus',
+  'PackingBatcher',
+  'TextTokenizer',
+  'Tokenizer',
+  'TokenizerError',
+  'check_compatible',
+  'describe',
+  'encode_corpus',
+  'load_parallel',
+  'number_translation',
+  'padding_share',
+  'shard',
 ]

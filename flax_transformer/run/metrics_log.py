@@ -27,7 +27,9 @@ class MetricsLog:
   0 for a new run), so a resumed run's clock carries on from it.
   """
 
-  def __init__(self, path: str | Path, resume_step: int = 0, tensorboard_dir: str | Path | None = None):
+  def __init__(
+    self, path: str | Path, resume_step: int = 0, tensorboard_dir: str | Path | None = None
+  ):
     self.path = Path(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
     kept = [line for line in self.read(self.path) if line['step'] <= resume_step]
@@ -59,13 +61,15 @@ class MetricsLog:
         try:
           records.append(json.loads(line))
         except json.JSONDecodeError as error:
-          raise ValueError(f'{path}, line {number}: not a JSON object ({error}); '
-                           'delete the line') from None
+          raise ValueError(
+            f'{path}, line {number}: not a JSON object ({error}); delete the line'
+          ) from None
     return records
 
   def write(self, step: int, values: Mapping[str, float]) -> None:
-    self._file.write(json.dumps({'step': int(step), **{k: float(v) for k, v in values.items()}})
-                     + '\n')
+    self._file.write(
+      json.dumps({'step': int(step), **{k: float(v) for k, v in values.items()}}) + '\n'
+    )
     self._file.flush()
     if self._tensorboard is not None:
       for name, value in values.items():
