@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 
 from flax_transformer.data.toy_task import number_translation
-from flax_transformer.run.directory import file_digest
+from flax_transformer.files import file_digest
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from support.environment import xla_flags
 from support.processes import free_ports, host_name_is_loopback

@@ -14,7 +14,19 @@ import pytest
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'flax_transformer'
-LAYERS = ('config', 'signals', 'nn', 'data', 'pretrained', 'run', 'decode', 'train', 'cli', 'bench')
+LAYERS = (
+  'config',
+  'signals',
+  'files',
+  'nn',
+  'data',
+  'pretrained',
+  'run',
+  'decode',
+  'train',
+  'cli',
+  'bench',
+)
 
 
 def module_name(path: Path) -> str:

@@ -91,6 +91,7 @@ from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
 from flax_transformer.data.corpus import DataError, invalid_utf8
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.data.word_memo import flat_rows
+from flax_transformer.files import file_digest, write_atomically
 
 FORMAT_VERSION = 1
 # How text becomes ids beyond what the tokenizer's files say. 2: special tokens' strings in
@@ -304,17 +305,6 @@ def cache_key(
   return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def tokenizer_files_digest(paths: Sequence[str | Path]) -> str:
-  """One SHA-256 over a tokenizer's files (name and bytes each, in order): for a Marian
-  tokenizer's several files; for ours, pass [tokenizer.json] or use the run's
-  `directory.file_digest`, which hashes the one file (either is a sound digest)."""
-  digest = hashlib.sha256()
-  for path in paths:
-    digest.update(Path(path).name.encode() + b'\0')
-    digest.update(Path(path).read_bytes())
-  return digest.hexdigest()
-
-
 def cache_path(cache_dir: str | Path, key: str) -> Path:
   """The directory of the cache with `key`."""
   return Path(cache_dir) / key[:32]
@@ -355,7 +345,7 @@ def load(cache_dir: str | Path, key: str, verify: bool = True) -> EncodedCorpus:
         raise CacheError(f'{path}: missing') from None
       if size != expected:
         raise CacheError(f'{path}: {size:,} bytes, the manifest says {expected:,}')
-      if verify and _file_sha256(path) != entry['sha256']:
+      if verify and file_digest(path) != entry['sha256']:
         raise CacheError(f"{path}: its SHA-256 differs from the manifest's (damaged)")
       arrays[field] = (
         np.memmap(path, dtype=dtype, mode='r', shape=(count,)) if count else np.zeros(0, dtype)
@@ -379,14 +369,6 @@ def load(cache_dir: str | Path, key: str, verify: bool = True) -> EncodedCorpus:
       f'{directory}: {len(corpus.example_ids):,} example ids for {num_pairs:,} pairs'
     )
   return corpus
-
-
-def _file_sha256(path: Path) -> str:
-  digest = hashlib.sha256()
-  with open(path, 'rb') as file:
-    while block := file.read(_HASH_BLOCK):
-      digest.update(block)
-  return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -415,8 +397,8 @@ def load_or_encode(
     source: `TextPairFiles` or `DatasetPairs`.
     tokenizer: encodes the text (`encode`, `encode_target`, the special ids); sent to the
       worker processes by pickle.
-    tokenizer_digest: the SHA-256 of the tokenizer's file(s) (`run.directory.file_digest`
-      of tokenizer.json, or `tokenizer_files_digest`): part of the key.
+    tokenizer_digest: the SHA-256 of the tokenizer's file(s) (`files.file_digest`
+      of tokenizer.json, or `files.files_digest`): part of the key.
     max_len: as `encode_corpus`: pairs with a side of max_len tokens or more are dropped.
     cache_dir: where the caches live, one subdirectory per key (created).
     is_writer: whether this process may encode and write (process 0 of a job).
@@ -554,9 +536,7 @@ def _build(
       'created': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
       'arrays': arrays,
     }
-    temporary = partial / f'.{MANIFEST}.tmp'
-    temporary.write_text(json.dumps(manifest, indent=1))
-    os.replace(temporary, partial / MANIFEST)
+    write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
     _install(partial, final)
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)

@@ -26,7 +26,6 @@ hide from the masks as padding.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence, Sized
 from pathlib import Path
 from typing import ClassVar, Literal, Protocol, runtime_checkable
@@ -37,6 +36,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.data import word_memo
+from flax_transformer.files import write_atomically
 
 FILE_NAME = 'tokenizer.json'
 SPECIAL_TOKENS = ('<pad>', '<s>', '</s>', '<unk>')  # index = id
@@ -237,10 +237,7 @@ class Tokenizer:
     """
     path = Path(directory) / FILE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f'.{FILE_NAME}.tmp')
-    self._backend.save(str(temporary))
-    os.replace(temporary, path)
-    return path
+    return write_atomically(path, writer=self._backend.save)
 
   @property
   def vocab_size(self) -> int:

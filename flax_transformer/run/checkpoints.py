@@ -48,7 +48,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from flax_transformer.config import ModelConfig
-from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError, file_digest
+from flax_transformer.files import file_digest
+from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError
 
 __all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'RotatedCheckpoint', 'WriteError']
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -54,9 +53,9 @@ from flax_transformer.config import (
   ModelConfig,
   TrainConfig,
 )
-from flax_transformer.data.cache import tokenizer_files_digest
 from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
+from flax_transformer.files import file_digest, files_digest, write_atomically
 from flax_transformer.pretrained.marian import MarianTokenizer, is_export
 from flax_transformer.run.lock import LOCK_FILE, RunLock
 from flax_transformer.run.outputs import Protected, check_output
@@ -139,18 +138,6 @@ def check_writable(workdir: str | Path) -> None:
     ) from error
 
 
-def _write_atomically(path: Path, text: str) -> None:
-  """Writes `path` through a temporary file and a rename: a crash leaves the old or the new file."""
-  temporary = path.with_name(f'.{path.name}.tmp')
-  temporary.write_text(text)
-  os.replace(temporary, path)
-
-
-def file_digest(path: str | Path) -> str:
-  """SHA-256 of a file's bytes, in hex."""
-  return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def write_config(
   workdir: str | Path,
   model_config: ModelConfig,
@@ -177,7 +164,7 @@ def write_config(
   }
   if (workdir / TOKENIZER_FILE).is_file():
     content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
-  _write_atomically(path, json.dumps(content, indent=2) + '\n')
+  write_atomically(path, json.dumps(content, indent=2) + '\n')
   return path
 
 
@@ -190,7 +177,7 @@ def write_averaged_config(
   content = json.loads((workdir / CONFIG_FILE).read_text())
   content[AVERAGED_KEY] = {'run': str(workdir.resolve()), 'steps': [int(s) for s in steps]}
   content.update(extra or {})
-  _write_atomically(output / CONFIG_FILE, json.dumps(content, indent=2) + '\n')
+  write_atomically(output / CONFIG_FILE, json.dumps(content, indent=2) + '\n')
 
 
 def check_tokenizer(workdir: str | Path) -> None:
@@ -271,6 +258,12 @@ def _is_recorded_tokenizer(workdir: Path) -> bool:
     return False
 
 
+# Settings whose default has changed, at the default of the config.json files written before
+# they were recorded (a run read back means what it meant when trained): LayerNorm epsilon was
+# 1e-6 (tensor2tensor's) until it became a setting; its default is 1e-5 now.
+FORMER_DEFAULTS = {'model': {'layer_norm_epsilon': 1e-6}}
+
+
 def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
   """Reads WORKDIR/config.json back into the three configs."""
   path = Path(workdir) / CONFIG_FILE
@@ -285,6 +278,9 @@ def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConf
       section, key = old.split('.', 1)
       if section in SECTIONS and key in content[section]:
         content[section][new.split('.', 1)[1]] = content[section].pop(key)
+    for section, fields in FORMER_DEFAULTS.items():  # what a config.json without them meant
+      for key, value in fields.items():
+        content[section].setdefault(key, value)
     return tuple(cls(**content[section]) for section, cls in SECTIONS.items())
   except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as error:
     raise CheckpointError(f'{path}: not a valid run configuration ({error})') from error
@@ -662,6 +658,4 @@ class RunDirectory:
   def tokenizer_digest(self) -> str:
     """The SHA-256 of the run's tokenizer file(s), whichever its kind: part of the key of
     the encoded-corpus cache."""
-    return tokenizer_files_digest(
-      [self.path / name for name in saved_tokenizer_class(self.path).FILES]
-    )
+    return files_digest([self.path / name for name in saved_tokenizer_class(self.path).FILES])

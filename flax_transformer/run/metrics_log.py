@@ -12,9 +12,10 @@ only the JSON lines are written. The project does not depend on it.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
+
+from flax_transformer.files import write_lines_atomically
 
 
 class MetricsLog:
@@ -34,10 +35,7 @@ class MetricsLog:
     self.path.parent.mkdir(parents=True, exist_ok=True)
     kept = [line for line in self.read(self.path) if line['step'] <= resume_step]
     self.elapsed_s = max((line['elapsed_s'] for line in kept if 'elapsed_s' in line), default=0.0)
-    temporary = self.path.with_name(f'.{self.path.name}.tmp')
-    with temporary.open('w') as f:
-      f.writelines(json.dumps(line) + '\n' for line in kept)
-    os.replace(temporary, self.path)
+    write_lines_atomically(self.path, (json.dumps(line) + '\n' for line in kept))
     self._file = self.path.open('a')
     self._tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
 
