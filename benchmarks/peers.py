@@ -73,7 +73,7 @@ def _torch_transformer(config: ModelConfig):
         activation=c.activation,
         batch_first=True,
         norm_first=c.norm_placement == 'pre',
-        layer_norm_eps=1e-6,
+        layer_norm_eps=c.layer_norm_epsilon,
       )
       encoder = nn.TransformerEncoder(
         nn.TransformerEncoderLayer(**layer),

@@ -406,6 +406,19 @@ def test_an_earlier_export_is_replaced_and_step_and_average_choose_the_weights(t
     check_workdir(workdir)
 
 
+def test_a_default_model_shares_the_peers_layer_norm_epsilon_and_the_card_says_which():
+  """transformers and CTranslate2 fix LayerNorm epsilon at 1e-5: the default model uses it, so an
+  export of a default run computes as it does there, and the README of a model trained with
+  another epsilon (1e-6 before 2026-12-05) names the difference."""
+  assert ModelConfig().layer_norm_epsilon == export.MARIAN_EPSILON == 1e-5
+  assert ModelConfig.tiny().layer_norm_epsilon == export.MARIAN_EPSILON
+  same = export.model_card(ModelConfig.tiny(), 'runs/toy')
+  older = export.model_card(ModelConfig.tiny(layer_norm_epsilon=1e-6), 'runs/old')
+  assert 'LayerNorm epsilon is 1e-05 here as in both peers' in same
+  assert 'trained with' not in same
+  assert 'this model was trained with 1e-06' in older and 'as in both peers' not in older
+
+
 def test_a_bad_option_is_refused_by_the_parser(tmp_path):
   for argv, message in (
     (['run'], 'the following arguments are required: --to'),

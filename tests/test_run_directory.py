@@ -15,10 +15,10 @@ import socket
 import pytest
 
 from flax_transformer.config import DataConfig
+from flax_transformer.files import file_digest
 from flax_transformer.run.directory import (
   CheckpointError,
   check_resumable,
-  file_digest,
   read_config,
 )
 from flax_transformer.run.loading import load_for_inference
@@ -44,6 +44,19 @@ def run_dir(checkpointed_run):
 def test_config_round_trip(run_dir, setup):
   config, _, _, _ = setup
   assert read_config(run_dir) == (config, TRAIN_CONFIG, DataConfig())
+
+
+def test_a_config_from_before_layer_norm_epsilon_was_recorded_reads_as_trained(tmp_path, run_dir):
+  """config.json files written before the epsilon was a setting (a run of 1e-6, the default
+  then) read back as 1e-6, not as today's default 1e-5; a recorded epsilon stays as recorded."""
+  content = json.loads((run_dir / 'config.json').read_text())
+  assert content['model']['layer_norm_epsilon'] == 1e-5  # today's runs record it
+  del content['model']['layer_norm_epsilon']
+  (tmp_path / 'config.json').write_text(json.dumps(content))
+  assert read_config(tmp_path)[0].layer_norm_epsilon == 1e-6
+  content['model']['layer_norm_epsilon'] = 3e-5
+  (tmp_path / 'config.json').write_text(json.dumps(content))
+  assert read_config(tmp_path)[0].layer_norm_epsilon == 3e-5
 
 
 def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):

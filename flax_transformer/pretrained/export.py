@@ -26,10 +26,12 @@ zero embedding. Our network maps onto that exactly:
 - The tokens our search never outputs (PAD and BOS) get a logits bias of -1e9,
   so that no search in transformers or CTranslate2 outputs them either; every
   other logit is the run's own.
-- LayerNorm epsilon: transformers and CTranslate2 use 1e-5, the paper's recipe
-  1e-6. The difference stays in the logits' fifth decimal (benchmarks/README.md
-  measures it); config.json records ours as `layer_norm_eps`, which our loader
-  reads back exactly.
+- LayerNorm epsilon: transformers and CTranslate2 fix 1e-5, our default too. A run
+  trained with another (`--model.layer_norm_epsilon`, or 1e-6 before 2026-12-05) is
+  exported as it is, its README saying so: the difference is in the logits' fifth
+  decimal, enough to change a close greedy choice now and then (benchmarks/README.md
+  measures it); config.json records ours as `layer_norm_eps`, which our loader reads
+  back exactly.
 
 What Marian cannot express is refused before anything is written (ExportError, a
 ConfigError: status 2): pre-LN, the cmlm model, restricted attention, an odd d_model.
@@ -354,9 +356,22 @@ Beam search does not carry over exactly: decode.py
 log-probability by GNMT's ((5 + length) / 6) ** alpha; transformers' `num_beams=4,
 length_penalty=0.6` and CTranslate2's `beam_size=4, length_penalty=0.6` divide it
 by length ** 0.6, so long and short hypotheses are weighed a little differently.
-Both peers use LayerNorm epsilon {MARIAN_EPSILON:g} (this model was trained with \
-{config.layer_norm_epsilon:g}).
+{_epsilon_note(config)}
 """
+
+
+def _epsilon_note(config: ModelConfig) -> str:
+  """The export README's line on LayerNorm epsilon: the same as the peers', or how it differs."""
+  if config.layer_norm_epsilon == MARIAN_EPSILON:
+    return (
+      f'LayerNorm epsilon is {MARIAN_EPSILON:g} here as in both peers, so greedy output is '
+      "decode.py's up to float rounding."
+    )
+  return (
+    f'Both peers use LayerNorm epsilon {MARIAN_EPSILON:g}; this model was trained with '
+    f'{config.layer_norm_epsilon:g}, so the logits differ in their fifth decimal and a close '
+    'greedy choice can differ now and then.'
+  )
 
 
 def tokenizer_files(
