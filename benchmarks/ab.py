@@ -47,8 +47,10 @@ def train_step_fn(dtype: str):
   import jax
 
   from flax_transformer.config import TrainConfig
-  return workloads.OurStep(workloads.model_config('base', dtype=dtype), TrainConfig(),
-                           workloads.SHAPE, jax.devices()[:1]).step
+
+  return workloads.OurStep(
+    workloads.model_config('base', dtype=dtype), TrainConfig(), workloads.SHAPE, jax.devices()[:1]
+  ).step
 
 
 def decoder_fn(beam_size: int, dtype: str = 'float32', cast_params: bool = False):
@@ -65,6 +67,7 @@ def decoder_fn(beam_size: int, dtype: str = 'float32', cast_params: bool = False
   from flax_transformer.decode import autoregressive
   from flax_transformer.decode.methods import BeamSearch
   from flax_transformer.nn.model import Transformer
+
   config = workloads.model_config('base', dtype=dtype, dropout_rate=0.0)
   src = workloads.decode_sources(config, BATCH, SOURCE_LEN)
   params = jax.jit(Transformer(config).init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
@@ -77,11 +80,13 @@ def decoder_fn(beam_size: int, dtype: str = 'float32', cast_params: bool = False
   def run(variables, src, limits):
     step_fn, cache = autoregressive.model_step_fn(config, variables, src, loop.max_len, beam_size)
     if beam_size == 1:
-      return autoregressive.decode_loop(step_fn, autoregressive.argmax_pick, cache, limits,
-                                        loop).tokens[:, :loop.max_len]
-    state = autoregressive.beam_loop(step_fn, cache, limits, loop,
-                                     BeamSearch(beam_size=beam_size, alpha=0.6))
-    return state.finished_tokens[:, :, :loop.max_len], state.finished_scores
+      return autoregressive.decode_loop(
+        step_fn, autoregressive.argmax_pick, cache, limits, loop
+      ).tokens[:, : loop.max_len]
+    state = autoregressive.beam_loop(
+      step_fn, cache, limits, loop, BeamSearch(beam_size=beam_size, alpha=0.6)
+    )
+    return state.finished_tokens[:, :, : loop.max_len], state.finished_scores
 
   compiled = jax.jit(run).lower(variables, src, limits).compile()
   return lambda: jax.block_until_ready(compiled(variables, src, limits))
@@ -96,6 +101,7 @@ def part_fn(part: str):
 def lever_decode_dtype(parts):
   """float32 decoding against bfloat16 (matrices cast at each use, and cast once up front)."""
   from flax_transformer.decode import autoregressive
+
   contenders = {}
   for part in parts:
     beam_size = 1 if part == 'greedy' else int(part.removeprefix('beam'))
@@ -119,13 +125,19 @@ def lever_fused_qkv(parts):
 def unfused_qkv():
   """The patch that switches the fused Q/K/V product off: `project_qkv` with fuse=False always."""
   from flax_transformer.nn.attention import MultiHeadAttention
+
   project_qkv = MultiHeadAttention.project_qkv
-  return MultiHeadAttention, 'project_qkv', lambda self, inputs, fuse=False: project_qkv(
-      self, inputs, fuse=False)
+  return (
+    MultiHeadAttention,
+    'project_qkv',
+    lambda self, inputs, fuse=False: project_qkv(self, inputs, fuse=False),
+  )
 
 
-LEVERS = {'decode_dtype': (lever_decode_dtype, ('greedy', 'beam4')),
-          'fused_qkv': (lever_fused_qkv, ('greedy', 'beam4'))}
+LEVERS = {
+  'decode_dtype': (lever_decode_dtype, ('greedy', 'beam4')),
+  'fused_qkv': (lever_fused_qkv, ('greedy', 'beam4')),
+}
 
 
 def interleaved_wall_and_cpu(contenders, rounds: int) -> tuple[dict, dict]:
@@ -147,10 +159,15 @@ def interleaved_wall_and_cpu(contenders, rounds: int) -> tuple[dict, dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.ab', description=__doc__.split('\n\n')[0])
+  parser = argparse.ArgumentParser(
+    prog='python -m benchmarks.ab', description=__doc__.split('\n\n')[0]
+  )
   parser.add_argument('--lever', required=True, choices=sorted(LEVERS))
-  parser.add_argument('--parts', type=lambda text: text.split(','),
-                      help=f'comma-separated, of {",".join(PARTS)} (default: the lever\'s own)')
+  parser.add_argument(
+    '--parts',
+    type=lambda text: text.split(','),
+    help=f"comma-separated, of {','.join(PARTS)} (default: the lever's own)",
+  )
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--threads', type=int, help='cores to compute on (default: all)')
   args = parser.parse_args(argv)
@@ -167,20 +184,27 @@ def main(argv=None) -> int:
   build, default_parts = LEVERS[args.lever]
   start = time.perf_counter()
   contenders = build(args.parts or default_parts)
-  print(f'compiled {len(contenders)} contenders in {time.perf_counter() - start:.0f} s; '
-        f'load average {os.getloadavg()[0]:.2f}', file=sys.stderr)
+  print(
+    f'compiled {len(contenders)} contenders in {time.perf_counter() - start:.0f} s; '
+    f'load average {os.getloadavg()[0]:.2f}',
+    file=sys.stderr,
+  )
   wall, cpu = interleaved_wall_and_cpu(contenders, args.rounds)
   first = {}
   for name in contenders:
     group = name.split('/')[0]
     first.setdefault(group, (statistics.median(wall[name]), statistics.median(cpu[name])))
     wall_s, cpu_s = statistics.median(wall[name]), statistics.median(cpu[name])
-    print(f'{name:40s} wall median {wall_s * 1e3:7.1f} ms (min {min(wall[name]) * 1e3:7.1f})  '
-          f'CPU median {cpu_s * 1e3:7.1f} ms (min {min(cpu[name]) * 1e3:7.1f})  '
-          f'speed-up vs first of its part: wall {first[group][0] / wall_s:.3f}x, '
-          f'CPU {first[group][1] / cpu_s:.3f}x')
-  print(f'{args.rounds} rounds; load average at the end {os.getloadavg()[0]:.2f}; '
-        f'{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}')
+    print(
+      f'{name:40s} wall median {wall_s * 1e3:7.1f} ms (min {min(wall[name]) * 1e3:7.1f})  '
+      f'CPU median {cpu_s * 1e3:7.1f} ms (min {min(cpu[name]) * 1e3:7.1f})  '
+      f'speed-up vs first of its part: wall {first[group][0] / wall_s:.3f}x, '
+      f'CPU {first[group][1] / cpu_s:.3f}x'
+    )
+  print(
+    f'{args.rounds} rounds; load average at the end {os.getloadavg()[0]:.2f}; '
+    f'{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}'
+  )
   return 0
 
 

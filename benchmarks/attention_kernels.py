@@ -27,6 +27,7 @@ HEADS, HEAD_DIM = 8, 64
 
 def kernels_here() -> tuple[str, ...]:
   import jax
+
   return ('einsum', 'xla', 'cudnn') if jax.default_backend() == 'gpu' else ('einsum', 'xla')
 
 
@@ -36,9 +37,11 @@ def attention_gradient(kernel: str, rows: int, length: int, dtype: str):
   import jax.numpy as jnp
 
   from flax_transformer.nn import attention, masks
+
   keys = jax.random.split(jax.random.key(0), 4)
-  q, k, v, cotangent = (jax.random.normal(key, (rows, length, HEADS, HEAD_DIM), dtype)
-                        for key in keys)
+  q, k, v, cotangent = (
+    jax.random.normal(key, (rows, length, HEADS, HEAD_DIM), dtype) for key in keys
+  )
   lengths = jax.random.randint(jax.random.key(1), (rows,), length // 2, length + 1)
   mask = masks.KeyLengths(lengths.astype(jnp.int32), causal=True)
 
@@ -58,6 +61,7 @@ def measure(lengths: list[int], tokens: int, rounds: int) -> list[dict]:
 
   from flax_transformer import bench
   from flax_transformer.bench.compiled import compile_programs, memory_of
+
   dtype = 'bfloat16' if jax.default_backend() == 'gpu' else 'float32'
   rows_out = []
   for length in lengths:
@@ -72,7 +76,7 @@ def measure(lengths: list[int], tokens: int, rounds: int) -> list[dict]:
     row = {'length': length, 'rows': rows, 'dtype': dtype}
     for kernel in calls:
       row[f'{kernel}_ms'] = round(times[kernel].median_s * 1e3, 3)
-      row[f'{kernel}_temp_mib'] = round(temp[kernel] / 2 ** 20, 1)
+      row[f'{kernel}_temp_mib'] = round(temp[kernel] / 2**20, 1)
     for kernel in calls:
       row[f'{kernel}_over_einsum'] = round(row[f'{kernel}_ms'] / row['einsum_ms'], 3)
     print(json.dumps(row), flush=True)
@@ -82,6 +86,7 @@ def measure(lengths: list[int], tokens: int, rounds: int) -> list[dict]:
 
 def main(argv=None) -> None:
   import jax
+
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--lengths', default='32,64,128,256,512')
   parser.add_argument('--tokens', type=int, default=8192, help='tokens per batch (rows x L)')
@@ -90,8 +95,14 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   output = args.output or RESULTS / f'attention_kernels_{jax.default_backend()}.json'
   rows = measure([int(x) for x in args.lengths.split(',')], args.tokens, args.rounds)
-  payload = {'machine': machine_info(os.cpu_count()), 'accelerator': accelerator_info(),
-             'heads': HEADS, 'head_dim': HEAD_DIM, 'tokens': args.tokens, 'rows': rows}
+  payload = {
+    'machine': machine_info(os.cpu_count()),
+    'accelerator': accelerator_info(),
+    'heads': HEADS,
+    'head_dim': HEAD_DIM,
+    'tokens': args.tokens,
+    'rows': rows,
+  }
   print(f'wrote {write_json(output, payload)}')
 
 

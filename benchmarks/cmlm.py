@@ -37,8 +37,13 @@ def models(vocab: int | None = None):
   """(autoregressive, cmlm) models and variables of the first Multi30k preset's size
   (`workloads.first_preset`; its vocabulary unless `vocab`)."""
   preset = workloads.first_preset()
-  shape = dict(vocab_size=vocab or preset['vocab_size'], **preset['model'], max_len=128,
-               dropout_rate=0.0, dtype='bfloat16')
+  shape = dict(
+    vocab_size=vocab or preset['vocab_size'],
+    **preset['model'],
+    max_len=128,
+    dropout_rate=0.0,
+    dtype='bfloat16',
+  )
   built = []
   for kind in ('autoregressive', 'cmlm'):
     config = ModelConfig(kind=kind, **shape)
@@ -66,11 +71,16 @@ def sources(batch: int, vocab: int) -> np.ndarray:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.cmlm', description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog='python -m benchmarks.cmlm',
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument('--quick', action='store_true', help='batch 1 only, 2 rounds')
   parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--output', help='JSON file (default benchmarks/results/cmlm_speed[_quick].json)')
+  parser.add_argument(
+    '--output', help='JSON file (default benchmarks/results/cmlm_speed[_quick].json)'
+  )
   args = parser.parse_args()
   rounds = 2 if args.quick else args.rounds
   batches = (1,) if args.quick else (1, 64)
@@ -83,16 +93,22 @@ def main() -> None:
   for batch in batches:
     src = sources(batch, ar_model.config.vocab_size)
     contenders = {
-        'greedy': lambda: block(autoregressive.greedy(ar_model, ar_vars, src, max_len=LENGTH,
-                                                min_len=LENGTH)),
-        'beam 4': lambda: block(autoregressive.beam_search(ar_model, ar_vars, src, beam_size=4,
-                                                     max_len=LENGTH, min_len=LENGTH)),
+      'greedy': lambda: block(
+        autoregressive.greedy(ar_model, ar_vars, src, max_len=LENGTH, min_len=LENGTH)
+      ),
+      'beam 4': lambda: block(
+        autoregressive.beam_search(
+          ar_model, ar_vars, src, beam_size=4, max_len=LENGTH, min_len=LENGTH
+        )
+      ),
     }
     for iterations in (1, 4, 10):
       for length_beam in (1, 3):
         contenders[f'mask-predict T={iterations} l={length_beam}'] = (
-            lambda i=iterations, k=length_beam: block(non_autoregressive.mask_predict(
-                nat_model, nat_vars, src, iterations=i, length_beam=k)))
+          lambda i=iterations, k=length_beam: block(
+            non_autoregressive.mask_predict(nat_model, nat_vars, src, iterations=i, length_beam=k)
+          )
+        )
     # Every method decodes LENGTH positions: checked once, outside the timing.
     for name, fn in contenders.items():
       out = np.asarray(fn()[0] if name == 'beam 4' else fn())
@@ -101,17 +117,34 @@ def main() -> None:
       timings = common.interleaved_medians(contenders, rounds, progress=bar.update)
     greedy = timings['greedy']['median_s']
     for name, timing in timings.items():
-      rows.append({'batch': batch, 'method': name, 'median_s': timing['median_s'],
-                   'sentences_per_s': batch / timing['median_s'],
-                   'speedup_vs_greedy': greedy / timing['median_s'], 'times_s': timing['times_s']})
+      rows.append(
+        {
+          'batch': batch,
+          'method': name,
+          'median_s': timing['median_s'],
+          'sentences_per_s': batch / timing['median_s'],
+          'speedup_vs_greedy': greedy / timing['median_s'],
+          'times_s': timing['times_s'],
+        }
+      )
   print(f'{"batch":>5s} {"method":<26s} {"ms":>8s} {"sent/s":>8s} {"vs greedy":>9s}')
   for r in rows:
-    print(f'{r["batch"]:5d} {r["method"]:<26s} {r["median_s"] * 1e3:8.1f} '
-          f'{r["sentences_per_s"]:8.1f} {r["speedup_vs_greedy"]:8.2f}x')
+    print(
+      f'{r["batch"]:5d} {r["method"]:<26s} {r["median_s"] * 1e3:8.1f} '
+      f'{r["sentences_per_s"]:8.1f} {r["speedup_vs_greedy"]:8.2f}x'
+    )
   output = Path(args.output or RESULTS / f'cmlm_speed{"_quick" if args.quick else ""}.json')
-  common.write_json(output, {'benchmark': 'cmlm_speed', 'machine': common.machine_info(os.cpu_count()),
-                             'accelerator': common.accelerator_info(), 'length': LENGTH,
-                             'rounds': rounds, 'rows': rows})
+  common.write_json(
+    output,
+    {
+      'benchmark': 'cmlm_speed',
+      'machine': common.machine_info(os.cpu_count()),
+      'accelerator': common.accelerator_info(),
+      'length': LENGTH,
+      'rounds': rounds,
+      'rows': rows,
+    },
+  )
   print(f'wrote {output}')
 
 

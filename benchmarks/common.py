@@ -27,13 +27,20 @@ RESULTS = Path(__file__).resolve().parent / 'results'
 ROOT = RESULTS.parent.parent
 
 
-def python_worker(code: str, args, checkout: Path = ROOT, failed: str = 'the worker failed') -> dict:
+def python_worker(
+  code: str, args, checkout: Path = ROOT, failed: str = 'the worker failed'
+) -> dict:
   """Runs `code` in a fresh `python -c` with `args`, importing from `checkout`, and returns the
   JSON object its last line of standard output prints; a failure ends the benchmark with
   `failed` and the end of the worker's standard error."""
-  done = subprocess.run([sys.executable, '-c', code, *map(str, args)], cwd=checkout,
-                        capture_output=True, text=True,
-                        env={**os.environ, 'PYTHONPATH': str(checkout)}, check=False)
+  done = subprocess.run(
+    [sys.executable, '-c', code, *map(str, args)],
+    cwd=checkout,
+    capture_output=True,
+    text=True,
+    env={**os.environ, 'PYTHONPATH': str(checkout)},
+    check=False,
+  )
   if done.returncode:
     raise SystemExit(f'{failed}:\n{done.stderr[-3000:]}')
   return json.loads(done.stdout.strip().splitlines()[-1])
@@ -49,8 +56,10 @@ def pin_threads(threads: int | None) -> list[int]:
   cores = sorted(os.sched_getaffinity(0))
   if threads is not None:
     if not 1 <= threads <= len(cores):
-      raise ValueError(f'--threads must be between 1 and {len(cores)} (the cores this process '
-                       f'may use), got {threads}')
+      raise ValueError(
+        f'--threads must be between 1 and {len(cores)} (the cores this process '
+        f'may use), got {threads}'
+      )
     cores = cores[:threads]
     os.sched_setaffinity(0, cores)
   return cores
@@ -66,6 +75,7 @@ def torch_threads(count: int):
   """
   os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
   import torch
+
   torch.set_num_threads(count)
   torch.set_num_interop_threads(1)
 
@@ -80,21 +90,28 @@ def time_calls(fn: Callable[[], object], repeats: int) -> list[float]:
   return times
 
 
-def interleaved_medians(contenders: Mapping[str, Callable[[], object]], rounds: int,
-                        warmup: int = 1,
-                        progress: Callable[[], None] | None = None) -> dict[str, dict]:
+def interleaved_medians(
+  contenders: Mapping[str, Callable[[], object]],
+  rounds: int,
+  warmup: int = 1,
+  progress: Callable[[], None] | None = None,
+) -> dict[str, dict]:
   """`flax_transformer.bench.alternating_rounds` (round r times every contender in turn, after
   `warmup` untimed calls each; `progress()` after every timed call) as
   {name: {'median_s', 'min_s', 'times_s'}}. Imported here, not above: a peer's worker
   imports this module under a python of its own and calls only `time_calls`."""
   from flax_transformer.bench.timing import alternating_rounds
+
   timings = alternating_rounds(contenders, rounds, warmup, progress)
   return {name: summarize_times(list(timing.times_s)) for name, timing in timings.items()}
 
 
 def summarize_times(times: list[float]) -> dict:
-  return {'median_s': statistics.median(times), 'min_s': min(times),
-          'times_s': [round(t, 6) for t in times]}
+  return {
+    'median_s': statistics.median(times),
+    'min_s': min(times),
+    'times_s': [round(t, 6) for t in times],
+  }
 
 
 # The instructions that decide CPU matmul speed, float32 (avx2/fma, avx512f) against
@@ -103,16 +120,17 @@ def summarize_times(times: list[float]) -> dict:
 MATMUL_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16')
 
 
-
-
 def cpu_description(cpuinfo: str) -> dict:
   """The first processor of a /proc/cpuinfo text: its name, family and model numbers, and
   which of MATMUL_FLAGS it has (x86; on other CPUs, whichever fields are there)."""
   fields = first_processor(cpuinfo)
   flags = set(fields.get('flags', '').split())
-  description = {'name': fields.get('model name', ''),
-                 'family': fields.get('cpu family', ''), 'model': fields.get('model', ''),
-                 'matmul_flags': [flag for flag in MATMUL_FLAGS if flag in flags]}
+  description = {
+    'name': fields.get('model name', ''),
+    'family': fields.get('cpu family', ''),
+    'model': fields.get('model', ''),
+    'matmul_flags': [flag for flag in MATMUL_FLAGS if flag in flags],
+  }
   return {key: value for key, value in description.items() if value != ''}
 
 
@@ -127,17 +145,30 @@ def machine_info(threads: int) -> dict:
   except OSError:
     pass
   versions = {}
-  for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers',
-                  'ctranslate2'):
+  for package in (
+    'jax',
+    'jaxlib',
+    'flax',
+    'optax',
+    'numpy',
+    'torch',
+    'transformers',
+    'ctranslate2',
+  ):
     try:
       versions[package] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
       pass
-  info = {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-          'cpu': cpu, 'cpu_details': cpu_details, 'cores_available': os.cpu_count(),
-          'threads': threads,
-          'python': platform.python_version(), 'versions': versions,
-          'xla_flags': os.environ.get('XLA_FLAGS', '')}
+  info = {
+    'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
+    'cpu': cpu,
+    'cpu_details': cpu_details,
+    'cores_available': os.cpu_count(),
+    'threads': threads,
+    'python': platform.python_version(),
+    'versions': versions,
+    'xla_flags': os.environ.get('XLA_FLAGS', ''),
+  }
   if hasattr(os, 'getloadavg'):
     info['load_average'] = [round(x, 2) for x in os.getloadavg()]
   return info
@@ -146,9 +177,13 @@ def machine_info(threads: int) -> dict:
 def accelerator_info() -> dict:
   """JAX's default backend and its first device, e.g. {'platform': 'gpu', 'device': 'NVIDIA H100'}."""
   import jax
+
   device = jax.devices()[0]
-  return {'platform': device.platform, 'device': getattr(device, 'device_kind', str(device)),
-          'device_count': jax.device_count()}
+  return {
+    'platform': device.platform,
+    'device': getattr(device, 'device_kind', str(device)),
+    'device_count': jax.device_count(),
+  }
 
 
 def write_json(path: Path, payload: dict) -> Path:

@@ -27,8 +27,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, machine_info, python_worker, write_json
 
-
-WORKER = '''
+WORKER = """
 import json, sys
 from flax_transformer.cli import compilation_cache
 cache = compilation_cache.enable(sys.argv[1])
@@ -43,7 +42,7 @@ read, compiled = cache.counts()
 print(json.dumps({'compile_s': report.compilation.seconds, 'step_s': report.timing.median_s,
                   'cache': report.compilation.cache, 'programs_read': read,
                   'programs_compiled': compiled}))
-'''
+"""
 
 
 def run_worker(cache_dir: str, args: argparse.Namespace) -> dict:
@@ -64,17 +63,29 @@ def main(argv=None) -> None:
       for kind in ('cold', 'warm'):
         runs[kind].append(run_worker(cache_dir, args))
         print(f'round {round_index + 1} {kind}: {json.dumps(runs[kind][-1])}', flush=True)
-  summary = {kind: {name: round(statistics.median(run[name] for run in rounds), 2)
-                    for name in ('compile_s', 'step_s')} | {
-                        'programs_read': rounds[-1]['programs_read'],
-                        'programs_compiled': rounds[-1]['programs_compiled']}
-             for kind, rounds in runs.items()}
-  payload = {'benchmark': 'compile_cache', 'machine': machine_info(os.cpu_count()),
-             'model': args.model, 'rows': args.rows, 'length': args.length,
-             'rounds': args.rounds, 'summary': summary, 'runs': runs,
-             'compile_saved_s': round(summary['cold']['compile_s']
-                                      - summary['warm']['compile_s'], 2),
-             'load_average_at_end': list(os.getloadavg())}
+  summary = {
+    kind: {
+      name: round(statistics.median(run[name] for run in rounds), 2)
+      for name in ('compile_s', 'step_s')
+    }
+    | {
+      'programs_read': rounds[-1]['programs_read'],
+      'programs_compiled': rounds[-1]['programs_compiled'],
+    }
+    for kind, rounds in runs.items()
+  }
+  payload = {
+    'benchmark': 'compile_cache',
+    'machine': machine_info(os.cpu_count()),
+    'model': args.model,
+    'rows': args.rows,
+    'length': args.length,
+    'rounds': args.rounds,
+    'summary': summary,
+    'runs': runs,
+    'compile_saved_s': round(summary['cold']['compile_s'] - summary['warm']['compile_s'], 2),
+    'load_average_at_end': list(os.getloadavg()),
+  }
   print(json.dumps(summary, indent=1))
   print(f'wrote {write_json(args.output, payload)}')
 

@@ -36,16 +36,18 @@ from flax_transformer.nn import masks
 from flax_transformer.nn.attention import banded_attention, scaled_dot_product_attention
 
 RESULTS = Path(__file__).resolve().parent / 'results'
-LENGTHS = tuple(2 ** p for p in range(7, 15))                      # 128 .. 16,384
+LENGTHS = tuple(2**p for p in range(7, 15))  # 128 .. 16,384
 PAPER_EXPONENTS = {'full': 2.0, 'full_masked': 2.0, 'banded': 1.0}
 
 
 def contenders(length: int, radius: int) -> dict:
   """{name: attention function of (q, k, v) `[1, n, N, H]` -> `[1, n, N, H]`}."""
-  window = masks.local_mask(length, radius)                        # [1, 1, n, n]
-  return {'full': lambda q, k, v: scaled_dot_product_attention(q, k, v)[0],
-          'full_masked': lambda q, k, v: scaled_dot_product_attention(q, k, v, window)[0],
-          'banded': lambda q, k, v: banded_attention(q, k, v, radius)}
+  window = masks.local_mask(length, radius)  # [1, 1, n, n]
+  return {
+    'full': lambda q, k, v: scaled_dot_product_attention(q, k, v)[0],
+    'full_masked': lambda q, k, v: scaled_dot_product_attention(q, k, v, window)[0],
+    'banded': lambda q, k, v: banded_attention(q, k, v, radius),
+  }
 
 
 def compiled_bytes(compiled) -> int:
@@ -61,13 +63,17 @@ def measure_length(length: int, radius: int, heads: int, head_dim: int, rounds: 
   with all `rounds`: it is cheap, and a few seconds' wait between its calls only let
   other jobs' load land on them.
   """
-  q, k, v = (jax.random.normal(jax.random.key(i), (1, length, heads, head_dim), jnp.float32)
-             for i in range(3))
-  compiled = {name: jax.jit(fn).lower(q, k, v).compile()
-              for name, fn in contenders(length, radius).items()}
+  q, k, v = (
+    jax.random.normal(jax.random.key(i), (1, length, heads, head_dim), jnp.float32)
+    for i in range(3)
+  )
+  compiled = {
+    name: jax.jit(fn).lower(q, k, v).compile() for name, fn in contenders(length, radius).items()
+  }
   run = {name: (lambda c=c: c(q, k, v).block_until_ready()) for name, c in compiled.items()}
-  times = timed_rounds({name: run[name] for name in ('full', 'full_masked')},
-                       rounds_for(length, rounds))
+  times = timed_rounds(
+    {name: run[name] for name in ('full', 'full_masked')}, rounds_for(length, rounds)
+  )
   times.update(timed_rounds({'banded': run['banded']}, rounds))
   return {name: {**times[name], 'bytes': compiled_bytes(c)} for name, c in compiled.items()}
 
@@ -86,12 +92,20 @@ def timed_rounds(contenders: dict, rounds: int) -> dict:
       start = time.process_time()
       fn()
       cpu[name].append(time.process_time() - start)
+
     return call
 
-  times = common.interleaved_medians({name: counted(name, fn) for name, fn in contenders.items()},
-                                     rounds=rounds)
-  return {name: {**times[name], 'cpu_median_s': statistics.median(cpu[name][1:]),
-                 'cpu_s': [round(t, 6) for t in cpu[name][1:]]} for name in contenders}
+  times = common.interleaved_medians(
+    {name: counted(name, fn) for name, fn in contenders.items()}, rounds=rounds
+  )
+  return {
+    name: {
+      **times[name],
+      'cpu_median_s': statistics.median(cpu[name][1:]),
+      'cpu_s': [round(t, 6) for t in cpu[name][1:]],
+    }
+    for name in contenders
+  }
 
 
 def fit_exponent(lengths, values) -> float:
@@ -107,12 +121,16 @@ def exponents(rows: list[dict], fit_from: int) -> dict:
   """
   fitted = [row for row in rows if row['length'] >= fit_from]
   lengths = [row['length'] for row in fitted]
-  return {name: {'time': fit_exponent(lengths, [row[name]['median_s'] for row in fitted]),
-                 'time_of_min': fit_exponent(lengths, [row[name]['min_s'] for row in fitted]),
-                 'cpu_time': fit_exponent(lengths, [row[name]['cpu_median_s'] for row in fitted]),
-                 'memory': fit_exponent(lengths, [row[name]['bytes'] for row in fitted]),
-                 'paper': paper}
-          for name, paper in PAPER_EXPONENTS.items()}
+  return {
+    name: {
+      'time': fit_exponent(lengths, [row[name]['median_s'] for row in fitted]),
+      'time_of_min': fit_exponent(lengths, [row[name]['min_s'] for row in fitted]),
+      'cpu_time': fit_exponent(lengths, [row[name]['cpu_median_s'] for row in fitted]),
+      'memory': fit_exponent(lengths, [row[name]['bytes'] for row in fitted]),
+      'paper': paper,
+    }
+    for name, paper in PAPER_EXPONENTS.items()
+  }
 
 
 def rounds_for(length: int, rounds: int) -> int:
@@ -122,29 +140,43 @@ def rounds_for(length: int, rounds: int) -> int:
 
 def print_table(rows: list[dict], fitted: dict) -> None:
   names = list(PAPER_EXPONENTS)
-  print(f"{'n':>6} " + ' '.join(f'{name + " ms":>15} {name + " MiB":>16}' for name in names))
+  print(f'{"n":>6} ' + ' '.join(f'{name + " ms":>15} {name + " MiB":>16}' for name in names))
   for row in rows:
-    print(f"{row['length']:>6} " + ' '.join(
-        f"{row[n]['median_s'] * 1e3:>15.2f} {row[n]['bytes'] / 2 ** 20:>16.1f}" for n in names))
+    print(
+      f'{row["length"]:>6} '
+      + ' '.join(
+        f'{row[n]["median_s"] * 1e3:>15.2f} {row[n]["bytes"] / 2**20:>16.1f}' for n in names
+      )
+    )
   for name, fit in fitted.items():
-    print(f"{name}: time ~ n^{fit['time']:.2f} (fastest calls: n^{fit['time_of_min']:.2f}, CPU "
-          f"seconds: n^{fit['cpu_time']:.2f}), memory ~ n^{fit['memory']:.2f} "
-          f"(paper: n^{fit['paper']:.0f})")
+    print(
+      f'{name}: time ~ n^{fit["time"]:.2f} (fastest calls: n^{fit["time_of_min"]:.2f}, CPU '
+      f'seconds: n^{fit["cpu_time"]:.2f}), memory ~ n^{fit["memory"]:.2f} '
+      f'(paper: n^{fit["paper"]:.0f})'
+    )
 
 
 def parse_args() -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.complexity', description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog='python -m benchmarks.complexity',
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument('--quick', action='store_true', help='n up to 2,048, 2 rounds')
-  parser.add_argument('--lengths', default=','.join(map(str, LENGTHS)),
-                      help='comma-separated sequence lengths n')
+  parser.add_argument(
+    '--lengths', default=','.join(map(str, LENGTHS)), help='comma-separated sequence lengths n'
+  )
   parser.add_argument('--radius', type=int, default=64, help='r of the restricted attention')
   parser.add_argument('--heads', type=int, default=1)
   parser.add_argument('--d-model', type=int, default=256, help='d = heads * head dim')
-  parser.add_argument('--rounds', type=int, default=5, help='timed rounds (at most 3 at n >= 8,192)')
+  parser.add_argument(
+    '--rounds', type=int, default=5, help='timed rounds (at most 3 at n >= 8,192)'
+  )
   parser.add_argument('--fit-from', type=int, default=1024, help='smallest n in the fits')
   parser.add_argument('--threads', type=int, help='cores to pin to (default all)')
-  parser.add_argument('--output', help='JSON file (default benchmarks/results/complexity[_quick].json)')
+  parser.add_argument(
+    '--output', help='JSON file (default benchmarks/results/complexity[_quick].json)'
+  )
   return parser.parse_args()
 
 
@@ -158,23 +190,48 @@ def main() -> None:
     raise SystemExit(f'--d-model={args.d_model} is not divisible by --heads={args.heads}')
   rows = []
   for length in lengths:
-    rows.append({'length': length, **measure_length(length, args.radius, args.heads,
-                                                    args.d_model // args.heads, args.rounds)})
-    print(f"n={length}: " + ', '.join(f"{name} {row['median_s'] * 1e3:.2f} ms"
-                                      for name, row in rows[-1].items() if name != 'length'),
-          flush=True)
+    rows.append(
+      {
+        'length': length,
+        **measure_length(length, args.radius, args.heads, args.d_model // args.heads, args.rounds),
+      }
+    )
+    print(
+      f'n={length}: '
+      + ', '.join(
+        f'{name} {row["median_s"] * 1e3:.2f} ms'
+        for name, row in rows[-1].items()
+        if name != 'length'
+      ),
+      flush=True,
+    )
   fit_from = args.fit_from if any(n >= args.fit_from for n in lengths) else min(lengths)
   fitted = exponents(rows, fit_from) if len({n for n in lengths if n >= fit_from}) > 1 else {}
   print_table(rows, fitted)
-  output = Path(args.output) if args.output else RESULTS / (
-      'complexity_quick.json' if args.quick else 'complexity.json')
-  common.write_json(output, {
-      'machine': common.machine_info(len(cores)), 'accelerator': common.accelerator_info(),
-      'settings': {'radius': args.radius, 'heads': args.heads, 'd_model': args.d_model,
-                   'batch': 1, 'dtype': 'float32', 'rounds': args.rounds, 'fit_from': fit_from,
-                   'what': 'attention core (no projections), forward; bytes: XLA temp + '
-                           'arguments + outputs'},
-      'rows': rows, 'exponents': fitted})
+  output = (
+    Path(args.output)
+    if args.output
+    else RESULTS / ('complexity_quick.json' if args.quick else 'complexity.json')
+  )
+  common.write_json(
+    output,
+    {
+      'machine': common.machine_info(len(cores)),
+      'accelerator': common.accelerator_info(),
+      'settings': {
+        'radius': args.radius,
+        'heads': args.heads,
+        'd_model': args.d_model,
+        'batch': 1,
+        'dtype': 'float32',
+        'rounds': args.rounds,
+        'fit_from': fit_from,
+        'what': 'attention core (no projections), forward; bytes: XLA temp + arguments + outputs',
+      },
+      'rows': rows,
+      'exponents': fitted,
+    },
+  )
   print(f'wrote {output}')
 
 

@@ -40,8 +40,12 @@ from benchmarks.common import RESULTS, machine_info, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lines of train.py's log that mark a stage, and the name each gets.
-MARKS = {'tokenizer: trained': 'tokenizer_ready_s', 'cache: encoded': 'cache_written_s',
-         'cache: hit': 'cache_read_s', 'model:': 'training_loop_s'}
+MARKS = {
+  'tokenizer: trained': 'tokenizer_ready_s',
+  'cache: encoded': 'cache_written_s',
+  'cache: hit': 'cache_read_s',
+  'model:': 'training_loop_s',
+}
 
 
 def peak_rss_gb(pid: int) -> float | None:
@@ -65,10 +69,16 @@ def first_step(command: list[str], workdir: Path, timeout_s: float) -> dict:
   # first one compiled. Its new entries are the programs a run compiled.
   jax_cache = workdir.parent / f'{workdir.name}.jax-cache'
   entries_before = len(list(jax_cache.glob('*-cache')))
-  environment = {**os.environ, 'PYTHONUNBUFFERED': '1',
-                 'JAX_COMPILATION_CACHE_DIR': str(jax_cache)}
-  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True, bufsize=1, env=environment)
+  environment = {**os.environ, 'PYTHONUNBUFFERED': '1', 'JAX_COMPILATION_CACHE_DIR': str(jax_cache)}
+  process = subprocess.Popen(
+    command,
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+    bufsize=1,
+    env=environment,
+  )
   result: dict = {'command': ' '.join(command[1:])}
   lines: list[str] = []
 
@@ -120,24 +130,38 @@ def median_rate(build, steps: range, rounds: int) -> float:
 def load_only_cache(cache_dir: Path):
   """The one encoded corpus a run wrote into CACHE_DIR (`data.cache.load`, unverified)."""
   from flax_transformer.data.cache import load
-  [key] = [json.loads((path / 'manifest.json').read_text())['key']
-           for path in cache_dir.iterdir() if not path.name.startswith('.')]
+
+  [key] = [
+    json.loads((path / 'manifest.json').read_text())['key']
+    for path in cache_dir.iterdir()
+    if not path.name.startswith('.')
+  ]
   return load(cache_dir, key, verify=False)
 
 
-def batch_rates(cache_dir: Path, max_tokens: int, packing: int, rounds: int,
-                steps: int) -> dict:
+def batch_rates(cache_dir: Path, max_tokens: int, packing: int, rounds: int, steps: int) -> dict:
   from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
   from flax_transformer.data.batching import Batcher
   from flax_transformer.data.packing import PackingBatcher
+
   begin = time.perf_counter()
   corpus = load_only_cache(cache_dir)
-  results = {'pairs': len(corpus), 'cache_load_s': round(time.perf_counter() - begin, 2),
-             'max_tokens': max_tokens, 'packed_row_length': packing}
-  kinds = {'bucketed': (Batcher(corpus, max_tokens, 0, row_multiple=2),
-                        ArrayBatcher(corpus, max_tokens, 0, row_multiple=2)),
-           'packed': (PackingBatcher(corpus, max_tokens, 0, packing, row_multiple=2),
-                      ArrayPackingBatcher(corpus, max_tokens, 0, packing, row_multiple=2))}
+  results = {
+    'pairs': len(corpus),
+    'cache_load_s': round(time.perf_counter() - begin, 2),
+    'max_tokens': max_tokens,
+    'packed_row_length': packing,
+  }
+  kinds = {
+    'bucketed': (
+      Batcher(corpus, max_tokens, 0, row_multiple=2),
+      ArrayBatcher(corpus, max_tokens, 0, row_multiple=2),
+    ),
+    'packed': (
+      PackingBatcher(corpus, max_tokens, 0, packing, row_multiple=2),
+      ArrayPackingBatcher(corpus, max_tokens, 0, packing, row_multiple=2),
+    ),
+  }
   window = range(1, steps + 1)
   for kind, (before, ours) in kinds.items():
     for batcher in (before, ours):
@@ -147,13 +171,18 @@ def batch_rates(cache_dir: Path, max_tokens: int, packing: int, rounds: int,
       name = 'before' if batcher is before else 'ours'
       results[f'{kind}_{name}_plan_epoch_s'] = round(plan_s, 2)
     results[f'{kind}_before_tokens_per_s'] = round(median_rate(before.batch_at, window, rounds))
-    results[f'{kind}_ours_tokens_per_s'] = round(median_rate(
-        lambda step: ours.local_batch_at(step, 0, 1), window, rounds))
-    results[f'{kind}_ours_per_process_of_2_tokens_per_s'] = round(min(median_rate(
-        lambda step, index=index: ours.local_batch_at(step, index, 2), window, rounds)
-        for index in range(2)))
+    results[f'{kind}_ours_tokens_per_s'] = round(
+      median_rate(lambda step: ours.local_batch_at(step, 0, 1), window, rounds)
+    )
+    results[f'{kind}_ours_per_process_of_2_tokens_per_s'] = round(
+      min(
+        median_rate(lambda step, index=index: ours.local_batch_at(step, index, 2), window, rounds)
+        for index in range(2)
+      )
+    )
     results[f'{kind}_ours_over_before'] = round(
-        results[f'{kind}_ours_tokens_per_s'] / results[f'{kind}_before_tokens_per_s'], 2)
+      results[f'{kind}_ours_tokens_per_s'] / results[f'{kind}_before_tokens_per_s'], 2
+    )
   return results
 
 
@@ -166,19 +195,42 @@ def main(argv=None) -> None:
   parser.add_argument('--timeout', type=float, default=3600, help='seconds per train.py run')
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--steps', type=int, default=200, help='batches per round')
-  parser.add_argument('--max-tokens', type=int, default=8192,
-                      help="train.py's batch size (tokens per side) for the two runs")
+  parser.add_argument(
+    '--max-tokens',
+    type=int,
+    default=8192,
+    help="train.py's batch size (tokens per side) for the two runs",
+  )
   args = parser.parse_args(argv)
   stages = args.stages.split(',')
   # Every step is saved, so that the SIGTERM after the first logged step leaves a checkpoint
   # to resume from; --max-tokens: the base preset's 25,000 needs more than a 24 GB CPU host
   # (its second step's shape asks XLA for 30 GB), and the input side does not depend on it.
-  command = [sys.executable, 'train.py', '--preset', 'base', '--data', str(args.data),
-             '--workdir', str(args.workdir), '--steps', '100000', '--train.log_every', '1',
-             '--train.eval_every', '100000', '--train.checkpoint_every', '1',
-             '--train.max_tokens', str(args.max_tokens)]
-  payload = {'benchmark': 'data_pipeline', 'machine': machine_info(os.cpu_count()),
-             'data': str(args.data)}
+  command = [
+    sys.executable,
+    'train.py',
+    '--preset',
+    'base',
+    '--data',
+    str(args.data),
+    '--workdir',
+    str(args.workdir),
+    '--steps',
+    '100000',
+    '--train.log_every',
+    '1',
+    '--train.eval_every',
+    '100000',
+    '--train.checkpoint_every',
+    '1',
+    '--train.max_tokens',
+    str(args.max_tokens),
+  ]
+  payload = {
+    'benchmark': 'data_pipeline',
+    'machine': machine_info(os.cpu_count()),
+    'data': str(args.data),
+  }
   if 'first_run' in stages:
     if args.workdir.exists():
       parser.error(f'{args.workdir} exists: the first run needs a new run directory')
@@ -188,8 +240,7 @@ def main(argv=None) -> None:
     payload['resume'] = first_step(command, args.workdir, args.timeout)
     print(json.dumps(payload['resume'], indent=1))
   if 'batches' in stages:
-    payload['batches'] = batch_rates(args.workdir / 'encoded', 25_000, 64, args.rounds,
-                                     args.steps)
+    payload['batches'] = batch_rates(args.workdir / 'encoded', 25_000, 64, args.rounds, args.steps)
     print(json.dumps(payload['batches'], indent=1))
   payload['load_average_at_end'] = list(os.getloadavg())
   print(f'wrote {write_json(args.output, payload)}')

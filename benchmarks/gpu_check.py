@@ -12,7 +12,7 @@ recorded as skipped, never silently dropped):
             largest difference over largest value.
   mfu       training-step model FLOPs utilisation, bfloat16, base and big, for each attention
             kernel and each remat policy, at 768 rows x 32+32 tokens and at 390 x 64+64
-            (24,960 target tokens, the paper's 25k): FLOPs (`workloads.train_flops`) over the
+            (24,960 target tokens, the paper's 25k): FLOPs (`bench.flops.train_flops`) over the
             median step time, against the card's measured bfloat16 matmul peak (8192^3) and
             its datasheet peak; compile time and compiled temporary memory beside.
   decode    greedy and beam-4 tokens/s, base bfloat16, 32 new tokens from 32-token sources, at
@@ -58,6 +58,7 @@ BUDGET_SHARES = {'numerics': 0.05, 'mfu': 0.4, 'decode': 0.1, 'input': 0.15}
 @dataclasses.dataclass(frozen=True)
 class Setting:
   """What the check runs: the GPU's sizes, or `TINY`'s for a CPU test."""
+
   models: tuple[str, ...] = ('base', 'big')
   shapes: tuple[Shape, ...] = (Shape(768, 32, 32), Shape(390, 64, 64))
   remats: tuple[str, ...] = ('none', 'layer', 'dots')
@@ -78,41 +79,64 @@ class Setting:
   multi30k_options: tuple[str, ...] = ()
 
 
-TINY_MODEL = ('--model.d_model=32', '--model.num_heads=4', '--model.d_ff=64',
-              '--model.num_encoder_layers=1', '--model.num_decoder_layers=1')
-TINY = Setting(models=('tiny',), shapes=(Shape(4, 8, 8),), full_grid=False,
-               decode_batches=(2,), source_len=6,
-               new_tokens=4, rounds=2, warmup=1, peak_size=256, standin_pairs=2000,
-               input_max_tokens=512, input_steps=4,
-               input_options=(*TINY_MODEL, '--data.vocab_size=300'),
-               multi30k_options=(*TINY_MODEL, '--data.vocab_size=300', '--steps=2',
-                                 '--train.max_tokens=256', '--train.bleu_every=0',
-                                 '--model.max_len=24', '--train.packing=24'))
+TINY_MODEL = (
+  '--model.d_model=32',
+  '--model.num_heads=4',
+  '--model.d_ff=64',
+  '--model.num_encoder_layers=1',
+  '--model.num_decoder_layers=1',
+)
+TINY = Setting(
+  models=('tiny',),
+  shapes=(Shape(4, 8, 8),),
+  full_grid=False,
+  decode_batches=(2,),
+  source_len=6,
+  new_tokens=4,
+  rounds=2,
+  warmup=1,
+  peak_size=256,
+  standin_pairs=2000,
+  input_max_tokens=512,
+  input_steps=4,
+  input_options=(*TINY_MODEL, '--data.vocab_size=300'),
+  multi30k_options=(
+    *TINY_MODEL,
+    '--data.vocab_size=300',
+    '--steps=2',
+    '--train.max_tokens=256',
+    '--train.bleu_every=0',
+    '--model.max_len=24',
+    '--train.packing=24',
+  ),
+)
 
 
 def fused_kernel() -> str:
   """The fused kernel this backend runs: cuDNN's on a GPU, JAX's xla implementation elsewhere."""
   import jax
+
   return 'cudnn' if jax.default_backend() == 'gpu' else 'xla'
 
 
 def model_config(name: str, **overrides):
+  from benchmarks import workloads
   from flax_transformer.config import ModelConfig
 
-  from benchmarks import workloads
   if name == 'tiny':
-    return ModelConfig.tiny(vocab_size=64, num_encoder_layers=1, num_decoder_layers=1,
-                            **overrides)
+    return ModelConfig.tiny(vocab_size=64, num_encoder_layers=1, num_decoder_layers=1, **overrides)
   return workloads.model_config(name, **overrides)
 
 
 def median_seconds(fn, setting: Setting) -> float:
   """The median of `setting.rounds` timed calls of `fn`, after `setting.warmup` untimed ones."""
   from flax_transformer import bench
+
   return bench.time_rounds(fn, setting.rounds, setting.warmup).median_s
 
 
 # --- numerics -----------------------------------------------------------------------------
+
 
 def numerics(setting: Setting, deadline: float) -> dict:
   """The fused kernel's logits and gradients against einsum's, per dtype, on padded rows."""
@@ -121,12 +145,15 @@ def numerics(setting: Setting, deadline: float) -> dict:
   import numpy as np
 
   from flax_transformer.nn.build import build_model
+
   shape = setting.shapes[0]
   config = model_config(setting.models[0], dropout_rate=0.0)
   rng = np.random.default_rng(0)
-  src, tgt = (rng.integers(4, config.vocab_size, (shape.batch, length)).astype(np.int32)
-              for length in (shape.src_len, shape.tgt_len))
-  for rows, length in ((src, shape.src_len), (tgt, shape.tgt_len)):   # right-padded rows
+  src, tgt = (
+    rng.integers(4, config.vocab_size, (shape.batch, length)).astype(np.int32)
+    for length in (shape.src_len, shape.tgt_len)
+  )
+  for rows, length in ((src, shape.src_len), (tgt, shape.tgt_len)):  # right-padded rows
     for row, keep in zip(rows, rng.integers(1, length + 1, shape.batch)):
       row[keep:] = config.pad_id
   tgt[:, 0] = config.bos_id
@@ -152,29 +179,40 @@ def numerics(setting: Setting, deadline: float) -> dict:
     largest = lambda tree: max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
     differences = jax.tree.map(lambda a, b: jnp.abs(a - b), grads, einsum_grads)
     results[dtype] = {
-        'kernel': list(computed)[1],
-        'logits_max_difference_over_largest': float(jnp.max(jnp.abs(logits - einsum_logits)))
-        / largest(einsum_logits),
-        'gradients_max_difference_over_largest': largest(differences) / largest(einsum_grads)}
+      'kernel': list(computed)[1],
+      'logits_max_difference_over_largest': float(jnp.max(jnp.abs(logits - einsum_logits)))
+      / largest(einsum_logits),
+      'gradients_max_difference_over_largest': largest(differences) / largest(einsum_grads),
+    }
   return results
 
 
 # --- mfu ----------------------------------------------------------------------------------
 
-def step_cell(name: str, shape: Shape, kernel: str, remat: str, setting: Setting,
-              peak: float) -> dict:
+
+def step_cell(
+  name: str, shape: Shape, kernel: str, remat: str, setting: Setting, peak: float
+) -> dict:
   """One training step's report (`flax_transformer.bench`): median time, TFLOP/s, MFU against
   the measured and the datasheet peak, compile time and compiled temporaries."""
   from flax_transformer import bench
   from flax_transformer.config import TrainConfig
+
   config = model_config(name, dtype='bfloat16', attention_kernel=kernel, remat=remat)
   step = bench.TrainingStep(config, TrainConfig(), shape, devices=1)
   report = step.report(bench.time_rounds(step.run, setting.rounds, setting.warmup), peak)
-  cell = {'model': name, 'shape': str(shape), 'target_tokens': shape.target_tokens,
-          'kernel': kernel, 'remat': remat, 'median_s': report.timing.median_s,
-          'tflops': report.flops_per_s / 1e12, 'compile_s': round(report.compilation.seconds, 2),
-          'temp_gib': None if report.memory is None else report.memory.temporaries / 2 ** 30,
-          'mfu_of_measured_peak': report.mfu}
+  cell = {
+    'model': name,
+    'shape': str(shape),
+    'target_tokens': shape.target_tokens,
+    'kernel': kernel,
+    'remat': remat,
+    'median_s': report.timing.median_s,
+    'tflops': report.flops_per_s / 1e12,
+    'compile_s': round(report.compilation.seconds, 2),
+    'temp_gib': None if report.memory is None else report.memory.temporaries / 2**30,
+    'mfu_of_measured_peak': report.mfu,
+  }
   if report.datasheet_mfu is not None:
     cell['mfu_of_datasheet_peak'] = report.datasheet_mfu
   return cell
@@ -185,38 +223,56 @@ def mfu(setting: Setting, deadline: float) -> dict:
   import jax
 
   from flax_transformer import bench
+
   peak = bench.measure_peak('bfloat16', setting.peak_size, iterations=20, rounds=5).flops_per_s
   datasheet = bench.datasheet_peak(jax.devices()[0].device_kind, 'bfloat16')
   fused = fused_kernel()
   # Most telling first, so that a short budget skips the least: the default kernel without
   # remat, then einsum, then the remat policies with each kernel.
-  pairs = ([(fused, 'none'), ('einsum', 'none')]
-           + [(kernel, remat) for kernel in (fused, 'einsum') for remat in setting.remats
-              if remat != 'none'] if setting.full_grid else
-           [(('einsum', fused)[min(i, 1)], remat) for i, remat in enumerate(setting.remats)])
+  pairs = (
+    [(fused, 'none'), ('einsum', 'none')]
+    + [
+      (kernel, remat) for kernel in (fused, 'einsum') for remat in setting.remats if remat != 'none'
+    ]
+    if setting.full_grid
+    else [(('einsum', fused)[min(i, 1)], remat) for i, remat in enumerate(setting.remats)]
+  )
   cells = []
   for kernel, remat in pairs:
     for name in setting.models:
       for shape in setting.shapes:
         if time.monotonic() > deadline:
-          cells.append({'model': name, 'shape': str(shape), 'kernel': kernel, 'remat': remat,
-                        'skipped': 'time budget'})
+          cells.append(
+            {
+              'model': name,
+              'shape': str(shape),
+              'kernel': kernel,
+              'remat': remat,
+              'skipped': 'time budget',
+            }
+          )
           continue
         cell = step_cell(name, shape, kernel, remat, setting, peak)
         cells.append(cell)
         print(json.dumps(cell), flush=True)
         gc.collect()
-  return {'matmul_peak_tflops': peak / 1e12, 'peak_size': setting.peak_size,
-          'datasheet_peak_tflops': datasheet and datasheet / 1e12, 'cells': cells}
+  return {
+    'matmul_peak_tflops': peak / 1e12,
+    'peak_size': setting.peak_size,
+    'datasheet_peak_tflops': datasheet and datasheet / 1e12,
+    'cells': cells,
+  }
 
 
 # --- decode -------------------------------------------------------------------------------
+
 
 def decode(setting: Setting, deadline: float) -> dict:
   """Greedy and beam 4 tokens/s (new tokens of every sentence) at each batch size, as
   `flax_transformer.bench.decode_report` measures them."""
   from flax_transformer import bench
   from flax_transformer.decode.methods import BeamSearch, Greedy
+
   config = model_config(setting.models[0], dtype='bfloat16', dropout_rate=0.0)
   n, cells = setting.new_tokens, []
   for batch in setting.decode_batches:
@@ -224,30 +280,62 @@ def decode(setting: Setting, deadline: float) -> dict:
       if time.monotonic() > deadline:
         cells.append({'search': search, 'batch': batch, 'skipped': 'time budget'})
         continue
-      report = bench.decode_report(config, method, batch=batch, src_len=setting.source_len,
-                                   new_tokens=n, rounds=setting.rounds, warmup=setting.warmup)
-      cells.append({'search': search, 'batch': batch, 'median_s': report.timing.median_s,
-                    'tokens_per_s': report.tokens_per_s,
-                    'compile_s': round(report.compilation.seconds, 2)})
-  return {'model': setting.models[0], 'source_len': setting.source_len, 'new_tokens': n,
-          'cells': cells}
+      report = bench.decode_report(
+        config,
+        method,
+        batch=batch,
+        src_len=setting.source_len,
+        new_tokens=n,
+        rounds=setting.rounds,
+        warmup=setting.warmup,
+      )
+      cells.append(
+        {
+          'search': search,
+          'batch': batch,
+          'median_s': report.timing.median_s,
+          'tokens_per_s': report.tokens_per_s,
+          'compile_s': round(report.compilation.seconds, 2),
+        }
+      )
+  return {
+    'model': setting.models[0],
+    'source_len': setting.source_len,
+    'new_tokens': n,
+    'cells': cells,
+  }
 
 
 # --- input --------------------------------------------------------------------------------
 
+
 def input_side(setting: Setting, deadline: float, data: Path, scratch: Path) -> dict:
   """Host seconds per batch from the encoded stand-in against device seconds per step."""
   from benchmarks import data_pipeline, make_standin
+
   standin, workdir = scratch / 'standin', scratch / 'standin-run'
   start = time.perf_counter()
-  make_standin.main(['--pairs', str(setting.standin_pairs), '--output', str(standin),
-                     '--multi30k', str(data)])
+  make_standin.main(
+    ['--pairs', str(setting.standin_pairs), '--output', str(standin), '--multi30k', str(data)]
+  )
   results = {'pairs': setting.standin_pairs, 'standin_s': round(time.perf_counter() - start, 2)}
-  command = [sys.executable, 'train.py', '--preset', 'base', '--data', str(standin),
-             '--workdir', str(workdir), '--train.log_every=1', '--train.eval_every=100000',
-             f'--train.max_tokens={setting.input_max_tokens}', *setting.input_options]
-  results['first_run'] = data_pipeline.first_step(command, workdir,
-                                                  max(deadline - time.monotonic(), 60))
+  command = [
+    sys.executable,
+    'train.py',
+    '--preset',
+    'base',
+    '--data',
+    str(standin),
+    '--workdir',
+    str(workdir),
+    '--train.log_every=1',
+    '--train.eval_every=100000',
+    f'--train.max_tokens={setting.input_max_tokens}',
+    *setting.input_options,
+  ]
+  results['first_run'] = data_pipeline.first_step(
+    command, workdir, max(deadline - time.monotonic(), 60)
+  )
   results.update(host_and_device(setting, workdir))
   return results
 
@@ -257,17 +345,19 @@ def host_and_device(setting: Setting, workdir: Path) -> dict:
   packed, and the step's device seconds at the bucketed batches' most frequent shape."""
   import jax
 
+  from benchmarks.data_pipeline import load_only_cache
+  from flax_transformer import bench
   from flax_transformer.config import TrainConfig
   from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
   from flax_transformer.run.directory import read_config
 
-  from benchmarks.data_pipeline import load_only_cache
-  from flax_transformer import bench
   corpus = load_only_cache(workdir / 'encoded')
   tokens = setting.input_max_tokens
   results = {}
-  for kind, batcher in (('bucketed', ArrayBatcher(corpus, tokens, 0, row_multiple=2)),
-                        ('packed', ArrayPackingBatcher(corpus, tokens, 0, 64, row_multiple=2))):
+  for kind, batcher in (
+    ('bucketed', ArrayBatcher(corpus, tokens, 0, row_multiple=2)),
+    ('packed', ArrayPackingBatcher(corpus, tokens, 0, 64, row_multiple=2)),
+  ):
     batcher.batch_at(0)  # the epoch's plan, built once an epoch
     host, shapes = [], []
     for step in range(1, setting.input_steps + 1):
@@ -290,40 +380,72 @@ def host_and_device(setting: Setting, workdir: Path) -> dict:
 
 # --- multi30k -----------------------------------------------------------------------------
 
+
 def multi30k(setting: Setting, deadline: float, data: Path, scratch: Path) -> dict:
   """train.py --preset multi30k to its end, then beam-4 decoding of test_2016 and its BLEU."""
   import sacrebleu
+
   workdir, output = scratch / 'multi30k-run', scratch / 'test_2016.hyp'
-  command = [sys.executable, 'train.py', '--preset', 'multi30k', '--data', str(data),
-             '--data.test_split', 'test_2016_flickr', '--workdir', str(workdir),
-             *setting.multi30k_options]
+  command = [
+    sys.executable,
+    'train.py',
+    '--preset',
+    'multi30k',
+    '--data',
+    str(data),
+    '--data.test_split',
+    'test_2016_flickr',
+    '--workdir',
+    str(workdir),
+    *setting.multi30k_options,
+  ]
   start = time.perf_counter()
   status, stdout, stderr = run_until(command, deadline)
-  results = {'command': ' '.join(command[1:]), 'train_wall_s': time.perf_counter() - start,
-             'train_status': status,
-             'score_lines': [line for line in stdout.splitlines() if 'BLEU' in line]}
+  results = {
+    'command': ' '.join(command[1:]),
+    'train_wall_s': time.perf_counter() - start,
+    'train_status': status,
+    'score_lines': [line for line in stdout.splitlines() if 'BLEU' in line],
+  }
   if status == 143:  # SIGTERM at the budget: the run saved its step
     logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-    return {**results, 'stopped': 'time budget; the preset alone: bash benchmarks/gpu.sh '
-            '--parts multi30k --budget-s 600', 'last_logged': logged[-1] if logged else None,
-            'bleu_logged': [line for line in logged if 'val_bleu' in line]}
+    return {
+      **results,
+      'stopped': 'time budget; the preset alone: bash benchmarks/gpu.sh '
+      '--parts multi30k --budget-s 600',
+      'last_logged': logged[-1] if logged else None,
+      'bleu_logged': [line for line in logged if 'val_bleu' in line],
+    }
   if status:
     return {**results, 'failed': 'train.py', 'stderr': stderr[-2000:]}
   start = time.perf_counter()
-  subprocess.run([sys.executable, 'decode.py', '--checkpoint', str(workdir), '--input',
-                  str(data / 'test_2016_flickr.en'), '--output', str(output)],
-                 cwd=ROOT, capture_output=True, text=True, check=True)
+  subprocess.run(
+    [
+      sys.executable,
+      'decode.py',
+      '--checkpoint',
+      str(workdir),
+      '--input',
+      str(data / 'test_2016_flickr.en'),
+      '--output',
+      str(output),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   results['decode_wall_s'] = time.perf_counter() - start
   hypotheses = output.read_text(encoding='utf-8').splitlines()
   references = (data / 'test_2016_flickr.de').read_text(encoding='utf-8').splitlines()
   results['test_2016_bleu'] = sacrebleu.corpus_bleu(hypotheses, [references]).score
-  results['test_2016_bleu_lowercased'] = sacrebleu.corpus_bleu(hypotheses, [references],
-                                                               lowercase=True).score
+  results['test_2016_bleu_lowercased'] = sacrebleu.corpus_bleu(
+    hypotheses, [references], lowercase=True
+  ).score
   return results
 
 
-def run_until(command: list[str], deadline: float, least_s: float = 30
-              ) -> tuple[int, str, str]:
+def run_until(command: list[str], deadline: float, least_s: float = 30) -> tuple[int, str, str]:
   """(status, stdout, stderr) of `command`, sent SIGTERM at `deadline` (monotonic), or after
   `least_s` if that is later, if still running; a train.py then saves its step and exits 143."""
   with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
@@ -340,6 +462,7 @@ def run_until(command: list[str], deadline: float, least_s: float = 30
 
 # --- the command --------------------------------------------------------------------------
 
+
 def run_part(part: str, setting: Setting, deadline: float, args, scratch: Path) -> dict:
   if part in ('input', 'multi30k') and not (args.multi30k / 'train.en').is_file():
     return {'skipped': f'no Multi30k corpus at {args.multi30k} (--multi30k DIR)'}
@@ -354,9 +477,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--tiny', action='store_true', help='every part, tiny (a CPU test)')
   parser.add_argument('--parts', default=','.join(PARTS), help=f'of {",".join(PARTS)}')
-  parser.add_argument('--budget-s', type=float, default=450,
-                      help='seconds for all parts (default 450: the check within 8 minutes); '
-                           'the multi30k run takes what the others leave')
+  parser.add_argument(
+    '--budget-s',
+    type=float,
+    default=450,
+    help='seconds for all parts (default 450: the check within 8 minutes); '
+    'the multi30k run takes what the others leave',
+  )
   parser.add_argument('--output-dir', type=Path, default=RESULTS)
   parser.add_argument('--multi30k', type=Path, default=DEFAULT_MULTI30K)
   args = parser.parse_args(argv)
@@ -371,25 +498,33 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   setting = TINY if args.tiny else Setting()
   started = time.monotonic()
-  header = {'machine': machine_info(os.cpu_count()), 'accelerator': accelerator_info(),
-            'tiny': args.tiny, 'budget_s': args.budget_s}
+  header = {
+    'machine': machine_info(os.cpu_count()),
+    'accelerator': accelerator_info(),
+    'tiny': args.tiny,
+    'budget_s': args.budget_s,
+  }
   failed = []
   with tempfile.TemporaryDirectory(prefix='gpu-check-') as scratch:
     spent = 0.0
     for part in args.parts:
       share = BUDGET_SHARES.get(part, 1.0)
-      deadline = started + spent + share * args.budget_s if part != 'multi30k' else \
-          started + args.budget_s
+      deadline = (
+        started + spent + share * args.budget_s if part != 'multi30k' else started + args.budget_s
+      )
       begin = time.monotonic()
       try:
         results = run_part(part, setting, deadline, args, Path(scratch))
       except Exception as error:  # noqa: BLE001 -- one part's failure must not cost the others
-        results = {'failed': f'{type(error).__name__}: {error}'[:2000],
-                   'traceback': traceback.format_exc()[-4000:]}
+        results = {
+          'failed': f'{type(error).__name__}: {error}'[:2000],
+          'traceback': traceback.format_exc()[-4000:],
+        }
       spent = time.monotonic() - started
-      path = write_json(args.output_dir / f'gpu_check_{part}.json',
-                        {**header, 'part': part, 'wall_s': round(time.monotonic() - begin, 1),
-                         'results': results})
+      path = write_json(
+        args.output_dir / f'gpu_check_{part}.json',
+        {**header, 'part': part, 'wall_s': round(time.monotonic() - begin, 1), 'results': results},
+      )
       print(f'{part}: {time.monotonic() - begin:.0f} s -> {path}', flush=True)
       if results.get('failed'):
         failed.append(part)

@@ -30,12 +30,20 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import common
+
 # The random Marian directory is the Marian tests' fixture: one builder for tests, this
 # benchmark and notebook 04 (run from the repository root, `tests.support` imports).
 from tests.support.marian_directory import MarianShape, make_marian_directory
 
-BASE = MarianShape(d_model=512, layers=6, heads=8, ffn_dim=2048, vocab_size=58_101,
-                   max_position_embeddings=512, init_std=0.02)
+BASE = MarianShape(
+  d_model=512,
+  layers=6,
+  heads=8,
+  ffn_dim=2048,
+  vocab_size=58_101,
+  max_position_embeddings=512,
+  init_std=0.02,
+)
 
 
 # --- the benchmark ---------------------------------------------------------------------------
@@ -51,14 +59,20 @@ class Setting:
 
 
 FULL = Setting(batch=8, source_len=16, new_tokens=32, rounds=5, shape=BASE)
-QUICK = Setting(batch=4, source_len=16, new_tokens=16, rounds=3,
-                shape=dataclasses.replace(BASE, layers=2, vocab_size=8000))
+QUICK = Setting(
+  batch=4,
+  source_len=16,
+  new_tokens=16,
+  rounds=3,
+  shape=dataclasses.replace(BASE, layers=2, vocab_size=8000),
+)
 METHODS = {'greedy': 1, 'beam4': 4}
 
 
 def _sources(setting: Setting, vocab_size: int, eos_id: int):
   """Random source ids `[B, S]`, EOS last, no PAD (ids 2 .. V-2: neither EOS, UNK nor PAD)."""
   import numpy as np
+
   rng = np.random.default_rng(0)
   src = rng.integers(2, vocab_size - 1, (setting.batch, setting.source_len))
   src[:, -1] = eos_id
@@ -77,9 +91,11 @@ def ours(directory: Path, setting: Setting, threads: int) -> dict:
   model, src = build_model(config), _sources(setting, config.vocab_size, tokenizer.eos_id)
   n = setting.new_tokens
   calls = {
-      'greedy': lambda: np.asarray(autoregressive.greedy(model, params, src, max_len=n, min_len=n)),
-      'beam4': lambda: np.asarray(autoregressive.beam_search(model, params, src, beam_size=4,
-                                                       max_len=n, min_len=n)[0])}
+    'greedy': lambda: np.asarray(autoregressive.greedy(model, params, src, max_len=n, min_len=n)),
+    'beam4': lambda: np.asarray(
+      autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n)[0]
+    ),
+  }
   return common.interleaved_medians(calls, setting.rounds)
 
 
@@ -95,15 +111,22 @@ def theirs(directory: Path, setting: Setting, threads: int) -> dict:
 
   def run(num_beams):
     with torch.inference_mode():
-      out = model.generate(input_ids=src, attention_mask=torch.ones_like(src), num_beams=num_beams,
-                           do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                           forced_eos_token_id=None)
+      out = model.generate(
+        input_ids=src,
+        attention_mask=torch.ones_like(src),
+        num_beams=num_beams,
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        forced_eos_token_id=None,
+      )
     if out.shape[1] != n + 1:  # the start token + n new ones
       raise RuntimeError(f'generate gave {out.shape[1] - 1} tokens, expected {n}')
 
   return common.interleaved_medians(
-      {name: lambda beam_size=beam_size: run(beam_size) for name, beam_size in METHODS.items()},
-      setting.rounds)
+    {name: lambda beam_size=beam_size: run(beam_size) for name, beam_size in METHODS.items()},
+    setting.rounds,
+  )
 
 
 def _worker(args) -> int:
@@ -116,8 +139,9 @@ def _worker(args) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.marian',
-                                   description=__doc__.split('\n\n')[0])
+  parser = argparse.ArgumentParser(
+    prog='python -m benchmarks.marian', description=__doc__.split('\n\n')[0]
+  )
   parser.add_argument('--quick', action='store_true', help='2+2 layers, 8k vocabulary')
   parser.add_argument('--threads', type=int, help='cores to use (default: all)')
   parser.add_argument('--worker', choices=('ours', 'transformers'), help=argparse.SUPPRESS)
@@ -134,21 +158,42 @@ def main(argv=None) -> int:
   threads = len(common.pin_threads(args.threads))
   with tempfile.TemporaryDirectory() as scratch:
     directory = make_marian_directory(Path(scratch) / 'marian', setting.shape)
-    report = {'setting': dataclasses.asdict(setting), 'machine': common.machine_info(threads),
-              'results': {}}
+    report = {
+      'setting': dataclasses.asdict(setting),
+      'machine': common.machine_info(threads),
+      'results': {},
+    }
     for worker in ('ours', 'transformers'):
       out = Path(scratch) / f'{worker}.json'
       # Each framework in its own process: two in one process slow each other.
-      subprocess.run([sys.executable, '-m', 'benchmarks.marian', '--worker', worker,
-                      '--directory', str(directory), '--out', str(out),
-                      '--threads', str(threads)] + ['--quick'] * args.quick, check=True)
+      subprocess.run(
+        [
+          sys.executable,
+          '-m',
+          'benchmarks.marian',
+          '--worker',
+          worker,
+          '--directory',
+          str(directory),
+          '--out',
+          str(out),
+          '--threads',
+          str(threads),
+        ]
+        + ['--quick'] * args.quick,
+        check=True,
+      )
       for method, timing in json.loads(out.read_text()).items():
         tokens = setting.batch * setting.new_tokens
-        report['results'][f'{worker}/{method}'] = {**timing,
-                                                   'tokens_per_s': tokens / timing['median_s']}
+        report['results'][f'{worker}/{method}'] = {
+          **timing,
+          'tokens_per_s': tokens / timing['median_s'],
+        }
   for method in METHODS:
-    report['results'][f'speedup/{method}'] = (report['results'][f'ours/{method}']['tokens_per_s']
-                                              / report['results'][f'transformers/{method}']['tokens_per_s'])
+    report['results'][f'speedup/{method}'] = (
+      report['results'][f'ours/{method}']['tokens_per_s']
+      / report['results'][f'transformers/{method}']['tokens_per_s']
+    )
   path = common.write_json(common.RESULTS / f'marian{"_quick" * args.quick}.json', report)
   print(format_report(report))
   print(f'written to {path}')
@@ -157,15 +202,19 @@ def main(argv=None) -> int:
 
 def format_report(report: dict) -> str:
   setting, results = report['setting'], report['results']
-  lines = [f"batch {setting['batch']}, {setting['source_len']} source tokens, "
-           f"{setting['new_tokens']} new tokens, d={setting['shape']['d_model']}, "
-           f"{setting['shape']['layers']}+{setting['shape']['layers']} layers, "
-           f"vocabulary {setting['shape']['vocab_size']:,}",
-           f"{'method':<8} {'ours tok/s':>11} {'transformers tok/s':>19} {'ratio':>6}"]
+  lines = [
+    f'batch {setting["batch"]}, {setting["source_len"]} source tokens, '
+    f'{setting["new_tokens"]} new tokens, d={setting["shape"]["d_model"]}, '
+    f'{setting["shape"]["layers"]}+{setting["shape"]["layers"]} layers, '
+    f'vocabulary {setting["shape"]["vocab_size"]:,}',
+    f'{"method":<8} {"ours tok/s":>11} {"transformers tok/s":>19} {"ratio":>6}',
+  ]
   for method in METHODS:
-    lines.append(f"{method:<8} {results[f'ours/{method}']['tokens_per_s']:>11.1f} "
-                 f"{results[f'transformers/{method}']['tokens_per_s']:>19.1f} "
-                 f"{results[f'speedup/{method}']:>5.2f}x")
+    lines.append(
+      f'{method:<8} {results[f"ours/{method}"]["tokens_per_s"]:>11.1f} '
+      f'{results[f"transformers/{method}"]["tokens_per_s"]:>19.1f} '
+      f'{results[f"speedup/{method}"]:>5.2f}x'
+    )
   return '\n'.join(lines)
 
 

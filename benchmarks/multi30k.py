@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import sacrebleu
 
 from benchmarks import common
 from flax_transformer.decode.methods import BeamSearch, DecodingMethod, Greedy, MaskPredict
@@ -48,19 +47,30 @@ RESULTS = Path(__file__).resolve().parent / 'results'
 
 def searches(alphas: list[float], beams: list[int] = (4,)) -> dict[str, DecodingMethod]:
   """Greedy, and each beam size at each length penalty alpha: {'greedy': ..., 'beam4-a0.6': ...}."""
-  return {'greedy': Greedy(),
-          **{f'beam{beam}-a{alpha:g}': BeamSearch(beam_size=beam, alpha=alpha)
-             for beam in beams for alpha in alphas}}
+  return {
+    'greedy': Greedy(),
+    **{
+      f'beam{beam}-a{alpha:g}': BeamSearch(beam_size=beam, alpha=alpha)
+      for beam in beams
+      for alpha in alphas
+    },
+  }
 
 
 def mask_predict_searches() -> dict[str, DecodingMethod]:
   """Mask-predict as the CMLM paper reports it: T = 1, 4, 10 passes, length beams 1 and 3;
   and the alternative to a predicted length, a fixed canvas cut at the first EOS (T = 1, 10)."""
-  return {**{f'mask-predict-T{passes}-l{beam}': MaskPredict(iterations=passes, length_beam=beam)
-             for passes in (1, 4, 10) for beam in (1, 3)},
-          **{f'mask-predict-T{passes}-fixed': MaskPredict(iterations=passes, length_beam=1,
-                                                          length='fixed')
-             for passes in (1, 10)}}
+  return {
+    **{
+      f'mask-predict-T{passes}-l{beam}': MaskPredict(iterations=passes, length_beam=beam)
+      for passes in (1, 4, 10)
+      for beam in (1, 3)
+    },
+    **{
+      f'mask-predict-T{passes}-fixed': MaskPredict(iterations=passes, length_beam=1, length='fixed')
+      for passes in (1, 10)
+    },
+  }
 
 
 def score(hypotheses: list[str], references: list[str], language: str | None = None) -> dict:
@@ -72,6 +82,7 @@ def score(hypotheses: list[str], references: list[str], language: str | None = N
   lowercased and Moses-tokenized by sacremoses, then sacreBLEU with tokenize='none').
   """
   from flax_transformer.train.evaluation import corpus_scores
+
   values, signatures = corpus_scores(hypotheses, references, language)
   values.pop('exact_match')
   return {**values, 'signatures': signatures}
@@ -106,8 +117,10 @@ def training_summary(workdir: Path) -> dict:
   """Steps and wall-clock seconds of the run, from its metrics log."""
   lines = read_metrics(workdir)
   timed = [m for m in lines if 'elapsed_s' in m]
-  return {'steps': max(m['step'] for m in lines),
-          'train_seconds': max(step_clock(timed).values()) if timed else None}
+  return {
+    'steps': max(m['step'] for m in lines),
+    'train_seconds': max(step_clock(timed).values()) if timed else None,
+  }
 
 
 def evaluate(args) -> dict:
@@ -123,10 +136,17 @@ def evaluate(args) -> dict:
   if not Path(args.data).exists():
     raise SystemExit(f'{args.data}: no Multi30k directory there (pass --data DIR)')
   # The validation and test sets the run chose (data.valid_split, data.test_split), if it did.
-  dataset = load_parallel(str(args.data), src, tgt, valid_split=data_config.get('valid_split'),
-                          test_split=data_config.get('test_split'))
-  splits = {name: (list(dataset[name]['source']), list(dataset[name]['target']))
-            for name in ('validation', 'test')}
+  dataset = load_parallel(
+    str(args.data),
+    src,
+    tgt,
+    valid_split=data_config.get('valid_split'),
+    test_split=data_config.get('test_split'),
+  )
+  splits = {
+    name: (list(dataset[name]['source']), list(dataset[name]['target']))
+    for name in ('validation', 'test')
+  }
   cmlm = config.get('model', {}).get('kind') == 'cmlm'
   variants = mask_predict_searches() if cmlm else searches(args.alphas, args.beams)
   # A lowercased run is chosen by tokenized BLEU (its cased BLEU only counts its case errors).
@@ -137,10 +157,13 @@ def evaluate(args) -> dict:
   saved = saved_steps(workdir)
   short = [k for k in args.average_last if k > len(saved)]
   if short:  # a run stopped (or early) before it kept that many
-    print(f'average-last{",".join(map(str, short))} left out: the run kept {len(saved)} '
-          'checkpoints')
-  weight_sets = [('last', workdir, 0), *((f'average-last{k}', workdir, k)
-                                         for k in args.average_last if k <= len(saved))]
+    print(
+      f'average-last{",".join(map(str, short))} left out: the run kept {len(saved)} checkpoints'
+    )
+  weight_sets = [
+    ('last', workdir, 0),
+    *((f'average-last{k}', workdir, k) for k in args.average_last if k <= len(saved)),
+  ]
   if args.best and (workdir / 'best').is_dir():
     weight_sets.append(('best', workdir / 'best', 0))
   weight_sets = [w for w in weight_sets if w[0] in args.weights] if args.weights else weight_sets
@@ -151,31 +174,51 @@ def evaluate(args) -> dict:
         start = time.perf_counter()
         hypotheses = translator.translate(sources, search, batch_size=args.batch_size)
         seconds = time.perf_counter() - start
-        row = {'weights': weights, 'search': search_name, 'split': split,
-               'sentences': len(sources), 'decode_seconds': seconds,
-               **score(hypotheses, references, tgt)}
+        row = {
+          'weights': weights,
+          'search': search_name,
+          'split': split,
+          'sentences': len(sources),
+          'decode_seconds': seconds,
+          **score(hypotheses, references, tgt),
+        }
         rows.append(row)
         # Each row as it comes: a budget that stops the evaluation keeps what it scored.
-        common.write_json(output_path, {'benchmark': 'multi30k', 'partial': True,
-                                        'workdir': str(workdir), 'rows': rows})
-        print(f'{weights:>16s} {search_name:>11s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
-              f'lowercased {row["bleu_lc"]:5.2f}  tokenized {row["bleu_tok"]:5.2f}  '
-              f'chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
-              flush=True)
+        common.write_json(
+          output_path,
+          {'benchmark': 'multi30k', 'partial': True, 'workdir': str(workdir), 'rows': rows},
+        )
+        print(
+          f'{weights:>16s} {search_name:>11s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
+          f'lowercased {row["bleu_lc"]:5.2f}  tokenized {row["bleu_tok"]:5.2f}  '
+          f'chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
+          flush=True,
+        )
   validation = [r for r in rows if r['split'] == 'validation']
   best = max(validation, key=lambda r: r[select])
-  selected = next(r for r in rows if r['split'] == 'test' and r['weights'] == best['weights']
-                  and r['search'] == best['search'])
-  print(f'selected on validation {select}: {best["weights"]} + {best["search"]}; test_2016 BLEU '
-        f'{selected["bleu"]:.2f}, lowercased {selected["bleu_lc"]:.2f}, tokenized '
-        f'{selected["bleu_tok"]:.2f}, chrF {selected["chrf"]:.2f}')
+  selected = next(
+    r
+    for r in rows
+    if r['split'] == 'test' and r['weights'] == best['weights'] and r['search'] == best['search']
+  )
+  print(
+    f'selected on validation {select}: {best["weights"]} + {best["search"]}; test_2016 BLEU '
+    f'{selected["bleu"]:.2f}, lowercased {selected["bleu_lc"]:.2f}, tokenized '
+    f'{selected["bleu_tok"]:.2f}, chrF {selected["chrf"]:.2f}'
+  )
   print(f'  {selected["signatures"]}')
   translator = Translator.from_checkpoint(workdir)
-  result = {'benchmark': 'multi30k', 'machine': common.machine_info(os.cpu_count()),
-            'direction': f'{src}-{tgt}', 'workdir': str(workdir), 'config': config,
-            'parameters': count_params(translator.variables['params']),
-            **training_summary(workdir), 'rows': rows,
-            'selected': {'weights': best['weights'], 'search': best['search'], 'by': select}}
+  result = {
+    'benchmark': 'multi30k',
+    'machine': common.machine_info(os.cpu_count()),
+    'direction': f'{src}-{tgt}',
+    'workdir': str(workdir),
+    'config': config,
+    'parameters': count_params(translator.variables['params']),
+    **training_summary(workdir),
+    'rows': rows,
+    'selected': {'weights': best['weights'], 'search': best['search'], 'by': select},
+  }
   output = common.write_json(output_path, result)
   print(f'wrote {output}')
   return result
@@ -203,14 +246,19 @@ def time_to_bleu(lines: list[dict], target: float) -> dict | None:
   for m in lines:
     if m.get(key, -1.0) >= target:
       seconds = seconds_at(clock, m['step'])
-      return {'step': m['step'], 'minutes': None if seconds is None else seconds / 60,
-              'metric': key, 'value': m[key]}
+      return {
+        'step': m['step'],
+        'minutes': None if seconds is None else seconds / 60,
+        'metric': key,
+        'value': m[key],
+      }
   return None
 
 
 def plot(args) -> None:
   """Validation loss and BLEU against training time, one PNG; several runs on one figure."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
@@ -221,9 +269,11 @@ def plot(args) -> None:
     lines = read_metrics(workdir)
     elapsed, key, color = step_clock(lines), bleu_key(lines), f'C{index}'
     keys.add(key)
+
     def minutes(step, elapsed=elapsed):
       seconds = seconds_at(elapsed, step)
       return None if seconds is None else seconds / 60
+
     loss = [(minutes(m['step']), m['val_loss']) for m in lines if 'val_loss' in m]
     bleu = [(minutes(m['step']), m[key]) for m in lines if key in m]
     train = [(minutes(m['step']), m['loss']) for m in lines if 'loss' in m and 'elapsed_s' in m]
@@ -235,14 +285,21 @@ def plot(args) -> None:
       right.plot(*zip(*bleu), marker='o', markersize=2, color=color, label=workdir.name)
     if args.target is not None:
       reached = time_to_bleu(lines, args.target)
-      print(f'{workdir}: validation {key} >= {args.target:g} ' + (
+      print(
+        f'{workdir}: validation {key} >= {args.target:g} '
+        + (
           f'at step {reached["step"]}, {reached["minutes"]:.0f} min of training'
-          if reached and reached['minutes'] is not None else 'not reached'))
+          if reached and reached['minutes'] is not None
+          else 'not reached'
+        )
+      )
   left.set(xlabel='training time (minutes)', ylabel='loss per target token', ylim=(1, 6))
   left.legend(fontsize=8)
   names = {'val_bleu_tok': 'tokenized BLEU', 'val_bleu': 'BLEU, cased'}
-  right.set(xlabel='training time (minutes)',
-            ylabel=f'validation {" / ".join(names[k] for k in sorted(keys))} (greedy)')
+  right.set(
+    xlabel='training time (minutes)',
+    ylabel=f'validation {" / ".join(names[k] for k in sorted(keys))} (greedy)',
+  )
   if args.target is not None and right.has_data():
     right.axhline(args.target, color='0.5', linewidth=0.8, linestyle='--')
   if len(workdirs) > 1:
@@ -300,26 +357,37 @@ def compare(args) -> dict:
       if 'val_bleu' in m:
         evaluation.update(val_bleu=m['val_bleu'], val_chrf=m['val_chrf'])
     train = dataset['train']
-    run = {'workdir': str(workdir), 'direction': f'{src}-{tgt}',
-           'requested_vocab_size': data_config.get('vocab_size'),
-           'vocab_size': tokenizer.vocab_size,
-           'source_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['source'])),
-           'target_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['target'])),
-           'seconds_per_step': seconds_per_step(lines),
-           'steps': max((m['step'] for m in lines), default=0),
-           'evaluations': {step: evaluations[step] for step in sorted(evaluations)}}
+    run = {
+      'workdir': str(workdir),
+      'direction': f'{src}-{tgt}',
+      'requested_vocab_size': data_config.get('vocab_size'),
+      'vocab_size': tokenizer.vocab_size,
+      'source_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['source'])),
+      'target_tokens_per_sentence': tokens_per_sentence(tokenizer, list(train['target'])),
+      'seconds_per_step': seconds_per_step(lines),
+      'steps': max((m['step'] for m in lines), default=0),
+      'evaluations': {step: evaluations[step] for step in sorted(evaluations)},
+    }
     runs.append(run)
-    print(f'{workdir}: vocabulary {run["vocab_size"]:,}, '
-          f'{run["source_tokens_per_sentence"]:.1f} + {run["target_tokens_per_sentence"]:.1f} '
-          f'tokens per training pair, {run["seconds_per_step"] or float("nan"):.2f} s per step')
+    print(
+      f'{workdir}: vocabulary {run["vocab_size"]:,}, '
+      f'{run["source_tokens_per_sentence"]:.1f} + {run["target_tokens_per_sentence"]:.1f} '
+      f'tokens per training pair, {run["seconds_per_step"] or float("nan"):.2f} s per step'
+    )
     for step, values in run['evaluations'].items():
-      text = (f'  step {step:>5d} ({values.get("elapsed_s", float("nan")) / 60:5.1f} min): val loss '
-              f'{values.get("val_loss_per_sentence", float("nan")):6.2f} per sentence')
+      text = (
+        f'  step {step:>5d} ({values.get("elapsed_s", float("nan")) / 60:5.1f} min): val loss '
+        f'{values.get("val_loss_per_sentence", float("nan")):6.2f} per sentence'
+      )
       if 'val_bleu' in values:
         text += f', BLEU {values["val_bleu"]:5.2f}, chrF {values["val_chrf"]:5.2f}'
       print(text)
-  result = {'benchmark': 'multi30k-compare', 'machine': common.machine_info(os.cpu_count()),
-            'up_to_step': args.steps, 'runs': runs}
+  result = {
+    'benchmark': 'multi30k-compare',
+    'machine': common.machine_info(os.cpu_count()),
+    'up_to_step': args.steps,
+    'runs': runs,
+  }
   if args.output:
     print(f'wrote {common.write_json(Path(args.output), result)}')
   return result
@@ -331,41 +399,67 @@ def comma_separated(cast):
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.multi30k', description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog='python -m benchmarks.multi30k',
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   commands = parser.add_subparsers(dest='command', required=True)
   scores = commands.add_parser('evaluate', help='BLEU variants on val and test_2016')
   scores.add_argument('--workdir', required=True, help='the run directory of train.py')
   scores.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
-  scores.add_argument('--average-last', type=comma_separated(int),
-                      default=[5], help='checkpoints to average, e.g. 5,10 (each a variant; '
-                                        'the run must keep that many)')
+  scores.add_argument(
+    '--average-last',
+    type=comma_separated(int),
+    default=[5],
+    help='checkpoints to average, e.g. 5,10 (each a variant; the run must keep that many)',
+  )
   scores.add_argument('--batch-size', type=int, default=64)
-  scores.add_argument('--alphas', type=comma_separated(float),
-                      default=[0.6], help='beam length penalties to score, e.g. 0.6,1.0,1.5,2.0 '
-                                          '(chosen on validation like the rest)')
-  scores.add_argument('--beams', type=comma_separated(int), default=[4],
-                      help='beam sizes to score, e.g. 4,5')
-  scores.add_argument('--best', action=argparse.BooleanOptionalAction, default=True,
-                      help="also WORKDIR/best, the run's best validation checkpoint, if it has one")
-  scores.add_argument('--weights', type=comma_separated(str),
-                      help='only these weights, e.g. average-last10,best (default: last, each '
-                           'average and best)')
-  scores.add_argument('--select', choices=('bleu', 'bleu_lc', 'bleu_tok', 'chrf'),
-                      help='validation score that selects the reported variant (default: '
-                           'bleu_tok for a lowercased run, else bleu)')
-  scores.add_argument('--output', help='JSON file (default benchmarks/results/'
-                                       'multi30k_<src><tgt>[_cmlm].json)')
+  scores.add_argument(
+    '--alphas',
+    type=comma_separated(float),
+    default=[0.6],
+    help='beam length penalties to score, e.g. 0.6,1.0,1.5,2.0 '
+    '(chosen on validation like the rest)',
+  )
+  scores.add_argument(
+    '--beams', type=comma_separated(int), default=[4], help='beam sizes to score, e.g. 4,5'
+  )
+  scores.add_argument(
+    '--best',
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="also WORKDIR/best, the run's best validation checkpoint, if it has one",
+  )
+  scores.add_argument(
+    '--weights',
+    type=comma_separated(str),
+    help='only these weights, e.g. average-last10,best (default: last, each average and best)',
+  )
+  scores.add_argument(
+    '--select',
+    choices=('bleu', 'bleu_lc', 'bleu_tok', 'chrf'),
+    help='validation score that selects the reported variant (default: '
+    'bleu_tok for a lowercased run, else bleu)',
+  )
+  scores.add_argument(
+    '--output', help='JSON file (default benchmarks/results/multi30k_<src><tgt>[_cmlm].json)'
+  )
   curves = commands.add_parser('plot', help='validation loss and BLEU against training time')
-  curves.add_argument('--workdir', required=True,
-                      help='run directories, comma-separated (one curve each)')
-  curves.add_argument('--target', type=float,
-                      help='a validation BLEU to reach: print the training minutes each run took')
+  curves.add_argument(
+    '--workdir', required=True, help='run directories, comma-separated (one curve each)'
+  )
+  curves.add_argument(
+    '--target',
+    type=float,
+    help='a validation BLEU to reach: print the training minutes each run took',
+  )
   curves.add_argument('--output', help='PNG file (default benchmarks/results/<workdir name>.png)')
   curves.add_argument('--title')
   side_by_side = commands.add_parser('compare', help='runs side by side up to a common step')
-  side_by_side.add_argument('--workdirs', required=True, type=comma_separated(str),
-                            help='run directories, comma-separated')
+  side_by_side.add_argument(
+    '--workdirs', required=True, type=comma_separated(str), help='run directories, comma-separated'
+  )
   side_by_side.add_argument('--steps', type=int, required=True, help='compare up to this step')
   side_by_side.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
   side_by_side.add_argument('--output', help='JSON file (default: print only)')

@@ -39,33 +39,42 @@ from benchmarks.multi30k import DEFAULT_DATA
 ROOT = Path(__file__).resolve().parents[1]
 DE_EN = ['--data.src_lang', 'de', '--data.tgt_lang', 'en']
 RECIPES = {
-    'fairseq-ende-s1': ['--preset', 'multi30k_fairseq'],
-    'fairseq-ende-s2': ['--preset', 'multi30k_fairseq', '--train.seed', '2'],
-    'fairseq-deen-s1': ['--preset', 'multi30k_fairseq', *DE_EN],
-    'fairseq-deen-s2': ['--preset', 'multi30k_fairseq', '--train.seed', '2', *DE_EN],
-    # Candidates for this library's own recipe, each one change to the anchor, to be chosen on
-    # validation (none is yet: docs/multi30k.md).
-    'dff512-ende-s1': ['--preset', 'multi30k_fairseq', '--model.d_ff', '512'],
-    'dff512-ende-s2': ['--preset', 'multi30k_fairseq', '--model.d_ff', '512', '--train.seed', '2'],
-    'packed-ende-s1': ['--preset', 'multi30k_fairseq', '--train.packing', '64'],
-    'attdrop-ende-s1': ['--preset', 'multi30k_fairseq', '--model.attention_dropout_rate', '0.1'],
-    'patience20-ende-s1': ['--preset', 'multi30k_fairseq', '--train.patience', '20'],
-    # Why the anchor's En->De stalls here at d_ff 256 (docs/multi30k.md): one change each.
-    'fairseq-ende-s3': ['--preset', 'multi30k_fairseq', '--train.seed', '3'],
-    'lr0025-ende-s1': ['--preset', 'multi30k_fairseq', '--train.peak_lr', '0.0025'],
-    'warmup4k-ende-s1': ['--preset', 'multi30k_fairseq', '--train.warmup_steps', '4000'],
-    'drop01-ende-s1': ['--preset', 'multi30k_fairseq', '--model.dropout_rate', '0.1'],
-    'dff384-ende-s1': ['--preset', 'multi30k_fairseq', '--model.d_ff', '384'],
-    'beta999-ende-s1': ['--preset', 'multi30k_fairseq', '--train.adam_b2', '0.999'],
-    # The default preset, raw cased text.
-    'multi30k-ende-s0': ['--preset', 'multi30k'],
+  'fairseq-ende-s1': ['--preset', 'multi30k_fairseq'],
+  'fairseq-ende-s2': ['--preset', 'multi30k_fairseq', '--train.seed', '2'],
+  'fairseq-deen-s1': ['--preset', 'multi30k_fairseq', *DE_EN],
+  'fairseq-deen-s2': ['--preset', 'multi30k_fairseq', '--train.seed', '2', *DE_EN],
+  # Candidates for this library's own recipe, each one change to the anchor, to be chosen on
+  # validation (none is yet: docs/multi30k.md).
+  'dff512-ende-s1': ['--preset', 'multi30k_fairseq', '--model.d_ff', '512'],
+  'dff512-ende-s2': ['--preset', 'multi30k_fairseq', '--model.d_ff', '512', '--train.seed', '2'],
+  'packed-ende-s1': ['--preset', 'multi30k_fairseq', '--train.packing', '64'],
+  'attdrop-ende-s1': ['--preset', 'multi30k_fairseq', '--model.attention_dropout_rate', '0.1'],
+  'patience20-ende-s1': ['--preset', 'multi30k_fairseq', '--train.patience', '20'],
+  # Why the anchor's En->De stalls here at d_ff 256 (docs/multi30k.md): one change each.
+  'fairseq-ende-s3': ['--preset', 'multi30k_fairseq', '--train.seed', '3'],
+  'lr0025-ende-s1': ['--preset', 'multi30k_fairseq', '--train.peak_lr', '0.0025'],
+  'warmup4k-ende-s1': ['--preset', 'multi30k_fairseq', '--train.warmup_steps', '4000'],
+  'drop01-ende-s1': ['--preset', 'multi30k_fairseq', '--model.dropout_rate', '0.1'],
+  'dff384-ende-s1': ['--preset', 'multi30k_fairseq', '--model.d_ff', '384'],
+  'beta999-ende-s1': ['--preset', 'multi30k_fairseq', '--train.adam_b2', '0.999'],
+  # The default preset, raw cased text.
+  'multi30k-ende-s0': ['--preset', 'multi30k'],
 }
-EVALUATE = ['--average-last', '10', '--weights', 'average-last10,best', '--beams', '4,5',
-            '--alphas', '0.6,1.0,1.5']
+EVALUATE = [
+  '--average-last',
+  '10',
+  '--weights',
+  'average-last10,best',
+  '--beams',
+  '4,5',
+  '--alphas',
+  '0.6,1.0,1.5',
+]
 
 
-def run_stages(commands: list[list[str]], logs: list[Path], deadline: float,
-               env: dict[str, str] | None = None) -> list[dict]:
+def run_stages(
+  commands: list[list[str]], logs: list[Path], deadline: float, env: dict[str, str] | None = None
+) -> list[dict]:
   """Runs `commands` at once (each to its log) until each ends or `deadline`, then SIGTERM and
   60 s grace (a training run saves its step) before SIGKILL."""
   start = time.monotonic()
@@ -74,23 +83,32 @@ def run_stages(commands: list[list[str]], logs: list[Path], deadline: float,
     with log.open('a') as out:
       out.write(f'$ {" ".join(command)}\n')
       out.flush()
-      processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                        env=env))
+      processes.append(
+        subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+      )
   seconds, ended = [None] * len(processes), [None] * len(processes)
   while any(code is None for code in seconds):
     for i, process in enumerate(processes):
       if seconds[i] is None and process.poll() is not None:
         seconds[i] = time.monotonic() - start
-        ended[i] = ended[i] or ('finished' if process.returncode == 0
-                                else f'failed ({process.returncode})')
+        ended[i] = ended[i] or (
+          'finished' if process.returncode == 0 else f'failed ({process.returncode})'
+        )
       elif seconds[i] is None and time.monotonic() > deadline and ended[i] is None:
         process.terminate()
         ended[i] = 'stopped at the budget'
       elif seconds[i] is None and time.monotonic() > deadline + 60:
         process.kill()
     time.sleep(0.5)
-  return [{'command': command, 'seconds': seconds[i], 'exit_code': processes[i].returncode,
-           'ended': ended[i]} for i, command in enumerate(commands)]
+  return [
+    {
+      'command': command,
+      'seconds': seconds[i],
+      'exit_code': processes[i].returncode,
+      'ended': ended[i],
+    }
+    for i, command in enumerate(commands)
+  ]
 
 
 def run_stage(command: list[str], log: Path, deadline: float) -> dict:
@@ -99,21 +117,36 @@ def run_stage(command: list[str], log: Path, deadline: float) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.multi30k_grid', description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog='python -m benchmarks.multi30k_grid',
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument('--runs', default='fairseq-ende-s1', help='recipes, comma-separated')
   parser.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
   parser.add_argument('--workroot', default='runs/grid', help='where the run directories go')
-  parser.add_argument('--results', default=str(ROOT / 'benchmarks' / 'results' / 'grid'),
-                      help='where the JSON results and curves go')
+  parser.add_argument(
+    '--results',
+    default=str(ROOT / 'benchmarks' / 'results' / 'grid'),
+    help='where the JSON results and curves go',
+  )
   parser.add_argument('--budget', type=float, default=3 * 3600, help='seconds for all the runs')
-  parser.add_argument('--evaluate-seconds', type=float, default=120,
-                      help='seconds kept back from training for each run\'s evaluation')
-  parser.add_argument('--evaluate', default=' '.join(EVALUATE),
-                      help="options of benchmarks.multi30k evaluate (default: %(default)s); "
-                           "'none': train only")
-  parser.add_argument('--parallel', action='store_true',
-                      help='train all the runs at once, then evaluate them all at once (a GPU)')
+  parser.add_argument(
+    '--evaluate-seconds',
+    type=float,
+    default=120,
+    help="seconds kept back from training for each run's evaluation",
+  )
+  parser.add_argument(
+    '--evaluate',
+    default=' '.join(EVALUATE),
+    help="options of benchmarks.multi30k evaluate (default: %(default)s); 'none': train only",
+  )
+  parser.add_argument(
+    '--parallel',
+    action='store_true',
+    help='train all the runs at once, then evaluate them all at once (a GPU)',
+  )
   parser.add_argument('--list', action='store_true', help='print the recipes and exit')
   args, extra = parser.parse_known_args()
   if args.list:
@@ -129,19 +162,43 @@ def main() -> None:
   deadline = time.monotonic() + args.budget
   results, workroot = Path(args.results), Path(args.workroot)
   results.mkdir(parents=True, exist_ok=True)
-  grid = {'benchmark': 'multi30k-grid', 'machine': common.machine_info(os.cpu_count()),
-          'budget_s': args.budget, 'runs': {}}
+  grid = {
+    'benchmark': 'multi30k-grid',
+    'machine': common.machine_info(os.cpu_count()),
+    'budget_s': args.budget,
+    'runs': {},
+  }
   workdirs = {name: workroot / name for name in names}
   logs = {name: results / f'{name}.log' for name in names}
 
   def train_command(name):
-    return [sys.executable, 'train.py', *RECIPES[name], *extra, '--data', args.data,
-            '--workdir', str(workdirs[name]), '--average-last', '10']
+    return [
+      sys.executable,
+      'train.py',
+      *RECIPES[name],
+      *extra,
+      '--data',
+      args.data,
+      '--workdir',
+      str(workdirs[name]),
+      '--average-last',
+      '10',
+    ]
 
   def evaluate_command(name):
-    return [sys.executable, '-m', 'benchmarks.multi30k', 'evaluate', '--workdir',
-            str(workdirs[name]), '--data', args.data, *args.evaluate.split(), '--output',
-            str(results / f'{name}.json')]
+    return [
+      sys.executable,
+      '-m',
+      'benchmarks.multi30k',
+      'evaluate',
+      '--workdir',
+      str(workdirs[name]),
+      '--data',
+      args.data,
+      *args.evaluate.split(),
+      '--output',
+      str(results / f'{name}.json'),
+    ]
 
   def collect(name):
     """Copies the run's curve to the results; whether there is anything to evaluate."""
@@ -152,26 +209,34 @@ def main() -> None:
   if args.parallel:
     # Each process takes GPU memory as it needs it, not 75% of it at its start.
     env = {**os.environ, 'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}
-    trained = run_stages([train_command(name) for name in names], [logs[n] for n in names],
-                         deadline - args.evaluate_seconds, env)
+    trained = run_stages(
+      [train_command(name) for name in names],
+      [logs[n] for n in names],
+      deadline - args.evaluate_seconds,
+      env,
+    )
     for name, train in zip(names, trained):
       grid['runs'][name] = {'train': train}
     common.write_json(results / 'grid.json', grid)
     scored = [name for name in names if collect(name)]
-    for name, evaluation in zip(scored, run_stages([evaluate_command(n) for n in scored],
-                                                   [logs[n] for n in scored], deadline, env)):
+    for name, evaluation in zip(
+      scored,
+      run_stages([evaluate_command(n) for n in scored], [logs[n] for n in scored], deadline, env),
+    ):
       grid['runs'][name]['evaluate'] = evaluation
   for name in [] if args.parallel else names:
     if time.monotonic() > deadline - 2 * args.evaluate_seconds:
       grid['runs'][name] = {'ended': 'not started: the budget ran out'}
       continue
     entry = grid['runs'][name] = {
-        'train': run_stage(train_command(name), logs[name], deadline - args.evaluate_seconds)}
+      'train': run_stage(train_command(name), logs[name], deadline - args.evaluate_seconds)
+    }
     if collect(name):
       entry['evaluate'] = run_stage(evaluate_command(name), logs[name], deadline)
     common.write_json(results / 'grid.json', grid)
     print(f'{name}: {json.dumps({k: v.get("ended") for k, v in entry.items()})}', flush=True)
   common.write_json(results / 'grid.json', grid)
+
 
 if __name__ == '__main__':
   main()

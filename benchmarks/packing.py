@@ -41,8 +41,13 @@ class Contender:
     import jax
 
     from flax_transformer.nn.build import build_model
-    from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
+    from flax_transformer.train import (
+      DataParallel,
+      create_train_state,
+      make_optimizer,
+      make_parallel_step,
+    )
+
     epoch = batcher.epoch(0)
     picked = [epoch[i * len(epoch) // steps] for i in range(steps)]
     self.tokens = [int(batch.num_tokens) for batch in picked]
@@ -57,14 +62,22 @@ class Contender:
 
   def on(self, index: int):
     """A call that takes one training step on batch `index` and returns when it is done."""
+
     def call():
       self.state, _ = self.step(self.state, self.batches[index])
       self._jax.block_until_ready(self.state)
+
     return call
 
 
-def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
-            vocab_size: int | None = None, first: bool = False) -> dict:
+def measure(
+  data: Path,
+  row_lengths: list[int],
+  steps: int,
+  rounds: int,
+  vocab_size: int | None = None,
+  first: bool = False,
+) -> dict:
   """Padding shares and interleaved step timings of 'unpacked' and each 'packed-L'."""
   from flax_transformer.config import run_preset
   from flax_transformer.data.batching import Batcher, encode_corpus
@@ -84,77 +97,124 @@ def measure(data: Path, row_lengths: list[int], steps: int, rounds: int,
   corpus = encode_corpus(dataset['train'], tokenizer, model_config.max_len)
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   batchers = {'unpacked': (0, Batcher(corpus, train_config.max_tokens, train_config.seed))}
-  batchers.update({f'packed-{length}': (length, PackingBatcher(
-      corpus, train_config.max_tokens, train_config.seed, length)) for length in row_lengths})
+  batchers.update(
+    {
+      f'packed-{length}': (
+        length,
+        PackingBatcher(corpus, train_config.max_tokens, train_config.seed, length),
+      )
+      for length in row_lengths
+    }
+  )
   results = {}
   for name, (length, batcher) in batchers.items():
     epoch = list(batcher.epoch(0))
-    results[name] = {'row_length': length or None, 'batches_per_epoch': len(epoch),
-                     'padding_share': padding_share(epoch, corpus.pad_id),
-                     'shapes': [list(shape) for shape in batcher.shapes]}
+    results[name] = {
+      'row_length': length or None,
+      'batches_per_epoch': len(epoch),
+      'padding_share': padding_share(epoch, corpus.pad_id),
+      'shapes': [list(shape) for shape in batcher.shapes],
+    }
     print(f'{name}: {batcher.describe()}', flush=True)
-  contenders = {name: Contender(model_config, train_config.replace(packing=length), batcher, steps)
-                for name, (length, batcher) in batchers.items()}
+  contenders = {
+    name: Contender(model_config, train_config.replace(packing=length), batcher, steps)
+    for name, (length, batcher) in batchers.items()
+  }
   # One step per call, batch by batch, every contender in turn: a burst of load from
   # elsewhere hits a step of each alike, and each batch's median over rounds drops it.
   timings = common.interleaved_medians(
-      {(name, i): c.on(i) for i in range(steps) for name, c in contenders.items()}, rounds)
-  seconds = {name: {statistic: sum(timings[name, i][statistic] for i in range(steps))
-                    for statistic in ('median_s', 'min_s')} for name in contenders}
+    {(name, i): c.on(i) for i in range(steps) for name, c in contenders.items()}, rounds
+  )
+  seconds = {
+    name: {
+      statistic: sum(timings[name, i][statistic] for i in range(steps))
+      for statistic in ('median_s', 'min_s')
+    }
+    for name in contenders
+  }
   rate = lambda name, statistic: sum(contenders[name].tokens) / seconds[name][statistic]
   for name, contender in contenders.items():
     # Also from each batch's fastest step: on a shared machine, the least disturbed.
-    results[name].update(steps=steps, target_tokens=sum(contender.tokens),
-                         seconds_median_sum=seconds[name]['median_s'],
-                         seconds_min_sum=seconds[name]['min_s'],
-                         step_times_s=[timings[name, i]['times_s'] for i in range(steps)],
-                         target_tokens_per_s=rate(name, 'median_s'),
-                         speedup=rate(name, 'median_s') / rate('unpacked', 'median_s'),
-                         best_target_tokens_per_s=rate(name, 'min_s'),
-                         best_speedup=rate(name, 'min_s') / rate('unpacked', 'min_s'),
-                         timed_shapes=[list(shape) for shape in contender.shapes])
+    results[name].update(
+      steps=steps,
+      target_tokens=sum(contender.tokens),
+      seconds_median_sum=seconds[name]['median_s'],
+      seconds_min_sum=seconds[name]['min_s'],
+      step_times_s=[timings[name, i]['times_s'] for i in range(steps)],
+      target_tokens_per_s=rate(name, 'median_s'),
+      speedup=rate(name, 'median_s') / rate('unpacked', 'median_s'),
+      best_target_tokens_per_s=rate(name, 'min_s'),
+      best_speedup=rate(name, 'min_s') / rate('unpacked', 'min_s'),
+      timed_shapes=[list(shape) for shape in contender.shapes],
+    )
   model = {name: getattr(model_config, name) for name in preset['model']}
-  return {'pairs': len(corpus), 'vocab_size': tokenizer.vocab_size, 'model': model,
-          'contenders': results}
+  return {
+    'pairs': len(corpus),
+    'vocab_size': tokenizer.vocab_size,
+    'model': model,
+    'contenders': results,
+  }
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--data', type=Path, default=DEFAULT_DATA,
-                      help='Multi30k as <split>.<lang> files (default: %(default)s)')
-  parser.add_argument('--row-lengths', default='32,64',
-                      help='packed row lengths to measure, comma-separated (default: %(default)s)')
+  parser.add_argument(
+    '--data',
+    type=Path,
+    default=DEFAULT_DATA,
+    help='Multi30k as <split>.<lang> files (default: %(default)s)',
+  )
+  parser.add_argument(
+    '--row-lengths',
+    default='32,64',
+    help='packed row lengths to measure, comma-separated (default: %(default)s)',
+  )
   parser.add_argument('--steps', type=int, default=12, help='batches per timed call')
   parser.add_argument('--rounds', type=int, default=5, help='interleaved timed rounds')
   parser.add_argument('--threads', type=int, default=None, help='cores to use (default: all)')
-  parser.add_argument('--vocab-size', type=int, default=None,
-                      help="BPE vocabulary (default: the multi30k preset's)")
-  parser.add_argument('--first-preset', action='store_true',
-                      help='the first multi30k preset: 3+3 layers, d=256, 8,000 pieces '
-                           '(benchmarks/results/first_preset.json)')
-  parser.add_argument('--out', type=Path, default=None,
-                      help='JSON file (default: results/packing.json with --first-preset, '
-                           'results/packing_preset.json without)')
+  parser.add_argument(
+    '--vocab-size', type=int, default=None, help="BPE vocabulary (default: the multi30k preset's)"
+  )
+  parser.add_argument(
+    '--first-preset',
+    action='store_true',
+    help='the first multi30k preset: 3+3 layers, d=256, 8,000 pieces '
+    '(benchmarks/results/first_preset.json)',
+  )
+  parser.add_argument(
+    '--out',
+    type=Path,
+    default=None,
+    help='JSON file (default: results/packing.json with --first-preset, '
+    'results/packing_preset.json without)',
+  )
   args = parser.parse_args(argv)
   if not args.data.is_dir():
     print(f'benchmarks.packing: skipped, Multi30k not found at {args.data} (pass --data DIR)')
     return None
-  args.out = args.out or common.RESULTS / ('packing.json' if args.first_preset
-                                           else 'packing_preset.json')
+  args.out = args.out or common.RESULTS / (
+    'packing.json' if args.first_preset else 'packing_preset.json'
+  )
   row_lengths = [int(length) for length in args.row_lengths.split(',')]
   cores = common.pin_threads(args.threads)
   before = common.machine_info(len(cores))
-  payload = {'machine': before, **measure(args.data, row_lengths, args.steps, args.rounds,
-                                                  args.vocab_size, args.first_preset)}
+  payload = {
+    'machine': before,
+    **measure(args.data, row_lengths, args.steps, args.rounds, args.vocab_size, args.first_preset),
+  }
   payload['machine']['load_average_after'] = common.machine_info(len(cores))['load_average']
   for name, entry in payload['contenders'].items():
-    print(f"{name:>10}: padding {entry['padding_share']['target']:.1%} target, "
-          f"{entry['padding_share']['source']:.1%} source; {entry['batches_per_epoch']} batches "
-          f"per epoch; {entry['target_tokens_per_s']:,.0f} real target tokens/s "
-          f"({entry['speedup']:.2f}x; fastest call {entry['best_speedup']:.2f}x)")
+    print(
+      f'{name:>10}: padding {entry["padding_share"]["target"]:.1%} target, '
+      f'{entry["padding_share"]["source"]:.1%} source; {entry["batches_per_epoch"]} batches '
+      f'per epoch; {entry["target_tokens_per_s"]:,.0f} real target tokens/s '
+      f'({entry["speedup"]:.2f}x; fastest call {entry["best_speedup"]:.2f}x)'
+    )
   path = common.write_json(args.out, payload)
-  print(f'load average {before["load_average"]} before, '
-        f'{payload["machine"]["load_average_after"]} after; wrote {path}')
+  print(
+    f'load average {before["load_average"]} before, '
+    f'{payload["machine"]["load_average_after"]} after; wrote {path}'
+  )
   return payload
 
 

@@ -27,7 +27,7 @@ from benchmarks.common import RESULTS, machine_info, python_worker, write_json
 
 SETTINGS = ('none', 'layer', 'dots')
 
-WORKER = '''
+WORKER = """
 import json, resource, sys
 from benchmarks import workloads
 from flax_transformer import bench
@@ -46,9 +46,9 @@ if stepping:
   result['step_s'] = report.timing.median_s
   result['peak_rss_bytes'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps(result))
-'''
+"""
 
-MINIMAL = '''
+MINIMAL = """
 import json
 import jax, jax.numpy as jnp
 def layer(x, w):
@@ -69,7 +69,7 @@ for form, run in (('unrolled', unrolled), ('scan', scanned)):
     compiled = jax.jit(jax.grad(lambda w: run(w, fn))).lower(weights).compile()
     result[f'{form}/{remat}'] = compiled.memory_analysis().temp_size_in_bytes
 print(json.dumps(result))
-'''
+"""
 
 
 def main(argv=None) -> None:
@@ -85,13 +85,18 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   rows = {}
   for setting in args.settings.split(','):
-    rows[setting] = python_worker(WORKER, [args.model, setting, args.rows, args.length,
-                                           'step' if args.step else 'compile', args.vocab])
+    rows[setting] = python_worker(
+      WORKER,
+      [args.model, setting, args.rows, args.length, 'step' if args.step else 'compile', args.vocab],
+    )
     print(setting, json.dumps(rows[setting]), flush=True)
-  payload = {'machine': machine_info(os.cpu_count()), 'model': args.model, 'vocab': args.vocab,
-             'shape': {'rows': args.rows, 'length': args.length,
-                       'tokens_per_side': args.rows * args.length},
-             'settings': rows}
+  payload = {
+    'machine': machine_info(os.cpu_count()),
+    'model': args.model,
+    'vocab': args.vocab,
+    'shape': {'rows': args.rows, 'length': args.length, 'tokens_per_side': args.rows * args.length},
+    'settings': rows,
+  }
   if args.minimal:
     payload['minimal'] = python_worker(MINIMAL, [])
     print('minimal', json.dumps(payload['minimal']), flush=True)

@@ -45,8 +45,13 @@ from benchmarks import common, peers, workloads
 from benchmarks.workloads import Shape, decode_sources, synthetic_arrays
 
 CONTENDERS = ('ours', 'marian', 'flaxmarian', 'torch', 'ctranslate2')
-FRAMEWORK = {'ours': 'jax', 'flaxmarian': 'jax', 'marian': 'torch', 'torch': 'torch',
-             'ctranslate2': 'ctranslate2'}
+FRAMEWORK = {
+  'ours': 'jax',
+  'flaxmarian': 'jax',
+  'marian': 'torch',
+  'torch': 'torch',
+  'ctranslate2': 'ctranslate2',
+}
 PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers', 'ctranslate2')
 # CTranslate2's compute type for each dtype of the request (it has no bfloat16 on a CPU).
 CT2_COMPUTE = {'float32': 'float32', 'int8': 'int8'}
@@ -58,11 +63,13 @@ MAX_ITERATIONS = 2000
 
 def missing_packages(contender: str) -> list[str]:
   """What `contender` lacks in this python (empty when it can run); imports nothing heavy."""
-  needed = {'ours': ('jax', 'flax', 'optax', 'flax_transformer'), 'torch': ('torch',),
-            'marian': ('torch', 'transformers'),
-            'flaxmarian': ('jax', 'flax', 'optax', 'transformers'),
-            'ctranslate2': ('ctranslate2', 'torch', 'transformers', 'safetensors',
-                            'flax_transformer')}[contender]
+  needed = {
+    'ours': ('jax', 'flax', 'optax', 'flax_transformer'),
+    'torch': ('torch',),
+    'marian': ('torch', 'transformers'),
+    'flaxmarian': ('jax', 'flax', 'optax', 'transformers'),
+    'ctranslate2': ('ctranslate2', 'torch', 'transformers', 'safetensors', 'flax_transformer'),
+  }[contender]
   missing = [name for name in needed if importlib.util.find_spec(name) is None]
   if contender == 'flaxmarian' and 'transformers' not in missing:
     version = importlib.metadata.version('transformers')
@@ -78,12 +85,18 @@ def hello(contender: str) -> dict:
       versions[package] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
       pass
-  return {'contender': contender, 'framework': FRAMEWORK[contender], 'python': sys.executable,
-          'python_version': platform.python_version(), 'versions': versions,
-          'cores': sorted(os.sched_getaffinity(0))}
+  return {
+    'contender': contender,
+    'framework': FRAMEWORK[contender],
+    'python': sys.executable,
+    'python_version': platform.python_version(),
+    'versions': versions,
+    'cores': sorted(os.sched_getaffinity(0)),
+  }
 
 
 # --- matmul peaks ------------------------------------------------------------------------
+
 
 def jax_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
   """`run()`: `iterations` products [m, k] @ [k, n] in one jitted loop (float32 accumulation).
@@ -95,14 +108,15 @@ def jax_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
   import jax
   import jax.numpy as jnp
 
-  x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)     # [m, k]
-  w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)     # [k, n]
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)  # [m, k]
+  w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)  # [k, n]
 
   @jax.jit
   def loop(x, w):
     def body(i, total):
       shifted = x + (i * 1e-3).astype(x.dtype)
-      return total + jnp.dot(shifted, w, preferred_element_type=jnp.float32)       # [m, n]
+      return total + jnp.dot(shifted, w, preferred_element_type=jnp.float32)  # [m, n]
+
     return jax.lax.fori_loop(0, iterations, body, jnp.zeros((m, n), jnp.float32))
 
   return lambda: loop(x, w).block_until_ready()
@@ -119,12 +133,12 @@ def torch_matmul_loop(m: int, k: int, n: int, dtype: str, iterations: int):
   import torch.nn.functional as F
 
   generator = torch.Generator().manual_seed(0)
-  x = torch.randn(m, k, generator=generator).to(getattr(torch, dtype))            # [m, k]
-  w = torch.randn(n, k, generator=generator).to(getattr(torch, dtype))            # [n, k]
+  x = torch.randn(m, k, generator=generator).to(getattr(torch, dtype))  # [m, k]
+  w = torch.randn(n, k, generator=generator).to(getattr(torch, dtype))  # [n, k]
 
   def run():
     for _ in range(iterations):
-      F.linear(x, w)                                                              # [m, n]
+      F.linear(x, w)  # [m, n]
 
   return run
 
@@ -147,12 +161,21 @@ def time_matmuls(framework: str, shapes, dtypes, repeats: int, loops: dict) -> l
         loops[m, k, n, dtype] = loop(m, k, n, dtype, iterations)
         loops[m, k, n, dtype]()
       times = common.time_calls(loops[m, k, n, dtype], repeats)
-      results.append({'m': m, 'k': k, 'n': n, 'dtype': dtype, 'flops': 2 * m * k * n * iterations,
-                      'times_s': [round(t, 6) for t in times]})
+      results.append(
+        {
+          'm': m,
+          'k': k,
+          'n': n,
+          'dtype': dtype,
+          'flops': 2 * m * k * n * iterations,
+          'times_s': [round(t, 6) for t in times],
+        }
+      )
   return results
 
 
 # --- the tasks -----------------------------------------------------------------------------
+
 
 def ours_task(request: dict, config):
   """Our jit-compiled training step, or greedy / beam 4 decoding, on the request's setting.
@@ -164,10 +187,12 @@ def ours_task(request: dict, config):
   from flax_transformer import Transformer
   from flax_transformer.config import ModelConfig, TrainConfig
   from flax_transformer.decode import autoregressive
+
   model_config = ModelConfig(**request['model']).replace(dtype=request['dtype'])
   if request['task'] == 'train':
-    step = workloads.OurStep(model_config, TrainConfig(**request['train']),
-                             Shape(*request['shape']), jax.devices()[:1])
+    step = workloads.OurStep(
+      model_config, TrainConfig(**request['train']), Shape(*request['shape']), jax.devices()[:1]
+    )
     return step.step
   model_config = model_config.replace(dropout_rate=0.0)
   model = Transformer(model_config)
@@ -176,17 +201,20 @@ def ours_task(request: dict, config):
   n = request['new_tokens']
   if request['task'] == 'greedy':
     return lambda: jax.block_until_ready(
-        autoregressive.greedy(model, params, src, max_len=n, min_len=n))
+      autoregressive.greedy(model, params, src, max_len=n, min_len=n)
+    )
   return lambda: jax.block_until_ready(
-      autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n))[0]
+    autoregressive.beam_search(model, params, src, beam_size=4, max_len=n, min_len=n)
+  )[0]
 
 
 def torch_task(contender: str, request: dict, config, threads: int):
   """`peers.PeerStep`, or `MarianMTModel.generate` (float32 only)."""
   if request['task'] == 'train':
     src, tgt_in, tgt_out = synthetic_arrays(config, Shape(*request['shape']))
-    step = peers.PeerStep(contender, config, types.SimpleNamespace(**request['train']),
-                          src, tgt_in, tgt_out)
+    step = peers.PeerStep(
+      contender, config, types.SimpleNamespace(**request['train']), src, tgt_in, tgt_out
+    )
     return step.step
   if contender == 'torch':
     return 'nn.Transformer has no decoder loop here; training step only'
@@ -200,15 +228,22 @@ def marian_generate(config, request: dict):
   import torch
 
   model = peers.build_model('marian', config).eval()
-  src = torch.as_tensor(decode_sources(config, request['batch'], request['source_len']),
-                        dtype=torch.long)
+  src = torch.as_tensor(
+    decode_sources(config, request['batch'], request['source_len']), dtype=torch.long
+  )
   n, beam_size = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
 
   def run():
     with torch.inference_mode():
-      out = model.generate(input_ids=src, attention_mask=torch.ones_like(src), num_beams=beam_size,
-                           do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                           forced_eos_token_id=None)                             # [B, 1 + n]
+      out = model.generate(
+        input_ids=src,
+        attention_mask=torch.ones_like(src),
+        num_beams=beam_size,
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        forced_eos_token_id=None,
+      )  # [B, 1 + n]
     if out.shape[1] != n + 1:
       raise RuntimeError(f'Marian generated {out.shape[1] - 1} tokens, expected {n}')
     return out[:, 1:]
@@ -232,18 +267,26 @@ def ctranslate2_task(request: dict, config, threads: int):
   from flax_transformer import Transformer
   from flax_transformer.config import ModelConfig
   from flax_transformer.pretrained import export
+
   model_config = ModelConfig(**request['model']).replace(dropout_rate=0.0)
   src = decode_sources(config, request['batch'], request['source_len'])
-  params = jax.jit(Transformer(model_config).init)(jax.random.key(0), src[:, :1],
-                                                   src[:, :1])['params']
+  params = jax.jit(Transformer(model_config).init)(jax.random.key(0), src[:, :1], src[:, :1])[
+    'params'
+  ]
   directory = Path(tempfile.mkdtemp(prefix='ct2-'))
-  export.export_marian(model_config, params, synthetic_tokenizer(model_config.vocab_size),
-                       directory / 'marian')
+  export.export_marian(
+    model_config, params, synthetic_tokenizer(model_config.vocab_size), directory / 'marian'
+  )
   ctranslate2.converters.TransformersConverter(str(directory / 'marian')).convert(
-      str(directory / 'ct2'))
-  translator = ctranslate2.Translator(str(directory / 'ct2'), device='cpu', inter_threads=1,
-                                      intra_threads=threads,
-                                      compute_type=CT2_COMPUTE[request['dtype']])
+    str(directory / 'ct2')
+  )
+  translator = ctranslate2.Translator(
+    str(directory / 'ct2'),
+    device='cpu',
+    inter_threads=1,
+    intra_threads=threads,
+    compute_type=CT2_COMPUTE[request['dtype']],
+  )
   order = export.vocabulary_order(model_config.vocab_size, model_config.pad_id)
   vocabulary = {index: f'w{index}' for index in range(model_config.vocab_size)}
   vocabulary.update({model_config.eos_id: '</s>'})
@@ -252,11 +295,14 @@ def ctranslate2_task(request: dict, config, threads: int):
   ids = {token: index for index, token in vocabulary.items()}
 
   def run():
-    results = translator.translate_batch(sources, beam_size=beam_size, min_decoding_length=n,
-                                         max_decoding_length=n)
+    results = translator.translate_batch(
+      sources, beam_size=beam_size, min_decoding_length=n, max_decoding_length=n
+    )
     tokens = [result.hypotheses[0] for result in results]
     if any(len(row) != n for row in tokens):
-      raise RuntimeError(f'CTranslate2 gave {sorted({len(r) for r in tokens})} tokens, expected {n}')
+      raise RuntimeError(
+        f'CTranslate2 gave {sorted({len(r) for r in tokens})} tokens, expected {n}'
+      )
     return np.array([[int(order[ids[t]]) for t in row] for row in tokens])
 
   return run
@@ -269,6 +315,7 @@ def synthetic_tokenizer(vocab_size: int):
   from tokenizers import decoders, models, normalizers, pre_tokenizers
 
   from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+
   vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
   vocab.update({f'w{index}': index for index in range(len(SPECIAL_TOKENS), vocab_size)})
   backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token='<unk>'))
@@ -283,8 +330,10 @@ def flaxmarian_model(config, dtype: str):
   """`FlaxMarianMTModel` at our dimensions (peers.marian_config_kwargs), random, seed 0."""
   import jax.numpy as jnp
   from transformers import FlaxMarianMTModel, MarianConfig
-  return FlaxMarianMTModel(MarianConfig(**peers.marian_config_kwargs(config)), seed=0,
-                           dtype=getattr(jnp, dtype))
+
+  return FlaxMarianMTModel(
+    MarianConfig(**peers.marian_config_kwargs(config)), seed=0, dtype=getattr(jnp, dtype)
+  )
 
 
 def flaxmarian_trainable(params) -> dict:
@@ -304,18 +353,27 @@ def flaxmarian_train_step(model, config, train):
   import jax.numpy as jnp
   import optax
 
-  schedule = lambda count: train.lr_scale * config.d_model ** -0.5 * jnp.minimum(
-      (count + 1) ** -0.5, (count + 1) * train.warmup_steps ** -1.5)
+  schedule = lambda count: (
+    train.lr_scale
+    * config.d_model**-0.5
+    * jnp.minimum((count + 1) ** -0.5, (count + 1) * train.warmup_steps**-1.5)
+  )
   optimizer = optax.adam(schedule, train.adam_b1, train.adam_b2, train.adam_eps)
-  frozen_bias = model.params['final_logits_bias']                                   # [1, V]
+  frozen_bias = model.params['final_logits_bias']  # [1, V]
   pad = config.pad_id
 
   def loss_fn(trainable, key, src, tgt_in, tgt_out):
-    logits = model(input_ids=src, attention_mask=src != pad, decoder_input_ids=tgt_in,
-                   decoder_attention_mask=tgt_in != pad, dropout_rng=key, train=True,
-                   params={'model': trainable, 'final_logits_bias': frozen_bias}).logits
+    logits = model(
+      input_ids=src,
+      attention_mask=src != pad,
+      decoder_input_ids=tgt_in,
+      decoder_attention_mask=tgt_in != pad,
+      dropout_rng=key,
+      train=True,
+      params={'model': trainable, 'final_logits_bias': frozen_bias},
+    ).logits
     targets = optax.smooth_labels(jax.nn.one_hot(tgt_out, config.vocab_size), train.label_smoothing)
-    losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)        # [B, T]
+    losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)  # [B, T]
     mask = tgt_out != pad
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
 
@@ -337,6 +395,7 @@ def flaxmarian_task(request: dict, config):
   """FlaxMarian's training step, or its jitted `generate` (greedy or beam 4) of n forced tokens."""
   import jax
   import jax.numpy as jnp
+
   model = flaxmarian_model(config, request['dtype'])
   if request['task'] == 'train':
     train = types.SimpleNamespace(**request['train'])
@@ -353,12 +412,23 @@ def flaxmarian_task(request: dict, config):
   n, beam_size = request['new_tokens'], 1 if request['task'] == 'greedy' else 4
   src = jnp.asarray(decode_sources(config, request['batch'], request['source_len']))
   # Lengths count the start token; EOS is banned until then (min_length), none forced at the end.
-  generate = jax.jit(lambda params, src: model.generate(
-      src, attention_mask=jnp.ones_like(src), params=params, max_length=n + 1, min_length=n + 1,
-      num_beams=beam_size, do_sample=False, forced_eos_token_id=None).sequences)
+  generate = jax.jit(
+    lambda params, src: (
+      model.generate(
+        src,
+        attention_mask=jnp.ones_like(src),
+        params=params,
+        max_length=n + 1,
+        min_length=n + 1,
+        num_beams=beam_size,
+        do_sample=False,
+        forced_eos_token_id=None,
+      ).sequences
+    )
+  )
 
   def run():
-    out = jax.block_until_ready(generate(model.params, src))                         # [B, 1 + n]
+    out = jax.block_until_ready(generate(model.params, src))  # [B, 1 + n]
     if out.shape[1] != n + 1 or bool((out[:, 1:] == config.eos_id).any()):
       raise RuntimeError(f'FlaxMarian generate did not give {n} tokens without EOS')
     return out[:, 1:]
@@ -385,10 +455,12 @@ def describe(output) -> dict:
   if isinstance(output, float):
     return {'loss': output}
   import numpy as np
+
   return {'tokens': np.asarray(output).tolist()}
 
 
 # --- the loop ------------------------------------------------------------------------------
+
 
 def serve(contender: str, threads: int, reply, lines) -> None:
   """Answers requests from `lines` (JSON) through `reply(dict)` until 'quit' or end of input."""
@@ -400,8 +472,13 @@ def serve(contender: str, threads: int, reply, lines) -> None:
       if op == 'quit':
         return
       if op == 'peaks':
-        reply({'peaks': time_matmuls(framework, request['shapes'], request['dtypes'],
-                                     request['repeats'], loops)})
+        reply(
+          {
+            'peaks': time_matmuls(
+              framework, request['shapes'], request['dtypes'], request['repeats'], loops
+            )
+          }
+        )
       elif op == 'build':
         task = None
         start = time.perf_counter()
@@ -435,8 +512,9 @@ def serve(contender: str, threads: int, reply, lines) -> None:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog='python -m benchmarks.solo_worker',
-                                   description=__doc__.split('\n\n')[0])
+  parser = argparse.ArgumentParser(
+    prog='python -m benchmarks.solo_worker', description=__doc__.split('\n\n')[0]
+  )
   parser.add_argument('contender', choices=CONTENDERS)
   parser.add_argument('--threads', type=int, help='cores to use (default: all)')
   args = parser.parse_args(argv)

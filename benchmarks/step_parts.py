@@ -46,6 +46,7 @@ class PlainStep:
 
     from flax_transformer import train
     from flax_transformer.nn.model import Transformer
+
     model = Transformer(model_config)
     optimizer = train.make_optimizer(train_config, model_config)
     state = train.create_train_state(model, optimizer, seed=0)
@@ -55,16 +56,25 @@ class PlainStep:
     @functools.partial(jax.jit, donate_argnums=0)
     def plain_step(state, batch):
       def loss_fn(params):
-        logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
-                             rngs={'dropout': jax.random.fold_in(base_key, state.step)})
+        logits = model.apply(
+          {'params': params},
+          batch.src,
+          batch.tgt_in,
+          train=True,
+          rngs={'dropout': jax.random.fold_in(base_key, state.step)},
+        )
         loss_sum, tokens = train.label_smoothed_cross_entropy(
-            logits, batch.tgt_out, train_config.label_smoothing, model_config.pad_id)
+          logits, batch.tgt_out, train_config.label_smoothing, model_config.pad_id
+        )
         return loss_sum / jnp.maximum(tokens, 1.0)
 
       loss, grads = jax.value_and_grad(loss_fn)(state.params)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      return state.replace(step=state.step + 1, opt_state=opt_state,
-                           params=jax.tree.map(jnp.add, state.params, updates)), loss
+      return state.replace(
+        step=state.step + 1,
+        opt_state=opt_state,
+        params=jax.tree.map(jnp.add, state.params, updates),
+      ), loss
 
     start = time.perf_counter()
     compiled = plain_step.lower(state, batch).compile()
@@ -90,20 +100,26 @@ def variants(dtype: str) -> dict:
   config = workloads.model_config('base', dtype=dtype)
   train_config, shape = TrainConfig(), workloads.SHAPE
   batch = jax.device_put(workloads.synthetic_batch(config, shape))
-  runs = {'mapped step': workloads.OurStep(config, train_config, shape, jax.devices()[:1]).step,
-          'jit step': PlainStep(config, train_config, shape).step,
-          'no dropout': PlainStep(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0),
-                                  train_config, shape).step}
+  runs = {
+    'mapped step': workloads.OurStep(config, train_config, shape, jax.devices()[:1]).step,
+    'jit step': PlainStep(config, train_config, shape).step,
+    'no dropout': PlainStep(
+      config.replace(dropout_rate=0.0, attention_dropout_rate=0.0), train_config, shape
+    ).step,
+  }
   model = Transformer(config)
   params = train.create_train_state(
-      model, train.make_optimizer(train_config, config), seed=0).params
+    model, train.make_optimizer(train_config, config), seed=0
+  ).params
   key = jax.random.key(0)
 
   def loss(params):
-    logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
-                         rngs={'dropout': key})
+    logits = model.apply(
+      {'params': params}, batch.src, batch.tgt_in, train=True, rngs={'dropout': key}
+    )
     total, tokens = train.label_smoothed_cross_entropy(
-        logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+      logits, batch.tgt_out, train_config.label_smoothing, config.pad_id
+    )
     return total / jnp.maximum(tokens, 1.0)
 
   gradients = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
@@ -116,6 +132,7 @@ def variants(dtype: str) -> dict:
 def matmul_runs(classes: dict, dtype: str) -> dict:
   """{(rows, K, N): (run(), FLOPs per call)}: one jitted loop of products per FLOP class."""
   from benchmarks.solo_worker import MAX_ITERATIONS, PEAK_CALL_FLOPS, jax_matmul_loop
+
   runs = {}
   for m, k, n in classes:
     iterations = max(1, min(MAX_ITERATIONS, round(PEAK_CALL_FLOPS / (2 * m * k * n))))
@@ -129,7 +146,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
-  parser.add_argument('--output', help='JSON file (default benchmarks/results/step_parts[_DTYPE].json)')
+  parser.add_argument(
+    '--output', help='JSON file (default benchmarks/results/step_parts[_DTYPE].json)'
+  )
   args = parser.parse_args(argv)
   cores = common.pin_threads(None)
   load_at_start = os.getloadavg()
@@ -139,17 +158,25 @@ def main(argv=None) -> int:
   contenders = {**runs, **{f'matmul {m}x{k}x{n}': run for (m, k, n), (run, _) in matmuls.items()}}
   timings = common.interleaved_medians(contenders, args.rounds)
   seconds = {name: timing['median_s'] for name, timing in timings.items()}
-  speed = {key: flops / seconds[f'matmul {key[0]}x{key[1]}x{key[2]}'] / 1e9
-           for key, (_, flops) in matmuls.items()}                                     # GFLOP/s
+  speed = {
+    key: flops / seconds[f'matmul {key[0]}x{key[1]}x{key[2]}'] / 1e9
+    for key, (_, flops) in matmuls.items()
+  }  # GFLOP/s
   floor = sum(flops / (speed[key] * 1e9) for key, flops in classes.items())
   seconds['matmul floor'] = floor
   report(seconds, floor)
-  record = {'benchmark': 'step_parts', 'machine': common.machine_info(len(cores)),
-            'load_average_at_start': load_at_start, 'load_average_at_end': os.getloadavg(),
-            'dtype': args.dtype, 'rounds': args.rounds, 'timings': timings,
-            'matmul_gflops': {f'{m}x{k}x{n}': value for (m, k, n), value in speed.items()},
-            'flop_classes': {f'{m}x{k}x{n}': value for (m, k, n), value in classes.items()},
-            'matmul_floor_s': floor}
+  record = {
+    'benchmark': 'step_parts',
+    'machine': common.machine_info(len(cores)),
+    'load_average_at_start': load_at_start,
+    'load_average_at_end': os.getloadavg(),
+    'dtype': args.dtype,
+    'rounds': args.rounds,
+    'timings': timings,
+    'matmul_gflops': {f'{m}x{k}x{n}': value for (m, k, n), value in speed.items()},
+    'flop_classes': {f'{m}x{k}x{n}': value for (m, k, n), value in classes.items()},
+    'matmul_floor_s': floor,
+  }
   suffix = '' if args.dtype == 'float32' else f'_{args.dtype}'
   path = args.output or common.RESULTS / f'step_parts{suffix}.json'
   print(f'wrote {common.write_json(path, record)}')
@@ -161,11 +188,13 @@ def report(seconds: dict, floor: float) -> None:
   for name in ('mapped step', 'jit step', 'no dropout', 'gradients', 'forward', 'matmul floor'):
     print(f'{name:>14s} {seconds[name]:7.3f} s')
   jit = seconds['jit step']
-  parts = {'the mapping and its metrics': seconds['mapped step'] - jit,
-           'Adam (jit step - gradients)': jit - seconds['gradients'],
-           'dropout (jit step - no dropout)': jit - seconds['no dropout'],
-           'backward (gradients - forward)': seconds['gradients'] - seconds['forward'],
-           'not matmuls (jit step - matmul floor)': jit - floor}
+  parts = {
+    'the mapping and its metrics': seconds['mapped step'] - jit,
+    'Adam (jit step - gradients)': jit - seconds['gradients'],
+    'dropout (jit step - no dropout)': jit - seconds['no dropout'],
+    'backward (gradients - forward)': seconds['gradients'] - seconds['forward'],
+    'not matmuls (jit step - matmul floor)': jit - floor,
+  }
   for name, value in parts.items():
     print(f'{name:>40s} {value:+7.3f} s ({value / jit:+.0%} of the jit step)')
 

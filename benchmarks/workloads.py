@@ -26,8 +26,7 @@ from pathlib import Path
 
 # The hand counts and the batch shape; flax_transformer.bench.flops imports only the config
 # (and the package's model modules: jax and flax), which a peer's python has too.
-from flax_transformer.bench.flops import (BatchShape, decode_flops, encoder_layer_flops,
-                                          prefix_flops, step_flops, train_flops)
+from flax_transformer.bench.flops import BatchShape
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 # The first multi30k preset's size, kept as data beside the results measured at it.
@@ -56,6 +55,7 @@ def model_config(name: str = 'base', **overrides):
   shape (d=256, 3+3 layers, 4 heads of 64, d_ff 1024) on the base settings.
   """
   from flax_transformer.config import ModelConfig
+
   if name not in MODELS:
     raise ValueError(f'unknown model {name!r}; choose from {", ".join(MODELS)}')
   if name == 'big':
@@ -68,6 +68,7 @@ def model_config(name: str = 'base', **overrides):
 
 
 # --- FLOPs (the hand counts are the library's: flax_transformer.bench.flops) -------------
+
 
 def _encoder_classes(classes: collections.Counter, config, batch: int, src_len: int) -> None:
   """Adds the encoder's forward matmuls over batch x src_len rows to `classes`."""
@@ -100,8 +101,9 @@ def train_flop_classes(config, shape: Shape) -> dict[tuple[int, int, int], int]:
   return {key: 3 * flops for key, flops in classes.items()}
 
 
-def decode_flop_classes(config, batch: int, src_len: int, new_tokens: int,
-                        beam_size: int = 1) -> dict[tuple[int, int, int], int]:
+def decode_flop_classes(
+  config, batch: int, src_len: int, new_tokens: int, beam_size: int = 1
+) -> dict[tuple[int, int, int], int]:
   """`decode_flops` split by matmul shape: the prefix at batch x src_len rows, every step at
   batch x beams rows (attention products at the [rows, D] @ [D, D] class). Sums to `decode_flops`.
   """
@@ -119,6 +121,7 @@ def decode_flop_classes(config, batch: int, src_len: int, new_tokens: int,
 
 
 # --- inputs ------------------------------------------------------------------------------
+
 
 def synthetic_arrays(config, shape: Shape, seed: int = 0):
   """(src [B, S], tgt_in [B, T], tgt_out [B, T]) as NumPy int32: random full-length rows, no PAD.
@@ -143,12 +146,14 @@ def synthetic_batch(config, shape: Shape, seed: int = 0):
   """`synthetic_arrays` as the library's `Batch` (`flax_transformer.bench.synthetic_batch`,
   which draws the same ids: tests/test_benchmarks.py checks)."""
   from flax_transformer.bench.step import synthetic_batch
+
   return synthetic_batch(config, shape, seed=seed)
 
 
 def decode_sources(config, batch: int, source_len: int):
   """Random ordinary ids `[batch, source_len]` (NumPy int32), EOS last: what every decoder is given."""
   import numpy as np
+
   rng = np.random.default_rng(0)
   src = rng.integers(config.unk_id + 1, config.vocab_size, (batch, source_len)).astype(np.int32)
   src[:, -1] = config.eos_id
@@ -156,6 +161,7 @@ def decode_sources(config, batch: int, source_len: int):
 
 
 # --- our step ----------------------------------------------------------------------------
+
 
 class OurStep:
   """`flax_transformer.bench.TrainingStep` (train.py's mapped step) on the first
@@ -165,8 +171,10 @@ class OurStep:
 
   def __init__(self, model_config, train_config, shape: Shape, devices, mode: str = 'shard_map'):
     from flax_transformer.bench.step import TrainingStep
-    self.training_step = TrainingStep(model_config, train_config, shape, devices=len(devices),
-                                      parallel=mode)
+
+    self.training_step = TrainingStep(
+      model_config, train_config, shape, devices=len(devices), parallel=mode
+    )
     self.compile_s = self.training_step.compilation.seconds
     self.compiled = self.training_step.compiled
 

@@ -34,16 +34,29 @@ import importlib
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.nn.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
 from flax_transformer.nn.layers import sinusoidal_positions
-from flax_transformer.nn.model import (BeamDecodeCache, DecodeCache, Transformer, attention_weights,
-                                       count_params, empty_self_cache)
+from flax_transformer.nn.model import (
+  BeamDecodeCache,
+  DecodeCache,
+  Transformer,
+  attention_weights,
+  count_params,
+  empty_self_cache,
+)
 
 __version__ = '0.1.0'
 
 # Public names defined in modules that import more (orbax, sacreBLEU): name -> module.
-_LAZY = {'Translator': 'decode.translator', 'BeamSearch': 'decode.methods',
-         'Greedy': 'decode.methods', 'MaskPredict': 'decode.methods', 'Sampling': 'decode.methods',
-         'DecodingMethod': 'decode.methods', 'default_method': 'decode.methods',
-         'build_model': 'nn.build', 'CMLMTransformer': 'nn.cmlm'}
+_LAZY = {
+  'Translator': 'decode.translator',
+  'BeamSearch': 'decode.methods',
+  'Greedy': 'decode.methods',
+  'MaskPredict': 'decode.methods',
+  'Sampling': 'decode.methods',
+  'DecodingMethod': 'decode.methods',
+  'default_method': 'decode.methods',
+  'build_model': 'nn.build',
+  'CMLMTransformer': 'nn.cmlm',
+}
 
 
 def __getattr__(name: str):
@@ -53,9 +66,27 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    'BeamDecodeCache', 'BeamSearch', 'CMLMTransformer', 'ConfigError', 'DataConfig', 'DecodeCache',
-    'DecodingMethod', 'Greedy', 'KVCache', 'MaskPredict', 'ModelConfig', 'MultiHeadAttention',
-    'Sampling', 'TrainConfig', 'Transformer', 'Translator', 'attention_weights', 'build_model',
-    'count_params', 'default_method', 'empty_self_cache', 'scaled_dot_product_attention',
-    'sinusoidal_positions',
+  'BeamDecodeCache',
+  'BeamSearch',
+  'CMLMTransformer',
+  'ConfigError',
+  'DataConfig',
+  'DecodeCache',
+  'DecodingMethod',
+  'Greedy',
+  'KVCache',
+  'MaskPredict',
+  'ModelConfig',
+  'MultiHeadAttention',
+  'Sampling',
+  'TrainConfig',
+  'Transformer',
+  'Translator',
+  'attention_weights',
+  'build_model',
+  'count_params',
+  'default_method',
+  'empty_self_cache',
+  'scaled_dot_product_attention',
+  'sinusoidal_positions',
 ]

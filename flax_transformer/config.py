@@ -33,6 +33,7 @@ class Bounds:
   annotation admits None. `check_bounds` checks a function's raw argument with the same
   rule and message.
   """
+
   low: float | None = None
   high: float | None = None
   low_open: bool = False
@@ -61,8 +62,10 @@ class Bounds:
   def limits(self, number: str = '') -> str:
     """The range alone: '>= 1', '> 0', 'in [0, 1)'; `number` formats the limits (e.g. 'g')."""
     # Integer limits in full (2**63 - 1, not 9.22337e+18); `number` formats the others.
-    low, high = (None if x is None else str(x) if isinstance(x, int) else format(x, number)
-                 for x in (self.low, self.high))
+    low, high = (
+      None if x is None else str(x) if isinstance(x, int) else format(x, number)
+      for x in (self.low, self.high)
+    )
     if high is None:
       return f'{">" if self.low_open else ">="} {low}'
     if low is None:
@@ -75,13 +78,14 @@ NONNEGATIVE_INT = Bounds(low=0, integer=True)
 POSITIVE = Bounds(low=0, low_open=True)
 NONNEGATIVE = Bounds(low=0)
 UNIT_INTERVAL = Bounds(low=0, high=1, high_open=True)  # [0, 1): rates and probabilities
-NUMBER = Bounds()                                       # any int or float, no limit
+NUMBER = Bounds()  # any int or float, no limit
 # What jax.random.key takes: a signed 64-bit integer (larger ones overflow part way).
-SEED = Bounds(low=0, high=2 ** 63 - 1, integer=True)
+SEED = Bounds(low=0, high=2**63 - 1, integer=True)
 
 
-def check_bounds(value, bounds: Bounds, name: str, error: type[Exception] = ConfigError,
-                 why: str = '') -> None:
+def check_bounds(
+  value, bounds: Bounds, name: str, error: type[Exception] = ConfigError, why: str = ''
+) -> None:
   """Raises `error('{name} must be {bounds}{why}, got {value!r}')` unless `bounds` admit
   `value`: the range check of a public function's raw argument (a settings field declares
   its range instead, `setting(..., bounds=...)`). A numpy scalar counts as the number it holds."""
@@ -115,8 +119,9 @@ def check_fields(settings, section: str) -> None:
     value, hint = getattr(settings, field.name), hints[field.name]
     choices = typing.get_args(hint)
     if typing.get_origin(hint) is Literal and value not in choices:
-      raise ConfigError(f'{section}.{field.name} must be one of {", ".join(map(str, choices))}, '
-                        f'got {value!r}')
+      raise ConfigError(
+        f'{section}.{field.name} must be one of {", ".join(map(str, choices))}, got {value!r}'
+      )
     bounds = field.metadata.get('bounds')
     if bounds is None or (value is None and type(None) in choices):
       continue
@@ -131,65 +136,108 @@ class ModelConfig:
   Frozen and hashable, so it can be a static argument of `jax.jit`.
   """
 
-  vocab_size: int = setting(37_000, 'vocabulary size V (set from the trained tokenizer)',
-                            bounds=POSITIVE_INT)
+  vocab_size: int = setting(
+    37_000, 'vocabulary size V (set from the trained tokenizer)', bounds=POSITIVE_INT
+  )
   d_model: int = setting(512, 'model width D', bounds=POSITIVE_INT)
   num_heads: int = setting(8, 'attention heads N (must divide d_model)', bounds=POSITIVE_INT)
   num_encoder_layers: int = setting(6, 'encoder layers', bounds=POSITIVE_INT)
   num_decoder_layers: int = setting(6, 'decoder layers', bounds=POSITIVE_INT)
   d_ff: int = setting(2048, 'inner width F of the feed-forward layers', bounds=POSITIVE_INT)
-  dropout_rate: float = setting(0.1, 'dropout on embeddings + positions and on every sub-layer '
-                                     'output (paper §5.4)', bounds=UNIT_INTERVAL)
-  attention_dropout_rate: float = setting(0.0, 'dropout on the attention weights (the paper: '
-                                               'none)', bounds=UNIT_INTERVAL)
-  max_len: int = setting(256, 'longest source or target in tokens, EOS included: the length of '
-                              'the positional table (longer training pairs are dropped)',
-                         bounds=POSITIVE_INT)
+  dropout_rate: float = setting(
+    0.1,
+    'dropout on embeddings + positions and on every sub-layer output (paper §5.4)',
+    bounds=UNIT_INTERVAL,
+  )
+  attention_dropout_rate: float = setting(
+    0.0, 'dropout on the attention weights (the paper: none)', bounds=UNIT_INTERVAL
+  )
+  max_len: int = setting(
+    256,
+    'longest source or target in tokens, EOS included: the length of '
+    'the positional table (longer training pairs are dropped)',
+    bounds=POSITIVE_INT,
+  )
   activation: Literal['relu', 'gelu', 'silu'] = setting(
-      'relu', 'feed-forward activation (silu: x * sigmoid(x), which Marian calls swish)')
+    'relu', 'feed-forward activation (silu: x * sigmoid(x), which Marian calls swish)'
+  )
   norm_placement: Literal['post', 'pre'] = setting(
-      'post', 'post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))')
-  share_embeddings: bool = setting(True, 'one embedding matrix for source, target and the '
-                                         'pre-softmax projection (paper §3.4; true/false)')
+    'post', 'post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))'
+  )
+  share_embeddings: bool = setting(
+    True,
+    'one embedding matrix for source, target and the '
+    'pre-softmax projection (paper §3.4; true/false)',
+  )
   positions: Literal['interleaved', 'concatenated'] = setting(
-      'interleaved', "positional table's layout: sin and cos of each wavelength side by side (the "
-      "paper) or every sin first, then every cos (Marian)")
-  logits_bias: bool = setting(False, 'a learned bias on the output logits (Marian: '
-                                     'final_logits_bias; true/false)')
-  layer_norm_epsilon: float = setting(1e-6, 'epsilon of every LayerNorm (Marian: 1e-5)',
-                                      bounds=POSITIVE)
-  attention_radius: int | None = setting(None, 'restricted self-attention (paper §4): each '
-                                               'position sees positions within this distance; '
-                                               'none: unrestricted', bounds=NONNEGATIVE_INT)
+    'interleaved',
+    "positional table's layout: sin and cos of each wavelength side by side (the "
+    'paper) or every sin first, then every cos (Marian)',
+  )
+  logits_bias: bool = setting(
+    False, 'a learned bias on the output logits (Marian: final_logits_bias; true/false)'
+  )
+  # 1e-5, not tensor2tensor's 1e-6: PyTorch, fairseq, Marian, transformers and CTranslate2 all
+  # fix 1e-5, so an exported default run decodes the same in each (1e-6 changed greedy output
+  # on 33 of 400 Multi30k lines of a 600-step run).
+  layer_norm_epsilon: float = setting(
+    1e-5,
+    'epsilon of every LayerNorm (PyTorch, fairseq, Marian, transformers and CTranslate2: '
+    '1e-5; runs begun before 2026-12-05 used 1e-6 and keep it in their config.json)',
+    bounds=POSITIVE,
+  )
+  attention_radius: int | None = setting(
+    None,
+    'restricted self-attention (paper §4): each '
+    'position sees positions within this distance; '
+    'none: unrestricted',
+    bounds=NONNEGATIVE_INT,
+  )
   dtype: Literal['auto', 'float32', 'bfloat16'] = setting(
-      'auto', 'compute dtype (parameters, logits and loss stay float32); auto: bfloat16 on a GPU '
-      'or TPU, float32 on a CPU, decided where the model runs; a run begun with float32 or '
-      'bfloat16 keeps it when resumed')
+    'auto',
+    'compute dtype (parameters, logits and loss stay float32); auto: bfloat16 on a GPU '
+    'or TPU, float32 on a CPU, decided where the model runs; a run begun with float32 or '
+    'bfloat16 keeps it when resumed',
+  )
   remat: Literal['none', 'layer', 'dots'] = setting(
-      'none', "training's memory for time: none keeps every activation for the backward pass; "
-      "layer keeps each layer's input and recomputes the rest; dots also keeps the dense "
-      'projections (and feed-forward) outputs and recomputes attention and the elementwise work '
-      '(the layers then run as one scan); either way the loss takes the logits 2,048 tokens at a '
-      'time. The same gradients; dropout draws other masks. A run may change it when resumed')
+    'none',
+    "training's memory for time: none keeps every activation for the backward pass; "
+    "layer keeps each layer's input and recomputes the rest; dots also keeps the dense "
+    'projections (and feed-forward) outputs and recomputes attention and the elementwise work '
+    '(the layers then run as one scan); either way the loss takes the logits 2,048 tokens at a '
+    'time. The same gradients; dropout draws other masks. A run may change it when resumed',
+  )
   attention_kernel: Literal['auto', 'einsum', 'xla', 'cudnn'] = setting(
-      'auto', 'how attention is computed (the same function): einsum, our own products, the '
-      'reference; xla or cudnn, jax.nn.dot_product_attention (cudnn: fused flash attention, a '
-      'GPU with bfloat16 compute and head_dim <= 256, a multiple of 8); auto: cudnn for whole '
-      'sequences on a GPU where it applies, einsum elsewhere. Rows must be right-padded; packed '
-      'rows, restricted attention, pooled beams and attention dropout take einsum (xla and cudnn '
-      'refuse attention dropout). A run may change it when resumed')
+    'auto',
+    'how attention is computed (the same function): einsum, our own products, the '
+    'reference; xla or cudnn, jax.nn.dot_product_attention (cudnn: fused flash attention, a '
+    'GPU with bfloat16 compute and head_dim <= 256, a multiple of 8); auto: cudnn for whole '
+    'sequences on a GPU where it applies, einsum elsewhere. Rows must be right-padded; packed '
+    'rows, restricted attention, pooled beams and attention dropout take einsum (xla and cudnn '
+    'refuse attention dropout). A run may change it when resumed',
+  )
   kind: Literal['autoregressive', 'cmlm'] = setting(
-      'autoregressive', "autoregressive: the paper's causal decoder, one token per step; cmlm: "
-      'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
-      'mask-predict')
-  max_length_offset: int = setting(32, 'cmlm: the length classifier predicts target length - '
-                                       'source length within +- this', bounds=NONNEGATIVE_INT)
+    'autoregressive',
+    "autoregressive: the paper's causal decoder, one token per step; cmlm: "
+    'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
+    'mask-predict',
+  )
+  max_length_offset: int = setting(
+    32,
+    'cmlm: the length classifier predicts target length - source length within +- this',
+    bounds=NONNEGATIVE_INT,
+  )
   cmlm_decoder_input: Literal['mask', 'uniform_copy'] = setting(
-      'mask', 'cmlm: a MASKed position is fed the MASK embedding (mask) or the source token at '
-      'the same relative position, round(j * S / N) (uniform_copy, Gu et al. 2018)')
+    'mask',
+    'cmlm: a MASKed position is fed the MASK embedding (mask) or the source token at '
+    'the same relative position, round(j * S / N) (uniform_copy, Gu et al. 2018)',
+  )
   pad_id: int = setting(0, 'PAD id (set from the tokenizer)')
-  bos_id: int = setting(1, "BOS id, the decoder's start token (set from the tokenizer; may equal "
-                          'pad_id, as in Marian, whose decoder starts from PAD)')
+  bos_id: int = setting(
+    1,
+    "BOS id, the decoder's start token (set from the tokenizer; may equal "
+    'pad_id, as in Marian, whose decoder starts from PAD)',
+  )
   eos_id: int = setting(2, 'EOS id (set from the tokenizer)')
   unk_id: int = setting(3, 'UNK id (set from the tokenizer)')
 
@@ -201,25 +249,38 @@ class ModelConfig:
   def __post_init__(self):
     check_fields(self, 'model')
     if self.d_model % self.num_heads:
-      raise ConfigError(f'model.d_model={self.d_model} is not divisible by model.num_heads='
-                        f'{self.num_heads}: each head needs d_model / num_heads dimensions')
+      raise ConfigError(
+        f'model.d_model={self.d_model} is not divisible by model.num_heads='
+        f'{self.num_heads}: each head needs d_model / num_heads dimensions'
+      )
     if self.cmlm_decoder_input != 'mask' and self.kind != 'cmlm':
-      raise ConfigError(f"model.cmlm_decoder_input={self.cmlm_decoder_input!r} is for "
-                        f"model.kind='cmlm'; an {self.kind} decoder is fed its previous tokens")
+      raise ConfigError(
+        f'model.cmlm_decoder_input={self.cmlm_decoder_input!r} is for '
+        f"model.kind='cmlm'; an {self.kind} decoder is fed its previous tokens"
+      )
     _check_attention_kernel(self)
-    special = {'pad_id': self.pad_id, 'bos_id': self.bos_id, 'eos_id': self.eos_id,
-               'unk_id': self.unk_id}
+    special = {
+      'pad_id': self.pad_id,
+      'bos_id': self.bos_id,
+      'eos_id': self.eos_id,
+      'unk_id': self.unk_id,
+    }
     # BOS may be PAD (a decoder that starts from PAD); the others must differ.
     ids = [self.pad_id, self.eos_id, self.unk_id] + [self.bos_id] * (self.bos_id != self.pad_id)
     if len(set(ids)) != len(ids):
-      raise ConfigError(f'special token ids must be distinct (bos_id may equal pad_id), got {special}')
+      raise ConfigError(
+        f'special token ids must be distinct (bos_id may equal pad_id), got {special}'
+      )
     if self.bos_id == self.pad_id and self.kind != 'autoregressive':
-      raise ConfigError(f'model.bos_id equal to model.pad_id is for autoregressive models, not '
-                        f'model.kind={self.kind!r}')
+      raise ConfigError(
+        f'model.bos_id equal to model.pad_id is for autoregressive models, not '
+        f'model.kind={self.kind!r}'
+      )
     for name, value in special.items():
       if not 0 <= value < self.vocab_size:
-        raise ConfigError(f'model.{name}={value} is outside the vocabulary '
-                          f'(model.vocab_size={self.vocab_size})')
+        raise ConfigError(
+          f'model.{name}={value} is outside the vocabulary (model.vocab_size={self.vocab_size})'
+        )
 
   @property
   def head_dim(self) -> int:
@@ -236,8 +297,16 @@ class ModelConfig:
   @classmethod
   def tiny(cls, **overrides) -> ModelConfig:
     """A few-thousand-parameter model for tests: d=32, 2+2 layers, 4 heads."""
-    defaults = dict(vocab_size=64, d_model=32, num_heads=4, num_encoder_layers=2,
-                    num_decoder_layers=2, d_ff=64, dropout_rate=0.1, max_len=64)
+    defaults = dict(
+      vocab_size=64,
+      d_model=32,
+      num_heads=4,
+      num_encoder_layers=2,
+      num_decoder_layers=2,
+      d_ff=64,
+      dropout_rate=0.1,
+      max_len=64,
+    )
     return cls(**{**defaults, **overrides})
 
   @classmethod
@@ -262,97 +331,163 @@ class TrainConfig:
   """
 
   seed: int = setting(0, 'seed of the parameters, batch order and dropout', bounds=SEED)
-  steps: int = setting(100_000, 'batches to train on (with accumulation K: steps / K updates)',
-                       bounds=POSITIVE_INT)
-  max_tokens: int = setting(25_000, 'padded tokens per batch and side (a batch of length-L rows '
-                                    "holds max_tokens // L rows; the paper's held about 25k)",
-                            bounds=POSITIVE_INT)
-  packing: int = setting(0, 'pack several sentence pairs into each row of this many positions '
-                            '(segment masks keep them apart; longer pairs go to the larger length '
-                            'buckets, packed there too); 0: one pair per row',
-                         bounds=NONNEGATIVE_INT)
+  steps: int = setting(
+    100_000, 'batches to train on (with accumulation K: steps / K updates)', bounds=POSITIVE_INT
+  )
+  max_tokens: int = setting(
+    25_000,
+    'padded tokens per batch and side (a batch of length-L rows '
+    "holds max_tokens // L rows; the paper's held about 25k)",
+    bounds=POSITIVE_INT,
+  )
+  packing: int = setting(
+    0,
+    'pack several sentence pairs into each row of this many positions '
+    '(segment masks keep them apart; longer pairs go to the larger length '
+    'buckets, packed there too); 0: one pair per row',
+    bounds=NONNEGATIVE_INT,
+  )
   warmup_steps: int = setting(4000, 'updates of linear learning-rate warmup', bounds=POSITIVE_INT)
-  lr_scale: float = setting(1.0, "factor on the paper's rate d_model^-0.5 * min(n^-0.5, "
-                                 'n * warmup_steps^-1.5), n = update + 1', bounds=POSITIVE)
-  peak_lr: float | None = setting(None, 'the peak learning rate, reached after warmup_steps '
-                                         'and decayed as the inverse square root of the update '
-                                         "(fairseq's --lr with inverse_sqrt): the paper's schedule "
-                                         'scaled to this peak; none: the paper\'s peak, '
-                                         '(d_model * warmup_steps)^-0.5 * lr_scale',
-                                  bounds=POSITIVE)
+  lr_scale: float = setting(
+    1.0,
+    "factor on the paper's rate d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5), n = update + 1",
+    bounds=POSITIVE,
+  )
+  peak_lr: float | None = setting(
+    None,
+    'the peak learning rate, reached after warmup_steps '
+    'and decayed as the inverse square root of the update '
+    "(fairseq's --lr with inverse_sqrt): the paper's schedule "
+    "scaled to this peak; none: the paper's peak, "
+    '(d_model * warmup_steps)^-0.5 * lr_scale',
+    bounds=POSITIVE,
+  )
   adam_b1: float = setting(0.9, 'Adam beta1', bounds=UNIT_INTERVAL)
   adam_b2: float = setting(0.98, 'Adam beta2', bounds=UNIT_INTERVAL)
   adam_eps: float = setting(1e-9, 'Adam epsilon', bounds=POSITIVE)
   label_smoothing: float = setting(0.1, 'label smoothing epsilon', bounds=UNIT_INTERVAL)
-  max_grad_norm: float | None = setting(None, 'clip the global gradient norm to this; none: no '
-                                              'clipping (the paper)', bounds=POSITIVE)
-  weight_decay: float = setting(0.0, 'decoupled (AdamW) decay of weight matrices and '
-                                     'embeddings; 0: plain Adam (the paper)', bounds=NONNEGATIVE)
-  grad_accum_steps: int = setting(1, 'batches accumulated per optimizer update',
-                                  bounds=POSITIVE_INT)
-  log_every: int = setting(100, 'steps between lines of training metrics (bar and '
-                                'metrics.jsonl)', bounds=POSITIVE_INT)
+  max_grad_norm: float | None = setting(
+    None, 'clip the global gradient norm to this; none: no clipping (the paper)', bounds=POSITIVE
+  )
+  weight_decay: float = setting(
+    0.0,
+    'decoupled (AdamW) decay of weight matrices and embeddings; 0: plain Adam (the paper)',
+    bounds=NONNEGATIVE,
+  )
+  grad_accum_steps: int = setting(
+    1, 'batches accumulated per optimizer update', bounds=POSITIVE_INT
+  )
+  log_every: int = setting(
+    100, 'steps between lines of training metrics (bar and metrics.jsonl)', bounds=POSITIVE_INT
+  )
   eval_every: int = setting(1000, 'steps between validation losses', bounds=POSITIVE_INT)
-  checkpoint_every: int = setting(1000, 'steps between checkpoints (and one at the end)',
-                                  bounds=POSITIVE_INT)
-  keep_checkpoints: int = setting(5, 'checkpoints kept on disk, the newest (the paper averages '
-                                     'the last 5)', bounds=POSITIVE_INT)
-  bleu_every: int = setting(0, 'steps between validation BLEU scores; 0: only at the end',
-                            bounds=NONNEGATIVE_INT)
+  checkpoint_every: int = setting(
+    1000, 'steps between checkpoints (and one at the end)', bounds=POSITIVE_INT
+  )
+  keep_checkpoints: int = setting(
+    5, 'checkpoints kept on disk, the newest (the paper averages the last 5)', bounds=POSITIVE_INT
+  )
+  bleu_every: int = setting(
+    0, 'steps between validation BLEU scores; 0: only at the end', bounds=NONNEGATIVE_INT
+  )
   best_metric: Literal['loss', 'bleu'] = setting(
-      'loss', 'what WORKDIR/best keeps: the parameters of the lowest validation loss (every '
-      'eval_every steps) or the highest validation tokenized BLEU (every bleu_every steps)')
-  patience: int = setting(0, 'stop after this many validations of train.best_metric without '
-                             "improvement (fairseq's --patience); 0: train to train.steps",
-                          bounds=NONNEGATIVE_INT)
-  length_loss_weight: float = setting(0.1, "cmlm: weight of the length classifier's "
-                                           'cross-entropy (per sentence) beside the masked-token '
-                                           "loss (fairseq's CMLM: 0.1)", bounds=NONNEGATIVE)
-  eos_fill_rate: float = setting(0.1, 'cmlm: fraction of target rows whose PAD positions are '
-                                      'filled with EOS while training, for fixed-length '
-                                      'decoding', bounds=UNIT_INTERVAL)
+    'loss',
+    'what WORKDIR/best keeps: the parameters of the lowest validation loss (every '
+    'eval_every steps) or the highest validation tokenized BLEU (every bleu_every steps)',
+  )
+  patience: int = setting(
+    0,
+    'stop after this many validations of train.best_metric without '
+    "improvement (fairseq's --patience); 0: train to train.steps",
+    bounds=NONNEGATIVE_INT,
+  )
+  length_loss_weight: float = setting(
+    0.1,
+    "cmlm: weight of the length classifier's "
+    'cross-entropy (per sentence) beside the masked-token '
+    "loss (fairseq's CMLM: 0.1)",
+    bounds=NONNEGATIVE,
+  )
+  eos_fill_rate: float = setting(
+    0.1,
+    'cmlm: fraction of target rows whose PAD positions are '
+    'filled with EOS while training, for fixed-length '
+    'decoding',
+    bounds=UNIT_INTERVAL,
+  )
   scheduled_sampling: Literal['off', 'linear', 'exponential', 'inverse_sigmoid'] = setting(
-      'off', 'off: teacher forcing (the paper); else scheduled sampling (Mihaylova & Martins '
-      '2019): a second decoder pass fed, per token, the first pass prediction with probability '
-      '1 - eps_i, where eps_i, the gold-token probability at step i, decays as in Bengio et al. '
-      '2015: linear min(1, max(eps, k - c*i)), exponential k^i, inverse_sigmoid k/(k + exp(i/k))')
-  scheduled_sampling_k: float = setting(1.0, 'scheduled sampling: k of the decay (linear: the '
-                                             'start, > 1 holds eps_i at 1 for (k - 1) / c steps; '
-                                             'exponential: 0 < k <= 1; inverse_sigmoid: k >= 1)',
-                                        bounds=NUMBER)
-  scheduled_sampling_c: float = setting(1e-4, 'scheduled sampling, linear: the decrease of the '
-                                              'gold-token probability per step', bounds=NUMBER)
-  scheduled_sampling_eps: float = setting(0.0, 'scheduled sampling, linear: the lowest '
-                                               'gold-token probability, in [0, 1]',
-                                          bounds=NUMBER)
-  prefetch: int = setting(2, 'batches built ahead by a background thread (and put on the '
-                             'devices) while the devices run a step; 0: built between steps',
-                          bounds=NONNEGATIVE_INT)
+    'off',
+    'off: teacher forcing (the paper); else scheduled sampling (Mihaylova & Martins '
+    '2019): a second decoder pass fed, per token, the first pass prediction with probability '
+    '1 - eps_i, where eps_i, the gold-token probability at step i, decays as in Bengio et al. '
+    '2015: linear min(1, max(eps, k - c*i)), exponential k^i, inverse_sigmoid k/(k + exp(i/k))',
+  )
+  scheduled_sampling_k: float = setting(
+    1.0,
+    'scheduled sampling: k of the decay (linear: the '
+    'start, > 1 holds eps_i at 1 for (k - 1) / c steps; '
+    'exponential: 0 < k <= 1; inverse_sigmoid: k >= 1)',
+    bounds=NUMBER,
+  )
+  scheduled_sampling_c: float = setting(
+    1e-4,
+    'scheduled sampling, linear: the decrease of the gold-token probability per step',
+    bounds=NUMBER,
+  )
+  scheduled_sampling_eps: float = setting(
+    0.0, 'scheduled sampling, linear: the lowest gold-token probability, in [0, 1]', bounds=NUMBER
+  )
+  prefetch: int = setting(
+    2,
+    'batches built ahead by a background thread (and put on the '
+    'devices) while the devices run a step; 0: built between steps',
+    bounds=NONNEGATIVE_INT,
+  )
   scheduled_sampling_choice: Literal['argmax', 'sample'] = setting(
-      'argmax', "scheduled sampling: the first pass's prediction is its argmax, or a token "
-      'sampled from its softmax')
-  profile: str | None = setting(None, 'START,STOP: a jax.profiler trace of the steps after '
-                                      'step START up to step STOP, in WORKDIR/profile '
-                                      '(TensorBoard or Perfetto); none: no trace')
+    'argmax',
+    "scheduled sampling: the first pass's prediction is its argmax, or a token "
+    'sampled from its softmax',
+  )
+  profile: str | None = setting(
+    None,
+    'START,STOP: a jax.profiler trace of the steps after '
+    'step START up to step STOP, in WORKDIR/profile '
+    '(TensorBoard or Perfetto); none: no trace',
+  )
 
   # Fields a resumed run may change: they say how long and how chattily to train, not how.
-  RESUMABLE_CHANGES = frozenset({'steps', 'log_every', 'eval_every', 'checkpoint_every',
-                                 'keep_checkpoints', 'bleu_every', 'prefetch', 'profile',
-                                 'patience'})
+  RESUMABLE_CHANGES = frozenset(
+    {
+      'steps',
+      'log_every',
+      'eval_every',
+      'checkpoint_every',
+      'keep_checkpoints',
+      'bleu_every',
+      'prefetch',
+      'profile',
+      'patience',
+    }
+  )
 
   def __post_init__(self):
     check_fields(self, 'train')
     _check_scheduled_sampling(self)
     profile = self.profile_steps  # raises ConfigError for a malformed train.profile
     if profile is not None and profile[0] >= self.steps:
-      raise ConfigError(f'train.profile={self.profile} starts after the last step (train.steps='
-                        f'{self.steps}): no step would be traced')
+      raise ConfigError(
+        f'train.profile={self.profile} starts after the last step (train.steps='
+        f'{self.steps}): no step would be traced'
+      )
     if self.peak_lr is not None and self.lr_scale != 1.0:
-      raise ConfigError(f'train.peak_lr={self.peak_lr} sets the peak itself; train.lr_scale='
-                        f'{self.lr_scale} scales the paper\'s peak: set one of them')
+      raise ConfigError(
+        f'train.peak_lr={self.peak_lr} sets the peak itself; train.lr_scale='
+        f"{self.lr_scale} scales the paper's peak: set one of them"
+      )
     if self.best_metric == 'bleu' and not self.bleu_every:
-      raise ConfigError('train.best_metric=bleu needs validation BLEU during training: set '
-                        'train.bleu_every')
+      raise ConfigError(
+        'train.best_metric=bleu needs validation BLEU during training: set train.bleu_every'
+      )
 
   @property
   def profile_steps(self) -> tuple[int, int] | None:
@@ -361,12 +496,15 @@ class TrainConfig:
       return None
     parts = self.profile.split(',')
     if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
-      raise ConfigError(f'train.profile must be START,STOP (two step numbers, e.g. 10,15), got '
-                        f'{self.profile!r}')
+      raise ConfigError(
+        f'train.profile must be START,STOP (two step numbers, e.g. 10,15), got {self.profile!r}'
+      )
     start, stop = (int(part) for part in parts)
     if start >= stop:
-      raise ConfigError(f'train.profile={self.profile}: STOP must be after START (the steps '
-                        'after START up to STOP are traced)')
+      raise ConfigError(
+        f'train.profile={self.profile}: STOP must be after START (the steps '
+        'after START up to STOP are traced)'
+      )
     return start, stop
 
   def replace(self, **overrides) -> TrainConfig:
@@ -382,15 +520,52 @@ class TrainConfig:
     """Multi30k: 8,000 batches of 4k tokens per side, pairs packed into rows of 64 (~76
     epochs), a shorter warmup than the paper's, a checkpoint every 250 steps and the last 10
     kept for averaging (docs/multi30k.md: how it was chosen, and what it scores)."""
-    defaults = dict(steps=8000, max_tokens=4096, warmup_steps=1000, packing=64, log_every=50,
-                    eval_every=500, checkpoint_every=250, keep_checkpoints=10, bleu_every=1000)
+    defaults = dict(
+      steps=8000,
+      max_tokens=4096,
+      warmup_steps=1000,
+      packing=64,
+      log_every=50,
+      eval_every=500,
+      checkpoint_every=250,
+      keep_checkpoints=10,
+      bleu_every=1000,
+    )
+    return cls(**{**defaults, **overrides})
+
+  @classmethod
+  def multi30k_fairseq(cls, **overrides) -> TrainConfig:
+    """Wu et al. (2021)'s fairseq baseline on Multi30k (`--preset multi30k_fairseq`): 8,000
+    updates of 8,192 tokens, --lr 0.005 after 2,000 warm-up updates, an epoch checkpoint and
+    validation, patience 10, the last 10 epochs kept for averaging."""
+    defaults = dict(
+      seed=1,
+      steps=8000,
+      max_tokens=8192,
+      warmup_steps=2000,
+      peak_lr=0.005,
+      adam_eps=1e-8,
+      max_grad_norm=25.0,
+      log_every=50,
+      eval_every=MULTI30K_FAIRSEQ_EPOCH,
+      checkpoint_every=MULTI30K_FAIRSEQ_EPOCH,
+      keep_checkpoints=10,
+      patience=10,
+      bleu_every=5 * MULTI30K_FAIRSEQ_EPOCH,
+    )
     return cls(**{**defaults, **overrides})
 
   @classmethod
   def toy(cls, **overrides) -> TrainConfig:
     """The offline default (`python train.py`): minutes on a laptop CPU."""
-    defaults = dict(steps=400, max_tokens=2048, warmup_steps=200, log_every=50,
-                    eval_every=200, checkpoint_every=200)
+    defaults = dict(
+      steps=400,
+      max_tokens=2048,
+      warmup_steps=200,
+      log_every=50,
+      eval_every=200,
+      checkpoint_every=200,
+    )
     return cls(**{**defaults, **overrides})
 
 
@@ -424,13 +599,19 @@ def resolve_attention_kernel(config: ModelConfig, backend: str | None = None) ->
     backend = 'gpu (before Ampere)'  # no cuDNN flash attention: auto takes einsum
   backend = backend or jax.default_backend()
   if config.attention_kernel == 'cudnn' and backend != 'gpu':
-    raise ConfigError(f'model.attention_kernel=cudnn needs a GPU (cuDNN); this runs on {backend}: '
-                      'use auto, einsum or xla')
+    raise ConfigError(
+      f'model.attention_kernel=cudnn needs a GPU (cuDNN); this runs on {backend}: '
+      'use auto, einsum or xla'
+    )
   if config.attention_kernel != 'auto':
     return config.attention_kernel
   dtype = resolve_dtype(config.dtype, backend)
-  fits = (dtype in CUDNN_DTYPES and config.head_dim <= AUTO_CUDNN_MAX_HEAD_DIM
-          and config.head_dim % 8 == 0 and config.attention_dropout_rate == 0)
+  fits = (
+    dtype in CUDNN_DTYPES
+    and config.head_dim <= AUTO_CUDNN_MAX_HEAD_DIM
+    and config.head_dim % 8 == 0
+    and config.attention_dropout_rate == 0
+  )
   return 'cudnn' if backend == 'gpu' and fits else 'einsum'
 
 
@@ -447,17 +628,23 @@ def _check_attention_kernel(config: ModelConfig) -> None:
   """Raises ConfigError for an explicit fused kernel the model's settings rule out."""
   kernel = config.attention_kernel
   if kernel in ('xla', 'cudnn') and config.attention_dropout_rate > 0:
-    raise ConfigError(f'model.attention_kernel={kernel} has no attention dropout '
-                      f'(jax.nn.dot_product_attention); with model.attention_dropout_rate='
-                      f'{config.attention_dropout_rate} use einsum or auto')
+    raise ConfigError(
+      f'model.attention_kernel={kernel} has no attention dropout '
+      f'(jax.nn.dot_product_attention); with model.attention_dropout_rate='
+      f'{config.attention_dropout_rate} use einsum or auto'
+    )
   if kernel != 'cudnn':
     return
   if config.dtype not in ('auto', *CUDNN_DTYPES):
-    raise ConfigError(f'model.attention_kernel=cudnn computes in bfloat16 or float16, not '
-                      f'model.dtype={config.dtype}: use model.dtype=bfloat16 (or auto, on a GPU)')
+    raise ConfigError(
+      f'model.attention_kernel=cudnn computes in bfloat16 or float16, not '
+      f'model.dtype={config.dtype}: use model.dtype=bfloat16 (or auto, on a GPU)'
+    )
   if config.head_dim > CUDNN_MAX_HEAD_DIM or config.head_dim % 8:
-    raise ConfigError(f'model.attention_kernel=cudnn needs a head size (d_model / num_heads) of at '
-                      f'most {CUDNN_MAX_HEAD_DIM} and a multiple of 8, got {config.head_dim}')
+    raise ConfigError(
+      f'model.attention_kernel=cudnn needs a head size (d_model / num_heads) of at '
+      f'most {CUDNN_MAX_HEAD_DIM} and a multiple of 8, got {config.head_dim}'
+    )
 
 
 def _check_scheduled_sampling(config: TrainConfig) -> None:
@@ -465,19 +652,29 @@ def _check_scheduled_sampling(config: TrainConfig) -> None:
   the chosen schedule, or that the schedule does not read."""
   schedule, k = config.scheduled_sampling, config.scheduled_sampling_k
   defaults = TrainConfig.__dataclass_fields__
-  unread = {'off': ('k', 'c', 'eps', 'choice'), 'linear': (),
-            'exponential': ('c', 'eps'), 'inverse_sigmoid': ('c', 'eps')}[schedule]
+  unread = {
+    'off': ('k', 'c', 'eps', 'choice'),
+    'linear': (),
+    'exponential': ('c', 'eps'),
+    'inverse_sigmoid': ('c', 'eps'),
+  }[schedule]
   for name in unread:
     field = f'scheduled_sampling_{name}'
     if getattr(config, field) != defaults[field].default:
-      raise ConfigError(f'train.{field}={getattr(config, field)!r} is not read with '
-                        f'train.scheduled_sampling={schedule!r}')
+      raise ConfigError(
+        f'train.{field}={getattr(config, field)!r} is not read with '
+        f'train.scheduled_sampling={schedule!r}'
+      )
   # Numbers, each (check_fields); their ranges depend on the schedule.
   numbers = {name: getattr(config, f'scheduled_sampling_{name}') for name in ('k', 'c', 'eps')}
-  ranges = {'linear': (k >= 0 and numbers['c'] >= 0 and 0 <= numbers['eps'] <= 1,
-                       'k >= 0, c >= 0 and 0 <= eps <= 1'),
-            'exponential': (0 < k <= 1, '0 < k <= 1'),
-            'inverse_sigmoid': (k >= 1, 'k >= 1')}
+  ranges = {
+    'linear': (
+      k >= 0 and numbers['c'] >= 0 and 0 <= numbers['eps'] <= 1,
+      'k >= 0, c >= 0 and 0 <= eps <= 1',
+    ),
+    'exponential': (0 < k <= 1, '0 < k <= 1'),
+    'inverse_sigmoid': (k >= 1, 'k >= 1'),
+  }
   valid, rule = ranges.get(schedule, (True, ''))
   if not valid:
     values = ', '.join(f'train.scheduled_sampling_{n}={v!r}' for n, v in numbers.items())
@@ -488,37 +685,64 @@ def _check_scheduled_sampling(config: TrainConfig) -> None:
 class DataConfig:
   """Where the parallel text comes from and how its shared vocabulary is built."""
 
-  source: str = setting('toy', 'toy (English -> German number words, generated in code, '
-                               'offline), a directory or table file of parallel text, or a Hub '
-                               'dataset (see data.load_parallel)')
+  source: str = setting(
+    'toy',
+    'toy (English -> German number words, generated in code, '
+    'offline), a directory or table file of parallel text, or a Hub '
+    'dataset (see data.load_parallel)',
+  )
   src_lang: str = setting('en', 'source language code (file suffix or column)')
   tgt_lang: str = setting('de', 'target language code (file suffix or column)')
-  vocab_size: int = setting(8000, "size of the shared subword vocabulary to train; "
-                                  "model.vocab_size becomes the trained tokenizer's size, which "
-                                  'a small corpus may leave below this', bounds=POSITIVE_INT)
+  vocab_size: int = setting(
+    8000,
+    'size of the shared subword vocabulary to train; '
+    "model.vocab_size becomes the trained tokenizer's size, which "
+    'a small corpus may leave below this',
+    bounds=POSITIVE_INT,
+  )
   tokenizer: Literal['bpe', 'unigram'] = setting('bpe', 'subword model of the tokenizer')
-  valid_split: str | None = setting(None, 'file stem (or Hub split) to validate on; none: the '
-                                          'first of val, valid, validation, dev')
-  test_split: str | None = setting(None, 'file stem (or Hub split) to test on, e.g. '
-                                         "test_2016_flickr; none: 'test', or the only test* one")
-  tokenizer_sample: int = setting(500_000, 'training pairs (both sides) the tokenizer is trained '
-                                           'on, drawn at random when the split has more, so '
-                                           'that training it takes minutes at any corpus size; '
-                                           '0: every pair', bounds=NONNEGATIVE_INT)
-  cache_dir: str | None = setting(None, 'where the tokenized training split is cached, one '
-                                        'subdirectory per data content and tokenizer (share it '
-                                        'between runs of one corpus); none: WORKDIR/encoded')
-  normalize_punctuation: bool = setting(False, "Moses' punctuation normalisation of every text "
-                                               'the tokenizer sees (Multi30k\'s standard '
-                                               'preprocessing; true/false)')
-  lowercase: bool = setting(False, 'lowercase every text the tokenizer sees, so outputs are '
-                                   'lowercase (true/false)')
+  valid_split: str | None = setting(
+    None, 'file stem (or Hub split) to validate on; none: the first of val, valid, validation, dev'
+  )
+  test_split: str | None = setting(
+    None,
+    'file stem (or Hub split) to test on, e.g. '
+    "test_2016_flickr; none: 'test', or the only test* one",
+  )
+  tokenizer_sample: int = setting(
+    500_000,
+    'training pairs (both sides) the tokenizer is trained '
+    'on, drawn at random when the split has more, so '
+    'that training it takes minutes at any corpus size; '
+    '0: every pair',
+    bounds=NONNEGATIVE_INT,
+  )
+  cache_dir: str | None = setting(
+    None,
+    'where the tokenized training split is cached, one '
+    'subdirectory per data content and tokenizer (share it '
+    'between runs of one corpus); none: WORKDIR/encoded',
+  )
+  normalize_punctuation: bool = setting(
+    False,
+    "Moses' punctuation normalisation of every text "
+    "the tokenizer sees (Multi30k's standard "
+    'preprocessing; true/false)',
+  )
+  lowercase: bool = setting(
+    False, 'lowercase every text the tokenizer sees, so outputs are lowercase (true/false)'
+  )
   pretokenize: Literal['none', 'moses'] = setting(
-      'none', 'moses: split punctuation from words with the Moses tokenizer of each side\'s '
-      'language before the subword model (training, validation and decoding input alike); none: '
-      'the subword model sees text as written')
-  detokenize: bool = setting(True, 'with data.pretokenize=moses: Moses-detokenize outputs into '
-                                   'text; false: leave them tokenized (true/false)')
+    'none',
+    "moses: split punctuation from words with the Moses tokenizer of each side's "
+    'language before the subword model (training, validation and decoding input alike); none: '
+    'the subword model sees text as written',
+  )
+  detokenize: bool = setting(
+    True,
+    'with data.pretokenize=moses: Moses-detokenize outputs into '
+    'text; false: leave them tokenized (true/false)',
+  )
 
   # Fields a resumed run may change: where the cache lives changes no token id.
   RESUMABLE_CHANGES = frozenset({'cache_dir'})
@@ -536,8 +760,10 @@ class DataConfig:
     if self.src_lang == self.tgt_lang:
       raise ConfigError(f'data.src_lang and data.tgt_lang are both {self.src_lang!r}')
     if not self.detokenize and self.pretokenize != 'moses':
-      raise ConfigError('data.detokenize=false is read only with data.pretokenize=moses (there '
-                        'is nothing to detokenize)')
+      raise ConfigError(
+        'data.detokenize=false is read only with data.pretokenize=moses (there '
+        'is nothing to detokenize)'
+      )
 
   def replace(self, **overrides) -> DataConfig:
     return dataclasses.replace(self, **overrides)
@@ -551,9 +777,11 @@ RUN_PRESETS = ('toy', 'multi30k', 'multi30k_fairseq', 'base')
 # new one, config.json's old key is read as the new) or a decoding method's name
 # ('mask_predict': decode.py refuses the old option); a decoding method is 'method.NAME'
 # (decode.py's --method). The non-autoregressive model was called nat before it was cmlm.
-RENAMED = {'model.nat_decoder_input': 'model.cmlm_decoder_input',
-           'method.nat': 'method.mask_predict',
-           'mask_predict.nat_length': 'mask_predict.length'}
+RENAMED = {
+  'model.nat_decoder_input': 'model.cmlm_decoder_input',
+  'method.nat': 'method.mask_predict',
+  'mask_predict.nat_length': 'mask_predict.length',
+}
 
 
 # Batches of 8,192 tokens in one epoch of Multi30k's 29,000 training pairs, preprocessed as the
@@ -572,30 +800,58 @@ def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
   base: the paper's base model and schedule on WMT14 en->de from the Hub.
   """
   if name == 'toy':
-    return (ModelConfig(d_model=128, num_heads=4, num_encoder_layers=2, num_decoder_layers=2,
-                        d_ff=512, max_len=64),
-            TrainConfig.toy(), DataConfig(source='toy', vocab_size=256))
+    return (
+      ModelConfig(
+        d_model=128, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=512, max_len=64
+      ),
+      TrainConfig.toy(),
+      DataConfig(source='toy', vocab_size=256),
+    )
   if name == 'multi30k':
-    return (ModelConfig(d_model=128, num_heads=4, num_encoder_layers=4, num_decoder_layers=4,
-                        d_ff=512, max_len=128, dropout_rate=0.3, dtype='bfloat16'),
-            TrainConfig.multi30k(), DataConfig(source='bentrevett/multi30k', vocab_size=16_000))
+    return (
+      ModelConfig(
+        d_model=128,
+        num_heads=4,
+        num_encoder_layers=4,
+        num_decoder_layers=4,
+        d_ff=512,
+        max_len=128,
+        dropout_rate=0.3,
+        dtype='bfloat16',
+      ),
+      TrainConfig.multi30k(),
+      DataConfig(source='bentrevett/multi30k', vocab_size=16_000),
+    )
   if name == 'multi30k_fairseq':
     # Wu et al. (2021)'s fairseq baseline, LividWo/Revisit-MMT README-baseline.md: its
     # transformer_tiny, 2 GPUs x 4,096 tokens an update, --lr 0.005 after 2,000 warm-up
     # updates, Adam eps 1e-8, --clip-norm 25, --patience 10 on the validation loss of each
     # epoch, the last 10 epoch checkpoints averaged (docs/multi30k.md).
-    return (ModelConfig(d_model=128, num_heads=4, num_encoder_layers=4, num_decoder_layers=4,
-                        d_ff=256, max_len=128, dropout_rate=0.3),
-            TrainConfig(seed=1, steps=8000, max_tokens=8192, warmup_steps=2000, peak_lr=0.005,
-                        adam_eps=1e-8, max_grad_norm=25.0, log_every=50,
-                        eval_every=MULTI30K_FAIRSEQ_EPOCH, checkpoint_every=MULTI30K_FAIRSEQ_EPOCH,
-                        keep_checkpoints=10, patience=10,
-                        bleu_every=5 * MULTI30K_FAIRSEQ_EPOCH),
-            DataConfig(source='bentrevett/multi30k', vocab_size=10_000,
-                       normalize_punctuation=True, lowercase=True, pretokenize='moses'))
+    return (
+      ModelConfig(
+        d_model=128,
+        num_heads=4,
+        num_encoder_layers=4,
+        num_decoder_layers=4,
+        d_ff=256,
+        max_len=128,
+        dropout_rate=0.3,
+      ),
+      TrainConfig.multi30k_fairseq(),
+      DataConfig(
+        source='bentrevett/multi30k',
+        vocab_size=10_000,
+        normalize_punctuation=True,
+        lowercase=True,
+        pretokenize='moses',
+      ),
+    )
   if name == 'base':
-    return ModelConfig.base(), TrainConfig.paper(), DataConfig(source='wmt14:de-en',
-                                                                  vocab_size=37_000)
+    return (
+      ModelConfig.base(),
+      TrainConfig.paper(),
+      DataConfig(source='wmt14:de-en', vocab_size=37_000),
+    )
   raise ConfigError(f'unknown preset {name!r}; choose one of {", ".join(RUN_PRESETS)}')
 
 
@@ -613,8 +869,10 @@ def parse_overrides(config, section: str, assignments: dict[str, str]):
     if f'{section}.{name}' in RENAMED:
       raise ConfigError(f'{section}.{name} is now called {RENAMED[f"{section}.{name}"]}')
     if name not in fields:
-      raise ConfigError(f'unknown option {section}.{name}; known: '
-                        + ', '.join(sorted(f'{section}.{f}' for f in fields)))
+      raise ConfigError(
+        f'unknown option {section}.{name}; known: '
+        + ', '.join(sorted(f'{section}.{f}' for f in fields))
+      )
     values[name] = _parse_value(hints[name], text, f'{section}.{name}')
   return dataclasses.replace(config, **values)
 

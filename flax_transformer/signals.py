@@ -86,8 +86,11 @@ def recording(program: str = '') -> Iterator[None]:
     return
   outermost = _record['depth'] == 0
   if outermost:
-    _record.update(received=None, program=program,
-                   previous={number: signal.signal(number, _note) for number in SIGNALS})
+    _record.update(
+      received=None,
+      program=program,
+      previous={number: signal.signal(number, _note) for number in SIGNALS},
+    )
   _record['depth'] += 1
   try:
     yield
@@ -109,8 +112,10 @@ def _note(number: int, frame: FrameType | None) -> None:
 def _second_interrupt() -> None:
   if not _record['program']:
     raise KeyboardInterrupt('second SIGINT: stopped at once')
-  line = (f'{_record["program"]}: interrupted twice: stopped at once, without waiting for a '
-          'safe point; what was written before stays (checkpoints and outputs are complete)\n')
+  line = (
+    f'{_record["program"]}: interrupted twice: stopped at once, without waiting for a '
+    'safe point; what was written before stays (checkpoints and outputs are complete)\n'
+  )
   with contextlib.suppress(OSError):
     os.write(2, line.encode())
   os._exit(128 + signal.SIGINT)

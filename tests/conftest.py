@@ -58,10 +58,6 @@ for path in (TESTS, ROOT):  # ROOT ends up first
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from support import checkpointed_run as checkpointed_run_lib  # noqa: E402
-from support import random_run as random_run_lib  # noqa: E402
-from support import tiny_cmlm  # noqa: E402
-from support.script_calls import call  # noqa: E402
 
 import train as train_cli  # noqa: E402
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
@@ -70,8 +66,12 @@ from flax_transformer.data.tokenizer import Tokenizer  # noqa: E402
 from flax_transformer.data.toy_task import number_translation  # noqa: E402
 from flax_transformer.nn.cmlm import CMLMTransformer  # noqa: E402
 from flax_transformer.nn.model import Transformer  # noqa: E402
-from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.checkpoints import Checkpoints  # noqa: E402
 from flax_transformer.run.directory import write_config  # noqa: E402
+from support import checkpointed_run as checkpointed_run_lib  # noqa: E402
+from support import random_run as random_run_lib  # noqa: E402
+from support import tiny_cmlm  # noqa: E402
+from support.script_calls import call  # noqa: E402
 
 # --- corpora ------------------------------------------------------------------------------
 
@@ -97,19 +97,30 @@ def numbers_corpus(tmp_path_factory) -> Path:
   directory.mkdir(parents=True)
   for split, stem in stems.items():
     for column, lang in (('source', 'en'), ('target', 'de')):
-      (directory / f'{stem}.{lang}').write_text(''.join(f'{line}\n'
-                                                        for line in numbers[split][column]))
+      (directory / f'{stem}.{lang}').write_text(
+        ''.join(f'{line}\n' for line in numbers[split][column])
+      )
   return directory
 
 
 # --- run directories ----------------------------------------------------------------------
 
 # The model of tests/test_train_cli.py: one layer each side, 16 positions.
-CMLM_OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
-                '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
-                '--model.max_length_offset=4', '--data.vocab_size=256', '--train.max_tokens=256',
-                '--train.warmup_steps=4', '--train.log_every=2', '--train.eval_every=2',
-                '--train.checkpoint_every=2']
+CMLM_OPTIONS = [
+  '--model.d_model=32',
+  '--model.num_heads=4',
+  '--model.num_encoder_layers=1',
+  '--model.num_decoder_layers=1',
+  '--model.d_ff=64',
+  '--model.max_len=16',
+  '--model.max_length_offset=4',
+  '--data.vocab_size=256',
+  '--train.max_tokens=256',
+  '--train.warmup_steps=4',
+  '--train.log_every=2',
+  '--train.eval_every=2',
+  '--train.checkpoint_every=2',
+]
 
 
 @pytest.fixture(scope='session')
@@ -121,10 +132,25 @@ def cmlm_run(tmp_path_factory, numbers_corpus) -> dict:
   """
   corpus = numbers_corpus
   workdir = tmp_path_factory.mktemp('cmlm') / 'run'
-  first = call(train_cli.main, ['--objective', 'cmlm', *CMLM_OPTIONS, '--data', corpus,
-                                '--steps=4', '--average-last', '2', '--workdir', workdir])
-  resumed = call(train_cli.main, ['--objective', 'cmlm', *CMLM_OPTIONS, '--data', corpus,
-                                  '--steps=6', '--workdir', workdir])
+  first = call(
+    train_cli.main,
+    [
+      '--objective',
+      'cmlm',
+      *CMLM_OPTIONS,
+      '--data',
+      corpus,
+      '--steps=4',
+      '--average-last',
+      '2',
+      '--workdir',
+      workdir,
+    ],
+  )
+  resumed = call(
+    train_cli.main,
+    ['--objective', 'cmlm', *CMLM_OPTIONS, '--data', corpus, '--steps=6', '--workdir', workdir],
+  )
   return {'workdir': workdir, 'first': first, 'resumed': resumed}
 
 
@@ -135,10 +161,16 @@ def teacher(tmp_path_factory, numbers_corpus) -> Path:
   corpus = numbers_corpus
   workdir = tmp_path_factory.mktemp('teacher') / 'run'
   dataset = load_parallel(str(corpus), 'en', 'de')
-  tokenizer = Tokenizer.train(list(dataset['train']['source']) + list(dataset['train']['target']),
-                              vocab_size=256)
-  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=1,
-                            num_decoder_layers=1, max_len=16, dropout_rate=0.0)
+  tokenizer = Tokenizer.train(
+    list(dataset['train']['source']) + list(dataset['train']['target']), vocab_size=256
+  )
+  config = ModelConfig.tiny(
+    vocab_size=tokenizer.vocab_size,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    max_len=16,
+    dropout_rate=0.0,
+  )
   tokens = np.ones((1, 4), np.int32)
   params = Transformer(config).init(jax.random.key(0), tokens, tokens)['params']
   # A longer EOS embedding, so that random-weight translations end at different lengths.
@@ -168,6 +200,7 @@ def checkpointed_run(tmp_path_factory) -> checkpointed_run_lib.CheckpointedRun:
 
 # --- the tiny cmlm model of support.tiny_cmlm ----------------------------------------------
 
+
 @pytest.fixture(scope='session')
 def cmlm_params():
   """Initial parameters of CMLMTransformer(tiny_cmlm.CONFIG) (test_cmlm, test_cmlm_decoding)."""
@@ -192,14 +225,32 @@ def cmlm_copy_params():
 # finishes one; a long file handed out last would run alone at the end while the other worker
 # idles. Files not named here keep their order, after these.
 SLOWEST_FILES = (
-    'test_notebooks.py', 'test_export.py', 'test_readme.py', 'test_cmlm_decoding.py',
-    'test_decoding.py',
-    'test_decode_cli.py', 'test_multi30k.py', 'test_packing.py', 'test_benchmarks.py',
-    'test_multihost.py', 'test_pretrained.py', 'test_model.py', 'test_interruption.py',
-    'test_signals.py',
-    'test_training.py', 'test_scheduled_sampling.py', 'test_banded_attention.py',
-    'test_cmlm_training.py', 'test_train_step.py', 'test_multidevice.py', 'test_cmlm.py',
-    'test_train_cli.py', 'test_attention.py', 'test_faults.py', 'test_nothing_lost.py')
+  'test_notebooks.py',
+  'test_export.py',
+  'test_readme.py',
+  'test_cmlm_decoding.py',
+  'test_decoding.py',
+  'test_decode_cli.py',
+  'test_multi30k.py',
+  'test_packing.py',
+  'test_benchmarks.py',
+  'test_multihost.py',
+  'test_pretrained.py',
+  'test_model.py',
+  'test_interruption.py',
+  'test_signals.py',
+  'test_training.py',
+  'test_scheduled_sampling.py',
+  'test_banded_attention.py',
+  'test_cmlm_training.py',
+  'test_train_step.py',
+  'test_multidevice.py',
+  'test_cmlm.py',
+  'test_train_cli.py',
+  'test_attention.py',
+  'test_faults.py',
+  'test_nothing_lost.py',
+)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -18,12 +18,14 @@ from flax_transformer.data.packing import PackingBatcher, pack_rows
 from flax_transformer.data.tokenizer import Tokenizer
 
 MULTI30K = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
-needs_multi30k = pytest.mark.skipif(not (MULTI30K / 'train.en').is_file(),
-                                    reason=f'Multi30k is not at {MULTI30K}')
+needs_multi30k = pytest.mark.skipif(
+  not (MULTI30K / 'train.en').is_file(), reason=f'Multi30k is not at {MULTI30K}'
+)
 
 
-def random_corpus(pairs: int, max_len: int, seed: int, pad_id: int = 0, bos_id: int = 1,
-                  eos_id: int = 2) -> EncodedCorpus:
+def random_corpus(
+  pairs: int, max_len: int, seed: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2
+) -> EncodedCorpus:
   """Pairs of random lengths 2..max_len a side (EOS included), ids in [4, 500)."""
   rng = np.random.default_rng(seed)
   sides = {}
@@ -35,10 +37,17 @@ def random_corpus(pairs: int, max_len: int, seed: int, pad_id: int = 0, bos_id: 
     ids[offsets[1:] - 1] = eos_id
     sides[side] = (ids, offsets)
   example_ids = np.sort(rng.choice(pairs * 2, size=pairs, replace=False)).astype(np.int64)
-  return EncodedCorpus(src_ids=sides['src'][0], src_offsets=sides['src'][1],
-                       tgt_ids=sides['tgt'][0], tgt_offsets=sides['tgt'][1],
-                       example_ids=example_ids, max_len=max_len, num_dropped=pairs,
-                       pad_id=pad_id, bos_id=bos_id)
+  return EncodedCorpus(
+    src_ids=sides['src'][0],
+    src_offsets=sides['src'][1],
+    tgt_ids=sides['tgt'][0],
+    tgt_offsets=sides['tgt'][1],
+    example_ids=example_ids,
+    max_len=max_len,
+    num_dropped=pairs,
+    pad_id=pad_id,
+    bos_id=bos_id,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -51,9 +60,10 @@ def multi30k_corpus():
 
 
 CORPORA = {
-    'random': lambda: random_corpus(700, 40, seed=1),
-    'random_marian_ids': lambda: random_corpus(500, 100, seed=2, pad_id=58100, bos_id=58100,
-                                               eos_id=0),
+  'random': lambda: random_corpus(700, 40, seed=1),
+  'random_marian_ids': lambda: random_corpus(
+    500, 100, seed=2, pad_id=58100, bos_id=58100, eos_id=0
+  ),
 }
 
 
@@ -88,24 +98,31 @@ def test_bucketed_batches_are_bit_identical(corpus):
 def test_packed_batches_are_bit_identical(corpus):
   row_length = 24  # longer pairs go to the larger buckets, packed there too
   today = PackingBatcher(corpus, 1536, seed=5, row_length=row_length, row_multiple=2)
-  ours = assembly.ArrayPackingBatcher(corpus, 1536, seed=5, row_length=row_length,
-                                      row_multiple=2, plan='first_fit')
+  ours = assembly.ArrayPackingBatcher(
+    corpus, 1536, seed=5, row_length=row_length, row_multiple=2, plan='first_fit'
+  )
   steps = len(today.epoch(0)) + len(today.epoch(1))
   for step in range(steps):
     assert_same(ours.batch_at(step), today.batch_at(step))
   # And from today's plan entries directly (lists of arrays, as pack_rows gives them).
   for bucket, rows_of_pairs in today._plan(0)[:5]:
-    assert_same(assembly.build_packed(corpus, rows_of_pairs, today.rows[bucket],
-                                      today.length_buckets[bucket]),
-                today._build(bucket, rows_of_pairs))
+    assert_same(
+      assembly.build_packed(
+        corpus, rows_of_pairs, today.rows[bucket], today.length_buckets[bucket]
+      ),
+      today._build(bucket, rows_of_pairs),
+    )
 
 
 @pytest.mark.parametrize('count', [2, 4])
 def test_local_rows_equal_the_shard_of_the_global_batch(corpus, count):
-  batchers = [assembly.ArrayBatcher(corpus, 1024, seed=7, row_multiple=4),
-              assembly.ArrayPackingBatcher(corpus, 1024, seed=7, row_length=32, row_multiple=4),
-              assembly.ArrayPackingBatcher(corpus, 1024, seed=7, row_length=32, row_multiple=4,
-                                           plan='first_fit')]
+  batchers = [
+    assembly.ArrayBatcher(corpus, 1024, seed=7, row_multiple=4),
+    assembly.ArrayPackingBatcher(corpus, 1024, seed=7, row_length=32, row_multiple=4),
+    assembly.ArrayPackingBatcher(
+      corpus, 1024, seed=7, row_length=32, row_multiple=4, plan='first_fit'
+    ),
+  ]
   for batcher in batchers:
     steps = range(len(batcher.epoch(0)))  # includes each bucket's part-empty last batch
     for step in steps:

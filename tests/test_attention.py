@@ -26,7 +26,7 @@ def reference_attention_grads(q, k, v, mask, cotangent):
   """float64 (dq, dk, dv) of sum(reference_attention(q, k, v, mask)[0] * cotangent)."""
   q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, cotangent))
   scale = 1.0 / np.sqrt(q.shape[-1])
-  _, weights = reference_attention(q, k, v, mask)                       # [B, N, T, S]
+  _, weights = reference_attention(q, k, v, mask)  # [B, N, T, S]
   dv = np.einsum('bnts,btnh->bsnh', weights, g)
   dweights = np.einsum('btnh,bsnh->bnts', g, v)
   # Softmax backward; masked keys have weight 0, so their logits get no gradient.
@@ -74,7 +74,9 @@ def test_weights_sum_to_one_and_masked_keys_get_exactly_zero(qkv_and_mask):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_fully_masked_row_gives_zeros_not_nan(qkv_and_mask, dtype):
   q, k, v, mask = qkv_and_mask
-  out, weights = scaled_dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask)
+  out, weights = scaled_dot_product_attention(
+    q.astype(dtype), k.astype(dtype), v.astype(dtype), mask
+  )
   assert out.dtype == dtype
   assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
   np.testing.assert_array_equal(np.asarray(out[0, 2, 1], np.float32), 0.0)
@@ -87,13 +89,17 @@ def test_bfloat16_inputs_are_scored_in_float32():
   # Head dim 16: the 1/sqrt(16) scale is exact in bfloat16 too. Logits rounded to bfloat16
   # (2^-9 relative, up to ~0.006 on these logits of up to ~3) would move the weights by ~1e-3.
   rng = np.random.default_rng(3)
-  q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-             for shape in ((2, 6, 2, 16), (2, 9, 2, 16), (2, 9, 2, 16)))
+  q, k, v = (
+    jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    for shape in ((2, 6, 2, 16), (2, 9, 2, 16), (2, 9, 2, 16))
+  )
   mask = rng.random((2, 2, 6, 9)) < 0.7
   mask[..., 0] = True
   out, weights = scaled_dot_product_attention(q, k, v, mask)
   assert out.dtype == jnp.bfloat16 and weights.dtype == jnp.float32
-  want_out, want_weights = reference_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), mask)
+  want_out, want_weights = reference_attention(
+    *(np.asarray(x, np.float64) for x in (q, k, v)), mask
+  )
   np.testing.assert_allclose(weights, want_weights, rtol=0, atol=1e-6)
   # The output rounds the weights and itself to bfloat16: a half-ulp is 0.004 on its values of
   # 1..2 (0.005 off here).
@@ -106,15 +112,19 @@ def test_jit_vmap_grad(qkv_and_mask):
   # Compiled and eager float32 may sum in another order (XLA's CPU kernels differ with the
   # instruction set: on an AVX2-only CPU 9 of 240 outputs moved by up to 9e-8), so compare
   # to a few float32 ulps of these O(1) outputs, far below what a wrong mask or scale moves.
-  np.testing.assert_allclose(jax.jit(scaled_dot_product_attention)(q, k, v, mask)[0], eager,
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    jax.jit(scaled_dot_product_attention)(q, k, v, mask)[0], eager, rtol=1e-5, atol=1e-6
+  )
   per_example = jax.vmap(lambda *a: scaled_dot_product_attention(*(x[None] for x in a))[0][0])
   np.testing.assert_allclose(per_example(q, k, v, mask), eager, rtol=1e-5, atol=1e-7)
   # A random cotangent: with sum() alone, dL/dweights would be the same for every query.
   cotangent = np.random.default_rng(1).normal(size=eager.shape)
-  grads = jax.grad(lambda q, k, v: (scaled_dot_product_attention(q, k, v, mask)[0]
-                                    * cotangent.astype(np.float32)).sum(),
-                   argnums=(0, 1, 2))(q, k, v)
+  grads = jax.grad(
+    lambda q, k, v: (
+      scaled_dot_product_attention(q, k, v, mask)[0] * cotangent.astype(np.float32)
+    ).sum(),
+    argnums=(0, 1, 2),
+  )(q, k, v)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
   # The values: the float64 gradient of softmax(QK^T / sqrt(d)) V, itself checked against a
   # central finite difference of the float64 reference. Gradients are O(1); float32 through
@@ -123,12 +133,16 @@ def test_jit_vmap_grad(qkv_and_mask):
   for name, got, expected in zip('qkv', grads, want):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=f'd{name}')
   directions = [np.random.default_rng(2 + i).normal(size=x.shape) for i, x in enumerate((q, k, v))]
-  loss = lambda e: (reference_attention(*(np.asarray(x, np.float64) + e * d
-                                          for x, d in zip((q, k, v), directions)), mask)[0]
-                    * cotangent).sum()
+  loss = lambda e: (
+    reference_attention(
+      *(np.asarray(x, np.float64) + e * d for x, d in zip((q, k, v), directions)), mask
+    )[0]
+    * cotangent
+  ).sum()
   finite_difference = (loss(1e-5) - loss(-1e-5)) / 2e-5
-  np.testing.assert_allclose(sum((g * d).sum() for g, d in zip(want, directions)),
-                             finite_difference, rtol=1e-6)
+  np.testing.assert_allclose(
+    sum((g * d).sum() for g, d in zip(want, directions)), finite_difference, rtol=1e-6
+  )
   # A masked key influences nothing: its gradient is exactly zero where no query may see it.
   unseen = ~mask.any(axis=(1, 2))  # [B, S]
   np.testing.assert_array_equal(np.asarray(grads[1])[unseen], 0.0)
@@ -144,8 +158,9 @@ def test_sinusoidal_positions_match_the_formula(length, d_model):
   # float32 rounding of values in [-1, 1] is at most 6e-8; float32 angles were 1.6e-5 off at
   # position 249 (d_model 512) and 2.8e-4 by position 4095.
   np.testing.assert_allclose(table[:, 0::2], np.sin(pos * frequency), rtol=0, atol=1e-6)
-  np.testing.assert_allclose(table[:, 1::2], np.cos(pos * frequency)[:, :d_model // 2],
-                             rtol=0, atol=1e-6)
+  np.testing.assert_allclose(
+    table[:, 1::2], np.cos(pos * frequency)[:, : d_model // 2], rtol=0, atol=1e-6
+  )
 
 
 @pytest.mark.parametrize('d_model', [16, 7])
@@ -156,7 +171,7 @@ def test_concatenated_positions_put_every_sine_before_every_cosine(d_model):
   angle = np.arange(length)[:, None] / np.power(10000.0, 2 * np.arange(half)[None, :] / d_model)
   assert table.shape == (length, d_model)
   np.testing.assert_allclose(table[:, :half], np.sin(angle), atol=2e-5)
-  np.testing.assert_allclose(table[:, half:], np.cos(angle[:, :d_model // 2]), atol=2e-5)
+  np.testing.assert_allclose(table[:, half:], np.cos(angle[:, : d_model // 2]), atol=2e-5)
 
 
 def test_self_attention_is_permutation_equivariant_without_positions_only():
@@ -184,9 +199,15 @@ def reference_multi_head(params, x, memory, heads):
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params['params'])
   split = lambda y: y.reshape(*y.shape[:-1], heads, -1)
   project = lambda name, y: y @ p[name]['kernel'] + p[name].get('bias', 0.0)
-  attend = lambda q_in, kv_in: project('out', reference_attention(
-      split(project('query', q_in)), split(project('key', kv_in)), split(project('value', kv_in)),
-      True)[0].reshape(q_in.shape))
+  attend = lambda q_in, kv_in: project(
+    'out',
+    reference_attention(
+      split(project('query', q_in)),
+      split(project('key', kv_in)),
+      split(project('value', kv_in)),
+      True,
+    )[0].reshape(q_in.shape),
+  )
   x, memory = np.asarray(x, np.float64), np.asarray(memory, np.float64)
   return attend(x, x), attend(x, memory)
 
@@ -209,7 +230,9 @@ def test_projections_match_separate_float64_products(fuse):
   # The parameters stay one layer each, as checkpoints and the Marian mapping have them.
   assert set(params['params']) == {'query', 'key', 'value', 'out'}
   assert 'bias' not in params['params']['key']
-  self_out, cross_out = jax.jit(lambda p, x, m: layer.apply(p, x, m, method=both))(params, x, memory)
+  self_out, cross_out = jax.jit(lambda p, x, m: layer.apply(p, x, m, method=both))(
+    params, x, memory
+  )
   want_self, want_cross = reference_multi_head(params, x, memory, heads)
   np.testing.assert_allclose(self_out, want_self, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(cross_out, want_cross, rtol=1e-5, atol=1e-6)

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.device_workers import assert_runs_match, run_worker
 from test_attention import reference_attention, reference_attention_grads
 
 from flax_transformer import ModelConfig
 from flax_transformer.config import ConfigError, resolve_attention_kernel
 from flax_transformer.nn import attention, masks
 from flax_transformer.nn.build import build_model
+from support.device_workers import assert_runs_match, run_worker
 
 SRC = jnp.array([[5, 9, 12, 7, 2, 0, 0], [4, 4, 8, 2, 0, 0, 0], [6, 2, 0, 0, 0, 0, 0]])
 TGT = jnp.array([[1, 8, 13, 6, 2], [1, 7, 2, 0, 0], [1, 9, 10, 11, 2]])
@@ -29,8 +29,9 @@ CONFIG = ModelConfig.tiny(dropout_rate=0.0)
 def assert_close_to_largest(got, expected, tolerance=1e-5):
   """Each leaf of `got` within `tolerance` times the largest magnitude of all of `expected`."""
   scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(expected))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=tolerance * scale),
-               got, expected)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=tolerance * scale), got, expected
+  )
 
 
 @pytest.fixture
@@ -48,6 +49,7 @@ def fused_calls(monkeypatch):
 
 
 # --- the pure function ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize('causal, query_len', [(False, 5), (True, 7)], ids=['cross', 'causal'])
 def test_fused_attention_matches_float64_and_einsum_with_its_gradients(causal, query_len):
@@ -77,8 +79,9 @@ def test_key_lengths_are_the_visible_prefix_and_an_empty_row_counts_one():
   visible = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
   lengths = masks.KeyLengths.of_visible(visible)
   np.testing.assert_array_equal(lengths.lengths, [3, 1, 1])
-  np.testing.assert_array_equal(masks.KeyLengths.of_visible(visible[:, None, None, :]).lengths,
-                                [3, 1, 1])
+  np.testing.assert_array_equal(
+    masks.KeyLengths.of_visible(visible[:, None, None, :]).lengths, [3, 1, 1]
+  )
   dense = masks.KeyLengths(jnp.array([3, 1, 4]), causal=True).dense(4)
   assert dense.shape == (3, 1, 4, 4)
   np.testing.assert_array_equal(dense[0, 0], np.tril(np.ones((4, 4), bool)) & [1, 1, 1, 0])
@@ -86,6 +89,7 @@ def test_key_lengths_are_the_visible_prefix_and_an_empty_row_counts_one():
 
 
 # --- the model --------------------------------------------------------------------------------
+
 
 def model_config(kind: str, bos_is_pad: bool) -> ModelConfig:
   return CONFIG.replace(kind=kind, **({'bos_id': 0} if bos_is_pad else {}))
@@ -112,10 +116,16 @@ def logits_and_gradients(kernel: str, kind='autoregressive', remat='none', bos_i
   return out, grads
 
 
-@pytest.mark.parametrize('kind, remat, bos_is_pad', [
-    ('autoregressive', 'none', False), ('autoregressive', 'layer', False),
-    ('autoregressive', 'none', True), ('cmlm', 'none', False)],
-    ids=['post_ln', 'remat', 'bos_is_pad', 'cmlm'])
+@pytest.mark.parametrize(
+  'kind, remat, bos_is_pad',
+  [
+    ('autoregressive', 'none', False),
+    ('autoregressive', 'layer', False),
+    ('autoregressive', 'none', True),
+    ('cmlm', 'none', False),
+  ],
+  ids=['post_ln', 'remat', 'bos_is_pad', 'cmlm'],
+)
 def test_xla_gives_the_outputs_and_gradients_of_einsum(kind, remat, bos_is_pad, fused_calls):
   initial_params(kind, bos_is_pad)
   fused_calls.clear()
@@ -125,8 +135,8 @@ def test_xla_gives_the_outputs_and_gradients_of_einsum(kind, remat, bos_is_pad, 
   assert len(fused_calls) == (3 if remat != 'none' else layers)
   assert {c[2] for c in fused_calls} == {False, kind == 'autoregressive'}
   expected = logits_and_gradients('einsum', kind, remat, bos_is_pad)
-  assert_close_to_largest(got[0], expected[0])       # logits (and cmlm's length logits)
-  assert_close_to_largest(got[1], expected[1])       # every parameter's gradient
+  assert_close_to_largest(got[0], expected[0])  # logits (and cmlm's length logits)
+  assert_close_to_largest(got[1], expected[1])  # every parameter's gradient
 
 
 def cached_step_logits(kernel: str, steps=4):
@@ -137,7 +147,7 @@ def cached_step_logits(kernel: str, steps=4):
   step = jax.jit(functools.partial(model.apply, method=model.decode_step))
   logits = []
   for position in range(steps):
-    step_logits, cache = step(variables, TGT[:, position:position + 1], cache, position)
+    step_logits, cache = step(variables, TGT[:, position : position + 1], cache, position)
     logits.append(step_logits[:, 0])
   return jnp.stack(logits, axis=1)
 
@@ -147,15 +157,18 @@ def test_a_cached_step_takes_the_kernel_asked_for_and_agrees(fused_calls):
   # traced once: each decoder layer's self- and cross-attention, one query, no look-ahead mask
   assert [c[:3] for c in fused_calls[-4:]] == [(1, 8, False), (1, 7, False)] * 2
   assert_close_to_largest(got, cached_step_logits('einsum'))
-  teacher_forced = build_model(CONFIG).apply({'params': initial_params('autoregressive', False)},
-                                             SRC, TGT[:, :4])
+  teacher_forced = build_model(CONFIG).apply(
+    {'params': initial_params('autoregressive', False)}, SRC, TGT[:, :4]
+  )
   # Where the fed token is not PAD: a cached step hides no token it was given.
   fed = np.asarray(TGT[:, :4] != 0)
   assert_close_to_largest(got[fed], teacher_forced[fed])
 
 
 def test_auto_keeps_einsum_for_cached_steps_and_beams(monkeypatch, fused_calls):
-  from flax_transformer.nn import layers, model as model_module
+  from flax_transformer.nn import layers
+  from flax_transformer.nn import model as model_module
+
   # auto as it resolves on a GPU, with xla standing in for cuDNN on this CPU
   for module in (layers, model_module):
     monkeypatch.setattr(module, 'resolve_attention_kernel', lambda config: 'xla')
@@ -182,53 +195,81 @@ def test_auto_keeps_einsum_for_cached_steps_and_beams(monkeypatch, fused_calls):
 
 def test_packed_rows_banded_attention_and_weights_keep_einsum(fused_calls):
   from flax_transformer.nn.model import attention_weights
-  packing = masks.Packing(src_segments=(SRC != 0).astype(jnp.int32),
-                          tgt_segments=(TGT != 0).astype(jnp.int32),
-                          src_positions=jnp.broadcast_to(jnp.arange(7), SRC.shape) * (SRC != 0),
-                          tgt_positions=jnp.broadcast_to(jnp.arange(5), TGT.shape) * (TGT != 0))
+
+  packing = masks.Packing(
+    src_segments=(SRC != 0).astype(jnp.int32),
+    tgt_segments=(TGT != 0).astype(jnp.int32),
+    src_positions=jnp.broadcast_to(jnp.arange(7), SRC.shape) * (SRC != 0),
+    tgt_positions=jnp.broadcast_to(jnp.arange(5), TGT.shape) * (TGT != 0),
+  )
   model = build_model(CONFIG.replace(attention_kernel='xla'))
   variables = {'params': initial_params('autoregressive', False)}
   fused_calls.clear()
   jax.eval_shape(lambda: model.apply(variables, SRC, TGT, packing=packing))
   assert fused_calls == []
   weights_of = lambda model: jax.jit(functools.partial(attention_weights, model))(
-      variables, SRC, TGT)
-  weights = weights_of(model)                              # the weights are asked for
+    variables, SRC, TGT
+  )
+  weights = weights_of(model)  # the weights are asked for
   assert fused_calls == [] and len(weights) == 6
   assert_close_to_largest(weights, weights_of(build_model(CONFIG)))
   banded = build_model(CONFIG.replace(attention_kernel='xla', attention_radius=2))
   jax.eval_shape(lambda: banded.apply(variables, SRC, TGT))
-  assert [c[2] for c in fused_calls] == [False, False]     # cross-attention only
+  assert [c[2] for c in fused_calls] == [False, False]  # cross-attention only
 
 
 # --- the setting ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('settings, backend, expected', [
-    ({}, 'cpu', 'einsum'), ({}, 'tpu', 'einsum'), ({}, 'gpu', 'cudnn'),
-    ({'dtype': 'float32'}, 'gpu', 'einsum'), ({'d_model': 48}, 'gpu', 'einsum'),
-    ({'attention_dropout_rate': 0.1}, 'gpu', 'einsum'), ({'attention_kernel': 'xla'}, 'cpu', 'xla'),
-    ({'attention_kernel': 'einsum'}, 'gpu', 'einsum'), ({'attention_kernel': 'cudnn'}, 'gpu', 'cudnn'),
-    ({'d_model': 1024, 'num_heads': 4}, 'gpu', 'einsum'),   # head_dim 256: Hopper only
-    ({'d_model': 1024, 'num_heads': 4, 'attention_kernel': 'cudnn', 'dtype': 'bfloat16'}, 'gpu',
-     'cudnn')])
+
+@pytest.mark.parametrize(
+  'settings, backend, expected',
+  [
+    ({}, 'cpu', 'einsum'),
+    ({}, 'tpu', 'einsum'),
+    ({}, 'gpu', 'cudnn'),
+    ({'dtype': 'float32'}, 'gpu', 'einsum'),
+    ({'d_model': 48}, 'gpu', 'einsum'),
+    ({'attention_dropout_rate': 0.1}, 'gpu', 'einsum'),
+    ({'attention_kernel': 'xla'}, 'cpu', 'xla'),
+    ({'attention_kernel': 'einsum'}, 'gpu', 'einsum'),
+    ({'attention_kernel': 'cudnn'}, 'gpu', 'cudnn'),
+    ({'d_model': 1024, 'num_heads': 4}, 'gpu', 'einsum'),  # head_dim 256: Hopper only
+    (
+      {'d_model': 1024, 'num_heads': 4, 'attention_kernel': 'cudnn', 'dtype': 'bfloat16'},
+      'gpu',
+      'cudnn',
+    ),
+  ],
+)
 def test_auto_takes_cudnn_on_a_gpu_where_it_applies(settings, backend, expected):
   assert resolve_attention_kernel(ModelConfig.tiny(**settings), backend) == expected
 
 
-@pytest.mark.parametrize('capability, expected', [('9.0', 'cudnn'), ('8.0', 'cudnn'),
-                                                  ('7.5', 'einsum')])
+@pytest.mark.parametrize(
+  'capability, expected', [('9.0', 'cudnn'), ('8.0', 'cudnn'), ('7.5', 'einsum')]
+)
 def test_auto_takes_cudnn_on_ampere_and_later_only(monkeypatch, capability, expected):
   import types
+
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  monkeypatch.setattr(jax, 'devices', lambda: [types.SimpleNamespace(compute_capability=capability)])
+  monkeypatch.setattr(
+    jax, 'devices', lambda: [types.SimpleNamespace(compute_capability=capability)]
+  )
   assert resolve_attention_kernel(ModelConfig.tiny()) == expected
 
 
-@pytest.mark.parametrize('settings, message', [
+@pytest.mark.parametrize(
+  'settings, message',
+  [
     ({'attention_kernel': 'cudnn', 'dtype': 'float32'}, 'not model.dtype=float32'),
     ({'attention_kernel': 'cudnn', 'd_model': 48}, 'a multiple of 8, got 12'),
-    ({'attention_kernel': 'cudnn', 'd_model': 1056, 'num_heads': 4}, 'at most 256 and a multiple of 8, got 264'),
-    ({'attention_kernel': 'xla', 'attention_dropout_rate': 0.1}, 'has no attention dropout')])
+    (
+      {'attention_kernel': 'cudnn', 'd_model': 1056, 'num_heads': 4},
+      'at most 256 and a multiple of 8, got 264',
+    ),
+    ({'attention_kernel': 'xla', 'attention_dropout_rate': 0.1}, 'has no attention dropout'),
+  ],
+)
 def test_an_explicit_kernel_the_model_rules_out_is_refused(settings, message):
   with pytest.raises(ConfigError, match=message):
     ModelConfig.tiny(**settings)
@@ -238,6 +279,7 @@ def test_cudnn_without_a_gpu_is_refused_to_train_and_decodes_with_auto():
   from flax_transformer.data.tokenizer import Tokenizer
   from flax_transformer.decode.methods import Greedy
   from flax_transformer.decode.translator import Translator
+
   config = CONFIG.replace(attention_kernel='cudnn', dtype='bfloat16')
   with pytest.raises(ConfigError, match='cudnn needs a GPU'):
     build_model(config)
@@ -247,7 +289,8 @@ def test_cudnn_without_a_gpu_is_refused_to_train_and_decodes_with_auto():
   config = config.replace(vocab_size=tokenizer.vocab_size)
   tokens = jnp.ones((1, 4), jnp.int32)
   params = build_model(config.replace(attention_kernel='auto')).init(
-      jax.random.key(0), tokens, tokens)['params']
+    jax.random.key(0), tokens, tokens
+  )['params']
   translator = Translator(config, params, tokenizer)
   assert translator.config.attention_kernel == 'auto'
   assert translator.config.dtype == 'bfloat16'
@@ -256,7 +299,7 @@ def test_cudnn_without_a_gpu_is_refused_to_train_and_decodes_with_auto():
 
 # --- data parallel ----------------------------------------------------------------------------
 
-WORKER = r'''
+WORKER = r"""
 import sys
 import numpy as np
 from support.device_workers import train_runs, uneven_batch
@@ -274,7 +317,7 @@ fused = train_runs(Transformer(config.replace(attention_kernel='xla')), train_co
                    ['shard_map-2'], 3, batch_at)
 results.update({f'xla-{name}': value for name, value in fused.items()})
 np.savez(out, **results)
-'''
+"""
 
 
 def test_a_shard_map_step_with_xla_trains_as_einsum_on_one_device(tmp_path):
@@ -284,9 +327,11 @@ def test_a_shard_map_step_with_xla_trains_as_einsum_on_one_device(tmp_path):
 
 # --- cuDNN, where a GPU is --------------------------------------------------------------------
 
-@pytest.mark.skipif(jax.default_backend() != 'gpu',
-                    reason='cuDNN flash attention runs only on an NVIDIA GPU; this host has '
-                           f'{jax.default_backend()}')
+
+@pytest.mark.skipif(
+  jax.default_backend() != 'gpu',
+  reason=f'cuDNN flash attention runs only on an NVIDIA GPU; this host has {jax.default_backend()}',
+)
 def test_cudnn_gives_the_bfloat16_outputs_and_gradients_of_einsum():
   config = ModelConfig.tiny(d_model=64, num_heads=4, dropout_rate=0.0, dtype='bfloat16')
   results = {}

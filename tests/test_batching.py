@@ -17,6 +17,7 @@ MAX_LEN = 24
 
 class Letters:
   """A stand-in tokenizer, one id per letter ('a' -> 4, ...), so lengths are known exactly."""
+
   pad_id, bos_id, eos_id = Tokenizer.pad_id, Tokenizer.bos_id, Tokenizer.eos_id
 
   def encode(self, texts):
@@ -33,10 +34,13 @@ def letters(ids):
 def dataset():
   """300 pairs of random lengths 1..30 on each side, so some exceed MAX_LEN."""
   rng = np.random.default_rng(0)
+
   def word():
     return ''.join(rng.choice(list('abcdefgh'), size=rng.integers(1, 31)))
-  return datasets.Dataset.from_dict({'source': [word() for _ in range(300)],
-                                     'target': [word() for _ in range(300)]})
+
+  return datasets.Dataset.from_dict(
+    {'source': [word() for _ in range(300)], 'target': [word() for _ in range(300)]}
+  )
 
 
 @pytest.fixture(scope='module')
@@ -46,16 +50,23 @@ def corpus(dataset):
 
 def expected_rows(text, max_len):
   """Independent reference: (src, tgt_in, tgt_out) of one pair padded to max_len."""
-  return [np.array(ids + [PAD] * (max_len - len(ids)), np.int32) for ids in (
+  return [
+    np.array(ids + [PAD] * (max_len - len(ids)), np.int32)
+    for ids in (
       [4 + ord(c) - 97 for c in text['source']] + [EOS],
       [BOS] + [4 + ord(c) - 97 for c in text['target']],
-      [4 + ord(c) - 97 for c in text['target']] + [EOS])]
+      [4 + ord(c) - 97 for c in text['target']] + [EOS],
+    )
+  ]
 
 
 def test_encode_corpus_appends_eos_and_drops_over_long_pairs(dataset, corpus):
   # Kept iff both sides have at most MAX_LEN - 1 letters (room for EOS / BOS).
-  kept = [i for i, row in enumerate(dataset)
-          if len(row['source']) < MAX_LEN and len(row['target']) < MAX_LEN]
+  kept = [
+    i
+    for i, row in enumerate(dataset)
+    if len(row['source']) < MAX_LEN and len(row['target']) < MAX_LEN
+  ]
   assert 0 < len(kept) < len(dataset)
   assert corpus.example_ids.tolist() == kept
   assert corpus.num_dropped == len(dataset) - len(kept) == len(dataset) - len(corpus)
@@ -130,8 +141,9 @@ def test_every_pair_exactly_once_in_its_smallest_bucket(batcher, corpus, dataset
 def test_pad_rows_fill_each_buckets_last_batch(batcher, corpus):
   epoch = list(batcher.epoch(0))
   pad_rows = sum(int((b.example_ids < 0).sum()) for b in epoch)
-  counts = np.bincount(np.searchsorted(batcher.length_buckets, corpus.lengths),
-                       minlength=len(batcher.length_buckets))
+  counts = np.bincount(
+    np.searchsorted(batcher.length_buckets, corpus.lengths), minlength=len(batcher.length_buckets)
+  )
   assert pad_rows == sum(math.ceil(n / r) * r - n for n, r in zip(counts, batcher.rows))
   assert pad_rows > 0
   for batch in epoch:
@@ -146,6 +158,7 @@ def test_pad_rows_fill_each_buckets_last_batch(batcher, corpus):
 def test_deterministic_per_seed_and_epoch(batcher, corpus):
   def order(b, epoch):
     return np.concatenate([x.example_ids for x in b.epoch(epoch)]).tolist()
+
   first = order(batcher, 0)
   assert order(Batcher(corpus, max_tokens=100, seed=7), 0) == first
   assert order(batcher, 1) != first
@@ -182,8 +195,11 @@ def test_explicit_buckets_and_their_errors(corpus):
   two = Batcher(corpus, max_tokens=120, seed=0, length_buckets=[24, 12])
   assert two.length_buckets == (12, 24) and two.rows == (10, 5)
   assert {x.src.shape for x in two.epoch(0)} <= {(10, 12), (5, 24)}
-  with pytest.raises(DataError, match=r'largest length bucket, 16, is shorter than the corpus '
-                     'max_len=24'):
+  with pytest.raises(
+    DataError,
+    match=r'largest length bucket, 16, is shorter than the corpus '
+    'max_len=24',
+  ):
     Batcher(corpus, max_tokens=100, seed=0, length_buckets=[8, 16])
   with pytest.raises(DataError, match='max_tokens must be a positive integer, got 0'):
     Batcher(corpus, max_tokens=0, seed=0)
@@ -202,7 +218,7 @@ def test_shard_is_a_contiguous_block(batcher):
   rows = batch.src.shape[0]
   parts = [shard(batch, i, 2) for i in range(2)]
   for i, part in enumerate(parts):
-    np.testing.assert_array_equal(part.src, batch.src[i * rows // 2:(i + 1) * rows // 2])
+    np.testing.assert_array_equal(part.src, batch.src[i * rows // 2 : (i + 1) * rows // 2])
   np.testing.assert_array_equal(np.concatenate([p.example_ids for p in parts]), batch.example_ids)
   with pytest.raises(DataError, match=rf'{rows} rows does not split into {rows + 1} equal shards'):
     shard(batch, 0, rows + 1)
@@ -219,6 +235,7 @@ def test_batch_is_a_pytree_for_jit(batcher):
 
 class MarianLetters(Letters):
   """Letters with Marian's special ids: EOS 0, PAD 2 (bos == pad), so id 0 is a real token."""
+
   pad_id = bos_id = 2
   eos_id = 0
 
@@ -226,10 +243,14 @@ class MarianLetters(Letters):
 @pytest.mark.parametrize('packed', [False, True])
 def test_num_tokens_counts_with_the_corpus_pad_id(dataset, packed):
   from flax_transformer.data.packing import PackingBatcher
+
   corpus = encode_corpus(dataset, MarianLetters(), MAX_LEN)
   assert corpus.pad_id == 2
-  batcher = (PackingBatcher(corpus, max_tokens=100, seed=7, row_length=16) if packed
-             else Batcher(corpus, max_tokens=100, seed=7))
+  batcher = (
+    PackingBatcher(corpus, max_tokens=100, seed=7, row_length=16)
+    if packed
+    else Batcher(corpus, max_tokens=100, seed=7)
+  )
   batches = list(batcher.epoch(0))
   assert all(batch.pad_id == 2 for batch in batches)
   # Every target token and its EOS (id 0, ours PAD) counts; the PAD positions (id 2) do not.
@@ -243,8 +264,10 @@ def test_num_tokens_counts_with_the_corpus_pad_id(dataset, packed):
 
 def test_describe(batcher):
   line = batcher.describe()
-  assert line.startswith(f'{len(batcher.corpus):,} pairs in {batcher.num_batches_per_epoch} '
-                         'batches per epoch of <= 100 tokens, shapes [B x L]: 12x8 6x16 4x24;')
+  assert line.startswith(
+    f'{len(batcher.corpus):,} pairs in {batcher.num_batches_per_epoch} '
+    'batches per epoch of <= 100 tokens, shapes [B x L]: 12x8 6x16 4x24;'
+  )
   assert line.endswith('of target positions are padding')
 
 
@@ -257,6 +280,9 @@ def test_multi30k_end_to_end(multi30k_dir):
   assert all(rows % 8 == 0 for rows, _ in batcher.shapes)
   batch = batcher.batch_at(0)
   real = batch.example_ids >= 0
-  assert tokenizer.decode(batch.src[real]) == [ds[int(i)]['source'] for i in batch.example_ids[real]]
-  assert tokenizer.decode(batch.tgt_out[real]) == [ds[int(i)]['target']
-                                                   for i in batch.example_ids[real]]
+  assert tokenizer.decode(batch.src[real]) == [
+    ds[int(i)]['source'] for i in batch.example_ids[real]
+  ]
+  assert tokenizer.decode(batch.tgt_out[real]) == [
+    ds[int(i)]['target'] for i in batch.example_ids[real]
+  ]

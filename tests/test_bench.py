@@ -43,8 +43,9 @@ def test_timing_percentiles_by_hand():
 
 def test_alternating_rounds_interleave_the_contenders():
   calls = []
-  timings = alternating_rounds({'a': lambda: calls.append('a'), 'b': lambda: calls.append('b')},
-                               rounds=3, warmup=1)
+  timings = alternating_rounds(
+    {'a': lambda: calls.append('a'), 'b': lambda: calls.append('b')}, rounds=3, warmup=1
+  )
   assert calls == ['a', 'b'] + ['a', 'b'] * 3  # warm-up, then a b in every round
   assert {name: len(t.times_s) for name, t in timings.items()} == {'a': 3, 'b': 3}
   with pytest.raises(ValueError, match='rounds must be a positive integer'):
@@ -52,12 +53,26 @@ def test_alternating_rounds_interleave_the_contenders():
 
 
 def step_report(**overrides):
-  values = dict(model='m', parameters=10, shape=BatchShape(4, 8, 6), packing=0, dtype='float32',
-                attention_kernel='einsum', remat='none', device='cpu', devices=2,
-                parallel='shard_map', real_tokens=20, compilation=Compilation(1.5, 'off', 1),
-                timing=fake_timing(0.2, 0.1, 0.4), analytic_flops=6_000, xla_flops=6_300.0,
-                memory=CompiledMemory(temporaries=100, arguments=40, outputs=40, aliased=30),
-                peak_flops_per_s=25_000.0, datasheet_flops_per_s=50_000.0)
+  values = dict(
+    model='m',
+    parameters=10,
+    shape=BatchShape(4, 8, 6),
+    packing=0,
+    dtype='float32',
+    attention_kernel='einsum',
+    remat='none',
+    device='cpu',
+    devices=2,
+    parallel='shard_map',
+    real_tokens=20,
+    compilation=Compilation(1.5, 'off', 1),
+    timing=fake_timing(0.2, 0.1, 0.4),
+    analytic_flops=6_000,
+    xla_flops=6_300.0,
+    memory=CompiledMemory(temporaries=100, arguments=40, outputs=40, aliased=30),
+    peak_flops_per_s=25_000.0,
+    datasheet_flops_per_s=50_000.0,
+  )
   return StepReport(**{**values, **overrides})
 
 
@@ -70,9 +85,15 @@ def test_step_report_arithmetic():
   assert report.datasheet_mfu == pytest.approx(6_000 / 0.2 / (50_000 * 2))
   assert report.memory.total == 100 + 40 + 40 - 30
   assert step_report(peak_flops_per_s=None).mfu is None
-  as_peak = PeakReport(device='cpu', dtype='float32', size=10, iterations=3,
-                       timing=fake_timing(0.001), datasheet_flops_per_s=None)
-  assert as_peak.flops == 2 * 10 ** 3 * 3
+  as_peak = PeakReport(
+    device='cpu',
+    dtype='float32',
+    size=10,
+    iterations=3,
+    timing=fake_timing(0.001),
+    datasheet_flops_per_s=None,
+  )
+  assert as_peak.flops == 2 * 10**3 * 3
   assert report.with_peak(as_peak).peak_flops_per_s == pytest.approx(6_000 / 0.001)
   row = report.to_dict()
   assert row['tokens_per_s'] == pytest.approx(100.0) and row['memory']['total'] == 150
@@ -118,8 +139,10 @@ def test_packed_synthetic_batch_holds_whole_pairs_with_their_segments():
 @pytest.fixture(scope='module')
 def dense_steps():
   """The dense configuration's step at a batch and at twice its rows, compiled once."""
-  return {rows: TrainingStep(DENSE, TrainConfig(), BatchShape(rows, 16, 12), devices=1)
-          for rows in (8, 16)}
+  return {
+    rows: TrainingStep(DENSE, TrainConfig(), BatchShape(rows, 16, 12), devices=1)
+    for rows in (8, 16)
+  }
 
 
 def test_xla_flops_within_ten_percent_of_the_hand_count(dense_steps):
@@ -139,9 +162,12 @@ def test_doubling_the_batch_doubles_the_flops(dense_steps):
 def test_remat_policies_keep_less_memory_through_the_api():
   config = ModelConfig.tiny(d_model=64, d_ff=256, num_heads=4, max_len=64)
   shape = BatchShape(8, 48, 48)
-  temporaries = {remat: TrainingStep(config.replace(remat=remat), TrainConfig(), shape,
-                                     devices=1).report(fake_timing(1.0)).memory.temporaries
-                 for remat in ('none', 'layer', 'dots')}
+  temporaries = {
+    remat: TrainingStep(config.replace(remat=remat), TrainConfig(), shape, devices=1)
+    .report(fake_timing(1.0))
+    .memory.temporaries
+    for remat in ('none', 'layer', 'dots')
+  }
   assert temporaries['layer'] < temporaries['dots'] < temporaries['none'], temporaries
 
 
@@ -156,24 +182,35 @@ def test_the_step_benchmarked_is_the_step_train_py_runs(tmp_path, monkeypatch):
 
     def step_and_record(state, batch):
       if 'text' not in seen:
-        seen.update(text=step.lower(state, batch).as_text(), model=model_config,
-                    shape=BatchShape(*batch.src.shape, batch.tgt_in.shape[1]))
+        seen.update(
+          text=step.lower(state, batch).as_text(),
+          model=model_config,
+          shape=BatchShape(*batch.src.shape, batch.tgt_in.shape[1]),
+        )
       return step(state, batch)
 
     return model, optimizer, step_and_record
 
   monkeypatch.setattr(train_loop, 'compiled_training', recording)
   from flax_transformer.config import DataConfig
-  train_config = TrainConfig(steps=1, max_tokens=256, warmup_steps=4, log_every=1, eval_every=1,
-                             checkpoint_every=1)
-  train_loop.train(ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=64),
-                   train_config, DataConfig(source='toy', vocab_size=256), tmp_path,
-                   devices=1, print_fn=lambda message: None)
+
+  train_config = TrainConfig(
+    steps=1, max_tokens=256, warmup_steps=4, log_every=1, eval_every=1, checkpoint_every=1
+  )
+  train_loop.train(
+    ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=64),
+    train_config,
+    DataConfig(source='toy', vocab_size=256),
+    tmp_path,
+    devices=1,
+    print_fn=lambda message: None,
+  )
   benchmarked = TrainingStep(seen['model'], train_config, seen['shape'], devices=1)
   assert benchmarked.lowered.as_text() == seen['text']
   # Another training setting is another program: the comparison can fail.
-  other = TrainingStep(seen['model'], train_config.replace(label_smoothing=0.2), seen['shape'],
-                       devices=1)
+  other = TrainingStep(
+    seen['model'], train_config.replace(label_smoothing=0.2), seen['shape'], devices=1
+  )
   assert other.lowered.as_text() != seen['text']
 
 
@@ -184,28 +221,37 @@ def test_decode_reports_count_the_tokens_every_method_writes():
     assert report.tokens_per_s == pytest.approx(21 / report.timing.median_s)
     assert report.ms_per_token == pytest.approx(1e3 * report.timing.median_s / 7)
     assert report.memory.temporaries > 0 and report.compilation.programs == 1
-  cmlm = bench.decode_report(ModelConfig.tiny(kind='cmlm'), 'mask_predict', batch=2, src_len=5,
-                             rounds=1)
+  cmlm = bench.decode_report(
+    ModelConfig.tiny(kind='cmlm'), 'mask_predict', batch=2, src_len=5, rounds=1
+  )
   assert cmlm.compilation.programs == 2 and cmlm.analytic_flops is None
   assert cmlm.generated_tokens >= 2  # at least an EOS each
 
 
 def test_compare_times_every_contender_and_reports_each():
   shape = BatchShape(4, 8, 8)
-  reports = bench.compare({'none': (TINY, TrainConfig(), shape),
-                           'layer': (TINY.replace(remat='layer'), TrainConfig(), shape)},
-                          rounds=2, warmup=1)
+  reports = bench.compare(
+    {
+      'none': (TINY, TrainConfig(), shape),
+      'layer': (TINY.replace(remat='layer'), TrainConfig(), shape),
+    },
+    rounds=2,
+    warmup=1,
+  )
   assert [r.remat for r in reports.values()] == ['none', 'layer']
   assert all(len(r.timing.times_s) == 2 for r in reports.values())
   # The function stays the package's name once its module is loaded (a module of the same
   # name would shadow it).
   from flax_transformer.bench import comparison
+
   assert bench.compare is comparison.compare
   table = bench.reports_table(reports)
   assert table.splitlines()[1].startswith('none') and 'layer' in table
 
 
-@pytest.mark.parametrize('argv, message', [
+@pytest.mark.parametrize(
+  'argv, message',
+  [
     (['step', '--shape', '3x'], 'is not a batch shape'),
     (['step', '--preset', 'toy', '--shape', '8x100+100'], 'longer than model.max_len=64'),
     (['step', '--preset', 'toy', '--shape', '3x8', '--devices', '2'], 'devices must be between'),
@@ -213,14 +259,19 @@ def test_compare_times_every_contender_and_reports_each():
     (['decode', '--preset', 'toy', '--methods', 'mask_predict'], 'decodes cmlm models'),
     (['sweep', '--preset', 'toy', '--batches', '0'], 'every value must be a positive integer'),
     (['peak', '--dtype', 'int8'], 'choose float32, bfloat16 or float16'),
-    (['step', '--preset', 'toy', '--train.packing', '32', '--shape', '4x16'],
-     'train.packing=32 packs rows of that length'),
-])
-def test_command_refuses_bad_options_in_one_line_before_compiling(argv, message, capsys,
-                                                                  monkeypatch):
+    (
+      ['step', '--preset', 'toy', '--train.packing', '32', '--shape', '4x16'],
+      'train.packing=32 packs rows of that length',
+    ),
+  ],
+)
+def test_command_refuses_bad_options_in_one_line_before_compiling(
+  argv, message, capsys, monkeypatch
+):
   compiled = []
-  monkeypatch.setattr(bench.step.TrainingStep, '__init__',
-                      lambda *a, **k: compiled.append(1) or None)
+  monkeypatch.setattr(
+    bench.step.TrainingStep, '__init__', lambda *a, **k: compiled.append(1) or None
+  )
   with pytest.raises(SystemExit) as exit_info:
     command.main(argv)
   assert exit_info.value.code == 2
@@ -229,16 +280,44 @@ def test_command_refuses_bad_options_in_one_line_before_compiling(argv, message,
 
 
 def test_command_writes_the_reports_as_json_and_csv(tmp_path, capsys):
-  status = command.main(['step', '--preset', 'toy', '--model.d_model', '32', '--model.d_ff',
-                         '64', '--shape', '4x8+6', '--rounds', '2', '--warmup', '1', '--peak',
-                         '0.5', '--json', str(tmp_path / 'r.json'), '--csv',
-                         str(tmp_path / 'r.csv'), '--compilation-cache', 'off'])
+  status = command.main(
+    [
+      'step',
+      '--preset',
+      'toy',
+      '--model.d_model',
+      '32',
+      '--model.d_ff',
+      '64',
+      '--shape',
+      '4x8+6',
+      '--rounds',
+      '2',
+      '--warmup',
+      '1',
+      '--peak',
+      '0.5',
+      '--json',
+      str(tmp_path / 'r.json'),
+      '--csv',
+      str(tmp_path / 'r.csv'),
+      '--compilation-cache',
+      'off',
+    ]
+  )
   assert status == 0
   written = json.loads((tmp_path / 'r.json').read_text())
   assert written['command'] == 'step' and len(written['reports']) == 1
   row = written['reports'][0]
-  assert {'timing', 'tokens_per_s', 'analytic_flops', 'xla_flops', 'mfu', 'memory',
-          'compilation'} <= set(row)
+  assert {
+    'timing',
+    'tokens_per_s',
+    'analytic_flops',
+    'xla_flops',
+    'mfu',
+    'memory',
+    'compilation',
+  } <= set(row)
   assert row['shape'] == '4x8+6' and row['real_tokens'] == 24
   assert row['compilation']['cache'] == 'off'
   assert row['mfu'] == pytest.approx(row['flops_per_s'] / 0.5e12)
@@ -250,8 +329,24 @@ def test_command_writes_the_reports_as_json_and_csv(tmp_path, capsys):
 
 def test_command_times_a_run_directorys_own_settings(random_run, tmp_path):
   model_config = random_run.config
-  assert command.main(['step', '--workdir', str(random_run.run_dir), '--shape', '2x8', '--rounds', '1',
-                       '--warmup', '0', '--json', str(tmp_path / 'r.json')]) == 0
+  assert (
+    command.main(
+      [
+        'step',
+        '--workdir',
+        str(random_run.run_dir),
+        '--shape',
+        '2x8',
+        '--rounds',
+        '1',
+        '--warmup',
+        '0',
+        '--json',
+        str(tmp_path / 'r.json'),
+      ]
+    )
+    == 0
+  )
   row = json.loads((tmp_path / 'r.json').read_text())['reports'][0]
   assert row['model'].startswith(f'd{model_config.d_model} ')
   assert f'vocab {model_config.vocab_size}' in row['model']
@@ -260,13 +355,18 @@ def test_command_times_a_run_directorys_own_settings(random_run, tmp_path):
 def test_python_dash_m_runs_the_command():
   import subprocess
   import sys
-  done = subprocess.run([sys.executable, '-m', 'flax_transformer.bench', 'peak', '--help'],
-                        capture_output=True, text=True, check=False)
+
+  done = subprocess.run(
+    [sys.executable, '-m', 'flax_transformer.bench', 'peak', '--help'],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
   assert done.returncode == 0 and '--iterations' in done.stdout
 
 
 def test_peak_measures_the_flops_it_ran():
   report = bench.measure_peak('float32', size=64, iterations=2, rounds=2)
-  assert report.flops == 2 * 64 ** 3 * 2
+  assert report.flops == 2 * 64**3 * 2
   assert report.flops_per_s == pytest.approx(report.flops / report.timing.median_s)
   assert report.device == jax.devices()[0].device_kind

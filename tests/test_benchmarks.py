@@ -1,6 +1,6 @@
 """The benchmarks' arithmetic and plumbing: the analytic FLOP counts, the peers' sizes, the workers.
 
-`workloads.train_flops` must equal the matmul FLOPs of the step XLA is given
+`bench.flops.train_flops` must equal the matmul FLOPs of the step XLA is given
 (counted from its HLO, operand shapes and all), and stay within the elementwise
 margin of XLA's own cost analysis of the compiled step; `prefix_flops` and
 `step_flops` must equal the dots of the encoder pass and of one cached decode
@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 
 from benchmarks import workloads
-from benchmarks.workloads import (Shape, decode_flops, prefix_flops, step_flops, synthetic_batch,
-                                  train_flops)
+from benchmarks.workloads import Shape, synthetic_batch
 from flax_transformer import train
+from flax_transformer.bench.flops import decode_flops, prefix_flops, step_flops, train_flops
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nn.model import DecodeCache, Transformer, count_params
 
@@ -58,8 +58,11 @@ def hlo_dot_flops(hlo_text: str) -> int:
     shapes[name] = [int(d) for d in dims.split(',') if d]
   total = 0
   for out, lhs, contracting in re.findall(
-      r'^\s*(?:ROOT )?[\w.\-]+ = \w+\[([\d,]*)\]\S* dot\(([\w.\-]+), [\w.\-]+\).*?'
-      r'lhs_contracting_dims=\{([\d,]*)\}', hlo_text, re.M):
+    r'^\s*(?:ROOT )?[\w.\-]+ = \w+\[([\d,]*)\]\S* dot\(([\w.\-]+), [\w.\-]+\).*?'
+    r'lhs_contracting_dims=\{([\d,]*)\}',
+    hlo_text,
+    re.M,
+  ):
     out_elements = math.prod(int(d) for d in out.split(',') if d)
     contracted = math.prod(shapes[lhs][int(i)] for i in contracting.split(','))
     total += 2 * out_elements * contracted
@@ -79,8 +82,18 @@ def test_flop_formula_equals_the_matmuls_in_the_step(tiny_lowered):
 
 def test_flop_formula_by_hand_for_one_layer():
   # B=1, S=T=1, D=2, F=3, V=5: enc 2(16+12)+8 = 64, dec 64 + 16 + 16 + 8 = 104, out 20.
-  config = ModelConfig(vocab_size=5, d_model=2, num_heads=1, num_encoder_layers=1,
-                       num_decoder_layers=1, d_ff=3, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+  config = ModelConfig(
+    vocab_size=5,
+    d_model=2,
+    num_heads=1,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    d_ff=3,
+    pad_id=0,
+    bos_id=1,
+    eos_id=2,
+    unk_id=3,
+  )
   assert train_flops(config, Shape(1, 1, 1)) == 3 * (64 + 104 + 20)
 
 
@@ -97,15 +110,17 @@ def test_decode_flop_formulas_equal_the_dots_of_the_encoder_pass_and_one_step():
   model = Transformer(config)
   src = np.full((rows, src_len), config.unk_id + 1, np.int32)
   variables = model.init(jax.random.key(0), src[:, :1], src[:, :1])
-  start = jax.jit(lambda v, src: model.apply(v, src, cache_len,
-                                             method=Transformer.start_decoding)).lower(variables, src)
+  start = jax.jit(
+    lambda v, src: model.apply(v, src, cache_len, method=Transformer.start_decoding)
+  ).lower(variables, src)
   assert prefix_flops(config, rows, src_len) == hlo_dot_flops(start.as_text(dialect='hlo'))
 
   cache = jax.eval_shape(
-      lambda v, src: model.apply(v, src, cache_len, method=Transformer.start_decoding),
-      variables, src)
-  step = jax.jit(lambda v, tokens, cache: model.apply(v, tokens, cache, 2,
-                                                      method=Transformer.decode_step))
+    lambda v, src: model.apply(v, src, cache_len, method=Transformer.start_decoding), variables, src
+  )
+  step = jax.jit(
+    lambda v, tokens, cache: model.apply(v, tokens, cache, 2, method=Transformer.decode_step)
+  )
   tokens = jax.ShapeDtypeStruct((rows, 1), np.int32)
   step_hlo = step.lower(variables, tokens, cache).as_text(dialect='hlo')
   assert isinstance(cache, DecodeCache) and cache.max_len == cache_len
@@ -130,17 +145,21 @@ def test_beams_share_the_encoder_pass_and_multiply_every_step():
   assert beam - prefix == 3 * (greedy - prefix)
   # One more attended position: QK^T and AV each grow by one D-vector product per row and layer.
   assert step_flops(config, batch, src_len, 2) - step_flops(config, batch, src_len, 1) == (
-      config.num_decoder_layers * 4 * batch * config.d_model)
+    config.num_decoder_layers * 4 * batch * config.d_model
+  )
 
 
 def test_every_multi30k_variant_decodes_the_model_kind_it_is_for():
   from benchmarks.multi30k import mask_predict_searches, searches
   from flax_transformer.decode.methods import BeamSearch, MaskPredict
+
   cmlm_variants, variants = mask_predict_searches(), searches([0.6, 1.5])
   assert {'mask-predict-T10-l3', 'mask-predict-T1-fixed', 'mask-predict-T10-fixed'} <= set(
-      cmlm_variants)
-  assert cmlm_variants['mask-predict-T10-fixed'] == MaskPredict(iterations=10, length_beam=1,
-                                                                length='fixed')
+    cmlm_variants
+  )
+  assert cmlm_variants['mask-predict-T10-fixed'] == MaskPredict(
+    iterations=10, length_beam=1, length='fixed'
+  )
   assert variants['beam4-a1.5'] == BeamSearch(beam_size=4, alpha=1.5)
   for method in cmlm_variants.values():
     method.check_model(ModelConfig.tiny(kind='cmlm'))
@@ -152,12 +171,14 @@ def test_every_multi30k_variant_decodes_the_model_kind_it_is_for():
 @pytest.mark.parametrize('peer', ['torch', 'marian'])
 def test_peer_has_our_parameter_count(peer):
   from benchmarks import peers
+
   if peers.available(peer):
     pytest.skip(peers.available(peer))
   config = ModelConfig.tiny()
   tokens = np.ones((1, 1), np.int32)
-  ours = count_params(jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens,
-                                     tokens)['params'])
+  ours = count_params(
+    jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)['params']
+  )
   # The peers keep a key-projection bias (torch's in_proj_bias covers q, k and v together);
   # ours has none (the softmax cancels it): one d_model vector per attention layer.
   num_attentions = config.num_encoder_layers + 2 * config.num_decoder_layers
@@ -170,10 +191,17 @@ def test_peer_has_our_parameter_count(peer):
 def test_peer_step_starts_at_the_uniform_loss_and_learns():
   """Label-smoothed loss of a fresh model is near log V; a few steps on one batch lower it."""
   from benchmarks import peers
+
   config = ModelConfig.tiny(dropout_rate=0.0)
   batch = synthetic_batch(config, TINY_SHAPE)
-  step = peers.PeerStep('torch', config, TrainConfig(warmup_steps=10, lr_scale=5.0),
-                        batch.src, batch.tgt_in, batch.tgt_out)
+  step = peers.PeerStep(
+    'torch',
+    config,
+    TrainConfig(warmup_steps=10, lr_scale=5.0),
+    batch.src,
+    batch.tgt_in,
+    batch.tgt_out,
+  )
   losses = [step.step() for _ in range(20)]
   assert abs(losses[0] - math.log(config.vocab_size)) < 1.0
   assert losses[-1] < losses[0] - 0.5
@@ -182,11 +210,23 @@ def test_peer_step_starts_at_the_uniform_loss_and_learns():
 def test_complexity_exponents_recover_the_growth_of_synthetic_rows():
   """benchmarks/complexity.py's fit: times ~ n^2 and bytes ~ n give slopes 2 and 1; small n left out."""
   from benchmarks.complexity import exponents
-  rows = [{'length': n, **{name: {'median_s': 3e-9 * n ** 2, 'min_s': 2e-9 * n ** 2,
-                                  'cpu_median_s': 5e-9 * n ** 2, 'bytes': 40 * n}
-                           for name in ('full', 'full_masked', 'banded')}}
-          for n in (128, 1024, 2048, 4096)]
-  rows[0]['banded']['median_s'] = 1.0   # below fit_from: must not count
+
+  rows = [
+    {
+      'length': n,
+      **{
+        name: {
+          'median_s': 3e-9 * n**2,
+          'min_s': 2e-9 * n**2,
+          'cpu_median_s': 5e-9 * n**2,
+          'bytes': 40 * n,
+        }
+        for name in ('full', 'full_masked', 'banded')
+      },
+    }
+    for n in (128, 1024, 2048, 4096)
+  ]
+  rows[0]['banded']['median_s'] = 1.0  # below fit_from: must not count
   fitted = exponents(rows, fit_from=1024)
   assert fitted['banded']['time'] == pytest.approx(2.0, abs=1e-9)
   # Least-squares slopes of exact powers: 2 up to rounding (2.0000000000000044 on one CPU, ...27
@@ -200,6 +240,7 @@ def test_complexity_exponents_recover_the_growth_of_synthetic_rows():
 def test_ab_patches_the_before_variant_only_while_it_is_built():
   from benchmarks import ab
   from flax_transformer.decode import autoregressive
+
   original = autoregressive.cast_matrices
   with pytest.raises(RuntimeError):
     with ab.patched((autoregressive, 'cast_matrices', None)):
@@ -215,6 +256,7 @@ def test_ab_before_variant_of_fused_qkv_has_no_wide_product():
   where the library's step takes one [D, 3D] (here [B, 1, 3 * 32] outputs, one per layer)."""
   from benchmarks import ab
   from flax_transformer.decode import autoregressive
+
   config = ModelConfig.tiny(dropout_rate=0.0)
   src = np.full((2, 5), config.unk_id + 1, np.int32)
   variables = Transformer(config).init(jax.random.key(0), src[:, :1], src[:, :1])
@@ -223,6 +265,7 @@ def test_ab_before_variant_of_fused_qkv_has_no_wide_product():
     def first_step(variables, src):
       step_fn, cache = autoregressive.model_step_fn(config, variables, src, 4)
       return step_fn(np.ones(2, np.int32), cache, 0)[0]
+
     return jax.jit(first_step).lower(variables, src).as_text(dialect='hlo')
 
   wide = lambda hlo: len(re.findall(r'f32\[2,1,96\]\S* dot\(', hlo))
@@ -242,18 +285,28 @@ def test_the_first_preset_is_the_size_its_multi30k_run_recorded():
   assert preset['model'] == {name: run['model'][name] for name in preset['model']}
   assert preset['vocab_size'] == run['data']['vocab_size'] == run['model']['vocab_size'] == 8000
   small = workloads.model_config('small')
-  assert (small.d_model, small.num_heads, small.num_encoder_layers, small.num_decoder_layers,
-          small.d_ff, small.vocab_size) == (256, 4, 3, 3, 1024, 8000)
+  assert (
+    small.d_model,
+    small.num_heads,
+    small.num_encoder_layers,
+    small.num_decoder_layers,
+    small.d_ff,
+    small.vocab_size,
+  ) == (256, 4, 3, 3, 1024, 8000)
 
 
 def test_the_benchmark_commands_name_existing_modules():
   """gpu.sh's, docs/results.md's and benchmarks/README.md's commands (its first block) run modules that
   exist; gpu.sh passes its options to the GPU check, whose parts are what its usage names."""
   from benchmarks import gpu_check
+
   repo = Path(__file__).resolve().parent.parent
   gpu = (repo / 'benchmarks' / 'gpu.sh').read_text()
-  texts = {'gpu.sh': gpu, 'docs/results.md': (repo / 'docs' / 'results.md').read_text(),
-           'benchmarks/README.md': (repo / 'benchmarks' / 'README.md').read_text().split('```')[1]}
+  texts = {
+    'gpu.sh': gpu,
+    'docs/results.md': (repo / 'docs' / 'results.md').read_text(),
+    'benchmarks/README.md': (repo / 'benchmarks' / 'README.md').read_text().split('```')[1],
+  }
   for where, text in texts.items():
     names = set(re.findall(r'-m benchmarks\.(\w+)', text))
     assert names, where
@@ -267,6 +320,7 @@ def test_the_benchmark_commands_name_existing_modules():
 
 def test_attention_kernels_times_each_kernel_of_this_backend():
   from benchmarks import attention_kernels
+
   [row] = attention_kernels.measure([8], tokens=32, rounds=1)
   assert (row['length'], row['rows'], row['dtype']) == (8, 4, 'float32')
   for kernel in ('einsum', 'xla'):
@@ -282,10 +336,14 @@ FLAXMARIAN_PYTHON = os.environ.get('FLAXMARIAN_PYTHON', '')
 
 def flaxmarian_skip_reason() -> str | None:
   if not FLAXMARIAN_PYTHON:
-    return ('FLAXMARIAN_PYTHON is not set: make the env with bash benchmarks/make_peer_env.sh VENV, '
-            'then set FLAXMARIAN_PYTHON=VENV/bin/python')
+    return (
+      'FLAXMARIAN_PYTHON is not set: make the env with bash benchmarks/make_peer_env.sh VENV, '
+      'then set FLAXMARIAN_PYTHON=VENV/bin/python'
+    )
   if not Path(FLAXMARIAN_PYTHON).is_file():
-    return f'FLAXMARIAN_PYTHON={FLAXMARIAN_PYTHON} is not a file (bash benchmarks/make_peer_env.sh VENV)'
+    return (
+      f'FLAXMARIAN_PYTHON={FLAXMARIAN_PYTHON} is not a file (bash benchmarks/make_peer_env.sh VENV)'
+    )
   return None
 
 
@@ -293,7 +351,8 @@ def test_solo_flop_classes_sum_to_the_analytic_counts():
   """Split by matmul shape, the step's and the decoders' FLOPs add up to the formulas above."""
   for config in (ModelConfig.tiny(d_ff=96, vocab_size=80), ModelConfig.base(vocab_size=8000)):
     assert sum(workloads.train_flop_classes(config, TINY_SHAPE).values()) == train_flops(
-        config, TINY_SHAPE)
+      config, TINY_SHAPE
+    )
     for beam_size in (1, 4):
       classes = workloads.decode_flop_classes(config, 3, 7, 5, beam_size)
       assert sum(classes.values()) == decode_flops(config, 3, 7, 5, beam_size)
@@ -303,6 +362,7 @@ def test_solo_flop_classes_sum_to_the_analytic_counts():
 def test_solo_weighted_peak_by_hand():
   """3 GFLOP at 300 GFLOP/s and 1 GFLOP at 100 take 0.01 + 0.01 s: 4 GFLOP / 0.02 s = 200."""
   from benchmarks import solo
+
   classes = {(8, 4, 4): 3e9, (2, 4, 4): 1e9}
   assert solo.weighted_peak(classes, {(8, 4, 4): 300.0, (2, 4, 4): 100.0}) == pytest.approx(200.0)
   assert solo.weighted_peak(classes, {(8, 4, 4): 50.0, (2, 4, 4): 50.0}) == pytest.approx(50.0)
@@ -319,6 +379,7 @@ def test_solo_worker_answers_the_protocol(tmp_path):
   """
   from benchmarks import solo
   from flax_transformer.decode import autoregressive
+
   with open(tmp_path / 'worker.log', 'w+') as log:
     worker = solo.Worker('ours', sys.executable, None, log)
     assert worker.skip_reason is None and worker.hello['framework'] == 'jax'
@@ -327,12 +388,14 @@ def test_solo_worker_answers_the_protocol(tmp_path):
     assert [(p['m'], p['k'], p['n']) for p in peaks] == [(8, 16, 32)]
     assert peaks[0]['flops'] % (2 * 8 * 16 * 32) == 0 and len(peaks[0]['times_s']) == 2
     config = ModelConfig.tiny(dropout_rate=0.0)
-    setting = dataclasses.replace(solo.QUICK, shape=Shape(2, 5, 4), batch=2, source_len=4,
-                                  new_tokens=3)
+    setting = dataclasses.replace(
+      solo.QUICK, shape=Shape(2, 5, 4), batch=2, source_len=4, new_tokens=3
+    )
     model = Transformer(config)
 
-    assert worker.ask(**solo.build_request('greedy', 'float32', dataclasses.asdict(config),
-                                           setting))['built']
+    assert worker.ask(
+      **solo.build_request('greedy', 'float32', dataclasses.asdict(config), setting)
+    )['built']
     answers = [worker.ask(op='time', result=True) for _ in range(2)]
     src = workloads.decode_sources(config, setting.batch, setting.source_len)
     params = jax.jit(model.init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
@@ -354,26 +417,31 @@ def test_solo_worker_answers_the_protocol(tmp_path):
     state = train.create_train_state(model, train.make_optimizer(train_config, config), seed=0)
     batch = synthetic_batch(config, setting.shape)
     logits = model.apply({'params': state.params}, batch.src, batch.tgt_in)
-    loss_sum, count = train.label_smoothed_cross_entropy(logits, batch.tgt_out,
-                                                         train_config.label_smoothing, config.pad_id)
+    loss_sum, count = train.label_smoothed_cross_entropy(
+      logits, batch.tgt_out, train_config.label_smoothing, config.pad_id
+    )
     assert int(count) == setting.shape.target_tokens == 8  # full rows, no PAD
     assert answer['result']['loss'] == pytest.approx(float(loss_sum) / 8, rel=1e-5)
-    cell = solo.summarize_cell({'times_s': [answer['seconds']]}, 'train', 'float32', config,
-                               setting, None)
+    cell = solo.summarize_cell(
+      {'times_s': [answer['seconds']]}, 'train', 'float32', config, setting, None
+    )
     assert cell['tokens_per_s'] == pytest.approx(8 / answer['seconds'])
-    assert cell['gflops'] == pytest.approx(train_flops(config, setting.shape) / answer['seconds']
-                                           / 1e9)
+    assert cell['gflops'] == pytest.approx(
+      train_flops(config, setting.shape) / answer['seconds'] / 1e9
+    )
     worker.close()
     assert worker.process.returncode == 0
 
 
 def test_solo_skips_a_peer_whose_python_lacks_its_packages(tmp_path):
   from benchmarks import solo
+
   with open(tmp_path / 'worker.log', 'w+') as log:
     missing = solo.Worker('flaxmarian', str(tmp_path / 'no-python'), None, log)
     assert missing.skip_reason.startswith('flaxmarian skipped: cannot run')
     if importlib.util.find_spec('transformers') and not hasattr(
-        importlib.import_module('transformers'), 'FlaxMarianMTModel'):
+      importlib.import_module('transformers'), 'FlaxMarianMTModel'
+    ):
       lacking = solo.Worker('flaxmarian', sys.executable, None, log)  # transformers 5 here
       assert 'lacks transformers<5' in lacking.skip_reason
       assert 'benchmarks/make_peer_env.sh' in lacking.skip_reason
@@ -385,13 +453,18 @@ def test_solo_skips_a_peer_whose_python_lacks_its_packages(tmp_path):
 def test_flaxmarian_trains_our_parameter_count():
   """FlaxMarian, in its own env, updates as many parameters as torch Marian: ours + key biases."""
   config = ModelConfig.tiny()
-  script = ('import json, sys, types, jax; from benchmarks import solo_worker as w; '
-            'c = types.SimpleNamespace(**json.loads(sys.argv[1])); '
-            'print(sum(x.size for x in jax.tree.leaves(w.flaxmarian_trainable('
-            'w.flaxmarian_model(c, "float32").params))))')
-  done = subprocess.run([FLAXMARIAN_PYTHON, '-c', script,
-                         json.dumps(dataclasses.asdict(config))], capture_output=True, text=True,
-                        env={**os.environ, 'PYTHONPATH': str(Path(__file__).parent.parent)})
+  script = (
+    'import json, sys, types, jax; from benchmarks import solo_worker as w; '
+    'c = types.SimpleNamespace(**json.loads(sys.argv[1])); '
+    'print(sum(x.size for x in jax.tree.leaves(w.flaxmarian_trainable('
+    'w.flaxmarian_model(c, "float32").params))))'
+  )
+  done = subprocess.run(
+    [FLAXMARIAN_PYTHON, '-c', script, json.dumps(dataclasses.asdict(config))],
+    capture_output=True,
+    text=True,
+    env={**os.environ, 'PYTHONPATH': str(Path(__file__).parent.parent)},
+  )
   assert done.returncode == 0, done.stderr[-2000:]
   num_attentions = config.num_encoder_layers + 2 * config.num_decoder_layers
   assert int(done.stdout.split()[-1]) == 44_608 + num_attentions * config.d_model
@@ -399,11 +472,18 @@ def test_flaxmarian_trains_our_parameter_count():
 
 def test_cpu_description_reads_the_first_processor_and_its_matmul_flags():
   from benchmarks.common import cpu_description
-  cpuinfo = ('processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n'
-             'model name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 sha_ni\n'
-             '\nprocessor\t: 1\nmodel name\t: Other CPU\nflags\t\t: fpu amx_bf16\n')
-  assert cpu_description(cpuinfo) == {'name': 'AMD EPYC 9R14', 'family': '25', 'model': '17',
-                                      'matmul_flags': ['avx2', 'fma', 'avx512f', 'avx512_bf16']}
+
+  cpuinfo = (
+    'processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n'
+    'model name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 sha_ni\n'
+    '\nprocessor\t: 1\nmodel name\t: Other CPU\nflags\t\t: fpu amx_bf16\n'
+  )
+  assert cpu_description(cpuinfo) == {
+    'name': 'AMD EPYC 9R14',
+    'family': '25',
+    'model': '17',
+    'matmul_flags': ['avx2', 'fma', 'avx512f', 'avx512_bf16'],
+  }
   # An ARM cpuinfo has none of these fields: nothing is made up.
   assert cpu_description('processor\t: 0\nFeatures\t: fp asimd bf16\n') == {'matmul_flags': []}
 
@@ -415,15 +495,18 @@ def test_solo_ctranslate2_worker_decodes_our_models_greedy_tokens(tmp_path):
     pytest.importorskip(package, reason=f"needs {package}: pip install -e '.[pretrained-test]'")
   from benchmarks import solo
   from flax_transformer.decode import autoregressive
+
   config = ModelConfig.tiny(dropout_rate=0.0, layer_norm_epsilon=1e-5)
   setting = dataclasses.replace(solo.QUICK, batch=3, source_len=5, new_tokens=4)
   with open(tmp_path / 'worker.log', 'w+') as log:
     worker = solo.Worker('ctranslate2', sys.executable, None, log)
     assert worker.skip_reason is None and worker.hello['framework'] == 'ctranslate2'
     assert worker.ask(op='peaks', shapes=[[8, 16, 32]], dtypes=['float32'], repeats=1) == {
-        'peaks': []}
-    request = lambda task, dtype: solo.build_request(task, dtype, dataclasses.asdict(config),
-                                                     setting)
+      'peaks': []
+    }
+    request = lambda task, dtype: solo.build_request(
+      task, dtype, dataclasses.asdict(config), setting
+    )
     assert 'decoding only' in worker.ask(**request('train', 'float32'))['unsupported']
     assert 'no bfloat16' in worker.ask(**request('greedy', 'bfloat16'))['unsupported']
     assert worker.ask(**request('greedy', 'float32'))['built']
@@ -444,8 +527,10 @@ def test_synthetic_arrays_draw_the_ids_of_the_librarys_synthetic_batch():
   """The peers' numpy-only batches (`workloads.synthetic_arrays`) are the batches our step is
   timed on (`flax_transformer.bench.synthetic_batch`): the same ids from the same seed."""
   from flax_transformer.bench import synthetic_batch as library_batch
+
   config, shape = ModelConfig.tiny(), Shape(batch=3, src_len=5, tgt_len=4)
   batch = library_batch(config, shape, seed=7)
-  for ours, theirs in zip(workloads.synthetic_arrays(config, shape, seed=7),
-                          (batch.src, batch.tgt_in, batch.tgt_out)):
+  for ours, theirs in zip(
+    workloads.synthetic_arrays(config, shape, seed=7), (batch.src, batch.tgt_in, batch.tgt_out)
+  ):
     np.testing.assert_array_equal(ours, theirs)

@@ -25,11 +25,21 @@ MODEL = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=64,
 # activation of this model notices in float32: the validation loss repeats exactly, so the
 # first validation stays the best and patience 2 stops at the third.
 # Checkpoints every 5 steps: the stop at step 6 is saved because it stops, not on the cadence.
-FROZEN = TrainConfig(steps=20, max_tokens=256, warmup_steps=2, peak_lr=1e-30, log_every=2,
-                     eval_every=2, checkpoint_every=5, keep_checkpoints=3, patience=2)
+FROZEN = TrainConfig(
+  steps=20,
+  max_tokens=256,
+  warmup_steps=2,
+  peak_lr=1e-30,
+  log_every=2,
+  eval_every=2,
+  checkpoint_every=5,
+  keep_checkpoints=3,
+  patience=2,
+)
 # Lowercased, Moses-tokenized text; outputs detokenized.
-DATA = DataConfig(source='toy', vocab_size=256, lowercase=True, pretokenize='moses',
-                  normalize_punctuation=True)
+DATA = DataConfig(
+  source='toy', vocab_size=256, lowercase=True, pretokenize='moses', normalize_punctuation=True
+)
 
 
 @pytest.fixture(scope='module')
@@ -65,8 +75,10 @@ def test_the_best_checkpoint_is_kept_decodable_with_its_score(stopped_run):
   assert best.value == pytest.approx(validated, rel=1e-12)
   config, params, tokenizer = load_for_inference(workdir / 'best')
   # Step 2's parameters; the learning rate moved none by more than ~1e-30 since.
-  for kept, final in zip(jax.tree.leaves(jax.device_get(params)),
-                         jax.tree.leaves(jax.device_get(stopped_run[1].state.params))):
+  for kept, final in zip(
+    jax.tree.leaves(jax.device_get(params)),
+    jax.tree.leaves(jax.device_get(stopped_run[1].state.params)),
+  ):
     np.testing.assert_allclose(kept, final, rtol=0, atol=1e-25)
   # The run's preprocessing comes with it.
   assert isinstance(tokenizer, PreprocessingTokenizer)
@@ -79,8 +91,9 @@ def test_a_resumed_run_that_stopped_early_trains_no_further(stopped_run, numbers
   assert int(result.state.step) == 6
   assert any('stopped early at step 6' in m for m in messages)
   # With more patience it goes on from the saved step, comparing with the recorded best.
-  more = train(MODEL, FROZEN.replace(patience=3), DATA, workdir, dataset=numbers,
-               print_fn=lambda m: None)
+  more = train(
+    MODEL, FROZEN.replace(patience=3), DATA, workdir, dataset=numbers, print_fn=lambda m: None
+  )
   # Validations at 4, 6 and 8 without a better loss: stopped at 8.
   assert int(more.state.step) == 8 and read_best(workdir).step == 2
 
@@ -112,7 +125,8 @@ def test_preprocessed_run_decodes_text_as_it_was_trained(stopped_run, numbers):
   outputs = translator.translate(sources, Greedy())
   wrapped = translator.tokenizer
   assert wrapped.encode(sources) == wrapped.inner.encode(
-      wrapped.preprocessing.prepare(sources, 'en'))
+    wrapped.preprocessing.prepare(sources, 'en')
+  )
   assert all(text == text.lower() for text in outputs)
   assert json.loads((workdir / 'config.json').read_text())['data']['pretokenize'] == 'moses'
   assert np.isfinite(result.scores['val_loss'])
@@ -131,6 +145,7 @@ def test_export_refuses_a_preprocessed_run(stopped_run, tmp_path):
   nothing."""
   from flax_transformer.pretrained.export import ExportError
   from flax_transformer.run.export import export_run
+
   workdir, _, _ = stopped_run
   with pytest.raises(ExportError, match='trained on preprocessed text') as error:
     export_run(workdir / 'best', tmp_path / 'export')
@@ -142,11 +157,18 @@ def test_a_run_trained_lowercased_is_not_resumed_cased(stopped_run, numbers):
   """Its tokenizer and checkpoints were made from lowercased text: resuming with other
   preprocessing is refused in one line naming the setting, before any work."""
   from flax_transformer.run.directory import CheckpointError
+
   workdir, _, _ = stopped_run
   before = sorted(p.name for p in (workdir / 'checkpoints').iterdir())
   with pytest.raises(CheckpointError, match='data.lowercase') as error:
-    train(MODEL, FROZEN, DATA.replace(lowercase=False), workdir, dataset=numbers,
-          print_fn=lambda m: None)
+    train(
+      MODEL,
+      FROZEN,
+      DATA.replace(lowercase=False),
+      workdir,
+      dataset=numbers,
+      print_fn=lambda m: None,
+    )
   assert '\n' not in str(error.value)
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == before
 
@@ -157,7 +179,9 @@ def test_best_by_bleu_follows_the_validation_tokenized_bleu(tmp_path, numbers):
   config = FROZEN.replace(steps=4, patience=0, best_metric='bleu', bleu_every=2, eval_every=4)
   train(MODEL, config, DATA, tmp_path / 'run', dataset=numbers, print_fn=lambda m: None)
   best = read_best(tmp_path / 'run')
-  lines = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  lines = [
+    json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()
+  ]
   scored = {line['step']: line['val_bleu_tok'] for line in lines if 'val_bleu_tok' in line}
   assert sorted(scored) == [2, 4] and best.metric == 'bleu'
   # Equal scores do not replace the best: the first of the highest is kept.

@@ -7,16 +7,22 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from support.checkpointed_run import TEXTS, TRAIN_CONFIG, shifted
 
 from flax_transformer.config import DataConfig
 from flax_transformer.nn.model import Transformer
-from flax_transformer.run import (CheckpointError, Checkpoints, DamagedCheckpoint,
-                                  average_checkpoints, load_for_inference)
+from flax_transformer.run import (
+  CheckpointError,
+  Checkpoints,
+  DamagedCheckpoint,
+  average_checkpoints,
+  load_for_inference,
+)
 from flax_transformer.run.directory import read_config, write_config
 from flax_transformer.train import create_train_state, make_optimizer
+from support.checkpointed_run import TEXTS, TRAIN_CONFIG, shifted
 
 # The run directory of conftest.py's checkpointed_run, which tests/test_run_directory.py shares.
+
 
 @pytest.fixture(scope='module')
 def tokenizer(checkpointed_run):
@@ -105,15 +111,15 @@ def test_averaging_refuses_an_output_that_would_delete_the_run(run_dir, tmp_path
   (tmp_path / 'notes' / 'todo.txt').write_text('keep me')
   files = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob('*'))
   for output, message in [
-      (run, f'averaging output {run} would replace the run directory {run}'),
-      (tmp_path / 'link', 'would replace the run directory'),          # the run, by a symlink
-      (run / '..', 'would replace the run directory'),                 # holds the run
-      (tmp_path, 'would replace the run directory'),
-      (run / 'checkpoints', f'would replace {run / "checkpoints"}, part of the run'),
-      (tmp_path / 'link' / 'checkpoints' / '10', 'part of the run'),
-      (run / 'metrics.jsonl', f'would replace {run / "metrics.jsonl"}, part of the run'),
-      (tmp_path / 'notes', 'holds other files than an earlier average'),
-      (tmp_path / 'notes' / 'todo.txt', 'is a file; give a directory'),
+    (run, f'averaging output {run} would replace the run directory {run}'),
+    (tmp_path / 'link', 'would replace the run directory'),  # the run, by a symlink
+    (run / '..', 'would replace the run directory'),  # holds the run
+    (tmp_path, 'would replace the run directory'),
+    (run / 'checkpoints', f'would replace {run / "checkpoints"}, part of the run'),
+    (tmp_path / 'link' / 'checkpoints' / '10', 'part of the run'),
+    (run / 'metrics.jsonl', f'would replace {run / "metrics.jsonl"}, part of the run'),
+    (tmp_path / 'notes', 'holds other files than an earlier average'),
+    (tmp_path / 'notes' / 'todo.txt', 'is a file; give a directory'),
   ]:
     with pytest.raises(CheckpointError, match=re.escape(message)):
       average_checkpoints(run, 2, output=output)
@@ -140,23 +146,28 @@ def test_errors_name_the_problem(run_dir, tmp_path, setup, tokenizer):
     load_for_inference(run_dir, average_last=4)
 
   bigger = Transformer(config.replace(d_model=64))
-  wrong = jax.eval_shape(lambda: create_train_state(
-      bigger, make_optimizer(TRAIN_CONFIG, bigger.config), seed=0))
+  wrong = jax.eval_shape(
+    lambda: create_train_state(bigger, make_optimizer(TRAIN_CONFIG, bigger.config), seed=0)
+  )
   checkpoints = Checkpoints(run_dir)
   # Compared with orbax's metadata before any array is read: the first differences, counted.
   with pytest.raises(CheckpointError) as error:
     checkpoints.restore(10, wrong)
   assert not isinstance(error.value, DamagedCheckpoint)
   assert str(error.value).startswith(
-      f'{run_dir / "checkpoints" / "10"} does not hold a training state of this model and '
-      'optimizer: 38 arrays differ, decoder/layer_0/cross_attention/key/kernel is saved as '
-      '(32, 32), the model needs (64, 64); ')
-  assert str(error.value).endswith(' (and 35 more). The checkpoint belongs to another model: use '
-                                   'the config.json it was written with')
+    f'{run_dir / "checkpoints" / "10"} does not hold a training state of this model and '
+    'optimizer: 38 arrays differ, decoder/layer_0/cross_attention/key/kernel is saved as '
+    '(32, 32), the model needs (64, 64); '
+  )
+  assert str(error.value).endswith(
+    ' (and 35 more). The checkpoint belongs to another model: use '
+    'the config.json it was written with'
+  )
   checkpoints.close()
 
 
 # --- a reader beside a writer: checkpoints rotated away while being read ------------------
+
 
 def _rotating_restore(monkeypatch, rotate):
   """Checkpoints.restore_params that calls rotate(checkpoints, step) before its first read, as
@@ -173,8 +184,9 @@ def _rotating_restore(monkeypatch, rotate):
   return calls
 
 
-def test_a_checkpoint_rotated_away_while_read_gives_way_to_the_newest(run_dir, setup, tmp_path,
-                                                                      monkeypatch):
+def test_a_checkpoint_rotated_away_while_read_gives_way_to_the_newest(
+  run_dir, setup, tmp_path, monkeypatch
+):
   # The writer saves step 12 (here: step 8's files, so that its parameters tell) and deletes
   # step 10, the one being read; decoding reads 12 instead, and nothing is called damaged.
   _, _, _, state = setup
@@ -191,9 +203,11 @@ def test_a_checkpoint_rotated_away_while_read_gives_way_to_the_newest(run_dir, s
   assert_trees_equal(jax.device_get(params), shifted(state, 8).params)
 
 
-def test_a_given_step_rotated_away_is_reported_as_rotated_not_damaged(run_dir, tmp_path,
-                                                                      monkeypatch):
+def test_a_given_step_rotated_away_is_reported_as_rotated_not_damaged(
+  run_dir, tmp_path, monkeypatch
+):
   from flax_transformer.run import RotatedCheckpoint
+
   run = tmp_path / 'run'
   shutil.copytree(run_dir, run)
   _rotating_restore(monkeypatch, lambda directory, step: shutil.rmtree(directory / str(step)))

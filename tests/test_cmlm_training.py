@@ -9,18 +9,24 @@ tests/test_decode_cli.py's, the distillation that makes a cmlm corpus test_disti
 import jax
 import numpy as np
 import pytest
-from support.copy_task import PAD, copy_batch
-from support.device_workers import run_values, run_worker
 
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nn.cmlm import CMLMTransformer
-from flax_transformer.train import (DataParallel, create_train_state, length_metrics,
-                                   make_optimizer, make_parallel_eval, make_parallel_step,
-                                   token_metrics)
+from flax_transformer.train import (
+  DataParallel,
+  create_train_state,
+  length_metrics,
+  make_optimizer,
+  make_parallel_eval,
+  make_parallel_step,
+  token_metrics,
+)
+from support.copy_task import PAD, copy_batch
+from support.device_workers import run_values, run_worker
 
 # --- the training step ------------------------------------------------------------------
 
-WORKER = r'''
+WORKER = r"""
 import sys
 import jax
 import numpy as np
@@ -58,7 +64,7 @@ for run in runs:
   params = traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/')
   results.update({f'{run}/params/{name}': value for name, value in params.items()})
 np.savez(out, **results)
-'''
+"""
 STEPS = 3
 # pmap's equality with shard_map is tests/test_multidevice.py's; the cmlm step adds no mode logic.
 RUNS = ('shard_map-1', 'shard_map-2')
@@ -77,8 +83,7 @@ def test_cmlm_step_on_two_devices_equals_one_device(device_runs, run):
   one = 'shard_map-1'
   for kind in ('tokens', 'sentences', 'target_tokens', 'length_correct', 'correct'):
     assert run_values(device_runs, run, kind) == run_values(device_runs, one, kind), kind
-  for kind in ('loss_sum', 'length_loss_sum', 'grad_norm', 'eval_loss_sum',
-               'eval_length_loss_sum'):
+  for kind in ('loss_sum', 'length_loss_sum', 'grad_norm', 'eval_loss_sum', 'eval_length_loss_sum'):
     reference = run_values(device_runs, one, kind)
     for index, value in run_values(device_runs, run, kind).items():
       np.testing.assert_allclose(value, reference[index], rtol=1e-5, err_msg=f'{kind} {index}')
@@ -104,8 +109,14 @@ def test_cmlm_step_metrics_count_masked_tokens_and_real_sentences(device_runs):
 @pytest.fixture(scope='module')
 def copy_task_training():
   """60 steps of the tiny cmlm model on 4 fixed copy batches, on one device."""
-  config = ModelConfig.tiny(kind='cmlm', num_encoder_layers=1, num_decoder_layers=1,
-                            dropout_rate=0.0, max_length_offset=4, vocab_size=16)
+  config = ModelConfig.tiny(
+    kind='cmlm',
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.0,
+    max_length_offset=4,
+    vocab_size=16,
+  )
   train_config = TrainConfig(warmup_steps=20)
   model = CMLMTransformer(config)
   optimizer = make_optimizer(train_config, config)
@@ -118,8 +129,9 @@ def copy_task_training():
     state, metrics = step(state, parallel.shard_batch(batches[index % 4]))
     history.append(parallel.unreplicate(metrics))
   evaluate = make_parallel_eval(model, train_config, parallel)
-  evaluations = [parallel.unreplicate(evaluate(state.params, parallel.shard_batch(batches[0])))
-                 for _ in range(2)]
+  evaluations = [
+    parallel.unreplicate(evaluate(state.params, parallel.shard_batch(batches[0]))) for _ in range(2)
+  ]
   return history, evaluations, batches
 
 

@@ -91,8 +91,11 @@ def test_invalid_utf8_names_file_and_line(tmp_path):
 def test_split_with_zero_pairs(tmp_path):
   write_pair(tmp_path, 'train', ['a'], ['b'])
   write_pair(tmp_path, 'val', ['', 'x'], ['y', ' '])
-  with pytest.raises(DataError, match=r'val\.en/val\.de: no sentence pairs \(2 read, all with an '
-                     'empty side'):
+  with pytest.raises(
+    DataError,
+    match=r'val\.en/val\.de: no sentence pairs \(2 read, all with an '
+    'empty side',
+  ):
     load_parallel(str(tmp_path), 'en', 'de')
 
 
@@ -108,27 +111,42 @@ def test_several_test_sets_need_a_choice(tmp_path):
 @pytest.fixture
 def multi30k_layout(tmp_path):
   """The official Multi30k release's stems: four test sets, told apart by their content."""
-  for stem in ('train', 'val', 'test_2016_flickr', 'test_2017_flickr', 'test_2017_mscoco',
-               'test_2018_flickr'):
+  for stem in (
+    'train',
+    'val',
+    'test_2016_flickr',
+    'test_2017_flickr',
+    'test_2017_mscoco',
+    'test_2018_flickr',
+  ):
     write_pair(tmp_path, stem, [f'{stem} en'], [f'{stem} de'])
   write_pair(tmp_path, 'dev', ['dev en'], ['dev de'])
   return tmp_path
 
 
 def test_valid_split_and_test_split_pick_among_several(multi30k_layout):
-  with pytest.raises(DataError, match=r"several test sets \['test_2016_flickr', .*\]; choose one "
-                     r'with data.test_split \(train.py --data.test_split=test_2016_flickr\)'):
+  with pytest.raises(
+    DataError,
+    match=r"several test sets \['test_2016_flickr', .*\]; choose one "
+    r'with data.test_split \(train.py --data.test_split=test_2016_flickr\)',
+  ):
     load_parallel(str(multi30k_layout), 'en', 'de')
   ds = load_parallel(str(multi30k_layout), 'en', 'de', test_split='test_2017_mscoco')
   assert list(ds) == ['train', 'validation', 'test']
   assert ds['test']['source'][:] == ['test_2017_mscoco en']
-  assert ds['validation']['source'][:] == ['val en']               # discovered: val before dev
-  ds = load_parallel(str(multi30k_layout), 'en', 'de', valid_split='dev',
-                     test_split='test_2018_flickr')
-  assert (ds['validation']['target'][:], ds['test']['target'][:]) == (['dev de'],
-                                                                     ['test_2018_flickr de'])
-  with pytest.raises(DataError, match=r"data.test_split='test_2019' names no split \(found "
-                                      r"\['dev', 'test_2016_flickr'"):
+  assert ds['validation']['source'][:] == ['val en']  # discovered: val before dev
+  ds = load_parallel(
+    str(multi30k_layout), 'en', 'de', valid_split='dev', test_split='test_2018_flickr'
+  )
+  assert (ds['validation']['target'][:], ds['test']['target'][:]) == (
+    ['dev de'],
+    ['test_2018_flickr de'],
+  )
+  with pytest.raises(
+    DataError,
+    match=r"data.test_split='test_2019' names no split \(found "
+    r"\['dev', 'test_2016_flickr'",
+  ):
     load_parallel(str(multi30k_layout), 'en', 'de', test_split='test_2019')
   with pytest.raises(DataError, match='give either splits=.* or valid_split/test_split'):
     load_parallel(str(multi30k_layout), 'en', 'de', splits={'train': 'train'}, test_split='test')
@@ -146,13 +164,19 @@ def test_same_language_twice(text_dir):
 
 
 def test_table_dir_with_language_columns_and_translation_column(tmp_path):
-  rows = [{'en': 'A cat.', 'de': 'Eine Katze.'}, {'en': ' ', 'de': 'Leer.'},
-          {'en': 'Rain.', 'de': None}, {'en': 'Sun.', 'de': 'Sonne.'}]
+  rows = [
+    {'en': 'A cat.', 'de': 'Eine Katze.'},
+    {'en': ' ', 'de': 'Leer.'},
+    {'en': 'Rain.', 'de': None},
+    {'en': 'Sun.', 'de': 'Sonne.'},
+  ]
   (tmp_path / 'train.jsonl').write_text('\n'.join(json.dumps(row) for row in rows) + '\n')
   (tmp_path / 'validation.json').write_text(
-      json.dumps([{'translation': {'en': 'Hi.', 'de': 'Hallo.'}}]))
+    json.dumps([{'translation': {'en': 'Hi.', 'de': 'Hallo.'}}])
+  )
   pd.DataFrame({'de': ['Ja.', 'Nein.'], 'en': ['Yes.', 'No.'], 'id': [1, 2]}).to_csv(
-      tmp_path / 'test.csv', index=False)
+    tmp_path / 'test.csv', index=False
+  )
   ds = load_parallel(str(tmp_path), 'en', 'de')
   assert list(ds) == ['train', 'validation', 'test']
   assert ds['train']['source'][:] == ['A cat.', 'Sun.']
@@ -166,7 +190,8 @@ def test_table_dir_with_language_columns_and_translation_column(tmp_path):
 def test_non_string_cells_become_text(tmp_path):
   # CSV readers type a column of numbers as int64; a translation pair is still text.
   pd.DataFrame({'en': [7, 42], 'de': ['sieben', 'zweiundvierzig']}).to_csv(
-      tmp_path / 'numbers.csv', index=False)
+    tmp_path / 'numbers.csv', index=False
+  )
   ds = load_parallel(str(tmp_path / 'numbers.csv'), 'en', 'de')
   assert ds['train'][:] == {'source': ['7', '42'], 'target': ['sieben', 'zweiundvierzig']}
 
@@ -184,13 +209,20 @@ def test_single_parquet_file_is_one_split(tmp_path):
 
 def test_table_without_the_languages(tmp_path):
   (tmp_path / 'train.jsonl').write_text(json.dumps({'fr': 'Oui.', 'de': 'Ja.'}) + '\n')
-  with pytest.raises(DataError, match=r"train\.jsonl: needs columns 'en' and 'de' or a "
-                     r"'translation' column, found \['fr', 'de'\]"):
+  with pytest.raises(
+    DataError,
+    match=r"train\.jsonl: needs columns 'en' and 'de' or a "
+    r"'translation' column, found \['fr', 'de'\]",
+  ):
     load_parallel(str(tmp_path), 'en', 'de')
   (tmp_path / 'train.jsonl').write_text(
-      json.dumps({'translation': {'fr': 'Oui.', 'de': 'Ja.'}}) + '\n')
-  with pytest.raises(DataError, match=r"the translation column has languages \['de', 'fr'\], "
-                     r"not \['en'\]"):
+    json.dumps({'translation': {'fr': 'Oui.', 'de': 'Ja.'}}) + '\n'
+  )
+  with pytest.raises(
+    DataError,
+    match=r"the translation column has languages \['de', 'fr'\], "
+    r"not \['en'\]",
+  ):
     load_parallel(str(tmp_path), 'en', 'de')
 
 
@@ -206,17 +238,22 @@ def test_lone_text_file_is_refused(text_dir):
 
 
 def test_hub_translation_column_is_unpacked(monkeypatch):
-  translation = datasets.Features(
-      {'translation': datasets.Translation(languages=['de', 'en'])})
-  hub = datasets.DatasetDict({
+  translation = datasets.Features({'translation': datasets.Translation(languages=['de', 'en'])})
+  hub = datasets.DatasetDict(
+    {
       'train': datasets.Dataset.from_dict(
-          {'translation': [{'de': 'Haus.', 'en': 'House.'}, {'de': '', 'en': 'Empty.'}]},
-          features=translation),
+        {'translation': [{'de': 'Haus.', 'en': 'House.'}, {'de': '', 'en': 'Empty.'}]},
+        features=translation,
+      ),
       'validation': datasets.Dataset.from_dict(
-          {'translation': [{'de': 'Baum.', 'en': 'Tree.'}]}, features=translation)})
+        {'translation': [{'de': 'Baum.', 'en': 'Tree.'}]}, features=translation
+      ),
+    }
+  )
   calls = []
-  monkeypatch.setattr(datasets, 'load_dataset',
-                      lambda name, config: calls.append((name, config)) or hub)
+  monkeypatch.setattr(
+    datasets, 'load_dataset', lambda name, config: calls.append((name, config)) or hub
+  )
   ds = load_parallel('wmt14:de-en', 'en', 'de')
   assert calls == [('wmt14', 'de-en')]
   assert ds['train'][:] == {'source': ['House.'], 'target': ['Haus.']}
@@ -227,6 +264,7 @@ def test_hub_translation_column_is_unpacked(monkeypatch):
 def test_hub_failure_explains_offline_use(monkeypatch):
   def offline(name, config):
     raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+
   monkeypatch.setattr(datasets, 'load_dataset', offline)
   with pytest.raises(DataError) as info:
     load_parallel('bentrevett/multi30k', 'en', 'de')
@@ -239,7 +277,10 @@ def test_hub_failure_explains_offline_use(monkeypatch):
 def test_multi30k(multi30k_dir):
   ds = load_parallel(str(multi30k_dir), 'en', 'de')
   assert {name: len(split) for name, split in ds.items()} == {
-      'train': 29_000, 'validation': 1_014, 'test': 1_000}
+    'train': 29_000,
+    'validation': 1_014,
+    'test': 1_000,
+  }
   with open(multi30k_dir / 'val.de', encoding='utf-8') as f:
     last_de = f.read().split('\n')[1013]
   assert ds['validation'][1013]['target'] == last_de.strip()

@@ -14,10 +14,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support.random_run import MAX_LEN, SENTENCES
-from support.script_calls import call, error_line
 
 from flax_transformer.cli import decode as decode_cli  # decode.py's program
+from flax_transformer.cli import text_io
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.decode import non_autoregressive
@@ -26,6 +25,8 @@ from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import Transformer
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
+from support.random_run import MAX_LEN, SENTENCES
+from support.script_calls import call, error_line
 
 # A random model's translations run to the output budget, which max_len caps.
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
@@ -33,7 +34,10 @@ pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
 
 # --- options refused before anything loads ----------------------------------------------
 
-@pytest.mark.parametrize('argv, expected', [
+
+@pytest.mark.parametrize(
+  'argv, expected',
+  [
     (['--beam-size', '0'], 'decode.py: error: argument --beam-size: must be >= 1, got 0'),
     (['--batch-size', '0'], 'decode.py: error: argument --batch-size: must be >= 1, got 0'),
     (['--step', '-3'], 'decode.py: error: argument --step: must be >= 0, got -3'),
@@ -44,13 +48,15 @@ pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
     (['--temperature', 'nan'], 'decode.py: error: argument --temperature: must be > 0, got nan'),
     (['--top-k', 'x'], "decode.py: error: argument --top-k: invalid int value: 'x'"),
     (['--nat-length', 'fixed'], 'decode.py: error: --nat-length is now called --length'),
-])
+  ],
+)
 def test_decode_refuses_bad_options_naming_them(argv, expected, tmp_path):
   status, _, err = call(decode_cli.main, ['--checkpoint', tmp_path, *argv, 'Hallo'])
   assert status == 2 and expected in err
 
 
 # --- the random tiny model of conftest.py's random_run -----------------------------------
+
 
 @pytest.fixture(scope='module')
 def tokenizer(random_run):
@@ -68,15 +74,17 @@ def greedy_translations(random_run):
 
 
 def test_cli_translates_arguments_to_stdout(run_dir, greedy_translations, capsys):
-  status = decode_cli.main(['--checkpoint', str(run_dir), '--method', 'greedy',
-                            '--batch-size', '2', *SENTENCES])
+  status = decode_cli.main(
+    ['--checkpoint', str(run_dir), '--method', 'greedy', '--batch-size', '2', *SENTENCES]
+  )
   captured = capsys.readouterr()
   assert status == 0, captured.err
   assert captured.out.split('\n')[:-1] == greedy_translations
 
 
-def test_cli_input_with_special_strings_reaches_the_model_as_text(run_dir, tokenizer,
-                                                                 monkeypatch, capsys):
+def test_cli_input_with_special_strings_reaches_the_model_as_text(
+  run_dir, tokenizer, monkeypatch, capsys
+):
   lines = ['</s> ein Hund', 'ein <pad> Hund', 'ein Hund <s>', '<unk>', 'x</s>y']
   seen = []
   translate_sources = Translator.translate_sources
@@ -97,12 +105,24 @@ def test_cli_input_with_special_strings_reaches_the_model_as_text(run_dir, token
 
 
 def test_cli_decodes_in_bfloat16_as_the_translator_does(run_dir, random_run, capsys):
-  status = decode_cli.main(['--checkpoint', str(run_dir), '--method', 'greedy', '--dtype',
-                            'bfloat16', '--batch-size', '2', *SENTENCES])
+  status = decode_cli.main(
+    [
+      '--checkpoint',
+      str(run_dir),
+      '--method',
+      'greedy',
+      '--dtype',
+      'bfloat16',
+      '--batch-size',
+      '2',
+      *SENTENCES,
+    ]
+  )
   captured = capsys.readouterr()
   assert status == 0, captured.err
-  translator = Translator(random_run.config, random_run.params, tokenizer=random_run.tokenizer,
-                          dtype='bfloat16')
+  translator = Translator(
+    random_run.config, random_run.params, tokenizer=random_run.tokenizer, dtype='bfloat16'
+  )
   assert translator.config.dtype == 'bfloat16' and random_run.config.compute_dtype == 'float32'
   assert captured.out.split('\n')[:-1] == translator.translate(SENTENCES, Greedy(), batch_size=2)
 
@@ -111,23 +131,40 @@ def test_cli_file_to_file_with_reference_scores(run_dir, greedy_translations, tm
   source, output, reference = tmp_path / 'in.de', tmp_path / 'out.en', tmp_path / 'ref.en'
   source.write_text('\n'.join(SENTENCES) + '\n')
   reference.write_text('\n'.join(greedy_translations[:-1] + ['something else']) + '\n')
-  status = decode_cli.main(['--checkpoint', str(run_dir), '--method', 'greedy',
-                            '--batch-size', '2', '--input', str(source), '--output', str(output),
-                            '--reference', str(reference)])
+  status = decode_cli.main(
+    [
+      '--checkpoint',
+      str(run_dir),
+      '--method',
+      'greedy',
+      '--batch-size',
+      '2',
+      '--input',
+      str(source),
+      '--output',
+      str(output),
+      '--reference',
+      str(reference),
+    ]
+  )
   captured = capsys.readouterr()
   assert status == 0, captured.err
   assert output.read_text().split('\n')[:-1] == greedy_translations
   bleu, lowercased, chrf, tokenized = captured.out.strip().split('\n')
   assert bleu.startswith('BLEU = ') and 'signature: nrefs:1|case:mixed|eff:no|tok:13a' in bleu
-  assert lowercased.startswith('BLEU = ') and 'signature: nrefs:1|case:lc|eff:no|tok:13a' in lowercased
+  assert (
+    lowercased.startswith('BLEU = ') and 'signature: nrefs:1|case:lc|eff:no|tok:13a' in lowercased
+  )
   assert chrf.startswith('chrF2 = ') and 'signature: nrefs:1|case:mixed|eff:yes|nc:6' in chrf
   assert 0.0 < float(bleu.split()[2]) < 100.0
   # The literature's tokenized BLEU, in the run's target language, as the library scores it.
   from flax_transformer.run.directory import read_config
   from flax_transformer.train.evaluation import tokenized_bleu
+
   lang = read_config(run_dir)[2].tgt_lang
-  expected, signature = tokenized_bleu(greedy_translations,
-                                       greedy_translations[:-1] + ['something else'], lang)
+  expected, signature = tokenized_bleu(
+    greedy_translations, greedy_translations[:-1] + ['something else'], lang
+  )
   assert tokenized.startswith('tokenized BLEU = ') and f'signature: {signature}' in tokenized
   assert float(tokenized.split()[3]) == pytest.approx(expected.score, abs=0.01)
 
@@ -135,28 +172,38 @@ def test_cli_file_to_file_with_reference_scores(run_dir, greedy_translations, tm
 def test_cli_warns_about_overlong_lines(run_dir, tokenizer, tmp_path, capsys):
   source, long = tmp_path / 'long.de', ' '.join(['Hund'] * 80)
   source.write_text('Ein Hund.\n' + long + '\n')
-  status = decode_cli.main(['--checkpoint', str(run_dir), '--method', 'greedy',
-                            '--input', str(source)])
+  status = decode_cli.main(
+    ['--checkpoint', str(run_dir), '--method', 'greedy', '--input', str(source)]
+  )
   captured = capsys.readouterr()
   assert status == 0
   count = len(tokenizer.encode([long])[0])
-  assert f'warning: line 2 has {count} subword tokens; the model reads at most {MAX_LEN - 1}' \
-      in captured.err
+  assert (
+    f'warning: line 2 has {count} subword tokens; the model reads at most {MAX_LEN - 1}'
+    in captured.err
+  )
   assert len(captured.out.split('\n')) == 3
 
 
-@pytest.mark.parametrize('arguments, message', [
+@pytest.mark.parametrize(
+  'arguments, message',
+  [
     (['--checkpoint', '{tmp}/missing', 'Hallo'], 'missing: no such directory'),
     (['--checkpoint', '{tmp}', 'Hallo'], 'config.json: no such file'),
     (['--checkpoint', '{run}', '--input', '{tmp}/empty.txt'], 'empty.txt is empty'),
     (['--checkpoint', '{run}', '--input', '{tmp}/nothing.txt'], 'nothing.txt: no such file'),
     (['--checkpoint', '{run}', '--max-len', '100', 'Hallo'], r'max_len must be in \[1, 64\]'),
     (['--checkpoint', '{run}', '--step', '3', 'Hallo'], r'no checkpoint at step 3 \(have: 7\)'),
-    (['--checkpoint', '{run}', '--temperature', '0.5', 'Hallo'],
-     "temperature only applies to method 'sample'"),
-    (['--checkpoint', '{run}', '--reference', '{tmp}/empty.txt', 'Hallo', 'Welt'],
-     'has 0 lines, the input has 2'),
-])
+    (
+      ['--checkpoint', '{run}', '--temperature', '0.5', 'Hallo'],
+      "temperature only applies to method 'sample'",
+    ),
+    (
+      ['--checkpoint', '{run}', '--reference', '{tmp}/empty.txt', 'Hallo', 'Welt'],
+      'has 0 lines, the input has 2',
+    ),
+  ],
+)
 def test_cli_errors_are_one_line_messages(run_dir, tmp_path, capsys, arguments, message):
   (tmp_path / 'empty.txt').write_text('')
   arguments = [a.format(tmp=tmp_path, run=run_dir) for a in arguments]
@@ -168,8 +215,14 @@ def test_cli_errors_are_one_line_messages(run_dir, tmp_path, capsys, arguments, 
 
 # --- decoding messy input ------------------------------------------------------------
 
-CORPUS = ['Ein Mann fährt Fahrrad.', 'Zwei Hunde spielen im Schnee.', 'Eine Frau liest ein Buch.',
-          'A man rides a bike.', 'Two dogs play in the snow.', 'A woman reads a book.']
+CORPUS = [
+  'Ein Mann fährt Fahrrad.',
+  'Zwei Hunde spielen im Schnee.',
+  'Eine Frau liest ein Buch.',
+  'A man rides a bike.',
+  'Two dogs play in the snow.',
+  'A woman reads a book.',
+]
 DECODE_MAX_LEN = 32
 
 
@@ -178,8 +231,13 @@ def decode_run(tmp_path_factory):
   """A run directory with a random tiny model, and its Translator."""
   workdir = tmp_path_factory.mktemp('decode')
   tokenizer = Tokenizer.train(CORPUS, vocab_size=100)
-  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, max_len=DECODE_MAX_LEN,
-                            num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
+  config = ModelConfig.tiny(
+    vocab_size=tokenizer.vocab_size,
+    max_len=DECODE_MAX_LEN,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.0,
+  )
   tokens = np.ones((1, 4), np.int32)
   params = Transformer(config).init(jax.random.key(0), tokens, tokens)['params']
   tokenizer.save(workdir)
@@ -197,13 +255,17 @@ def test_decode_handles_empty_long_and_unknown_input_line_by_line(decode_run, tm
   source, output = tmp_path / 'in.de', tmp_path / 'out.en'
   # CRLF line ends, as from a Windows editor.
   source.write_bytes(''.join(f'{line}\r\n' for line in lines).encode())
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
-                                          '--input', source, '--output', output])
+  status, _, err = call(
+    decode_cli.main,
+    ['--checkpoint', workdir, '--method', 'greedy', '--input', source, '--output', output],
+  )
   assert status == 0, err
   assert len(long + 'e') == 10_000
   count = len(translator.tokenizer.encode([long + 'e'])[0])
-  assert (f'decode.py: warning: line 3 has {count} subword tokens; the model reads at most '
-          f'{DECODE_MAX_LEN - 1} + EOS: truncated') in err
+  assert (
+    f'decode.py: warning: line 3 has {count} subword tokens; the model reads at most '
+    f'{DECODE_MAX_LEN - 1} + EOS: truncated'
+  ) in err
   written = output.read_text().split('\n')
   assert written[-1] == '' and len(written) - 1 == len(lines)  # one line out per line in
   with pytest.warns(UserWarning, match='sentence 2: .* truncated'):
@@ -217,16 +279,17 @@ def test_decode_refuses_invalid_utf8_naming_the_line(decode_run, tmp_path):
   workdir, _ = decode_run
   source, output = tmp_path / 'in.de', tmp_path / 'out.en'
   source.write_bytes(b'Ein Hund.\nZwei M\xe4nner.\n')
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--input', source,
-                                          '--output', output])
+  status, _, err = call(
+    decode_cli.main, ['--checkpoint', workdir, '--input', source, '--output', output]
+  )
   assert status == 2 and not output.exists()
   assert error_line(err, 'decode.py') == (
-      f'decode.py: error: {source}, line 2: invalid UTF-8 (invalid continuation byte at byte '
-      '6 of the line); re-encode the file as UTF-8')
+    f'decode.py: error: {source}, line 2: invalid UTF-8 (invalid continuation byte at byte '
+    '6 of the line); re-encode the file as UTF-8'
+  )
 
 
-def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp_path,
-                                                                 monkeypatch):
+def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp_path, monkeypatch):
   workdir, translator = decode_run
   lines = [CORPUS[i % 3] for i in range(10)]
   calls = []
@@ -241,31 +304,47 @@ def test_decode_failure_part_way_keeps_the_lines_already_written(decode_run, tmp
   monkeypatch.setattr(Translator, 'translate_sources', fail_second_block)
   source, output = tmp_path / 'in.de', tmp_path / 'out.en'
   source.write_text('\n'.join(lines) + '\n')
-  # --batch-size 1: blocks of decode.BATCHES_PER_BLOCK = 8 lines.
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
-                                          '--batch-size', '1', '--input', source, '--output', output])
+  # --batch-size 1: blocks of text_io.BATCHES_PER_BLOCK = 8 lines.
+  status, _, err = call(
+    decode_cli.main,
+    [
+      '--checkpoint',
+      workdir,
+      '--method',
+      'greedy',
+      '--batch-size',
+      '1',
+      '--input',
+      source,
+      '--output',
+      output,
+    ],
+  )
   monkeypatch.undo()
-  block = decode_cli.BATCHES_PER_BLOCK
+  block = text_io.BATCHES_PER_BLOCK
   # One line, no traceback (unless --debug), naming what is in the output.
   assert status == 1 and 'Traceback' not in err
   assert error_line(err, 'decode.py') == (
-      f'decode.py: error: failed after {block} lines, whose translations are in {output}: '
-      'RuntimeError: device lost (unexpected; --debug or FLAX_TRANSFORMER_DEBUG=1 shows the '
-      'traceback)')
-  assert output.read_text().split('\n')[:-1] == translator.translate(lines[:block],
-                                                                     Greedy())
+    f'decode.py: error: failed after {block} lines, whose translations are in {output}: '
+    'RuntimeError: device lost (unexpected; --debug or FLAX_TRANSFORMER_DEBUG=1 shows the '
+    'traceback)'
+  )
+  assert output.read_text().split('\n')[:-1] == translator.translate(lines[:block], Greedy())
 
 
 def test_decode_reports_a_full_disk_with_the_lines_written(decode_run):
   if not Path('/dev/full').exists():
     pytest.skip('/dev/full (writes fail with ENOSPC) is Linux only')
   workdir, _ = decode_run
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'greedy',
-                                          '--output', '/dev/full', 'Ein Hund.'])
+  status, _, err = call(
+    decode_cli.main,
+    ['--checkpoint', workdir, '--method', 'greedy', '--output', '/dev/full', 'Ein Hund.'],
+  )
   assert status == 1
   assert error_line(err, 'decode.py') == (
-      'decode.py: error: writing /dev/full failed (No space left on device); it holds the '
-      'translations of the first 0 lines at most')
+    'decode.py: error: writing /dev/full failed (No space left on device); it holds the '
+    'translations of the first 0 lines at most'
+  )
 
 
 def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_path):
@@ -277,39 +356,70 @@ def test_decode_refuses_another_model_or_a_missing_tokenizer(decode_run, tmp_pat
   (other / 'config.json').write_text(json.dumps(config))
   status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
   assert status == 2
-  assert re.fullmatch(r'decode.py: error: .*/checkpoints/1 does not hold parameters of the model '
-                      r'in config.json: \d+ arrays differ, .* is saved as \(32, 32\), the model '
-                      r'needs \(64, 64\); .* The checkpoint belongs to another model: use the '
-                      r'config.json it was written with', error_line(err, 'decode.py'))
+  assert re.fullmatch(
+    r'decode.py: error: .*/checkpoints/1 does not hold parameters of the model '
+    r'in config.json: \d+ arrays differ, .* is saved as \(32, 32\), the model '
+    r'needs \(64, 64\); .* The checkpoint belongs to another model: use the '
+    r'config.json it was written with',
+    error_line(err, 'decode.py'),
+  )
   (other / 'tokenizer.json').unlink()
   status, _, err = call(decode_cli.main, ['--checkpoint', other, 'Ein Hund.'])
   assert status == 2 and error_line(err, 'decode.py').startswith(
-      f'decode.py: error: {other}/tokenizer.json: no such file')
-  status, _, err = call(decode_cli.main, ['--checkpoint', workdir, '--output',
-                                          tmp_path / 'missing' / 'out.txt', 'Ein Hund.'])
+    f'decode.py: error: {other}/tokenizer.json: no such file'
+  )
+  status, _, err = call(
+    decode_cli.main,
+    ['--checkpoint', workdir, '--output', tmp_path / 'missing' / 'out.txt', 'Ein Hund.'],
+  )
   assert status == 2 and error_line(err, 'decode.py') == (
-      f'decode.py: error: --output {tmp_path}/missing/out.txt: cannot write it (No such file or '
-      'directory)')
+    f'decode.py: error: --output {tmp_path}/missing/out.txt: cannot write it (No such file or '
+    'directory)'
+  )
 
 
 # --- a cmlm run: mask-predict (conftest.py's cmlm_run) ------------------------------------
+
 
 def test_decode_cli_method_mask_predict_translates_a_cmlm_run(cmlm_run, tmp_path):
   workdir = cmlm_run['workdir']
   source = tmp_path / 'in.en'
   source.write_text('one hundred\n\ntwenty-two\n')
-  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'mask_predict',
-                                            '--iterations', '4', '--length-beam', '2',
-                                            '--input', source])
+  status, out, err = call(
+    decode_cli.main,
+    [
+      '--checkpoint',
+      workdir,
+      '--method',
+      'mask_predict',
+      '--iterations',
+      '4',
+      '--length-beam',
+      '2',
+      '--input',
+      source,
+    ],
+  )
   assert status == 0, err
   lines = out.split('\n')[:-1]
   assert len(lines) == 3 and lines[1] == ''
   translator = Translator.from_checkpoint(workdir)
-  assert lines[::2] == translator.translate(['one hundred', 'twenty-two'],
-                                            MaskPredict(iterations=4, length_beam=2))
+  assert lines[::2] == translator.translate(
+    ['one hundred', 'twenty-two'], MaskPredict(iterations=4, length_beam=2)
+  )
   # The averaged checkpoints' directory and a fixed length decode too.
-  status, out, err = call(decode_cli.main, ['--checkpoint', workdir / 'average-last2', '--method',
-                                            'mask_predict', '--length', 'fixed', 'one hundred'])
+  status, out, err = call(
+    decode_cli.main,
+    [
+      '--checkpoint',
+      workdir / 'average-last2',
+      '--method',
+      'mask_predict',
+      '--length',
+      'fixed',
+      'one hundred',
+    ],
+  )
   assert status == 0 and len(out.split('\n')) == 2, err
   # Without --method a cmlm checkpoint decodes with mask-predict, the default of its kind,
   # as Translator.translate does without a method.
@@ -330,34 +440,65 @@ def test_decode_cli_length_options_reach_mask_predict(cmlm_run, monkeypatch):
     return mask_predict(*args, **settings)
 
   monkeypatch.setattr(non_autoregressive, 'mask_predict', recorded)
-  status, out, err = call(decode_cli.main, ['--checkpoint', workdir, '--method', 'mask_predict',
-                                            '--iterations', '2', '--length-ratio', '1.5',
-                                            '--length-offset=-1', *sentences])
+  status, out, err = call(
+    decode_cli.main,
+    [
+      '--checkpoint',
+      workdir,
+      '--method',
+      'mask_predict',
+      '--iterations',
+      '2',
+      '--length-ratio',
+      '1.5',
+      '--length-offset=-1',
+      *sentences,
+    ],
+  )
   assert status == 0, err
   assert calls == [(1.5, -1)]
   assert out.split('\n')[:-1] == translator.translate(
-      sentences, MaskPredict(iterations=2, length_ratio=1.5, length_offset=-1))
+    sentences, MaskPredict(iterations=2, length_ratio=1.5, length_offset=-1)
+  )
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--method', 'beam'], "method 'beam' decodes autoregressive models, but this model is "
-                           "model.kind='cmlm'; use method 'mask_predict'"),
+@pytest.mark.parametrize(
+  'argv, message',
+  [
+    (
+      ['--method', 'beam'],
+      "method 'beam' decodes autoregressive models, but this model is "
+      "model.kind='cmlm'; use method 'mask_predict'",
+    ),
     (['--method', 'greedy'], "method 'greedy' decodes autoregressive models"),
-    (['--method', 'mask_predict', '--max-len', '5'],
-     "max_len only applies to method 'beam' or 'greedy' or 'sample', not 'mask_predict'"),
-    (['--method', 'beam', '--iterations', '4'],
-     "iterations only applies to method 'mask_predict', not 'beam'"),
-    (['--method', 'mask_predict', '--length', 'fixed', '--length-beam', '3'],
-     "length='fixed' decodes one length per sentence: length_beam must be 1"),
-    (['--method', 'mask_predict', '--iterations', '0'],
-     'argument --iterations: must be >= 1, got 0'),
+    (
+      ['--method', 'mask_predict', '--max-len', '5'],
+      "max_len only applies to method 'beam' or 'greedy' or 'sample', not 'mask_predict'",
+    ),
+    (
+      ['--method', 'beam', '--iterations', '4'],
+      "iterations only applies to method 'mask_predict', not 'beam'",
+    ),
+    (
+      ['--method', 'mask_predict', '--length', 'fixed', '--length-beam', '3'],
+      "length='fixed' decodes one length per sentence: length_beam must be 1",
+    ),
+    (
+      ['--method', 'mask_predict', '--iterations', '0'],
+      'argument --iterations: must be >= 1, got 0',
+    ),
     (['--method', 'nat'], "method 'nat' is now called 'mask_predict'"),
-    (['--method', 'beam', '--length-offset', '2'],
-     "length_offset only applies to method 'mask_predict', not 'beam'"),
+    (
+      ['--method', 'beam', '--length-offset', '2'],
+      "length_offset only applies to method 'mask_predict', not 'beam'",
+    ),
     (['--length-ratio', '0'], 'argument --length-ratio: must be in (0, 65536], got 0.0'),
-    (['--seed', str(2 ** 63)],  # integer limits in full, not 9.22337e+18
-     f'argument --seed: must be in [-{2 ** 63}, {2 ** 63 - 1}], got {2 ** 63}'),
-])
+    (
+      ['--seed', str(2**63)],  # integer limits in full, not 9.22337e+18
+      f'argument --seed: must be in [-{2**63}, {2**63 - 1}], got {2**63}',
+    ),
+  ],
+)
 def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
   status, _, err = call(decode_cli.main, ['--checkpoint', cmlm_run['workdir'], *argv, 'one'])
   assert status == 2
@@ -366,8 +507,11 @@ def test_decode_cli_refuses_methods_of_the_other_kind(cmlm_run, argv, message):
 
 def tree_bytes(directory: Path) -> dict[str, bytes]:
   """Every file under `directory` and its bytes."""
-  return {str(path.relative_to(directory)): path.read_bytes()
-          for path in sorted(directory.rglob('*')) if path.is_file()}
+  return {
+    str(path.relative_to(directory)): path.read_bytes()
+    for path in sorted(directory.rglob('*'))
+    if path.is_file()
+  }
 
 
 def test_decode_refuses_an_output_over_its_inputs_and_writes_nothing(decode_run, tmp_path):
@@ -381,16 +525,31 @@ def test_decode_refuses_an_output_over_its_inputs_and_writes_nothing(decode_run,
   references.write_text('a dog\n', encoding='utf-8')
   (tmp_path / 'link').symlink_to(workdir)
   before = {**tree_bytes(workdir), 'sources': sources.read_bytes(), 'refs': references.read_bytes()}
-  cases = [(sources, 'would replace the input'), (references, 'would replace the references'),
-           (workdir / 'config.json', 'would write inside the checkpoint directory'),
-           (tmp_path / 'link' / 'out.txt', 'would write inside the checkpoint directory'),
-           (workdir, 'would replace the checkpoint directory')]
+  cases = [
+    (sources, 'would replace the input'),
+    (references, 'would replace the references'),
+    (workdir / 'config.json', 'would write inside the checkpoint directory'),
+    (tmp_path / 'link' / 'out.txt', 'would write inside the checkpoint directory'),
+    (workdir, 'would replace the checkpoint directory'),
+  ]
   for output, message in cases:
-    status, out, err = call(decode_cli.main, ['--checkpoint', str(workdir), '--input', str(sources),
-                                              '--reference', str(references), '--output',
-                                              str(output)])
+    status, out, err = call(
+      decode_cli.main,
+      [
+        '--checkpoint',
+        str(workdir),
+        '--input',
+        str(sources),
+        '--reference',
+        str(references),
+        '--output',
+        str(output),
+      ],
+    )
     assert status == 2 and out == '', (output, status, err)
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('decode.py: error: --output') and message in lines[0], err
+    assert (
+      len(lines) == 1 and lines[0].startswith('decode.py: error: --output') and message in lines[0]
+    ), err
   after = {**tree_bytes(workdir), 'sources': sources.read_bytes(), 'refs': references.read_bytes()}
   assert after == before

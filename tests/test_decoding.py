@@ -15,8 +15,14 @@ from flax_transformer.decode.autoregressive import BeamSearch, LoopConfig, Sampl
 CONFIG = ModelConfig.tiny(dropout_rate=0.0)
 PAD, BOS, EOS = CONFIG.pad_id, CONFIG.bos_id, CONFIG.eos_id
 # EOS-terminated sources of different lengths, as the batcher builds them.
-SOURCES = [[5, 9, 12, 7, 2], [30, 2], [4, 8, 15, 16, 23, 42, 11, 2], [6, 6, 6, 2], [40, 41, 2],
-           [17, 33, 52, 2]]
+SOURCES = [
+  [5, 9, 12, 7, 2],
+  [30, 2],
+  [4, 8, 15, 16, 23, 42, 11, 2],
+  [6, 6, 6, 2],
+  [40, 41, 2],
+  [17, 33, 52, 2],
+]
 N_BEST = 3
 
 
@@ -48,11 +54,13 @@ def hypothesis_length(row, limit):
 def assert_well_formed(tokens, limits):
   """Each row: real tokens, then EOS and PAD only, or real tokens up to its limit and PAD."""
   tokens = np.asarray(tokens)
-  for row, limit in zip(tokens.reshape(-1, tokens.shape[-1]),
-                        np.repeat(limits, tokens.size // tokens.shape[-1] // len(limits))):
+  for row, limit in zip(
+    tokens.reshape(-1, tokens.shape[-1]),
+    np.repeat(limits, tokens.size // tokens.shape[-1] // len(limits)),
+  ):
     length = hypothesis_length(row, limit)
     assert length <= limit, row
-    body = row[:length - 1] if row[length - 1] == EOS else row[:length]
+    body = row[: length - 1] if row[length - 1] == EOS else row[:length]
     assert not np.isin(body, [PAD, BOS, EOS]).any(), row
     assert (row[length:] == PAD).all(), row
 
@@ -98,7 +106,9 @@ def greedy_tokens(model, params, src):
 
 @pytest.fixture(scope='module')
 def beam_result(model, params, src):
-  tokens, scores = autoregressive.beam_search(model, params, src, beam_size=4, alpha=0.6, n_best=N_BEST)
+  tokens, scores = autoregressive.beam_search(
+    model, params, src, beam_size=4, alpha=0.6, n_best=N_BEST
+  )
   return np.asarray(tokens), np.asarray(scores)
 
 
@@ -123,19 +133,23 @@ def sequence_scores(full_logits, src, tokens, limits, alpha):
 def test_cached_step_logits_equal_full_forward_pass(params, src, full_logits, beam_size):
   length = 12
   rng = np.random.default_rng(0)
-  tgt_in = np.concatenate([np.full((len(src), 1), BOS),
-                           rng.integers(4, CONFIG.vocab_size, (len(src), length - 1))], axis=1)
+  tgt_in = np.concatenate(
+    [np.full((len(src), 1), BOS), rng.integers(4, CONFIG.vocab_size, (len(src), length - 1))],
+    axis=1,
+  )
 
   @jax.jit
   def stepped(src, tgt_in):
-    step_fn, cache = autoregressive.model_step_fn(CONFIG, {'params': params}, src, length, beam_size)
-    tokens = jnp.repeat(tgt_in, beam_size, axis=0)                    # [B * K, T]
+    step_fn, cache = autoregressive.model_step_fn(
+      CONFIG, {'params': params}, src, length, beam_size
+    )
+    tokens = jnp.repeat(tgt_in, beam_size, axis=0)  # [B * K, T]
 
     def body(cache, position):
       logits, cache = step_fn(tokens[:, position], cache, position)
       return cache, logits
 
-    _, logits = jax.lax.scan(body, cache, jnp.arange(length))         # [T, B * K, V]
+    _, logits = jax.lax.scan(body, cache, jnp.arange(length))  # [T, B * K, V]
     return logits.transpose(1, 0, 2)
 
   expected = np.repeat(np.asarray(full_logits(src, tgt_in)), beam_size, axis=0)
@@ -145,20 +159,26 @@ def test_cached_step_logits_equal_full_forward_pass(params, src, full_logits, be
 def row_cache_step_fn(config, params, src, max_len, beam_size):
   """Beam search's step the plain way: K copies of each sentence's `DecodeCache`, rows gathered."""
   model = Transformer(config)
-  cache = model.apply({'params': params}, jnp.repeat(src, beam_size, axis=0), max_len,
-                      method=Transformer.start_decoding)
+  cache = model.apply(
+    {'params': params},
+    jnp.repeat(src, beam_size, axis=0),
+    max_len,
+    method=Transformer.start_decoding,
+  )
 
   def step_fn(tokens, cache, position):
-    logits, cache = model.apply({'params': params}, tokens[:, None], cache, position,
-                                method=Transformer.decode_step)
+    logits, cache = model.apply(
+      {'params': params}, tokens[:, None], cache, position, method=Transformer.decode_step
+    )
     return logits[:, 0], cache
 
   return step_fn, cache
 
 
 @pytest.mark.parametrize('attention_radius', [None, 2])
-def test_pooled_beam_cache_searches_like_gathered_copies(params, src, default_limits,
-                                                         attention_radius):
+def test_pooled_beam_cache_searches_like_gathered_copies(
+  params, src, default_limits, attention_radius
+):
   """The pooled cache reorders a history table; the reference moves every key and value."""
   config = CONFIG.replace(attention_radius=attention_radius)
   loop = LoopConfig.for_model(config, int(default_limits.max()))
@@ -168,7 +188,9 @@ def test_pooled_beam_cache_searches_like_gathered_copies(params, src, default_li
   @functools.partial(jax.jit, static_argnums=1)
   def search(src, pooled):
     if pooled:
-      step_fn, cache = autoregressive.model_step_fn(config, {'params': params}, src, loop.max_len, 4)
+      step_fn, cache = autoregressive.model_step_fn(
+        config, {'params': params}, src, loop.max_len, 4
+      )
       assert isinstance(cache, autoregressive.BeamDecodeCache)
     else:
       step_fn, cache = row_cache_step_fn(config, params, src, loop.max_len, 4)
@@ -205,8 +227,9 @@ def naive_greedy(full_logits, src, limits):
   return out
 
 
-def test_greedy_equals_a_naive_loop_over_the_full_decoder(src, full_logits, greedy_tokens,
-                                                         default_limits):
+def test_greedy_equals_a_naive_loop_over_the_full_decoder(
+  src, full_logits, greedy_tokens, default_limits
+):
   assert greedy_tokens.shape == (len(SOURCES), src.shape[1] + 50)
   np.testing.assert_array_equal(greedy_tokens, naive_greedy(full_logits, src, default_limits))
   ended = (greedy_tokens == EOS).any(axis=1)
@@ -218,23 +241,24 @@ def test_outputs_are_eos_terminated_and_pad_after(greedy_tokens, beam_result, de
   assert_well_formed(beam_result[0], default_limits)
 
 
-def test_a_batch_decodes_each_sentence_as_it_would_alone(model, params, greedy_tokens,
-                                                         beam_result):
+def test_a_batch_decodes_each_sentence_as_it_would_alone(model, params, greedy_tokens, beam_result):
   # The shortest sentence: in the batch it has 6 PAD columns and longer neighbours.
   index = 1
   alone_src = pad_rows([SOURCES[index]])
   alone = np.asarray(autoregressive.greedy(model, params, alone_src))[0]
-  np.testing.assert_array_equal(greedy_tokens[index, :len(alone)], alone)
-  assert (greedy_tokens[index, len(alone):] == PAD).all()
+  np.testing.assert_array_equal(greedy_tokens[index, : len(alone)], alone)
+  assert (greedy_tokens[index, len(alone) :] == PAD).all()
 
   tokens, scores = autoregressive.beam_search(model, params, alone_src, n_best=N_BEST)
-  np.testing.assert_array_equal(beam_result[0][index, :, :tokens.shape[-1]], tokens[0])
-  assert (beam_result[0][index, :, tokens.shape[-1]:] == PAD).all()
+  np.testing.assert_array_equal(beam_result[0][index, :, : tokens.shape[-1]], tokens[0])
+  assert (beam_result[0][index, :, tokens.shape[-1] :] == PAD).all()
   np.testing.assert_allclose(beam_result[1][index], scores[0], atol=1e-5)
 
 
 def test_params_or_variables_give_the_same_tokens(model, params, src, greedy_tokens):
-  np.testing.assert_array_equal(autoregressive.greedy(model, {'params': params}, src), greedy_tokens)
+  np.testing.assert_array_equal(
+    autoregressive.greedy(model, {'params': params}, src), greedy_tokens
+  )
   with pytest.raises(TypeError, match='params must be the parameter dict'):
     autoregressive.greedy(model, [params], src)
 
@@ -265,15 +289,20 @@ def markov_cache(batch, beam_size=1):
 
 def run_greedy(tables, limits, loop):
   limits = jnp.asarray(limits, jnp.int32)
-  return jax.jit(lambda: autoregressive.decode_loop(markov_step_fn(tables), autoregressive.argmax_pick,
-                                              markov_cache(len(limits)), limits, loop))()
+  return jax.jit(
+    lambda: autoregressive.decode_loop(
+      markov_step_fn(tables), autoregressive.argmax_pick, markov_cache(len(limits)), limits, loop
+    )
+  )()
 
 
 def run_beam(tables, limits, loop, beam, n_best=1):
   limits = jnp.asarray(limits, jnp.int32)
-  return jax.jit(lambda: autoregressive.beam_loop(markov_step_fn(tables),
-                                            markov_cache(len(limits), beam.beam_size),
-                                            limits, loop, beam, n_best))()
+  return jax.jit(
+    lambda: autoregressive.beam_loop(
+      markov_step_fn(tables), markov_cache(len(limits), beam.beam_size), limits, loop, beam, n_best
+    )
+  )()
 
 
 def eos_after(min_len, vocab=6):
@@ -301,10 +330,12 @@ def test_loop_stops_once_every_row_is_done(steps_per_check, steps_run):
 # A hand-made case where greedy is not the best: after BOS, 'a' (0.5) beats
 # 'b' (0.4), but 'b' is almost always followed by EOS (0.9) and 'a' is not.
 A, B, C = 3, 4, 5
-NEXT = {BOS: {A: 0.5, B: 0.4, C: 0.05, EOS: 0.05},
-        A: {C: 0.4, A: 0.2, B: 0.2, EOS: 0.2},
-        B: {EOS: 0.9, A: 0.04, B: 0.03, C: 0.03},
-        C: {EOS: 0.5, C: 0.3, A: 0.1, B: 0.1}}
+NEXT = {
+  BOS: {A: 0.5, B: 0.4, C: 0.05, EOS: 0.05},
+  A: {C: 0.4, A: 0.2, B: 0.2, EOS: 0.2},
+  B: {EOS: 0.9, A: 0.04, B: 0.03, C: 0.03},
+  C: {EOS: 0.5, C: 0.3, A: 0.1, B: 0.1},
+}
 
 
 def hand_table():
@@ -351,32 +382,40 @@ def test_wide_beam_search_equals_exhaustive_search(alpha, min_len):
   # Tokens a, b, c and EOS: after 3 steps there are 27 live prefixes, so a beam of
   # 27 is exact and every score, penalty and cache reorder can be checked.
   tables = np.random.default_rng(1).normal(scale=2.0, size=(3, 6, 6, 6))
-  limits = [4, 3, 0]                     # the last row is batch padding
+  limits = [4, 3, 0]  # the last row is batch padding
   loop = LoopConfig(max_len=4, min_len=min_len)
   state = run_beam(tables, limits, loop, BeamSearch(beam_size=27, alpha=alpha), n_best=5)
   for row, limit in enumerate(limits[:2]):
     best = all_hypotheses(tables[row], limit, alpha, min_len)[:5]
     np.testing.assert_allclose(state.finished_scores[row], [s for s, _ in best], rtol=1e-5)
-    np.testing.assert_array_equal(state.finished_tokens[row, :, :4],
-                                  [tokens + [PAD] * (4 - len(tokens)) for _, tokens in best])
+    np.testing.assert_array_equal(
+      state.finished_tokens[row, :, :4], [tokens + [PAD] * (4 - len(tokens)) for _, tokens in best]
+    )
   assert np.all(np.isneginf(state.finished_scores[2])) and (state.finished_tokens[2] == PAD).all()
 
 
 def test_slots_without_a_hypothesis_score_minus_inf_and_hold_pad():
   # One token, EOS banned: only 'a', 'b' and 'c' exist, so the 4th slot stays empty.
-  state = run_beam(hand_table(), [1], LoopConfig(max_len=1, min_len=1),
-                   BeamSearch(beam_size=4, alpha=0.6), n_best=4)
+  state = run_beam(
+    hand_table(),
+    [1],
+    LoopConfig(max_len=1, min_len=1),
+    BeamSearch(beam_size=4, alpha=0.6),
+    n_best=4,
+  )
   np.testing.assert_array_equal(state.finished_tokens[0, :, 0], [A, B, C, PAD])
-  np.testing.assert_allclose(state.finished_scores[0, :3], np.log([0.5, 0.4, 0.05]) - np.log(0.95),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    state.finished_scores[0, :3], np.log([0.5, 0.4, 0.05]) - np.log(0.95), rtol=1e-6
+  )
   assert np.isneginf(state.finished_scores[0, 3])
 
 
 def test_length_penalty_is_the_gnmt_formula():
   lengths = np.arange(1, 300)
   for alpha in (0.0, 0.6, 1.0):
-    np.testing.assert_allclose(autoregressive.length_penalty(lengths, alpha),
-                               ((5.0 + lengths) / 6.0) ** alpha, rtol=1e-6)
+    np.testing.assert_allclose(
+      autoregressive.length_penalty(lengths, alpha), ((5.0 + lengths) / 6.0) ** alpha, rtol=1e-6
+    )
   assert float(autoregressive.length_penalty(1, 0.6)) == 1.0
 
 
@@ -390,37 +429,41 @@ def test_length_penalty_decides_between_short_and_long():
     length = hypothesis_length(np.asarray(state.finished_tokens[0, 0]), 6)
     assert list(np.asarray(state.finished_tokens[0, 0, :length])) == best
     np.testing.assert_allclose(state.finished_scores[0, 0], best_score, rtol=1e-6)
-  assert all_hypotheses(hand_table()[0], 6, 0.0)[0][1] != all_hypotheses(hand_table()[0], 6,
-                                                                          4.0)[0][1]
+  assert (
+    all_hypotheses(hand_table()[0], 6, 0.0)[0][1] != all_hypotheses(hand_table()[0], 6, 4.0)[0][1]
+  )
 
 
 # --- beam search on the model ---------------------------------------------------
 
 
-def test_beam_scores_are_log_probabilities_over_the_length_penalty(src, full_logits, beam_result,
-                                                                   default_limits):
+def test_beam_scores_are_log_probabilities_over_the_length_penalty(
+  src, full_logits, beam_result, default_limits
+):
   tokens, scores = beam_result
   assert tokens.shape == (len(SOURCES), N_BEST, src.shape[1] + 50)
-  np.testing.assert_allclose(scores, sequence_scores(full_logits, src, tokens, default_limits, 0.6),
-                             atol=2e-4)
+  np.testing.assert_allclose(
+    scores, sequence_scores(full_logits, src, tokens, default_limits, 0.6), atol=2e-4
+  )
   assert (np.diff(scores, axis=1) <= 0).all()
   for hypotheses in tokens:
     assert len({row.tobytes() for row in hypotheses}) == N_BEST
 
 
 def test_beam_size_1_is_greedy_except_for_a_more_probable_earlier_eos(
-    model, params, src, full_logits, greedy_tokens, default_limits):
+  model, params, src, full_logits, greedy_tokens, default_limits
+):
   tokens, scores = autoregressive.beam_search(model, params, src, beam_size=1, alpha=0.0)
   tokens = np.asarray(tokens)
   greedy_scores = sequence_scores(full_logits, src, greedy_tokens[:, None], default_limits, 0.0)
   np.testing.assert_allclose(
-      scores, sequence_scores(full_logits, src, tokens[:, None], default_limits, 0.0)[:, 0],
-      atol=2e-4)
+    scores, sequence_scores(full_logits, src, tokens[:, None], default_limits, 0.0)[:, 0], atol=2e-4
+  )
   differs = (tokens != greedy_tokens).any(axis=1)
   # Where they differ, beam search took an EOS that greedy passed over, and it scores higher.
   for row in np.flatnonzero(differs):
     length = hypothesis_length(tokens[row], default_limits[row])
-    np.testing.assert_array_equal(tokens[row, :length - 1], greedy_tokens[row, :length - 1])
+    np.testing.assert_array_equal(tokens[row, : length - 1], greedy_tokens[row, : length - 1])
     assert tokens[row, length - 1] == EOS and scores[row] > greedy_scores[row, 0]
   np.testing.assert_array_equal(tokens[~differs], greedy_tokens[~differs])
   assert differs.any() and not differs.all(), 'the fixture should exercise both cases'
@@ -431,7 +474,8 @@ def test_beam_size_1_is_greedy_except_for_a_more_probable_earlier_eos(
 
 def test_sampling_with_a_fixed_key_is_reproducible(model, params, src, default_limits):
   draw = lambda seed: np.asarray(
-      autoregressive.sample(model, params, src, jax.random.key(seed), temperature=1.5))
+    autoregressive.sample(model, params, src, jax.random.key(seed), temperature=1.5)
+  )
   first = draw(7)
   np.testing.assert_array_equal(draw(7), first)
   assert (draw(8) != first).any()
@@ -451,7 +495,7 @@ def truncated_distribution(logits, sampling):
   p = np.exp(masked_log_softmax(logits / sampling.temperature, 0))
   order = np.argsort(-p, kind='stable')
   if sampling.top_k:
-    p[order[sampling.top_k:]] = 0.0
+    p[order[sampling.top_k :]] = 0.0
     p /= p.sum()
   if sampling.top_p < 1.0:
     mass_before = np.cumsum(p[order]) - p[order]
@@ -460,17 +504,30 @@ def truncated_distribution(logits, sampling):
   return p
 
 
-@pytest.mark.parametrize('sampling', [
-    Sampling(temperature=0.5), Sampling(top_k=3), Sampling(temperature=1.5,
-                                                                             top_p=0.8),
-    Sampling(top_k=4, top_p=0.6), Sampling(top_p=1e-6)], ids=str)
+@pytest.mark.parametrize(
+  'sampling',
+  [
+    Sampling(temperature=0.5),
+    Sampling(top_k=3),
+    Sampling(temperature=1.5, top_p=0.8),
+    Sampling(top_k=4, top_p=0.6),
+    Sampling(top_p=1e-6),
+  ],
+  ids=str,
+)
 def test_sampling_follows_the_truncated_distribution(sampling):
   draws = 20_000
   tables = np.broadcast_to(SAMPLING_LOGITS, (1, 8, 8, 8))
   pick = autoregressive.sampling_pick(jax.random.key(0), sampling)
-  state = jax.jit(lambda: autoregressive.decode_loop(
-      markov_step_fn(tables), pick, (jnp.zeros(draws, jnp.int32), jnp.full(draws, BOS)),
-      jnp.ones(draws, jnp.int32), LoopConfig(max_len=1)))()
+  state = jax.jit(
+    lambda: autoregressive.decode_loop(
+      markov_step_fn(tables),
+      pick,
+      (jnp.zeros(draws, jnp.int32), jnp.full(draws, BOS)),
+      jnp.ones(draws, jnp.int32),
+      LoopConfig(max_len=1),
+    )
+  )()
   frequency = np.bincount(np.asarray(state.tokens[:, 0]), minlength=8) / draws
   expected = truncated_distribution(SAMPLING_LOGITS, sampling)
   assert (frequency[expected == 0] == 0).all()
@@ -481,31 +538,40 @@ def test_sampling_follows_the_truncated_distribution(sampling):
 # --- settings and inputs --------------------------------------------------------
 
 
-@pytest.mark.parametrize('make, message', [
+@pytest.mark.parametrize(
+  'make, message',
+  [
     (lambda: Sampling(temperature=0.0), r'sample\.temperature must be a positive number, got 0.0'),
     (lambda: Sampling(top_k=-1), r'sample\.top_k must be a non-negative integer, got -1'),
     (lambda: Sampling(top_p=0.0), r'top_p must be in \(0, 1\]'),
     (lambda: Sampling(top_p=1.5), r'top_p must be in \(0, 1\]'),
     (lambda: BeamSearch(beam_size=0), 'beam_size must be a positive integer'),
     (lambda: BeamSearch(alpha=-0.1), 'alpha must be >= 0'),
-    (lambda: autoregressive.beam_loop(None, None, jnp.ones(1, jnp.int32), LoopConfig(max_len=1),
-                                      BeamSearch(beam_size=4), n_best=5),
-     r'n_best must be an integer in \[1, beam_size=4\]'),
+    (
+      lambda: autoregressive.beam_loop(
+        None, None, jnp.ones(1, jnp.int32), LoopConfig(max_len=1), BeamSearch(beam_size=4), n_best=5
+      ),
+      r'n_best must be an integer in \[1, beam_size=4\]',
+    ),
     (lambda: LoopConfig(max_len=0), 'max_len must be a positive integer'),
     (lambda: LoopConfig(max_len=5, min_len=6), r'min_len must be an integer in \[0, max_len=5\]'),
     (lambda: LoopConfig(max_len=5, steps_per_check=0), 'steps_per_check must be a positive'),
-])
+  ],
+)
 def test_bad_settings_name_the_option(make, message):
   with pytest.raises(ConfigError, match=message):
     make()
 
 
-@pytest.mark.parametrize('bad_src, message', [
+@pytest.mark.parametrize(
+  'bad_src, message',
+  [
     (np.array([5, 6, 2]), r'src must be integer token ids \[batch, length\]'),
     (np.ones((2, 3), np.float32), r'src must be integer token ids'),
     (np.full((1, 65), 5), 'source length 65 exceeds model.max_len=64'),
     (np.array([[5, 64, 2]]), r'outside \[0, model.vocab_size=64\)'),
-])
+  ],
+)
 def test_bad_sources_are_refused_before_compiling(model, params, bad_src, message):
   with pytest.raises(ValueError, match=message):
     autoregressive.greedy(model, params, bad_src)
@@ -524,7 +590,7 @@ def test_default_budget_is_capped_at_model_max_len_with_a_warning():
   np.testing.assert_array_equal(limits, [64, 52])
   total, limits = autoregressive.output_limits(pad_rows([[5, EOS], []], width=4), CONFIG, 10)
   assert total == 10
-  np.testing.assert_array_equal(limits, [10, 0])   # all-PAD rows are batch padding
+  np.testing.assert_array_equal(limits, [10, 0])  # all-PAD rows are batch padding
 
 
 # --- bfloat16 decoding ------------------------------------------------------------
@@ -545,16 +611,21 @@ def stepped_logits(config, variables, src, tgt_in):
 
 def test_bfloat16_step_logits_match_a_float64_reference(params, src):
   from support import numpy_transformer
+
   rng = np.random.default_rng(0)
-  tgt_in = np.concatenate([np.full((len(src), 1), BOS),
-                           rng.integers(4, CONFIG.vocab_size, (len(src), 9))], axis=1)
+  tgt_in = np.concatenate(
+    [np.full((len(src), 1), BOS), rng.integers(4, CONFIG.vocab_size, (len(src), 9))], axis=1
+  )
   want = numpy_transformer.logits(CONFIG, params, src, tgt_in)
   bf16 = CONFIG.replace(dtype='bfloat16')
-  errors = {name: np.abs(stepped_logits(config, variables, src, tgt_in) - want).max()
-            for name, config, variables in (
-                ('float32', CONFIG, {'params': params}),
-                ('bfloat16', bf16, {'params': params}),
-                ('bfloat16 cast once', bf16, autoregressive.cast_matrices({'params': params}, 'bfloat16')))}
+  errors = {
+    name: np.abs(stepped_logits(config, variables, src, tgt_in) - want).max()
+    for name, config, variables in (
+      ('float32', CONFIG, {'params': params}),
+      ('bfloat16', bf16, {'params': params}),
+      ('bfloat16 cast once', bf16, autoregressive.cast_matrices({'params': params}, 'bfloat16')),
+    )
+  }
   scale = np.abs(want).max()
   assert errors['float32'] < 1e-5 * scale, errors
   # bfloat16 keeps 8 significant bits (relative rounding 2^-9); through 4 layers the logits
@@ -564,8 +635,9 @@ def test_bfloat16_step_logits_match_a_float64_reference(params, src):
   assert errors['bfloat16 cast once'] == errors['bfloat16']
 
 
-def test_bfloat16_greedy_and_beam_agree_with_float32_on_most_rows(params, src, full_logits,
-                                                                  greedy_tokens, beam_result):
+def test_bfloat16_greedy_and_beam_agree_with_float32_on_most_rows(
+  params, src, full_logits, greedy_tokens, beam_result
+):
   bf16 = Transformer(CONFIG.replace(dtype='bfloat16'))
   variables = autoregressive.cast_matrices({'params': params}, 'bfloat16')
   assert variables['params']['embedding']['embedding'].dtype == jnp.bfloat16
@@ -581,7 +653,7 @@ def test_bfloat16_greedy_and_beam_agree_with_float32_on_most_rows(params, src, f
   for row in np.flatnonzero(~same_greedy):
     t = np.flatnonzero(greedy[row] != greedy_tokens[row])[0]
     tgt_in = np.concatenate([[BOS], greedy_tokens[row, :t]])[None]
-    logits = np.asarray(full_logits(src[row:row + 1], tgt_in), np.float64)[0, -1]
+    logits = np.asarray(full_logits(src[row : row + 1], tgt_in), np.float64)[0, -1]
     gap = logits[greedy_tokens[row, t]] - logits[greedy[row, t]]
     assert 0 <= gap < 0.03 * np.abs(logits).max(), (row, t, gap)
 
@@ -589,9 +661,13 @@ def test_bfloat16_greedy_and_beam_agree_with_float32_on_most_rows(params, src, f
 def test_argmax_pick_breaks_ties_by_the_lowest_id_as_jnp_argmax():
   """Greedy's own reduction (two passes, not jnp.argmax) takes the first of tied logits, so a
   tie decodes as jnp.argmax would; random logits never tie, hence these hand-made rows."""
-  logits = jnp.array([[0.5, 2.0, 2.0, -1.0],        # tie between ids 1 and 2
-                      [3.0, 3.0, 3.0, 3.0],         # all tied
-                      [-1.0, -2.0, -1.0, -5.0]])    # tie at ids 0 and 2
+  logits = jnp.array(
+    [
+      [0.5, 2.0, 2.0, -1.0],  # tie between ids 1 and 2
+      [3.0, 3.0, 3.0, 3.0],  # all tied
+      [-1.0, -2.0, -1.0, -5.0],
+    ]
+  )  # tie at ids 0 and 2
   picked = np.asarray(autoregressive.argmax_pick(logits, jnp.zeros((3,), jnp.int32)))
   np.testing.assert_array_equal(picked, [1, 0, 0])
   np.testing.assert_array_equal(picked, np.argmax(np.asarray(logits), axis=-1))
@@ -601,10 +677,9 @@ def test_argmax_pick_takes_the_first_nan_as_jnp_argmax():
   """Non-finite logits (weights from a damaged checkpoint) still pick an id inside the
   vocabulary: the first NaN, as jnp.argmax and np.argmax do, not one past the end."""
   nan, inf = float('nan'), float('inf')
-  logits = jnp.array([[nan, nan, nan, nan],
-                      [0.5, nan, 9.0, nan],
-                      [-inf, inf, nan, 1.0],
-                      [-inf, -inf, -inf, 0.0]])
+  logits = jnp.array(
+    [[nan, nan, nan, nan], [0.5, nan, 9.0, nan], [-inf, inf, nan, 1.0], [-inf, -inf, -inf, 0.0]]
+  )
   picked = np.asarray(autoregressive.argmax_pick(logits, jnp.zeros((4,), jnp.int32)))
   np.testing.assert_array_equal(picked, [0, 1, 2, 3])
   np.testing.assert_array_equal(picked, np.argmax(np.asarray(logits), axis=-1))

@@ -12,9 +12,9 @@ X = jnp.asarray(np.random.default_rng(0).uniform(1.0, 2.0, size=(64, 32, 64)), j
 
 
 def test_keep_threshold_rounds_to_sixteen_bits():
-  assert keep_threshold(0.1) == 58982           # 0.9 * 65536 = 58982.4
+  assert keep_threshold(0.1) == 58982  # 0.9 * 65536 = 58982.4
   assert keep_threshold(0.0) == 65536
-  for bad in (1.0, -0.1, 1.0 - 2 ** -18):
+  for bad in (1.0, -0.1, 1.0 - 2**-18):
     with pytest.raises(ValueError, match='dropout rate'):
       keep_threshold(bad)
 
@@ -45,8 +45,9 @@ def test_keys_give_different_masks_and_bfloat16_stays_bfloat16():
 def test_module_is_identity_when_deterministic_and_draws_from_dropout_rngs():
   module = Dropout(RATE)
   assert module.apply({}, X, deterministic=True) is X
-  run = lambda seed: np.asarray(module.apply({}, X, deterministic=False,
-                                             rngs={'dropout': jax.random.key(seed)}))
+  run = lambda seed: np.asarray(
+    module.apply({}, X, deterministic=False, rngs={'dropout': jax.random.key(seed)})
+  )
   np.testing.assert_array_equal(run(4), run(4))
   assert ((run(4) == 0) != (run(5) == 0)).any()
   assert abs((run(4) == 0).mean() - RATE) < 0.01
@@ -56,13 +57,17 @@ def test_module_is_identity_when_deterministic_and_draws_from_dropout_rngs():
 def test_both_halves_of_each_random_word_drop_independently(shape):
   """Each 32-bit word serves two elements, one per half of the flattened array."""
   x = jnp.ones(shape, jnp.float32)
-  dropped = np.concatenate([np.asarray(dropout(x, RATE, jax.random.key(k))).ravel() == 0
-                            for k in range(200 if x.size < 1000 else 1)])
+  dropped = np.concatenate(
+    [
+      np.asarray(dropout(x, RATE, jax.random.key(k))).ravel() == 0
+      for k in range(200 if x.size < 1000 else 1)
+    ]
+  )
   dropped = dropped.reshape(-1, x.size)
-  pairs, offset = x.size // 2, (x.size + 1) // 2      # word i feeds elements i and offset + i
-  low, high = dropped[:, :pairs].ravel(), dropped[:, offset:offset + pairs].ravel()
+  pairs, offset = x.size // 2, (x.size + 1) // 2  # word i feeds elements i and offset + i
+  low, high = dropped[:, :pairs].ravel(), dropped[:, offset : offset + pairs].ravel()
   bound = 5 * np.sqrt(RATE * (1 - RATE) / low.size)
   assert abs(low.mean() - RATE) < bound and abs(high.mean() - RATE) < bound
   # Independent halves: P(both dropped) = RATE^2 (to 5 sd); equal halves would give RATE.
   both = (low & high).mean()
-  assert abs(both - RATE ** 2) < 5 * np.sqrt(RATE ** 2 * (1 - RATE ** 2) / low.size)
+  assert abs(both - RATE**2) < 5 * np.sqrt(RATE**2 * (1 - RATE**2) / low.size)

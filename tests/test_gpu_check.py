@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check
-from benchmarks.workloads import Shape, train_flops
+from benchmarks.workloads import Shape
+from flax_transformer.bench.flops import train_flops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,11 +25,27 @@ ROOT = Path(__file__).resolve().parent.parent
 def check(tmp_path_factory):
   """(exit status, stderr, {part: results}) of the tiny check run with every part."""
   output = tmp_path_factory.mktemp('gpu_check')
-  done = subprocess.run([sys.executable, '-m', 'benchmarks.gpu_check', '--tiny', '--output-dir',
-                         str(output), '--budget-s', '600'], cwd=ROOT, capture_output=True,
-                        text=True, timeout=900, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
-  parts = {path.stem.removeprefix('gpu_check_'): json.loads(path.read_text())
-           for path in output.glob('gpu_check_*.json')}
+  done = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'benchmarks.gpu_check',
+      '--tiny',
+      '--output-dir',
+      str(output),
+      '--budget-s',
+      '600',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
+  )
+  parts = {
+    path.stem.removeprefix('gpu_check_'): json.loads(path.read_text())
+    for path in output.glob('gpu_check_*.json')
+  }
   return done.returncode, done.stderr, parts
 
 
@@ -57,22 +74,27 @@ def test_mfu_times_each_kernel_and_remat_policy(check):
   results = results_of(check, 'mfu')
   cells = results['cells']
   assert {(c['kernel'], c['remat']) for c in cells} == {
-      ('einsum', 'none'), ('xla', 'layer'), ('xla', 'dots')}
+    ('einsum', 'none'),
+    ('xla', 'layer'),
+    ('xla', 'dots'),
+  }
   config = gpu_check.model_config('tiny')
   for cell in cells:
     assert cell['median_s'] > 0 and cell['temp_gib'] > 0 and cell['compile_s'] > 0
     flops = train_flops(config, Shape(*map(int, cell['shape'].replace('+', 'x').split('x'))))
     assert math.isclose(cell['tflops'], flops / cell['median_s'] / 1e12, rel_tol=1e-9)
-    assert math.isclose(cell['mfu_of_measured_peak'],
-                        cell['tflops'] / results['matmul_peak_tflops'], rel_tol=1e-9)
+    assert math.isclose(
+      cell['mfu_of_measured_peak'], cell['tflops'] / results['matmul_peak_tflops'], rel_tol=1e-9
+    )
 
 
 def test_decode_reports_greedy_and_beam_tokens_per_second(check):
   results = results_of(check, 'decode')
   assert {c['search'] for c in results['cells']} == {'greedy', 'beam4'}
   for cell in results['cells']:
-    assert math.isclose(cell['tokens_per_s'],
-                        cell['batch'] * results['new_tokens'] / cell['median_s'], rel_tol=1e-9)
+    assert math.isclose(
+      cell['tokens_per_s'], cell['batch'] * results['new_tokens'] / cell['median_s'], rel_tol=1e-9
+    )
 
 
 def test_input_sets_host_seconds_per_batch_against_device_seconds_per_step(check):
@@ -81,8 +103,9 @@ def test_input_sets_host_seconds_per_batch_against_device_seconds_per_step(check
   assert 0 < results['bucketed_host_s_per_batch'] <= results['bucketed_host_s_per_batch_p90']
   rows, length = results['bucketed_most_frequent_shape']
   assert results['device_step_shape'] == f'{rows}x{length}+{length}'
-  assert math.isclose(results['host_over_device'],
-                      results['bucketed_host_s_per_batch'] / results['device_s_per_step'])
+  assert math.isclose(
+    results['host_over_device'], results['bucketed_host_s_per_batch'] / results['device_s_per_step']
+  )
 
 
 def test_multi30k_trains_to_the_end_and_scores_the_test_set(check):
@@ -96,10 +119,13 @@ def test_multi30k_trains_to_the_end_and_scores_the_test_set(check):
 def test_a_run_past_its_deadline_gets_sigterm():
   import signal
   import time
+
   started = time.monotonic()
   status, out, _ = gpu_check.run_until(
-      [sys.executable, '-c', 'import time; print("started", flush=True); time.sleep(60)'],
-      deadline=started + 1, least_s=0.5)
+    [sys.executable, '-c', 'import time; print("started", flush=True); time.sleep(60)'],
+    deadline=started + 1,
+    least_s=0.5,
+  )
   assert status == -signal.SIGTERM and out == 'started\n'
   assert time.monotonic() - started < 30
 

@@ -43,24 +43,33 @@ import time
 from pathlib import Path
 
 import pytest
+
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.files import file_digest
+from flax_transformer.train.interruption import Interrupted, StopSignals
 from support.environment import xla_flags
 from support.processes import free_ports, host_name_is_loopback
 from support.runs import assert_trees_equal, saved_steps, train_state
-
-from flax_transformer.data.toy_task import number_translation
-from flax_transformer.run.directory import file_digest
-from flax_transformer.train.interruption import Interrupted, StopSignals
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_EVERY = 2
 HELD = 4  # the checkpoint the killed run never commits; term runs past it before SIGINT
 # One layer each side and a vocabulary that puts every pair in the 8-token bucket: one
 # training-step shape. Every checkpoint is kept, so that each can be compared.
-OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
-           '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
-           '--data.vocab_size=256', '--train.max_tokens=256', '--train.warmup_steps=4',
-           '--train.log_every=1', f'--train.checkpoint_every={SAVE_EVERY}',
-           '--train.keep_checkpoints=1000']
+OPTIONS = [
+  '--model.d_model=32',
+  '--model.num_heads=4',
+  '--model.num_encoder_layers=1',
+  '--model.num_decoder_layers=1',
+  '--model.d_ff=64',
+  '--model.max_len=16',
+  '--data.vocab_size=256',
+  '--train.max_tokens=256',
+  '--train.warmup_steps=4',
+  '--train.log_every=1',
+  f'--train.checkpoint_every={SAVE_EVERY}',
+  '--train.keep_checkpoints=1000',
+]
 # Bounds a hang of one process; each takes seconds.
 DEADLINE_S = 180
 VALUES = ('loss', 'ppl', 'accuracy', 'learning_rate', 'grad_norm')
@@ -70,24 +79,26 @@ FILE_LIMIT = 64 * 1024
 # started before the limit: the limit is for the checkpoint files, and the tracebacks
 # that orbax's writing threads print (their number depends on timing) would otherwise
 # fill a 64 KiB stderr file too and lose train.py's own last line.
-LIMITED = ('import atexit, os, resource, runpy, subprocess, sys\n'
-           'relays = [subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=fd) for fd in (1, 2)]\n'
-           'for fd, relay in zip((1, 2), relays):\n'
-           '  os.dup2(relay.stdin.fileno(), fd)\n'
-           '  relay.stdin.close()\n'
-           f'resource.setrlimit(resource.RLIMIT_FSIZE, ({FILE_LIMIT}, {FILE_LIMIT}))\n'
-           'sys.argv = sys.argv[1:]\n'
-           '# Everything written reaches the files before this process exits, which train.py\n'
-           '# ends itself after the atexit callbacks (cli/failures.py).\n'
-           '@atexit.register\n'
-           'def drain():\n'
-           '  sys.stdout.flush()\n'
-           '  sys.stderr.flush()\n'
-           '  os.close(1)\n'
-           '  os.close(2)\n'
-           '  for relay in relays:\n'
-           '    relay.wait()\n'
-           'runpy.run_path(sys.argv[0], run_name="__main__")\n')
+LIMITED = (
+  'import atexit, os, resource, runpy, subprocess, sys\n'
+  'relays = [subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=fd) for fd in (1, 2)]\n'
+  'for fd, relay in zip((1, 2), relays):\n'
+  '  os.dup2(relay.stdin.fileno(), fd)\n'
+  '  relay.stdin.close()\n'
+  f'resource.setrlimit(resource.RLIMIT_FSIZE, ({FILE_LIMIT}, {FILE_LIMIT}))\n'
+  'sys.argv = sys.argv[1:]\n'
+  '# Everything written reaches the files before this process exits, which train.py\n'
+  '# ends itself after the atexit callbacks (cli/failures.py).\n'
+  '@atexit.register\n'
+  'def drain():\n'
+  '  sys.stdout.flush()\n'
+  '  sys.stderr.flush()\n'
+  '  os.close(1)\n'
+  '  os.close(2)\n'
+  '  for relay in relays:\n'
+  '    relay.wait()\n'
+  'runpy.run_path(sys.argv[0], run_name="__main__")\n'
+)
 
 
 def environment(cache: Path) -> dict[str, str]:
@@ -96,12 +107,18 @@ def environment(cache: Path) -> dict[str, str]:
   XLA's backend optimisation is off, as in tests/test_multihost.py: compiling
   dominates these runs, and every run of a comparison uses the same flags.
   """
-  flags = xla_flags('--xla_force_host_platform_device_count=1',
-                    '--xla_backend_optimization_level=0')
-  return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT), 'XLA_FLAGS': flags,
-          'JAX_COMPILATION_CACHE_DIR': str(cache),
-          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-          'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
+  flags = xla_flags(
+    '--xla_force_host_platform_device_count=1', '--xla_backend_optimization_level=0'
+  )
+  return {
+    **os.environ,
+    'JAX_PLATFORMS': 'cpu',
+    'PYTHONPATH': str(ROOT),
+    'XLA_FLAGS': flags,
+    'JAX_COMPILATION_CACHE_DIR': str(cache),
+    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
+  }
 
 
 class Setup:
@@ -118,17 +135,38 @@ class Setup:
     self.cache = base / 'jax-cache'
     self.processes: list[subprocess.Popen] = []
 
-  def launch(self, name: str, steps: int, script: tuple[str, ...] = ('train.py',),
-             extra: tuple[str, ...] = (), log: str = '') -> subprocess.Popen:
+  def launch(
+    self,
+    name: str,
+    steps: int,
+    script: tuple[str, ...] = ('train.py',),
+    extra: tuple[str, ...] = (),
+    log: str = '',
+  ) -> subprocess.Popen:
     """train.py (or `script`) on WORKDIR=base/name; output appended to `log_file`s beside it."""
     workdir = self.base / name
     workdir.mkdir(exist_ok=True)
-    with open(log_file(workdir, 'stdout', log), 'a') as out, \
-         open(log_file(workdir, 'stderr', log), 'a') as err:
+    with (
+      open(log_file(workdir, 'stdout', log), 'a') as out,
+      open(log_file(workdir, 'stderr', log), 'a') as err,
+    ):
       process = subprocess.Popen(
-          [sys.executable, *script, *OPTIONS, '--data', str(self.corpus), f'--steps={steps}',
-           '--workdir', str(workdir), *extra], cwd=ROOT, env=environment(self.cache),
-          stdout=out, stderr=err)
+        [
+          sys.executable,
+          *script,
+          *OPTIONS,
+          '--data',
+          str(self.corpus),
+          f'--steps={steps}',
+          '--workdir',
+          str(workdir),
+          *extra,
+        ],
+        cwd=ROOT,
+        env=environment(self.cache),
+        stdout=out,
+        stderr=err,
+      )
     process.log = log_file(workdir, 'stderr', log)  # for the failure messages
     self.processes.append(process)
     return process
@@ -154,8 +192,9 @@ def wait_for(condition, process: subprocess.Popen, what: str) -> None:
   deadline = time.monotonic() + DEADLINE_S
   while not condition():
     if process.poll() is not None:
-      pytest.fail(f'the process ended (exit {process.returncode}) before {what}:\n'
-                  f'{log_tail(process)}')
+      pytest.fail(
+        f'the process ended (exit {process.returncode}) before {what}:\n{log_tail(process)}'
+      )
     if time.monotonic() > deadline:
       process.kill()
       pytest.fail(f'no {what} after {DEADLINE_S} s:\n{log_tail(process)}')
@@ -211,13 +250,20 @@ def runs(setup):
   preempted = []
   if host_name_is_loopback():
     coordinator = f'127.0.0.1:{free_ports(1)[0]}'
-    preempted = [setup.launch('preempted', steps=100_000, log=str(index), extra=(
-        '--coordinator', coordinator, '--num-processes', '2', '--process-id', str(index)))
-        for index in (0, 1)]
+    preempted = [
+      setup.launch(
+        'preempted',
+        steps=100_000,
+        log=str(index),
+        extra=('--coordinator', coordinator, '--num-processes', '2', '--process-id', str(index)),
+      )
+      for index in (0, 1)
+    ]
   killed_dir = base / 'killed'
   held = killed_dir / 'checkpoints' / f'{HELD}.orbax-checkpoint-tmp'
-  killed = setup.launch('killed', steps=HELD + SAVE_EVERY,
-                        script=('tests/support/held_commit.py', str(HELD)))
+  killed = setup.launch(
+    'killed', steps=HELD + SAVE_EVERY, script=('tests/support/held_commit.py', str(HELD))
+  )
   disk = setup.launch('disk', steps=4 * SAVE_EVERY, script=('-c', LIMITED, 'train.py'))
   process = setup.launch('term', steps=100_000)
   wait_for(lambda: max(logged(term)) >= facts['term_step'] + 3, process, 'three more steps')
@@ -244,14 +290,18 @@ def runs(setup):
 
 
 def stop_message(name: str, step: int, workdir: Path) -> str:
-  return (f'train.py: stopped by {name} after step {step}; saved {workdir}/checkpoints/{step}. '
-          'Run the same command again to resume from there.')
+  return (
+    f'train.py: stopped by {name} after step {step}; saved {workdir}/checkpoints/{step}. '
+    'Run the same command again to resume from there.'
+  )
 
 
-@pytest.mark.parametrize('run, number, code', [('term', signal.SIGTERM, 143),
-                                               ('int', signal.SIGINT, 130)])
-def test_a_signal_saves_the_step_reached_and_exits_128_plus_its_number(runs, setup, run, number,
-                                                                       code):
+@pytest.mark.parametrize(
+  'run, number, code', [('term', signal.SIGTERM, 143), ('int', signal.SIGINT, 130)]
+)
+def test_a_signal_saves_the_step_reached_and_exits_128_plus_its_number(
+  runs, setup, run, number, code
+):
   step = runs[f'{run}_step']
   assert runs[f'{run}_exit'] == 128 + number == code
   assert runs[f'{run}_message'] == stop_message(number.name, step, setup.base / 'term')
@@ -270,8 +320,7 @@ def preempted(runs, setup) -> list[int]:
   processes = runs['preempted']
   if not processes:
     pytest.skip("gloo would listen on this host name's address, which is not loopback")
-  wait_for(lambda: len(logged(setup.base / 'preempted')) >= 3, processes[0],
-           'three logged steps')
+  wait_for(lambda: len(logged(setup.base / 'preempted')) >= 3, processes[0], 'three logged steps')
   processes[1].send_signal(signal.SIGTERM)  # process 1 only
   return [finish(process) for process in processes]
 
@@ -282,10 +331,10 @@ def test_sigterm_to_one_process_of_a_job_stops_every_process_at_one_step(preempt
   assert preempted == [143, 143]
   # JAX's preemption service told process 0 too; both saved the same step, in one checkpoint.
   for index in (0, 1):
-    assert (last_line(log_file(workdir, 'stderr', str(index)))
-            == stop_message('SIGTERM', step, workdir))
-  assert saved_steps(workdir) == [
-      *range(SAVE_EVERY, step, SAVE_EVERY), step]
+    assert last_line(log_file(workdir, 'stderr', str(index))) == stop_message(
+      'SIGTERM', step, workdir
+    )
+  assert saved_steps(workdir) == [*range(SAVE_EVERY, step, SAVE_EVERY), step]
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_intact(runs, setup):
@@ -315,8 +364,12 @@ def test_same_seed_and_data_give_bit_identical_losses(runs, setup):
   for step in range(1, first + 1):
     rows = [{key: history[step][key] for key in VALUES} for history in histories]
     assert rows[0] == rows[1] == rows[2], f'step {step}'
-  assert len({file_digest(setup.base / name / 'tokenizer.json')
-              for name in ('term', 'straight', 'killed')}) == 1
+  assert (
+    len(
+      {file_digest(setup.base / name / 'tokenizer.json') for name in ('term', 'straight', 'killed')}
+    )
+    == 1
+  )
 
 
 def test_resumed_runs_continue_exactly_as_the_uninterrupted_run(runs, setup):
@@ -330,8 +383,9 @@ def test_resumed_runs_continue_exactly_as_the_uninterrupted_run(runs, setup):
     # One line per step: the lines past a resumed checkpoint were dropped, then rewritten.
     assert sorted(history) == list(range(1, total + 1)), name
     for step in range(1, total + 1):
-      assert {k: history[step][k] for k in VALUES} == {k: straight[step][k] for k in VALUES}, \
-          f'{name}, step {step}'
+      assert {k: history[step][k] for k in VALUES} == {k: straight[step][k] for k in VALUES}, (
+        f'{name}, step {step}'
+      )
     assert_trees_equal(train_state(setup.base / name, total), final)
   # Training moved on after the first interruption, so the equality is not trivial.
   assert straight[total]['loss'] != straight[runs['term_step']]['loss']
@@ -345,17 +399,20 @@ def test_a_full_disk_stops_training_with_one_clear_line(runs, setup):
   stderr = log_file(workdir, 'stderr').read_text()
   assert 'Traceback' not in stderr and 'ERROR:absl' not in stderr
   (message,) = [line for line in re.split(r'[\r\n]', stderr) if 'train.py:' in line]
-  assert message.startswith(f'train.py: error: {workdir}/checkpoints/{SAVE_EVERY}: the '
-                            'checkpoint could not be written (')
+  assert message.startswith(
+    f'train.py: error: {workdir}/checkpoints/{SAVE_EVERY}: the checkpoint could not be written ('
+  )
   assert 'File too large' in message and 'no earlier checkpoint exists' in message
   assert message.endswith('Free disk space or fix the permissions, then run again to resume')
   # Stopped at the latest when the next checkpoint was due, without starting it.
   assert max(logged(workdir)) <= 2 * SAVE_EVERY
   assert [p.name for p in (workdir / 'checkpoints').iterdir()] == [
-      f'{SAVE_EVERY}.orbax-checkpoint-tmp']
+    f'{SAVE_EVERY}.orbax-checkpoint-tmp'
+  ]
 
 
 # --- StopSignals and Interrupted, in this process ----------------------------------------
+
 
 def test_stop_signals_note_the_first_signal_and_a_second_ctrl_c_stops_at_once():
   before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
@@ -373,5 +430,6 @@ def test_stop_signals_note_the_first_signal_and_a_second_ctrl_c_stops_at_once():
   assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
   stopped = Interrupted(signal.SIGTERM, 7, Path('run/checkpoints/7'))
   assert stopped.exit_code == 143 and str(stopped) == (
-      'stopped by SIGTERM after step 7; saved run/checkpoints/7. Run the same command again to '
-      'resume from there.')
+    'stopped by SIGTERM after step 7; saved run/checkpoints/7. Run the same command again to '
+    'resume from there.'
+  )

@@ -14,8 +14,19 @@ import pytest
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'flax_transformer'
-LAYERS = ('config', 'signals', 'nn', 'data', 'pretrained', 'run', 'decode', 'train', 'cli',
-          'bench')
+LAYERS = (
+  'config',
+  'signals',
+  'files',
+  'nn',
+  'data',
+  'pretrained',
+  'run',
+  'decode',
+  'train',
+  'cli',
+  'bench',
+)
 
 
 def module_name(path: Path) -> str:
@@ -54,23 +65,31 @@ def test_every_module_sits_in_a_layer():
 
 @pytest.mark.parametrize('name', sorted(name for name in MODULES if layer(name) is not None))
 def test_imports_point_down(name):
-  upward = sorted(other for other in IMPORTS[name]
-                  if layer(other) is None or layer(other) > layer(name))
+  upward = sorted(
+    other for other in IMPORTS[name] if layer(other) is None or layer(other) > layer(name)
+  )
   assert not upward, f'{name} (layer {LAYERS[layer(name)]}) imports from above it: {upward}'
 
 
 def test_no_import_circle():
   """Depth-first search over module imports (the facade left out: it imports lazily)."""
-  graph = {name: {other for other in IMPORTS[name] if layer(other) is not None
-                  and not (MODULES[other].name == '__init__.py' and name.startswith(other + '.'))}
-           for name in MODULES if layer(name) is not None}
+  graph = {
+    name: {
+      other
+      for other in IMPORTS[name]
+      if layer(other) is not None
+      and not (MODULES[other].name == '__init__.py' and name.startswith(other + '.'))
+    }
+    for name in MODULES
+    if layer(name) is not None
+  }
   state = {}
 
   def visit(name, path):
     state[name] = 'open'
     for other in sorted(graph[name]):
       if state.get(other) == 'open':
-        pytest.fail('import circle: ' + ' -> '.join(path[path.index(other):] + [other]))
+        pytest.fail('import circle: ' + ' -> '.join(path[path.index(other) :] + [other]))
       if other not in state:
         visit(other, path + [other])
     state[name] = 'done'
@@ -91,6 +110,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 def test_both_tokenizers_satisfy_the_protocol(tmp_path):
   pytest.importorskip('sentencepiece')
   from flax_transformer.pretrained.marian import MarianTokenizer
+
   assert isinstance(Tokenizer.train(['a b c', 'b c d'], 16), TextTokenizer)
   for cls in (Tokenizer, MarianTokenizer):
     members = [name for name in dir(TextTokenizer) if not name.startswith('_')]
@@ -101,9 +121,11 @@ def test_both_tokenizers_satisfy_the_protocol(tmp_path):
 def test_docs_architecture_places_every_module():
   """docs/architecture.md has a section per layer naming each of its modules."""
   text = (PACKAGE.parent / 'docs' / 'architecture.md').read_text()
-  sections = {heading.split('`')[1].strip('/').removesuffix('.py'): body
-              for heading, _, body in (part.partition('\n') for part in text.split('\n## ')[1:])
-              if heading.startswith('`')}
+  sections = {
+    heading.split('`')[1].strip('/').removesuffix('.py'): body
+    for heading, _, body in (part.partition('\n') for part in text.split('\n## ')[1:])
+    if heading.startswith('`')
+  }
   missing = []
   for name in MODULES:
     parts = name.split('.')

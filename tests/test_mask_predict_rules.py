@@ -1,32 +1,32 @@
 """Mask-predict's rules pinned against independent NumPy computations (issue #33, item 1).
 
-  * `_lowest`, the choice of the positions to re-mask: its docstring's worked example, ties
-    (the earlier position), positions outside the row, and random rows against NumPy's
-    stable argsort.
-  * The refinement loop, replayed in NumPy on the tiny random cmlm: each pass re-masks exactly
-    the floor(N (I - t) / I) positions of lowest log-probability left by the previous pass,
-    predicts them again with the model (its logits through the plain forward pass, outside
-    mask-predict's compiled program) and keeps every other token and score. The replay must
-    give every canvas of `history['tokens']`, the mean scores, the winner and the output;
-    the tiny model changes its mind in later passes, so a refinement that kept the first
-    pass, re-masked the wrong positions or fed the model the unmasked canvas fails.
-  * The winning length: a hand-made model whose per-position log-probabilities are known in
-    float64 (attention and feed-forward outputs zeroed, so each position's prediction is its
-    MASK embedding plus its position, computed by tests/support/numpy_transformer.py), with
-    candidate lengths set through the length head so that the candidate with the best MEAN
-    log-probability (the paper's rule) is neither the first nor the one with the best SUM;
-    its tokens hold an EOS mid-row, where the output must be cut.
+* `_lowest`, the choice of the positions to re-mask: its docstring's worked example, ties
+  (the earlier position), positions outside the row, and random rows against NumPy's
+  stable argsort.
+* The refinement loop, replayed in NumPy on the tiny random cmlm: each pass re-masks exactly
+  the floor(N (I - t) / I) positions of lowest log-probability left by the previous pass,
+  predicts them again with the model (its logits through the plain forward pass, outside
+  mask-predict's compiled program) and keeps every other token and score. The replay must
+  give every canvas of `history['tokens']`, the mean scores, the winner and the output;
+  the tiny model changes its mind in later passes, so a refinement that kept the first
+  pass, re-masked the wrong positions or fed the model the unmasked canvas fails.
+* The winning length: a hand-made model whose per-position log-probabilities are known in
+  float64 (attention and feed-forward outputs zeroed, so each position's prediction is its
+  MASK embedding plus its position, computed by tests/support/numpy_transformer.py), with
+  candidate lengths set through the length head so that the candidate with the best MEAN
+  log-probability (the paper's rule) is neither the first nor the one with the best SUM;
+  its tokens hold an EOS mid-row, where the output must be cut.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import numpy_transformer
-from support.tiny_cmlm import BOS, CONFIG, EOS, MASK, PAD, SOURCES, R, pad_rows, source_lengths
 
 from flax_transformer.decode import non_autoregressive
 from flax_transformer.nn.cmlm import CMLMTransformer, num_length_classes
+from support import numpy_transformer
+from support.tiny_cmlm import BOS, CONFIG, EOS, MASK, PAD, SOURCES, R, pad_rows, source_lengths
 
 ITERATIONS, LENGTH_BEAM = 4, 2
 # float32 logits of the compiled decoder and of the plain forward pass differ by ~1e-6: every
@@ -36,8 +36,11 @@ MARGIN = 1e-4
 
 
 def lowest(scores, in_row, count):
-  return np.asarray(non_autoregressive._lowest(jnp.asarray(scores, jnp.float32),
-                                               jnp.asarray(in_row), jnp.asarray(count)))
+  return np.asarray(
+    non_autoregressive._lowest(
+      jnp.asarray(scores, jnp.float32), jnp.asarray(in_row), jnp.asarray(count)
+    )
+  )
 
 
 # --- _lowest ----------------------------------------------------------------------------------
@@ -48,16 +51,19 @@ def test_lowest_follows_its_docstring_example():
   chosen = lowest([[-1, -3, -2, -3]], [[True] * 4], [2])
   np.testing.assert_array_equal(chosen, [[False, True, False, True]])
   # One more goes to the next lowest, -2; one fewer to the earlier of the tied -3s.
-  np.testing.assert_array_equal(lowest([[-1, -3, -2, -3]], [[True] * 4], [3]),
-                                [[False, True, True, True]])
-  np.testing.assert_array_equal(lowest([[-1, -3, -2, -3]], [[True] * 4], [1]),
-                                [[False, True, False, False]])
+  np.testing.assert_array_equal(
+    lowest([[-1, -3, -2, -3]], [[True] * 4], [3]), [[False, True, True, True]]
+  )
+  np.testing.assert_array_equal(
+    lowest([[-1, -3, -2, -3]], [[True] * 4], [1]), [[False, True, False, False]]
+  )
 
 
 def test_lowest_breaks_ties_by_position_and_ignores_positions_outside_the_row():
   tied = np.full((1, 6), -2.0)
-  np.testing.assert_array_equal(lowest(tied, np.ones((1, 6), bool), [2])[0],
-                                [True, True, False, False, False, False])
+  np.testing.assert_array_equal(
+    lowest(tied, np.ones((1, 6), bool), [2])[0], [True, True, False, False, False, False]
+  )
   # Positions beyond the row (PAD, score 0 in the canvas; here made the lowest) never compete.
   scores = [[-1.0, -0.5, -0.7, -9.0, -9.0]]
   in_row = [[True, True, True, False, False]]
@@ -68,7 +74,7 @@ def test_lowest_breaks_ties_by_position_and_ignores_positions_outside_the_row():
 
 def test_lowest_matches_a_stable_numpy_sort_on_random_rows_with_ties():
   rng = np.random.default_rng(0)
-  scores = -rng.integers(0, 4, (50, 12)).astype(np.float64)   # many ties
+  scores = -rng.integers(0, 4, (50, 12)).astype(np.float64)  # many ties
   lengths = rng.integers(0, 13, 50)
   in_row = np.arange(12) < lengths[:, None]
   count = (lengths * rng.random(50)).astype(np.int64)
@@ -76,7 +82,7 @@ def test_lowest_matches_a_stable_numpy_sort_on_random_rows_with_ties():
   for row in range(50):
     inside = np.flatnonzero(in_row[row])
     order = inside[np.argsort(scores[row, inside], kind='stable')]
-    expected[row, order[:count[row]]] = True
+    expected[row, order[: count[row]]] = True
   np.testing.assert_array_equal(lowest(scores, in_row, count), expected)
 
 
@@ -123,7 +129,7 @@ def replay(forward, params, src, lengths, width, iterations, beam):
         inside = np.flatnonzero(in_row[r])
         keys = scores[r, inside]
         order = np.argsort(keys, kind='stable')
-        remask[r, inside[order[:count[r]]]] = True
+        remask[r, inside[order[: count[r]]]] = True
         if 0 < count[r] < len(inside):
           gap = keys[order[count[r]]] - keys[order[count[r] - 1]]
           assert gap > MARGIN, f'pass {t}, row {r}: the lowest {count[r]} are not well separated'
@@ -149,14 +155,25 @@ def cut_at_eos(row, n, width):
 @pytest.fixture(scope='module')
 def decoded(model, forward, cmlm_params):
   src = pad_rows(SOURCES)
-  tokens, history = jax.tree.map(np.asarray, non_autoregressive.mask_predict(
-      model, cmlm_params, src, iterations=ITERATIONS, length_beam=LENGTH_BEAM,
-      return_history=True))
+  tokens, history = jax.tree.map(
+    np.asarray,
+    non_autoregressive.mask_predict(
+      model, cmlm_params, src, iterations=ITERATIONS, length_beam=LENGTH_BEAM, return_history=True
+    ),
+  )
   width = history['tokens'].shape[2]
-  canvases, masked, scores = replay(forward, cmlm_params, src, history['lengths'], width,
-                                    ITERATIONS, LENGTH_BEAM)
-  return dict(src=src, tokens=tokens, history=history, canvases=canvases, masked=masked,
-              scores=scores, width=width)
+  canvases, masked, scores = replay(
+    forward, cmlm_params, src, history['lengths'], width, ITERATIONS, LENGTH_BEAM
+  )
+  return dict(
+    src=src,
+    tokens=tokens,
+    history=history,
+    canvases=canvases,
+    masked=masked,
+    scores=scores,
+    width=width,
+  )
 
 
 def test_every_pass_remasks_the_lowest_scoring_positions_of_the_previous_one(decoded):
@@ -168,7 +185,7 @@ def test_every_pass_remasks_the_lowest_scoring_positions_of_the_previous_one(dec
 
 
 def test_later_passes_change_tokens_of_the_first_and_keep_the_unmasked_ones(decoded):
-  canvases = decoded['history']['tokens']                                   # [I, R, W]
+  canvases = decoded['history']['tokens']  # [I, R, W]
   changed = canvases[1:] != canvases[:-1]
   # The model changes its mind: refinement is exercised, not a no-op on this model...
   assert changed.sum() >= 5, 'the tiny model should revise some first-pass tokens'
@@ -199,7 +216,7 @@ def position_only_model(params, class_order):
   feed-forward output projection zeroed: the residual stream is the MASK embedding plus the
   position's sinusoid, LayerNormed), and whose length head ranks the classes `class_order`
   first (bias 10, 9, 8, ... over a zero kernel)."""
-  params = jax.tree.map(np.array, params)                                   # a writable copy
+  params = jax.tree.map(np.array, params)  # a writable copy
   for i in range(CONFIG.num_decoder_layers):
     layer = params['decoder'][f'layer_{i}']
     for sublayer in ('self_attention', 'cross_attention'):
@@ -215,9 +232,8 @@ def position_only_model(params, class_order):
   return params
 
 
-def test_the_candidate_with_the_best_mean_log_probability_wins_not_the_best_sum(model,
-                                                                                cmlm_params):
-  src = pad_rows([SOURCES[2]])                                              # 8 source tokens
+def test_the_candidate_with_the_best_mean_log_probability_wins_not_the_best_sum(model, cmlm_params):
+  src = pad_rows([SOURCES[2]])  # 8 source tokens
   src_len = int(source_lengths(src)[0])
   # Position j's log-probability, in float64 from the reference: with no attention it is the
   # same in every pass and for every candidate length.
@@ -231,8 +247,9 @@ def test_the_candidate_with_the_best_mean_log_probability_wins_not_the_best_sum(
   params = jax.tree.map(np.array, cmlm_params)
   table = params['embedding']['embedding']
   table[EOS] = 1.2 * table[best[src_len - 1]]
-  logits, _ = numpy_transformer.cmlm_outputs(CONFIG, position_only_model(params, [0]), src,
-                                             all_masks)
+  logits, _ = numpy_transformer.cmlm_outputs(
+    CONFIG, position_only_model(params, [0]), src, all_masks
+  )
   best, position_scores, gap = best_tokens(logits[0])
   assert gap.min() > MARGIN
   # Candidate lengths src_len - R .. src_len + R; mean and sum of the first N positions.
@@ -246,12 +263,20 @@ def test_the_candidate_with_the_best_mean_log_probability_wins_not_the_best_sum(
   assert shorter, 'the hand-made model needs a shorter candidate with a worse mean'
   others = [c for c in range(len(candidates)) if c not in (shorter[0], best_mean)]
   order = [shorter[0], best_mean, min(others, key=lambda c: mean[c])]
-  assert total[order].argmax() != 1 and mean[order].argmax() == 1          # sum and mean disagree
+  assert total[order].argmax() != 1 and mean[order].argmax() == 1  # sum and mean disagree
   n = candidates[best_mean]
   assert 0 < list(best[:n]).index(EOS) < n - 1, 'the winner should hold an EOS to cut at'
-  tokens, history = jax.tree.map(np.asarray, non_autoregressive.mask_predict(
-      model, position_only_model(params, order), src, iterations=3, length_beam=3,
-      return_history=True))
+  tokens, history = jax.tree.map(
+    np.asarray,
+    non_autoregressive.mask_predict(
+      model,
+      position_only_model(params, order),
+      src,
+      iterations=3,
+      length_beam=3,
+      return_history=True,
+    ),
+  )
   np.testing.assert_array_equal(history['lengths'], candidates[order])
   np.testing.assert_allclose(history['scores'][0], mean[order], rtol=0, atol=1e-5)
   assert history['chosen'][0] == 1

@@ -21,7 +21,9 @@ def test_metrics_log_writes_tensorboard_when_installed(tmp_path, monkeypatch):
     def close(self):
       scalars.append('closed')
 
-  monkeypatch.setitem(sys.modules, 'tensorboardX', types.SimpleNamespace(SummaryWriter=SummaryWriter))
+  monkeypatch.setitem(
+    sys.modules, 'tensorboardX', types.SimpleNamespace(SummaryWriter=SummaryWriter)
+  )
   log = MetricsLog(tmp_path / 'metrics.jsonl', tensorboard_dir=tmp_path / 'tb')
   log.write(3, {'loss': 1.5, 'val_loss': 2.0})
   log.close()
@@ -52,8 +54,10 @@ def test_metrics_log_drops_a_line_cut_short_and_names_a_malformed_one(tmp_path):
 def test_resumed_log_reports_the_clock_it_reached(tmp_path):
   path = tmp_path / 'metrics.jsonl'
   assert MetricsLog(path).elapsed_s == 0.0
-  path.write_text('{"step": 2, "elapsed_s": 5.0}\n{"step": 2, "val_loss": 3.0}\n'
-                  '{"step": 4, "elapsed_s": 9.5}\n{"step": 6, "elapsed_s": 14.0}\n')
+  path.write_text(
+    '{"step": 2, "elapsed_s": 5.0}\n{"step": 2, "val_loss": 3.0}\n'
+    '{"step": 4, "elapsed_s": 9.5}\n{"step": 6, "elapsed_s": 14.0}\n'
+  )
   # Step 6 is dropped (to be repeated): the clock resumes from step 4's line.
   log = MetricsLog(path, resume_step=4)
   log.close()

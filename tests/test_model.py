@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import numpy_transformer
 
-from flax_transformer import (ConfigError, ModelConfig, Transformer, attention_weights, count_params)
+from flax_transformer import ConfigError, ModelConfig, Transformer, attention_weights, count_params
+from support import numpy_transformer
 
 CONFIG = ModelConfig.tiny(dropout_rate=0.0)
 SENTENCE_SRC = [5, 9, 12, 7, 2]
@@ -37,8 +37,9 @@ def test_logits_shape_and_dtype(model_and_variables, forward):
   # The values: the paper's model written out in NumPy float64 (tests/test_model_reference.py
   # covers the other configurations). Logits are O(1); float32 stays within ~1e-6 of float64.
   _, variables = model_and_variables
-  want = numpy_transformer.logits(CONFIG, variables['params'], np.array([SENTENCE_SRC]),
-                                  np.array([SENTENCE_TGT_IN]))
+  want = numpy_transformer.logits(
+    CONFIG, variables['params'], np.array([SENTENCE_SRC]), np.array([SENTENCE_TGT_IN])
+  )
   assert 0.5 < np.abs(want).max() < 20
   np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -46,8 +47,9 @@ def test_logits_shape_and_dtype(model_and_variables, forward):
 @pytest.mark.parametrize('num_pads', [3, 10])
 def test_source_padding_does_not_change_logits(forward, num_pads):
   alone = forward(jnp.array([SENTENCE_SRC]), jnp.array([SENTENCE_TGT_IN]))
-  padded = forward(jnp.array([pad_to(SENTENCE_SRC, len(SENTENCE_SRC) + num_pads)]),
-                   jnp.array([SENTENCE_TGT_IN]))
+  padded = forward(
+    jnp.array([pad_to(SENTENCE_SRC, len(SENTENCE_SRC) + num_pads)]), jnp.array([SENTENCE_TGT_IN])
+  )
   np.testing.assert_allclose(padded, alone, atol=1e-5, rtol=1e-5)
 
 
@@ -59,7 +61,7 @@ def test_batch_neighbours_do_not_change_logits(forward):
   tgt = jnp.array([pad_to(SENTENCE_TGT_IN, 7), longer_tgt])
   batched = forward(src, tgt)
   # Target positions past the sentence are PAD inputs; only the real ones are compared.
-  np.testing.assert_allclose(batched[0, :len(SENTENCE_TGT_IN)], alone[0], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(batched[0, : len(SENTENCE_TGT_IN)], alone[0], atol=1e-5, rtol=1e-5)
 
 
 def test_decoder_is_causal(forward):
@@ -67,10 +69,10 @@ def test_decoder_is_causal(forward):
   tgt = jnp.array([[1, 8, 13, 6, 9, 10]])
   base = forward(src, tgt)
   for t in range(tgt.shape[1] - 1):
-    changed = tgt.at[0, t + 1:].set(jnp.array([30, 31, 32, 33, 34])[:tgt.shape[1] - t - 1])
+    changed = tgt.at[0, t + 1 :].set(jnp.array([30, 31, 32, 33, 34])[: tgt.shape[1] - t - 1])
     logits = forward(src, changed)
-    np.testing.assert_allclose(logits[0, :t + 1], base[0, :t + 1], atol=1e-6)
-    assert np.abs(np.asarray(logits[0, t + 1:] - base[0, t + 1:])).max() > 1e-4
+    np.testing.assert_allclose(logits[0, : t + 1], base[0, : t + 1], atol=1e-6)
+    assert np.abs(np.asarray(logits[0, t + 1 :] - base[0, t + 1 :])).max() > 1e-4
 
 
 def test_cached_decode_steps_equal_the_full_pass(model_and_variables, forward):
@@ -79,10 +81,13 @@ def test_cached_decode_steps_equal_the_full_pass(model_and_variables, forward):
   tgt = jnp.array([[1, 8, 13, 6, 9], [1, 4, 4, 30, 31]])
   full = forward(src, tgt)
   cache = model.apply(variables, src, 8, method=Transformer.start_decoding)
-  step = jax.jit(lambda tokens, cache, position: model.apply(
-      variables, tokens, cache, position, method=Transformer.decode_step))
+  step = jax.jit(
+    lambda tokens, cache, position: model.apply(
+      variables, tokens, cache, position, method=Transformer.decode_step
+    )
+  )
   for position in range(tgt.shape[1]):
-    logits, cache = step(tgt[:, position:position + 1], cache, position)
+    logits, cache = step(tgt[:, position : position + 1], cache, position)
     np.testing.assert_allclose(logits[:, 0], full[:, position], atol=1e-5, rtol=1e-5)
 
 
@@ -97,15 +102,19 @@ def test_restricted_attention_cache_matches_full_pass():
   assert np.abs(np.asarray(full - unrestricted)).max() > 1e-4
   cache = model.apply(variables, src, 5, method=Transformer.start_decoding)
   for position in range(5):
-    logits, cache = model.apply(variables, tgt[:, position:position + 1], cache, position,
-                                method=Transformer.decode_step)
+    logits, cache = model.apply(
+      variables, tgt[:, position : position + 1], cache, position, method=Transformer.decode_step
+    )
     np.testing.assert_allclose(logits[:, 0], full[:, position], atol=1e-5, rtol=1e-5)
 
 
 def test_base_parameter_count_is_within_3_percent_of_the_paper():
   config = ModelConfig.base(vocab_size=37_000)
-  shapes = jax.eval_shape(lambda: Transformer(config).init(
-      jax.random.key(0), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32)))
+  shapes = jax.eval_shape(
+    lambda: Transformer(config).init(
+      jax.random.key(0), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32)
+    )
+  )
   # 37,000 x 512 shared embedding + 6 encoder layers of 3,151,872 + 6 decoder layers of 4,203,008
   # (each attention: 4 projections of 512 x 512, biases on query, value and output only).
   assert count_params(shapes['params']) == 63_073_280
@@ -130,8 +139,9 @@ def test_gradients_reach_every_parameter(norm_placement):
   variables = model.init(jax.random.key(0), src, tgt_in)
 
   def loss(params):
-    logits = model.apply({'params': params}, src, tgt_in, train=True,
-                         rngs={'dropout': jax.random.key(1)})
+    logits = model.apply(
+      {'params': params}, src, tgt_in, train=True, rngs={'dropout': jax.random.key(1)}
+    )
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tgt_out[..., None], -1)[..., 0]
     return jnp.sum(nll * (tgt_out != 0))
 
@@ -169,7 +179,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(model_and_variables, f
   float32_logits = np.asarray(forward(src, tgt))
   np.testing.assert_allclose(logits, float32_logits, rtol=0, atol=0.05)
   error = np.abs(np.asarray(logits, np.float64) - float32_logits)
-  assert np.sqrt((error ** 2).mean()) < 0.02 * float32_logits.std()
+  assert np.sqrt((error**2).mean()) < 0.02 * float32_logits.std()
   assert error.max() > 1e-4, 'bfloat16 logits equal float32 ones: was bfloat16 used at all?'
 
 
@@ -178,11 +188,14 @@ def test_attention_weights_for_plotting(model_and_variables):
   src = jnp.array([pad_to(SENTENCE_SRC, 7)])
   weights = attention_weights(model, variables, src, jnp.array([SENTENCE_TGT_IN]))
   assert set(weights) == {f'encoder/layer_{i}/self_attention' for i in range(2)} | {
-      f'decoder/layer_{i}/{kind}' for i in range(2) for kind in ('self_attention', 'cross_attention')}
+    f'decoder/layer_{i}/{kind}' for i in range(2) for kind in ('self_attention', 'cross_attention')
+  }
   cross = np.asarray(weights['decoder/layer_1/cross_attention'])
   assert cross.shape == (1, CONFIG.num_heads, 4, 7)
-  np.testing.assert_array_equal(cross[..., len(SENTENCE_SRC):], 0.0)  # PAD columns, every layer
-  np.testing.assert_array_equal(weights['encoder/layer_1/self_attention'][..., len(SENTENCE_SRC):], 0.0)
+  np.testing.assert_array_equal(cross[..., len(SENTENCE_SRC) :], 0.0)  # PAD columns, every layer
+  np.testing.assert_array_equal(
+    weights['encoder/layer_1/self_attention'][..., len(SENTENCE_SRC) :], 0.0
+  )
   np.testing.assert_allclose(cross.sum(-1), 1.0, rtol=1e-5)
 
 
@@ -192,13 +205,16 @@ def test_too_long_input_is_refused_with_a_clear_message(model_and_variables):
     model.apply(variables, jnp.ones((1, 65), jnp.int32), jnp.ones((1, 3), jnp.int32))
 
 
-@pytest.mark.parametrize('overrides, option', [
+@pytest.mark.parametrize(
+  'overrides, option',
+  [
     (dict(d_model=30, num_heads=4), 'num_heads'),
     (dict(vocab_size=3), 'vocab_size'),
     (dict(dropout_rate=1.5), 'dropout_rate'),
     (dict(num_encoder_layers=0), 'num_encoder_layers'),
     (dict(norm_placement='middle'), 'norm_placement'),
-])
+  ],
+)
 def test_invalid_config_names_the_option(overrides, option):
   with pytest.raises(ConfigError, match=option):
     ModelConfig.tiny(**overrides)
@@ -207,9 +223,19 @@ def test_invalid_config_names_the_option(overrides, option):
 def test_presets_follow_table_3():
   base, big = ModelConfig.base(), ModelConfig.big()
   assert (base.num_encoder_layers, base.d_model, base.d_ff, base.num_heads, base.dropout_rate) == (
-      6, 512, 2048, 8, 0.1)
+    6,
+    512,
+    2048,
+    8,
+    0.1,
+  )
   assert (big.num_encoder_layers, big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (
-      6, 1024, 4096, 16, 0.3)
+    6,
+    1024,
+    4096,
+    16,
+    0.3,
+  )
   assert base.head_dim == 64 and big.head_dim == 64
 
 
@@ -218,7 +244,7 @@ def test_a_decoder_may_start_from_pad_but_other_special_ids_stay_distinct():
   assert ModelConfig.tiny(bos_id=0).bos_id == ModelConfig.tiny().pad_id
   with pytest.raises(ConfigError, match='special token ids must be distinct'):
     ModelConfig.tiny(eos_id=0)
-  with pytest.raises(ConfigError, match="model.bos_id equal to model.pad_id is for autoregressive"):
+  with pytest.raises(ConfigError, match='model.bos_id equal to model.pad_id is for autoregressive'):
     ModelConfig.tiny(bos_id=0, kind='cmlm')
 
 
@@ -228,7 +254,7 @@ def test_a_decoder_starting_from_pad_sees_its_start_token():
   config = ModelConfig.tiny(bos_id=0, dropout_rate=0.0, logits_bias=True)
   model = Transformer(config)
   src = jnp.array([[5, 6, 7, 2], [8, 9, 2, 0]])
-  tgt_in = jnp.zeros((2, 1), jnp.int32)                                  # the start token: PAD
+  tgt_in = jnp.zeros((2, 1), jnp.int32)  # the start token: PAD
   variables = model.init(jax.random.key(0), src, tgt_in)
   weights = attention_weights(model, variables, src, tgt_in)['decoder/layer_0/self_attention']
   np.testing.assert_allclose(np.asarray(weights)[:, :, 0, 0], 1.0, atol=1e-6)

@@ -14,21 +14,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import numpy_transformer
 
 from flax_transformer import ModelConfig, Transformer
 from flax_transformer.nn.cmlm import CMLMTransformer, num_length_classes
+from support import numpy_transformer
 
 PAD, EOS, BOS = 0, 2, 1
 # Two sentences, the first padded on both sides: PAD keys must be hidden everywhere.
 SRC = np.array([[5, 9, 12, 7, 2, 0, 0], [3, 4, 5, 6, 7, 8, 2]], np.int32)
 TGT_IN = np.array([[1, 8, 13, 6, 0, 0], [1, 4, 4, 30, 31, 32]], np.int32)
 VARIANTS = {
-    'post': dict(),
-    'pre': dict(norm_placement='pre'),
-    # Untied embeddings, another activation and the logits bias: the other output projection.
-    'pre_untied_gelu_bias': dict(norm_placement='pre', share_embeddings=False, activation='gelu',
-                                 logits_bias=True),
+  'post': dict(),
+  'pre': dict(norm_placement='pre'),
+  # Untied embeddings, another activation and the logits bias: the other output projection.
+  'pre_untied_gelu_bias': dict(
+    norm_placement='pre', share_embeddings=False, activation='gelu', logits_bias=True
+  ),
 }
 
 
@@ -78,15 +79,17 @@ def test_a_decoder_starting_from_pad_matches_the_reference():
 
 @pytest.mark.parametrize('norm_placement', ['post', 'pre'])
 def test_cmlm_matches_the_float64_reference(norm_placement):
-  config = ModelConfig.tiny(kind='cmlm', dropout_rate=0.0, max_length_offset=4,
-                            norm_placement=norm_placement)
+  config = ModelConfig.tiny(
+    kind='cmlm', dropout_rate=0.0, max_length_offset=4, norm_placement=norm_placement
+  )
   mask = config.vocab_size
   # Partly MASKed rows of different lengths; PAD beyond each row.
   tokens = np.array([[mask, 8, mask, 6, 2, 0], [4, mask, mask, mask, 31, 2]], np.int32)
   model = CMLMTransformer(config)
   params = randomized(model.init(jax.random.key(0), SRC, tokens)['params'], seed=4)
   token_logits, length_logits = jax.jit(lambda p, s, t: model.apply({'params': p}, s, t))(
-      params, SRC, tokens)
+    params, SRC, tokens
+  )
   want_tokens, want_lengths = numpy_transformer.cmlm_outputs(config, params, SRC, tokens)
   assert length_logits.shape == (2, num_length_classes(config))
   assert_close_to_reference(token_logits, want_tokens)

@@ -19,9 +19,13 @@ from flax_transformer.train.loop import train
 def whole_train_split(multi30k_dir, data_config, evaluated: int) -> datasets.DatasetDict:
   """Multi30k's whole training split, and the first `evaluated` pairs of validation and test."""
   corpus = load_parallel(str(multi30k_dir), data_config.src_lang, data_config.tgt_lang)
-  return datasets.DatasetDict({'train': corpus['train'],
-                               'validation': corpus['validation'].select(range(evaluated)),
-                               'test': corpus['test'].select(range(evaluated))})
+  return datasets.DatasetDict(
+    {
+      'train': corpus['train'],
+      'validation': corpus['validation'].select(range(evaluated)),
+      'test': corpus['test'].select(range(evaluated)),
+    }
+  )
 
 
 @pytest.mark.filterwarnings('ignore:source length .* output capped')
@@ -31,10 +35,14 @@ def test_preset_trains_on_multi30k(tmp_path, multi30k_dir):
   # 16 sentences each to validate on and decode (the full splits take minutes untrained).
   subset = whole_train_split(multi30k_dir, data_config, 16)
   messages = []
-  result = train(model_config, train_config.replace(steps=3, log_every=1, eval_every=3,
-                                                    bleu_every=0, checkpoint_every=3),
-                 data_config.replace(source=str(multi30k_dir)), tmp_path, dataset=subset,
-                 print_fn=messages.append)
+  result = train(
+    model_config,
+    train_config.replace(steps=3, log_every=1, eval_every=3, bleu_every=0, checkpoint_every=3),
+    data_config.replace(source=str(multi30k_dir)),
+    tmp_path,
+    dataset=subset,
+    print_fn=messages.append,
+  )
   text = '\n'.join(messages)
   assert train_config.packing == 64 and 'train: 29,000 pairs packed' in text
   assert result.tokenizer.vocab_size == data_config.vocab_size == 16_000
@@ -71,16 +79,25 @@ def test_tokenized_line_scores_moses_tokens_lowercased():
   assert 'moses-norm+lc+tok-de' in signature and 'tok:none' in signature
   assert 'bleu_tok' not in multi30k.score(hypotheses, references)
 
+
 def test_step_clock_carries_over_resumes_of_older_logs():
   # A log written before the clock carried on: the process resumed at step 20 (its line the
   # last before the reset) restarted at 0 s, and one more at step 40.
-  lines = [{'step': 10, 'elapsed_s': 12.0}, {'step': 20, 'elapsed_s': 22.0},
-           {'step': 20, 'val_loss': 3.0}, {'step': 30, 'elapsed_s': 15.0},
-           {'step': 40, 'elapsed_s': 25.0}, {'step': 50, 'elapsed_s': 16.0}]
+  lines = [
+    {'step': 10, 'elapsed_s': 12.0},
+    {'step': 20, 'elapsed_s': 22.0},
+    {'step': 20, 'val_loss': 3.0},
+    {'step': 30, 'elapsed_s': 15.0},
+    {'step': 40, 'elapsed_s': 25.0},
+    {'step': 50, 'elapsed_s': 16.0},
+  ]
   assert multi30k.step_clock(lines) == {10: 12.0, 20: 22.0, 30: 37.0, 40: 47.0, 50: 63.0}
   # A log whose clock carries on is read as written.
-  carried = [{'step': 10, 'elapsed_s': 12.0}, {'step': 20, 'elapsed_s': 22.0},
-             {'step': 30, 'elapsed_s': 37.0}]
+  carried = [
+    {'step': 10, 'elapsed_s': 12.0},
+    {'step': 20, 'elapsed_s': 22.0},
+    {'step': 30, 'elapsed_s': 37.0},
+  ]
   assert multi30k.step_clock(carried) == {10: 12.0, 20: 22.0, 30: 37.0}
 
 
@@ -94,21 +111,26 @@ def test_plot_writes_a_small_png(tmp_path):
       lines.append({'step': step, 'val_bleu': 30.0})
   (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(m) + '\n' for m in lines))
   output = tmp_path / 'curves.png'
-  multi30k.plot(SimpleNamespace(workdir=str(tmp_path), output=str(output), title=None,
-                                target=None))
+  multi30k.plot(SimpleNamespace(workdir=str(tmp_path), output=str(output), title=None, target=None))
   assert output.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert output.stat().st_size < 200 * 1024
 
 
 def test_time_to_bleu_reads_the_first_validation_at_the_target(tmp_path, capsys):
   lines = [{'step': step, 'loss': 3.0, 'elapsed_s': 1.5 * step} for step in range(50, 401, 50)]
-  lines += [{'step': 100, 'val_bleu': 45.0, 'val_bleu_tok': 30.0},
-            {'step': 200, 'val_bleu': 46.0, 'val_bleu_tok': 40.5},
-            {'step': 300, 'val_bleu': 47.0, 'val_bleu_tok': 39.0},
-            {'step': 400, 'val_bleu': 48.0, 'val_bleu_tok': 41.0}]
+  lines += [
+    {'step': 100, 'val_bleu': 45.0, 'val_bleu_tok': 30.0},
+    {'step': 200, 'val_bleu': 46.0, 'val_bleu_tok': 40.5},
+    {'step': 300, 'val_bleu': 47.0, 'val_bleu_tok': 39.0},
+    {'step': 400, 'val_bleu': 48.0, 'val_bleu_tok': 41.0},
+  ]
   # Tokenized BLEU, when logged, is the curve's: step 200 (300 s of training), not 100.
-  assert multi30k.time_to_bleu(lines, 40.0) == {'step': 200, 'minutes': 5.0,
-                                                'metric': 'val_bleu_tok', 'value': 40.5}
+  assert multi30k.time_to_bleu(lines, 40.0) == {
+    'step': 200,
+    'minutes': 5.0,
+    'metric': 'val_bleu_tok',
+    'value': 40.5,
+  }
   assert multi30k.time_to_bleu(lines, 42.0) is None
   # A validation between two logged steps (every 72 against every 50) reads the clock
   # interpolated between them; outside the logged steps there is none.
@@ -116,29 +138,44 @@ def test_time_to_bleu_reads_the_first_validation_at_the_target(tmp_path, capsys)
   assert multi30k.seconds_at(clock, 175) == pytest.approx(262.5)
   assert multi30k.seconds_at(clock, 401) is None
   between = lines + [{'step': 390, 'val_bleu_tok': 41.5}]
-  assert multi30k.time_to_bleu(between, 41.2) == {'step': 390, 'minutes': pytest.approx(9.75),
-                                                  'metric': 'val_bleu_tok', 'value': 41.5}
+  assert multi30k.time_to_bleu(between, 41.2) == {
+    'step': 390,
+    'minutes': pytest.approx(9.75),
+    'metric': 'val_bleu_tok',
+    'value': 41.5,
+  }
   older = [{k: v for k, v in m.items() if k != 'val_bleu_tok'} for m in lines]
   assert multi30k.time_to_bleu(older, 46.0)['step'] == 200
   # Two runs on one figure, the time to the target printed for each.
   for name in ('a', 'b'):
     (tmp_path / name).mkdir()
     (tmp_path / name / 'metrics.jsonl').write_text(
-        ''.join(json.dumps({**m, 'val_loss': 2.0} if 'val_bleu' in m else m) + '\n'
-                for m in lines))
+      ''.join(json.dumps({**m, 'val_loss': 2.0} if 'val_bleu' in m else m) + '\n' for m in lines)
+    )
   output = tmp_path / 'both.png'
-  multi30k.plot(SimpleNamespace(workdir=f'{tmp_path / "a"},{tmp_path / "b"}', output=str(output),
-                                title=None, target=40.0))
+  multi30k.plot(
+    SimpleNamespace(
+      workdir=f'{tmp_path / "a"},{tmp_path / "b"}', output=str(output), title=None, target=40.0
+    )
+  )
   printed = capsys.readouterr().out
   assert printed.count('validation val_bleu_tok >= 40 at step 200, 5 min of training') == 2
   assert output.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
-  english = ['a man rides a red bike', 'two dogs play in the snow', 'a woman reads a book',
-             'children run home from school']
-  german = ['ein mann fährt ein rotes rad', 'zwei hunde spielen im schnee',
-            'eine frau liest ein buch', 'kinder rennen von der schule heim']
+  english = [
+    'a man rides a red bike',
+    'two dogs play in the snow',
+    'a woman reads a book',
+    'children run home from school',
+  ]
+  german = [
+    'ein mann fährt ein rotes rad',
+    'zwei hunde spielen im schnee',
+    'eine frau liest ein buch',
+    'kinder rennen von der schule heim',
+  ]
   corpus = tmp_path / 'corpus'
   corpus.mkdir()
   for stem in ('train', 'val'):
@@ -149,19 +186,24 @@ def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
   for size in (40, 120):
     workdir = tmp_path / f'vocab{size}'
     Tokenizer.train(english + german, size).save(workdir)
-    (workdir / 'config.json').write_text(json.dumps(
-        {'data': {'src_lang': 'en', 'tgt_lang': 'de', 'vocab_size': size}}))
+    (workdir / 'config.json').write_text(
+      json.dumps({'data': {'src_lang': 'en', 'tgt_lang': 'de', 'vocab_size': size}})
+    )
     # Steps 10-40 at 1 s per step, except 40-50 (which held a validation pass); step 60 is
     # past the compared range.
     clock = {10: 10, 20: 20, 30: 30, 40: 40, 50: 90, 60: 100}
     lines = [{'step': step, 'loss': 3.0, 'elapsed_s': seconds} for step, seconds in clock.items()]
-    lines += [{'step': 50, 'val_ppl': val_ppl}, {'step': 50, 'val_bleu': 12.5, 'val_chrf': 30.0},
-              {'step': 60, 'val_ppl': 2.0}]
+    lines += [
+      {'step': 50, 'val_ppl': val_ppl},
+      {'step': 50, 'val_bleu': 12.5, 'val_chrf': 30.0},
+      {'step': 60, 'val_ppl': 2.0},
+    ]
     (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(m) + '\n' for m in lines))
     workdirs.append(workdir)
 
-  result = multi30k.compare(SimpleNamespace(workdirs=[str(w) for w in workdirs], steps=50,
-                                            data=str(corpus), output=None))
+  result = multi30k.compare(
+    SimpleNamespace(workdirs=[str(w) for w in workdirs], steps=50, data=str(corpus), output=None)
+  )
 
   sentence_losses = []
   for workdir, run in zip(workdirs, result['runs']):
@@ -187,18 +229,25 @@ def test_the_fairseq_preset_validates_and_saves_once_an_epoch(tmp_path, multi30k
   does at each epoch's end: that is its batches per epoch on the real corpus, preprocessed,
   and a run of it sees lowercased Moses tokens and writes detokenized lowercase text."""
   from flax_transformer.config import MULTI30K_FAIRSEQ_EPOCH
+
   model_config, train_config, data_config = run_preset('multi30k_fairseq')
   subset = whole_train_split(multi30k_dir, data_config, 8)
   messages = []
-  result = train(model_config, train_config.replace(steps=1, log_every=1, bleu_every=0),
-                 data_config.replace(source=str(multi30k_dir)), tmp_path, dataset=subset,
-                 print_fn=messages.append)
+  result = train(
+    model_config,
+    train_config.replace(steps=1, log_every=1, bleu_every=0),
+    data_config.replace(source=str(multi30k_dir)),
+    tmp_path,
+    dataset=subset,
+    print_fn=messages.append,
+  )
   text = '\n'.join(messages)
   assert f'29,000 pairs in {MULTI30K_FAIRSEQ_EPOCH} batches per epoch of <= 8,192 tokens' in text
   assert 'punctuation normalised, lowercased, Moses-tokenized (outputs detokenized)' in text
   assert result.tokenizer.vocab_size == 10_000
   assert result.tokenizer.encode(['A man, in blue.']) == result.tokenizer.inner.encode(
-      ['a man , in blue .'])
+    ['a man , in blue .']
+  )
   assert 'tokenized BLEU' in text and 'pre:moses-norm+lc+tok-de' in text
 
 
@@ -207,17 +256,21 @@ def test_the_grid_stops_a_stage_at_its_budget_and_refuses_unknown_recipes(tmp_pa
   import time
 
   from benchmarks import multi30k_grid
+
   log = tmp_path / 'stage.log'
   start = time.monotonic()
-  stage = multi30k_grid.run_stage([sys.executable, '-c', 'import time; time.sleep(60)'], log,
-                                  deadline=time.monotonic() + 1.0)
+  stage = multi30k_grid.run_stage(
+    [sys.executable, '-c', 'import time; time.sleep(60)'], log, deadline=time.monotonic() + 1.0
+  )
   assert stage['ended'] == 'stopped at the budget' and stage['exit_code'] != 0
   assert time.monotonic() - start < 30 and log.read_text().startswith('$ ')
-  finished = multi30k_grid.run_stage([sys.executable, '-c', 'print("done")'], log,
-                                     deadline=time.monotonic() + 60)
+  finished = multi30k_grid.run_stage(
+    [sys.executable, '-c', 'print("done")'], log, deadline=time.monotonic() + 60
+  )
   assert finished['ended'] == 'finished' and 'done' in log.read_text()
   # Every recipe is train.py's options on a preset train.py knows.
   from flax_transformer.config import RUN_PRESETS
+
   for options in multi30k_grid.RECIPES.values():
     assert options[0] == '--preset' and options[1] in RUN_PRESETS
   sys_argv = sys.argv

@@ -13,6 +13,7 @@ the step's global token normalisation must get right.
 
 import numpy as np
 import pytest
+
 from support.device_workers import run_values, run_worker
 
 STEPS = 4
@@ -20,7 +21,7 @@ RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
 # The same with the paper's Adam epsilon (RUN@EPS; the runs above use adam_eps=1).
 PAPER_EPS_RUNS = ('shard_map-1@1e-9', 'shard_map-4@1e-9')
 
-WORKER = r'''
+WORKER = r"""
 import sys
 import jax
 import numpy as np
@@ -64,7 +65,7 @@ for run in runs:
   params = traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/')
   results.update({f'{run}/params/{name}': value for name, value in params.items()})
 np.savez(out, **results)
-'''
+"""
 
 
 @pytest.fixture(scope='module')
@@ -128,7 +129,8 @@ def test_parameters_match_one_device_with_the_papers_adam_eps(results):
   assert movement > 0.5
   worst = max(np.max(np.abs(params[name] - reference[name])) for name in reference)
   assert worst < 0.01 * movement, (worst, movement)
-  beyond_rounding = sum(int(np.sum(np.abs(params[name] - reference[name])
-                                   > 1e-6 + 1e-5 * np.abs(reference[name])))
-                        for name in reference)
+  beyond_rounding = sum(
+    int(np.sum(np.abs(params[name] - reference[name]) > 1e-6 + 1e-5 * np.abs(reference[name])))
+    for name in reference
+  )
   assert beyond_rounding < 0.02 * sum(value.size for value in reference.values())

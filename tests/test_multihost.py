@@ -41,15 +41,15 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-from support.environment import xla_flags
-from support.processes import free_ports, host_name_is_loopback
 
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.nn.model import Transformer
 from flax_transformer.run.checkpoints import Checkpoints
-from flax_transformer.run.loading import load_for_inference
 from flax_transformer.run.directory import read_config
+from flax_transformer.run.loading import load_for_inference
 from flax_transformer.train import TrainState, create_train_state, make_optimizer
+from support.environment import xla_flags
+from support.processes import free_ports, host_name_is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,17 +60,30 @@ SAVE_EVERY = 2
 DEADLINE_S = 300
 # One layer each side, and a vocabulary that puts every pair in the 8-token bucket,
 # so that each process compiles one training step.
-OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
-           '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
-           '--data.vocab_size=256', '--train.max_tokens=256', f'--steps={STEPS}',
-           '--train.warmup_steps=4', '--train.lr_scale=4', '--train.adam_eps=1',
-           '--train.log_every=1', f'--train.eval_every={SAVE_EVERY}',
-           f'--train.checkpoint_every={SAVE_EVERY}', f'--average-last={STEPS // SAVE_EVERY}']
+OPTIONS = [
+  '--model.d_model=32',
+  '--model.num_heads=4',
+  '--model.num_encoder_layers=1',
+  '--model.num_decoder_layers=1',
+  '--model.d_ff=64',
+  '--model.max_len=16',
+  '--data.vocab_size=256',
+  '--train.max_tokens=256',
+  f'--steps={STEPS}',
+  '--train.warmup_steps=4',
+  '--train.lr_scale=4',
+  '--train.adam_eps=1',
+  '--train.log_every=1',
+  f'--train.eval_every={SAVE_EVERY}',
+  f'--train.checkpoint_every={SAVE_EVERY}',
+  f'--average-last={STEPS // SAVE_EVERY}',
+]
 AVERAGED = f'average-last{STEPS // SAVE_EVERY}'
 # Metrics of the end of the run: greedy decoding of the validation split, with the
 # last parameters and with the average of the checkpoints.
-FINAL_VALUES = tuple(f'{prefix}{name}' for prefix in ('', 'avg_')
-                     for name in ('bleu', 'chrf', 'exact_match'))
+FINAL_VALUES = tuple(
+  f'{prefix}{name}' for prefix in ('', 'avg_') for name in ('bleu', 'chrf', 'exact_match')
+)
 # What process 0 prints for the job: none of it may come from process 1.
 REPORTS = ('data:', 'tokenizer:', 'model:', 'validation loss', 'greedy decoding of')
 TRAIN_VALUES = ('loss', 'ppl', 'accuracy', 'learning_rate', 'grad_norm')
@@ -83,13 +96,15 @@ def environment(devices: int) -> dict[str, str]:
   optimisations each process needs about 30% less CPU time. Every run of a
   comparison uses the same flags.
   """
-  flags = xla_flags(f'--xla_force_host_platform_device_count={devices}',
-                    '--xla_backend_optimization_level=0')
+  flags = xla_flags(
+    f'--xla_force_host_platform_device_count={devices}', '--xla_backend_optimization_level=0'
+  )
   return {**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(ROOT), 'XLA_FLAGS': flags}
 
 
-def run_together(jobs: dict[str, tuple[list[str], int]], logs: Path, deadline: float
-                 ) -> dict[str, str]:
+def run_together(
+  jobs: dict[str, tuple[list[str], int]], logs: Path, deadline: float
+) -> dict[str, str]:
   """Starts every job `name: (arguments, devices)` at once; returns each one's stdout.
 
   Fails with the logs of the processes that failed; kills whatever still runs
@@ -99,18 +114,23 @@ def run_together(jobs: dict[str, tuple[list[str], int]], logs: Path, deadline: f
   try:
     for name, (arguments, devices) in jobs.items():
       with open(logs / f'{name}.out', 'w') as out, open(logs / f'{name}.err', 'w') as err:
-        processes[name] = subprocess.Popen([sys.executable, *arguments], cwd=ROOT,
-                                           env=environment(devices), stdout=out, stderr=err)
+        processes[name] = subprocess.Popen(
+          [sys.executable, *arguments], cwd=ROOT, env=environment(devices), stdout=out, stderr=err
+        )
     for name, process in processes.items():
       try:
         process.wait(timeout=max(deadline - time.monotonic(), 0))
       except subprocess.TimeoutExpired:
-        pytest.fail(f'{name} still ran at the {DEADLINE_S} s deadline:\n'
-                    + (logs / f'{name}.err').read_text()[-3000:])
+        pytest.fail(
+          f'{name} still ran at the {DEADLINE_S} s deadline:\n'
+          + (logs / f'{name}.err').read_text()[-3000:]
+        )
     failed = [name for name, process in processes.items() if process.returncode]
-    assert not failed, '\n\n'.join(f'{name} exited with {processes[name].returncode}:\n'
-                                   + (logs / f'{name}.err').read_text()[-3000:]
-                                   for name in failed)
+    assert not failed, '\n\n'.join(
+      f'{name} exited with {processes[name].returncode}:\n'
+      + (logs / f'{name}.err').read_text()[-3000:]
+      for name in failed
+    )
   finally:
     for process in processes.values():
       if process.poll() is None:
@@ -133,8 +153,10 @@ def write_corpus(directory: Path) -> Path:
 def runs(tmp_path_factory):
   """The 2-process run, the 1-process run and the worker job, all at once."""
   if not host_name_is_loopback():
-    pytest.skip(f'the host name {socket.gethostname()!r} does not resolve to a loopback address, '
-                'so gloo would listen on a network interface; this test uses loopback only')
+    pytest.skip(
+      f'the host name {socket.gethostname()!r} does not resolve to a loopback address, '
+      'so gloo would listen on a network interface; this test uses loopback only'
+    )
   root = tmp_path_factory.mktemp('multihost').resolve()
   data = write_corpus(root / 'data')
   dirs = {name: root / name for name in ('two', 'one', 'worker')}
@@ -144,15 +166,39 @@ def runs(tmp_path_factory):
   def train(workdir, *flags):
     return ['train.py', '--data', str(data), '--workdir', str(workdir), *OPTIONS, *flags]
 
-  jobs = {f'process {i}': (train(dirs['two'], f'--coordinator=127.0.0.1:{train_port}',
-                                 '--num-processes=2', f'--process-id={i}'), 2)
-          for i in range(2)}
+  jobs = {
+    f'process {i}': (
+      train(
+        dirs['two'],
+        f'--coordinator=127.0.0.1:{train_port}',
+        '--num-processes=2',
+        f'--process-id={i}',
+      ),
+      2,
+    )
+    for i in range(2)
+  }
   jobs['one process'] = (train(dirs['one']), 4)
-  jobs.update({f'worker {i}': (['tests/support/multihost_worker.py', f'127.0.0.1:{worker_port}',
-                                str(i), str(dirs['worker'])], 2) for i in range(2)})
+  jobs.update(
+    {
+      f'worker {i}': (
+        [
+          'tests/support/multihost_worker.py',
+          f'127.0.0.1:{worker_port}',
+          str(i),
+          str(dirs['worker']),
+        ],
+        2,
+      )
+      for i in range(2)
+    }
+  )
   outputs = run_together(jobs, root, time.monotonic() + DEADLINE_S)
-  return {'dirs': dirs, 'outputs': outputs,
-          'errors': {name: (root / f'{name}.err').read_text() for name in outputs}}
+  return {
+    'dirs': dirs,
+    'outputs': outputs,
+    'errors': {name: (root / f'{name}.err').read_text() for name in outputs},
+  }
 
 
 def metrics(workdir: Path) -> list[dict]:
@@ -200,8 +246,8 @@ def test_only_process_0_reports(runs):
   assert out['process 0'].count('cache: encoded') == 1
   cached = [path.name for path in (runs['dirs']['two'] / 'encoded').iterdir()]
   assert len(cached) == 1 and not cached[0].startswith('.'), cached
-  assert 'train: 100%' in err['process 0']           # the progress bar
-  assert '%|' not in err['process 1']                 # no bar at all, nor the loading ones
+  assert 'train: 100%' in err['process 0']  # the progress bar
+  assert '%|' not in err['process 1']  # no bar at all, nor the loading ones
   lines = metrics(runs['dirs']['two'])
   # Written once: a second writer would have repeated or interleaved the lines.
   assert [line['step'] for line in lines if 'loss' in line] == list(range(1, STEPS + 1))
@@ -230,8 +276,9 @@ def test_final_parameters_equal_one_process(runs):
   averaged = flat_params(runs['dirs']['two'] / AVERAGED, STEPS)
   assert_params_close(averaged, flat_params(runs['dirs']['one'] / AVERAGED, STEPS))
   for name, value in averaged.items():  # an independent mean of the two checkpoints
-    np.testing.assert_allclose(value, (np.float64(two[name]) + earlier[name]) / 2, rtol=1e-6,
-                               atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(
+      value, (np.float64(two[name]) + earlier[name]) / 2, rtol=1e-6, atol=1e-7, err_msg=name
+    )
 
 
 def test_checkpoint_is_written_once(runs):
@@ -240,9 +287,14 @@ def test_checkpoint_is_written_once(runs):
   orbax gives each writing process its own OCDBT store, `ocdbt.process_<i>`;
   the replicated state is written by process 0 alone.
   """
+
   def layout(workdir):
-    return sorted(str(path.relative_to(workdir)) for path in workdir.rglob('*')
-                  if path.is_dir() and 'checkpoints' in path.parts)
+    return sorted(
+      str(path.relative_to(workdir))
+      for path in workdir.rglob('*')
+      if path.is_dir() and 'checkpoints' in path.parts
+    )
+
   two, one = runs['dirs']['two'], runs['dirs']['one']
   assert layout(two) == layout(one)
   assert f'{AVERAGED}/checkpoints/{STEPS}/params' in layout(two)
@@ -264,8 +316,9 @@ def test_one_process_restores_the_two_process_training_state(runs):
   actual = jax.tree_util.tree_flatten_with_path(two.opt_state)[0]
   assert [path for path, _ in actual] == [path for path, _ in expected]
   for (path, value), (_, restored) in zip(expected, actual):
-    np.testing.assert_allclose(restored, value, rtol=0, atol=1e-5 * np.max(np.abs(value)),
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      restored, value, rtol=0, atol=1e-5 * np.max(np.abs(value)), err_msg=jax.tree_util.keystr(path)
+    )
 
 
 @pytest.fixture(scope='module')
@@ -279,8 +332,14 @@ def test_pmap_equals_shard_map_across_processes(worker):
   for name, value in first.items():  # the processes hold one replicated result
     np.testing.assert_array_equal(second[name], value, err_msg=name)
   np.testing.assert_allclose(first['pmap/loss'], first['shard_map/loss'], rtol=1e-5)
-  params = {mode: {name.removeprefix(f'{mode}/params/'): value for name, value in first.items()
-                   if name.startswith(f'{mode}/params/')} for mode in ('pmap', 'shard_map')}
+  params = {
+    mode: {
+      name.removeprefix(f'{mode}/params/'): value
+      for name, value in first.items()
+      if name.startswith(f'{mode}/params/')
+    }
+    for mode in ('pmap', 'shard_map')
+  }
   assert_params_close(params['pmap'], params['shard_map'])
 
 
@@ -291,5 +350,3 @@ def test_translations_are_split_between_processes(worker):
   reference = list(worker[0]['reference'])
   assert len(reference) == 9 and reference[-1] == ''  # the empty sentence is not decoded
   assert len(set(reference)) >= 5  # outputs depend on the input: misplaced ones would show
-
-

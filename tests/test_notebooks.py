@@ -41,6 +41,7 @@ import nbformat
 import numpy as np
 import pytest
 from nbclient import NotebookClient
+
 from support.cpuinfo import first_processor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,17 +98,27 @@ def numerics_platform() -> dict:
       fields = first_processor(f.read())
   except OSError:
     return {**fingerprint, 'processor': platform.processor()}
-  simd = sorted(flag for flag in (fields.get('flags') or fields.get('Features', '')).split()
-                if flag.startswith(('avx', 'amx', 'fma', 'sse', 'asimd', 'sve', 'bf16')))
-  return {**fingerprint, 'cpu': fields.get('model name', ''), 'family': fields.get('cpu family', ''),
-          'model': fields.get('model', ''), 'simd': simd}
+  simd = sorted(
+    flag
+    for flag in (fields.get('flags') or fields.get('Features', '')).split()
+    if flag.startswith(('avx', 'amx', 'fma', 'sse', 'asimd', 'sve', 'bf16'))
+  )
+  return {
+    **fingerprint,
+    'cpu': fields.get('model name', ''),
+    'family': fields.get('cpu family', ''),
+    'model': fields.get('model', ''),
+    'simd': simd,
+  }
 
 
 def strip_volatile(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
   """Drops the metadata that changes on every execution: cell timestamps, the kernel's version."""
   for cell in notebook.cells:
     cell.metadata.pop('execution', None)
-  notebook.metadata['language_info'] = {'name': notebook.metadata.get('language_info', {}).get('name', 'python')}
+  notebook.metadata['language_info'] = {
+    'name': notebook.metadata.get('language_info', {}).get('name', 'python')
+  }
   return notebook
 
 
@@ -116,7 +127,9 @@ NEEDS = {'04_pretrained_marian.ipynb': ('torch', 'transformers', 'sentencepiece'
 
 
 def skip_without_packages(name: str) -> None:
-  missing = [package for package in NEEDS.get(name, ()) if importlib.util.find_spec(package) is None]
+  missing = [
+    package for package in NEEDS.get(name, ()) if importlib.util.find_spec(package) is None
+  ]
   if missing:
     pytest.skip(f'{name} needs {", ".join(missing)}: pip install -e .[pretrained-test]')
 
@@ -133,8 +146,13 @@ def execute(path: Path) -> nbformat.NotebookNode:
     env.delenv('FLAX_TRANSFORMER_CHECKPOINT', raising=False)
     # Notebook 04 builds its random tiny Marian model, as for its committed outputs.
     env.delenv('MARIAN_DIR', raising=False)
-    NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3', record_timing=False,
-                   resources={'metadata': {'path': str(NOTEBOOKS)}}).execute()
+    NotebookClient(
+      notebook,
+      timeout=CELL_TIMEOUT_S,
+      kernel_name='python3',
+      record_timing=False,
+      resources={'metadata': {'path': str(NOTEBOOKS)}},
+    ).execute()
   code_cells = [cell for cell in notebook.cells if cell.cell_type == 'code']
   assert [cell.execution_count for cell in code_cells] == list(range(1, len(code_cells) + 1))
   return strip_volatile(notebook)
@@ -149,7 +167,7 @@ def executed():
     if name not in runs:
       try:
         runs[name] = execute(NOTEBOOKS / name)
-      except Exception as error:   # a failed notebook fails every test that reads it, run once
+      except Exception as error:  # a failed notebook fails every test that reads it, run once
         runs[name] = error
     if isinstance(runs[name], Exception):
       raise runs[name]
@@ -175,7 +193,9 @@ def text_outputs(cell: nbformat.NotebookNode) -> str:
   for output in cell.outputs:
     if output.output_type == 'stream':
       streams[output.name] += output.text
-    elif output.output_type in ('execute_result', 'display_data') and WIDGET_MIME not in output.data:
+    elif (
+      output.output_type in ('execute_result', 'display_data') and WIDGET_MIME not in output.data
+    ):
       shown.append(output.data.get('text/plain', ''))
     elif output.output_type == 'error':
       shown.append(f'{output.ename}: {output.evalue}')
@@ -233,24 +253,31 @@ def outputs_differ(old: str, new: str, trained: bool) -> list[str]:
       return []
     old_shape, new_shape = text_shape(old).splitlines(), text_shape(new).splitlines()
     return ['a trained cell printed other lines'] + list(
-        difflib.unified_diff(old_shape, new_shape, 'committed', 'now', lineterm=''))
+      difflib.unified_diff(old_shape, new_shape, 'committed', 'now', lineterm='')
+    )
   differences = numbers_differ(old, new, NUMBER_RTOL)
   if differences == ['the text around the numbers differs']:
-    differences += difflib.unified_diff(old.splitlines(), new.splitlines(), 'committed', 'now',
-                                        lineterm='')
+    differences += difflib.unified_diff(
+      old.splitlines(), new.splitlines(), 'committed', 'now', lineterm=''
+    )
   return differences[:12]
 
 
 def image_count(cell: nbformat.NotebookNode) -> int:
-  return sum(any(mime.startswith('image/') for mime in output.get('data', {}))
-             for output in cell.outputs if output.output_type in ('execute_result', 'display_data'))
+  return sum(
+    any(mime.startswith('image/') for mime in output.get('data', {}))
+    for output in cell.outputs
+    if output.output_type in ('execute_result', 'display_data')
+  )
 
 
 def summary(notebook: nbformat.NotebookNode) -> dict:
   """The JSON dict printed by the cell tagged 'summary'."""
   cells = [cell for cell in notebook.cells if 'summary' in cell.metadata.get('tags', [])]
   assert len(cells) == 1, 'each notebook has exactly one cell tagged "summary"'
-  text = ''.join(output.get('text', '') for output in cells[0].outputs if output.output_type == 'stream')
+  text = ''.join(
+    output.get('text', '') for output in cells[0].outputs if output.output_type == 'stream'
+  )
   return json.loads(text)
 
 
@@ -261,11 +288,13 @@ def test_committed_outputs(path, executed):
   nbformat.validate(committed)
   assert committed.metadata.kernelspec.name == 'python3'
   assert path.stat().st_size < MAX_NOTEBOOK_BYTES, f'{path.name}: {path.stat().st_size:,} bytes'
-  assert committed == strip_volatile(copy.deepcopy(committed)), \
-      f'{path.name} has execution timestamps or kernel version details; regenerate it (see the docstring)'
+  assert committed == strip_volatile(copy.deepcopy(committed)), (
+    f'{path.name} has execution timestamps or kernel version details; regenerate it (see the docstring)'
+  )
   code_cells = [cell for cell in committed.cells if cell.cell_type == 'code']
-  assert [cell.execution_count for cell in code_cells] == list(range(1, len(code_cells) + 1)), \
-      f'{path.name}: not every code cell was executed, in order, for the committed outputs'
+  assert [cell.execution_count for cell in code_cells] == list(range(1, len(code_cells) + 1)), (
+    f'{path.name}: not every code cell was executed, in order, for the committed outputs'
+  )
 
   tags = {tag for cell in code_cells for tag in cell.metadata.get('tags', [])}
   unknown = tags - {*CELL_KINDS, 'summary'}
@@ -277,15 +306,21 @@ def test_committed_outputs(path, executed):
     if old.cell_type != 'code':
       continue
     where = f'{path.name}, cell {index} ({old.source.splitlines()[0] if old.source else "empty"!r})'
-    differences = outputs_differ(text_outputs(old), text_outputs(new),
-                                 trained=bool({'trained', 'measured'}
-                                              & set(old.metadata.get('tags', []))))
+    differences = outputs_differ(
+      text_outputs(old),
+      text_outputs(new),
+      trained=bool({'trained', 'measured'} & set(old.metadata.get('tags', []))),
+    )
     if differences:
       problems.append(f'{where}: ' + '\n'.join(differences))
     if image_count(old) != image_count(new):
-      problems.append(f'{where}: {image_count(old)} figure(s) committed, {image_count(new)} drawn now')
-  assert not problems, ('\n\n'.join(problems) + '\n\nRegenerate the outputs (see the docstring) if the '
-                        'change is intended.')
+      problems.append(
+        f'{where}: {image_count(old)} figure(s) committed, {image_count(new)} drawn now'
+      )
+  assert not problems, (
+    '\n\n'.join(problems) + '\n\nRegenerate the outputs (see the docstring) if the '
+    'change is intended.'
+  )
   assert sum(map(image_count, code_cells)) > 0, f'{path.name}: no figure committed'
 
 
@@ -310,8 +345,9 @@ def test_each_kind_of_cell_is_compared_by_its_own_rule():
   other_cpu = '[stdout]\nstep 200: loss 1.113, token accuracy 96.1%\n'
   # A trained model's numbers move from CPU to CPU; its form may not.
   assert not outputs_differ(committed, other_cpu, trained=True)
-  assert not outputs_differ('[stdout]\nfünfzig  ok\n', '[stdout]\nfünfzehn  want fünfzig\n',
-                            trained=True)
+  assert not outputs_differ(
+    '[stdout]\nfünfzig  ok\n', '[stdout]\nfünfzehn  want fünfzig\n', trained=True
+  )
   assert outputs_differ(committed, committed + 'step 300: loss 1.0\n', trained=True)
   assert outputs_differ(committed, committed.replace('stdout', 'stderr'), trained=True)
   # Anywhere else such a move is a change of meaning, and so is a word.
@@ -321,7 +357,10 @@ def test_each_kind_of_cell_is_compared_by_its_own_rule():
 
 
 def test_text_shape_keeps_each_stream_and_its_line_count():
-  assert text_shape('[stdout]\nloss 2.420\nloss 1.152\n[displayed]\n0.975') == '[stdout]\n2\n[displayed]\n1'
+  assert (
+    text_shape('[stdout]\nloss 2.420\nloss 1.152\n[displayed]\n0.975')
+    == '[stdout]\n2\n[displayed]\n1'
+  )
   assert text_shape('[stdout]\nloss 2.407\n') == text_shape('[stdout]\nloss 2.420\n')
   assert text_shape('[stdout]\nloss 2.407\n') != text_shape('[stdout]\nloss 2.407\nloss 1.1\n')
   assert text_shape('[stdout]\nx\n') != text_shape('[stderr]\nx\n')
@@ -401,7 +440,9 @@ def test_benchmarking(executed):
 
 
 if __name__ == '__main__':
-  for notebook_path in [NOTEBOOKS / name for name in sys.argv[1:]] or sorted(NOTEBOOKS.glob('*.ipynb')):
+  for notebook_path in [NOTEBOOKS / name for name in sys.argv[1:]] or sorted(
+    NOTEBOOKS.glob('*.ipynb')
+  ):
     notebook = execute(notebook_path)
     notebook.metadata['outputs_made_on'] = numerics_platform()
     nbformat.write(notebook, notebook_path)

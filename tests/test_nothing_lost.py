@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 import pytest
-from support.script_calls import call
 
 import decode as decode_cli
 import distill as distill_cli
@@ -26,26 +25,46 @@ import train as train_cli
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.run.checkpoints import CheckpointError
-from flax_transformer.run.directory import (RUN_FORMAT, WRITTEN_BY, NotARun, clear_run,
-                                            foreign_entries, run_format)
+from flax_transformer.run.directory import (
+  RUN_FORMAT,
+  WRITTEN_BY,
+  NotARun,
+  clear_run,
+  foreign_entries,
+  run_format,
+)
 from flax_transformer.run.loading import average_checkpoints
 from flax_transformer.run.sizes import check_decoding_fits, decoding_bytes
 from flax_transformer.train.loop import checkpoints_kept
+from support.script_calls import call
 
 pytestmark = pytest.mark.filterwarnings('ignore:source length .* output capped')
 
 # The tiny model of test_train_cli: one compiled training step.
-OPTIONS = ['--model.d_model=32', '--model.num_heads=4', '--model.num_encoder_layers=1',
-           '--model.num_decoder_layers=1', '--model.d_ff=64', '--model.max_len=16',
-           '--data.vocab_size=256', '--train.max_tokens=256', '--train.warmup_steps=4']
+OPTIONS = [
+  '--model.d_model=32',
+  '--model.num_heads=4',
+  '--model.num_encoder_layers=1',
+  '--model.num_decoder_layers=1',
+  '--model.d_ff=64',
+  '--model.max_len=16',
+  '--data.vocab_size=256',
+  '--train.max_tokens=256',
+  '--train.warmup_steps=4',
+]
 # The sentinels, as tree-relative paths, and a file inside each.
-SENTINELS = {'tool': 'tool/notes.txt', 'bare': 'bare/config.json',
-             'marian': 'marian/config.json', 'average': 'run/average-last2/config.json'}
+SENTINELS = {
+  'tool': 'tool/notes.txt',
+  'bare': 'bare/config.json',
+  'marian': 'marian/config.json',
+  'average': 'run/average-last2/config.json',
+}
 
 
 # support.marian_directory builds a real one where torch and transformers are installed.
-REAL_MARIAN = all(importlib.util.find_spec(name) for name in ('torch', 'transformers',
-                                                              'sentencepiece'))
+REAL_MARIAN = all(
+  importlib.util.find_spec(name) for name in ('torch', 'transformers', 'sentencepiece')
+)
 
 
 def _marian(directory: Path) -> None:
@@ -53,6 +72,7 @@ def _marian(directory: Path) -> None:
   torch: no refusal below reads them."""
   if REAL_MARIAN:
     from support.marian_directory import make_marian_directory
+
     make_marian_directory(directory)
   else:
     directory.mkdir()
@@ -69,7 +89,8 @@ def tree(tmp_path_factory) -> Path:
   for split, stem in {'train': 'train', 'validation': 'val', 'test': 'test'}.items():
     for column, lang in (('source', 'en'), ('target', 'de')):
       (root / 'data' / f'{stem}.{lang}').write_text(
-          ''.join(f'{line}\n' for line in numbers[split][column]))
+        ''.join(f'{line}\n' for line in numbers[split][column])
+      )
   (root / 'input.en').write_text('one\ntwo\n')
   (root / 'tool' / 'sub').mkdir(parents=True)
   (root / 'tool' / 'notes.txt').write_text('not a run\n')
@@ -78,9 +99,21 @@ def tree(tmp_path_factory) -> Path:
   (root / 'bare').mkdir()
   (root / 'bare' / 'config.json').write_text('{"model": "not ours"}\n')
   _marian(root / 'marian')
-  status, _, err = call(train_cli.main, [*OPTIONS, '--data', root / 'data', '--workdir',
-                                         root / 'run', '--steps', '2',
-                                         '--train.checkpoint_every=1', '--average-last', '2'])
+  status, _, err = call(
+    train_cli.main,
+    [
+      *OPTIONS,
+      '--data',
+      root / 'data',
+      '--workdir',
+      root / 'run',
+      '--steps',
+      '2',
+      '--train.checkpoint_every=1',
+      '--average-last',
+      '2',
+    ],
+  )
   assert status == 0, err
   (root / 'links').mkdir()
   for name in ('tool', 'bare', 'marian', 'run', 'data'):
@@ -111,8 +144,14 @@ def _ways(sentinel: str, program: str) -> list[tuple[str, str | None]]:
   from inside it."""
   path = 'run/average-last2' if sentinel == 'average' else sentinel
   parent = [] if (sentinel, program) == ('average', 'train') else [(str(Path(path).parent), None)]
-  return [(path, None), (f'links/{sentinel}', None), (SENTINELS[sentinel], None), *parent,
-          ('', path), ('.', path)]
+  return [
+    (path, None),
+    (f'links/{sentinel}', None),
+    (SENTINELS[sentinel], None),
+    *parent,
+    ('', path),
+    ('.', path),
+  ]
 
 
 def _cases():
@@ -123,35 +162,86 @@ def _cases():
     for output, cwd in _ways(sentinel, 'train'):
       for resume in ('--resume', '--no-resume'):
         cases.append(('train', [*train, resume, '--workdir', _at(output, cwd)], cwd))
-  cases += [('train', [*train, '--workdir', '{root}/data/run'], None),          # inside --data
-            ('train', [*train, '--workdir', '{root}/run/checkpoints', '--no-resume'], None),
-            ('train', [*train, '--workdir', '', '--no-resume'], 'run/checkpoints')]
+  cases += [
+    ('train', [*train, '--workdir', '{root}/data/run'], None),  # inside --data
+    ('train', [*train, '--workdir', '{root}/run/checkpoints', '--no-resume'], None),
+    ('train', [*train, '--workdir', '', '--no-resume'], 'run/checkpoints'),
+  ]
   if REAL_MARIAN:  # --init-from reads the model's config.json first
-    cases += [('train', ['--data', '{root}/data', '--steps', '2', '--workdir',
-                         f'{{root}}/{workdir}', '--init-from', '{root}/marian'], None)
-              for workdir in ('marian', 'marian/run')]
+    cases += [
+      (
+        'train',
+        [
+          '--data',
+          '{root}/data',
+          '--steps',
+          '2',
+          '--workdir',
+          f'{{root}}/{workdir}',
+          '--init-from',
+          '{root}/marian',
+        ],
+        None,
+      )
+      for workdir in ('marian', 'marian/run')
+    ]
   distill = ['--checkpoint', '{root}/run', '--data', '{root}/data', '--beam-size', '1']
   ways = [way for sentinel in SENTINELS for way in _ways(sentinel, 'distill')]
   ways += [(name, None) for name in ('run', 'links/run', 'data', 'links/data')]
   for output, cwd in ways:
     for overwrite in ([], ['--overwrite']):
       cases.append(('distill', [*distill, '--output', _at(output, cwd), *overwrite], cwd))
-  cases.append(('distill', ['--checkpoint', '{root}/run/average-last2', '--data', '{root}/data',
-                            '--output', '{root}/run/checkpoints', '--overwrite'], None))
+  cases.append(
+    (
+      'distill',
+      [
+        '--checkpoint',
+        '{root}/run/average-last2',
+        '--data',
+        '{root}/data',
+        '--output',
+        '{root}/run/checkpoints',
+        '--overwrite',
+      ],
+      None,
+    )
+  )
   decode = ['--checkpoint', '{root}/run', '--input', '{root}/input.en', '--output']
-  cases += [('decode', [*decode, output], cwd) for output, cwd in [
-      ('{root}/run/config.json', None), ('{root}/links/run/config.json', None),
-      ('{root}/input.en', None), ('{root}/links/input.en', None),
-      ('{root}/run/checkpoints/new.txt', None), ('{root}/run/average-last2/out.txt', None),
-      ('{root}/tool', None), ('.', 'tool')]]
-  cases.append(('decode', ['--checkpoint', '{root}/run/average-last2', '--input',
-                           '{root}/input.en', '--output', '{root}/run/config.json'], None))
+  cases += [
+    ('decode', [*decode, output], cwd)
+    for output, cwd in [
+      ('{root}/run/config.json', None),
+      ('{root}/links/run/config.json', None),
+      ('{root}/input.en', None),
+      ('{root}/links/input.en', None),
+      ('{root}/run/checkpoints/new.txt', None),
+      ('{root}/run/average-last2/out.txt', None),
+      ('{root}/tool', None),
+      ('.', 'tool'),
+    ]
+  ]
+  cases.append(
+    (
+      'decode',
+      [
+        '--checkpoint',
+        '{root}/run/average-last2',
+        '--input',
+        '{root}/input.en',
+        '--output',
+        '{root}/run/config.json',
+      ],
+      None,
+    )
+  )
   ways = [way for sentinel in ('tool', 'bare', 'marian') for way in _ways(sentinel, 'average')]
   ways += [('run', None), ('links/run', None), ('run/checkpoints', None), ('run/config.json', None)]
   cases += [('average', [_at(output, cwd)], cwd) for output, cwd in ways]
   unique = {(program, tuple(argv), cwd): None for program, argv, cwd in cases}  # parents repeat
-  return [pytest.param(program, list(argv), cwd, id=_name(program, list(argv), cwd))
-          for program, argv, cwd in unique]
+  return [
+    pytest.param(program, list(argv), cwd, id=_name(program, list(argv), cwd))
+    for program, argv, cwd in unique
+  ]
 
 
 def _name(program: str, argv: list[str], cwd: str | None) -> str:
@@ -175,8 +265,9 @@ PROGRAMS = {'train': train_cli.main, 'decode': decode_cli.main, 'distill': disti
 
 
 @pytest.mark.parametrize('program, argv, cwd', _cases())
-def test_every_wrong_output_is_refused_and_the_tree_is_unchanged(tree, program, argv, cwd,
-                                                                 monkeypatch):
+def test_every_wrong_output_is_refused_and_the_tree_is_unchanged(
+  tree, program, argv, cwd, monkeypatch
+):
   if cwd is not None:
     monkeypatch.chdir(tree / cwd)
   argv = [a.replace('{root}', str(tree)) for a in argv]
@@ -199,7 +290,8 @@ def test_the_run_is_marked_and_the_sentinels_are_foreign(tree):
   assert config['tokenizer_files'] == ['tokenizer.json']
   assert foreign_entries(tree / 'run') == [] and run_format(tree / 'run') == RUN_FORMAT
   assert {'config.json', 'model.safetensors', 'source.spm', 'target.spm', 'vocab.json'} <= set(
-      foreign_entries(tree / 'marian'))
+    foreign_entries(tree / 'marian')
+  )
   assert foreign_entries(tree / 'tool') == ['config.json', 'notes.txt', 'sub']
   assert run_format(tree / 'tool') is None
 
@@ -218,23 +310,30 @@ def test_an_older_run_without_the_marker_is_still_a_run_and_is_cleared(tmp_path)
 
 
 def test_clear_run_refuses_a_run_holding_anything_else_and_deletes_nothing(tmp_path):
-  (tmp_path / 'config.json').write_text(json.dumps({'written_by': WRITTEN_BY, 'run_format': 2,
-                                                    'tokenizer_files': ['tokenizer.json']}))
-  for name in ('tokenizer.json', 'source.spm', 'thesis.tex'):   # a Marian file not listed
+  (tmp_path / 'config.json').write_text(
+    json.dumps({'written_by': WRITTEN_BY, 'run_format': 2, 'tokenizer_files': ['tokenizer.json']})
+  )
+  for name in ('tokenizer.json', 'source.spm', 'thesis.tex'):  # a Marian file not listed
     (tmp_path / name).write_text('x')
-  with pytest.raises(NotARun, match=r'holds what no run of train.py wrote: source.spm, '
-                                    r'thesis.tex; train.py writes'):
+  with pytest.raises(
+    NotARun,
+    match=r'holds what no run of train.py wrote: source.spm, '
+    r'thesis.tex; train.py writes',
+  ):
     clear_run(tmp_path)
   assert len(list(tmp_path.iterdir())) == 4
 
 
-@pytest.mark.parametrize('steps, every, keep, saved, kept', [
-    (5, 200, 5, (), 1),           # only the final step
-    (5, 2, 5, (), 3),             # 2, 4 and 5
-    (10, 2, 3, (), 3),            # capped by keep_checkpoints
-    (6, 200, 5, (2, 4), 3),       # resumed: 2 and 4 saved, 6 written
-    (4, 200, 5, (2, 4), 2),       # already trained: nothing new
-])
+@pytest.mark.parametrize(
+  'steps, every, keep, saved, kept',
+  [
+    (5, 200, 5, (), 1),  # only the final step
+    (5, 2, 5, (), 3),  # 2, 4 and 5
+    (10, 2, 3, (), 3),  # capped by keep_checkpoints
+    (6, 200, 5, (2, 4), 3),  # resumed: 2 and 4 saved, 6 written
+    (4, 200, 5, (2, 4), 2),  # already trained: nothing new
+  ],
+)
 def test_checkpoints_kept_counts_what_the_run_leaves(steps, every, keep, saved, kept):
   config = TrainConfig(steps=steps, checkpoint_every=every, keep_checkpoints=keep)
   assert checkpoints_kept(config, saved) == kept
@@ -246,17 +345,24 @@ def test_the_decoding_estimate_grows_with_the_beams_squared():
   assert 3.5 < two / one < 4.5
   check_decoding_fits(config, rows=8, beams=4, option='--beam-size')
   with pytest.raises(ConfigError, match=r'--beam-size=100000 is too large for this machine'):
-    check_decoding_fits(config, rows=8, beams=100_000, option='--beam-size', memory=2 ** 34)
+    check_decoding_fits(config, rows=8, beams=100_000, option='--beam-size', memory=2**34)
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--train.seed=100000000000000000000'],
-     'train.seed must be an integer in [0, 9223372036854775807], got 100000000000000000000'),
+@pytest.mark.parametrize(
+  'argv, message',
+  [
+    (
+      ['--train.seed=100000000000000000000'],
+      'train.seed must be an integer in [0, 9223372036854775807], got 100000000000000000000',
+    ),
     (['--train.packing=1'], 'train.packing (the packed row length; 0: no packing) must be'),
-    (['--steps', '5', '--average-last', '2'],
-     '--average-last=2 needs that many checkpoints, but this run ends with 1'),
+    (
+      ['--steps', '5', '--average-last', '2'],
+      '--average-last=2 needs that many checkpoints, but this run ends with 1',
+    ),
     (['--devices', '99'], '--devices=99: this process has'),
-])
+  ],
+)
 def test_train_values_are_refused_before_work(argv, message, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   status, out, err = call(train_cli.main, [*OPTIONS, *argv, '--workdir', tmp_path / 'run'])
@@ -264,12 +370,17 @@ def test_train_values_are_refused_before_work(argv, message, tmp_path, monkeypat
   assert 'data:' not in out and not (tmp_path / 'run').exists()
 
 
-@pytest.mark.parametrize('argv, message', [
+@pytest.mark.parametrize(
+  'argv, message',
+  [
     (['--beam-size', '100000'], '--beam-size=100000 is too large for this machine'),
-    (['--method', 'mask_predict', '--length-offset', '1000000000000'],
-     'argument --length-offset: must be in [-65536, 65536], got 1000000000000'),
-    (['--method', 'sample', '--seed', str(2 ** 64)], '--seed: must be in'),
-])
+    (
+      ['--method', 'mask_predict', '--length-offset', '1000000000000'],
+      'argument --length-offset: must be in [-65536, 65536], got 1000000000000',
+    ),
+    (['--method', 'sample', '--seed', str(2**64)], '--seed: must be in'),
+  ],
+)
 def test_decode_values_are_refused_before_work(tree, argv, message):
   status, out, err = call(decode_cli.main, ['--checkpoint', tree / 'run', *argv, 'one'])
   assert status == 2 and message in err and out == '', err
@@ -280,34 +391,83 @@ def test_decode_values_are_refused_before_work(tree, argv, message):
 # Each program's outputs aimed at each of its inputs: (program, argv before the output, the
 # output option, the input as a tree path, 'is' (the output is the input) or a path inside it).
 ALIAS_PAIRS = [
-    ('decode', ['--checkpoint', '{root}/run', '--input', '{root}/input.en',
-                '--reference', '{root}/reference.de'], '--output', 'input.en', 'is'),
-    ('decode', ['--checkpoint', '{root}/run', '--input', '{root}/input.en',
-                '--reference', '{root}/reference.de'], '--output', 'reference.de', 'is'),
-    ('decode', ['--checkpoint', '{root}/run', '--input', '{root}/input.en'], '--output', 'run',
-     'config.json'),
-    ('distill', ['--checkpoint', '{root}/run', '--data', '{root}/data', '--beam-size', '1'],
-     '--output', 'data', 'is'),
-    ('distill', ['--checkpoint', '{root}/run', '--data', '{root}/data', '--beam-size', '1'],
-     '--output', 'run', 'checkpoints'),
-    ('train', [*OPTIONS, '--data', '{root}/data', '--steps', '2'], '--workdir', 'data', 'is'),
-    ('train', [*OPTIONS, '--data', '{root}/data', '--steps', '2'], '--workdir', 'data', 'run'),
-    ('export', ['{root}/run'], '--to', 'run', 'checkpoints'),
-    ('export', ['{root}/run'], '--to', 'run', 'config.json'),
+  (
+    'decode',
+    [
+      '--checkpoint',
+      '{root}/run',
+      '--input',
+      '{root}/input.en',
+      '--reference',
+      '{root}/reference.de',
+    ],
+    '--output',
+    'input.en',
+    'is',
+  ),
+  (
+    'decode',
+    [
+      '--checkpoint',
+      '{root}/run',
+      '--input',
+      '{root}/input.en',
+      '--reference',
+      '{root}/reference.de',
+    ],
+    '--output',
+    'reference.de',
+    'is',
+  ),
+  (
+    'decode',
+    ['--checkpoint', '{root}/run', '--input', '{root}/input.en'],
+    '--output',
+    'run',
+    'config.json',
+  ),
+  (
+    'distill',
+    ['--checkpoint', '{root}/run', '--data', '{root}/data', '--beam-size', '1'],
+    '--output',
+    'data',
+    'is',
+  ),
+  (
+    'distill',
+    ['--checkpoint', '{root}/run', '--data', '{root}/data', '--beam-size', '1'],
+    '--output',
+    'run',
+    'checkpoints',
+  ),
+  ('train', [*OPTIONS, '--data', '{root}/data', '--steps', '2'], '--workdir', 'data', 'is'),
+  ('train', [*OPTIONS, '--data', '{root}/data', '--steps', '2'], '--workdir', 'data', 'run'),
+  ('export', ['{root}/run'], '--to', 'run', 'checkpoints'),
+  ('export', ['{root}/run'], '--to', 'run', 'config.json'),
 ]
 # How a name can reach a file: (kind, for files?, for directories?).
-ALIAS_KINDS = [('same', True, True), ('dotdot', True, True), ('relative', True, True),
-               ('trailing_slash', False, True), ('symlink', True, True),
-               ('symlink_above', True, True), ('hardlink', True, False)]
+ALIAS_KINDS = [
+  ('same', True, True),
+  ('dotdot', True, True),
+  ('relative', True, True),
+  ('trailing_slash', False, True),
+  ('symlink', True, True),
+  ('symlink_above', True, True),
+  ('hardlink', True, False),
+]
 
 
 def _alias(kind: str, target: str) -> tuple[str, str | None]:
   """(a name for the tree path `target` of this kind, the cwd it is relative to)."""
-  names = {'same': '{root}/' + target, 'dotdot': '{root}/tool/sub/../../' + target,
-           'relative': target, 'trailing_slash': '{root}/' + target + '/',
-           'symlink': '{root}/aliases/' + target.replace('/', '_') + '.link',
-           'symlink_above': '{root}/aliases/up/' + target,
-           'hardlink': '{root}/aliases/' + target.replace('/', '_') + '.hard'}
+  names = {
+    'same': '{root}/' + target,
+    'dotdot': '{root}/tool/sub/../../' + target,
+    'relative': target,
+    'trailing_slash': '{root}/' + target + '/',
+    'symlink': '{root}/aliases/' + target.replace('/', '_') + '.link',
+    'symlink_above': '{root}/aliases/up/' + target,
+    'hardlink': '{root}/aliases/' + target.replace('/', '_') + '.hard',
+  }
   return names[kind], ('.' if kind == 'relative' else None)
 
 
@@ -320,8 +480,15 @@ def _alias_cases():
         continue
       name, cwd = _alias(kind, source)
       output = name if where == 'is' else f'{name.rstrip("/")}/{where}'
-      cases.append(pytest.param(program, [*argv, option, output], cwd, source,
-                                id=f'{program} {option} {where} {source} via {kind}'))
+      cases.append(
+        pytest.param(
+          program,
+          [*argv, option, output],
+          cwd,
+          source,
+          id=f'{program} {option} {where} {source} via {kind}',
+        )
+      )
   return cases
 
 
@@ -343,8 +510,9 @@ PROGRAMS['export'] = __import__('export').main
 
 
 @pytest.mark.parametrize('program, argv, cwd, source', _alias_cases())
-def test_an_output_that_is_an_input_under_any_name_is_refused(aliases, program, argv, cwd, source,
-                                                              monkeypatch):
+def test_an_output_that_is_an_input_under_any_name_is_refused(
+  aliases, program, argv, cwd, source, monkeypatch
+):
   tree = aliases
   if cwd is not None:
     monkeypatch.chdir(tree)

@@ -27,12 +27,12 @@ def tree(tmp_path):
 def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused(tree):
   data = Protected(tree / 'data', f'{tree / "data"}, an input')
   for output, message in [
-      (tree / 'data', f'out {tree / "data"} would replace {tree / "data"}, an input; choose'),
-      (tree / 'link', 'would replace'),                      # the input, by a symlink
-      (tree, f'out {tree} would replace {tree / "data"}, an input'),   # holds it
-      (tree / 'data' / 'new', 'would write inside'),
-      (tree / 'link' / 'new', 'would write inside'),
-      (tree / 'data' / 'train.en', 'would write inside'),    # inside, and a file: the rule first
+    (tree / 'data', f'out {tree / "data"} would replace {tree / "data"}, an input; choose'),
+    (tree / 'link', 'would replace'),  # the input, by a symlink
+    (tree, f'out {tree} would replace {tree / "data"}, an input'),  # holds it
+    (tree / 'data' / 'new', 'would write inside'),
+    (tree / 'link' / 'new', 'would write inside'),
+    (tree / 'data' / 'train.en', 'would write inside'),  # inside, and a file: the rule first
   ]:
     with pytest.raises(Refused, match=re.escape(message)):
       check(output, [data])
@@ -50,11 +50,13 @@ def test_an_input_that_may_hold_outputs_admits_one_inside_it(tree):
 
 
 def test_an_existing_output_is_replaced_only_if_it_holds_what_the_program_writes(tree):
-  with pytest.raises(Refused, match=f'out {tree / "data" / "train.en"} is a file; give a directory'):
+  with pytest.raises(
+    Refused, match=f'out {tree / "data" / "train.en"} is a file; give a directory'
+  ):
     check(tree / 'data' / 'train.en', [])
   check(tree / 'data', [], replaceable={'train.en', 'train.de'})
-  check(tree / 'data', [], replaceable=None)          # consent: anything may go
-  check(tree / 'run', [], replaceable=())             # empty
+  check(tree / 'data', [], replaceable=None)  # consent: anything may go
+  check(tree / 'run', [], replaceable=())  # empty
   with pytest.raises(Refused, match=f'out {tree / "data"} is taken'):
     check(tree / 'data', [], replaceable=())
   with pytest.raises(Refused, match='is taken'):

@@ -24,14 +24,20 @@ PROGRAMS = ('train', 'decode', 'distill', 'export')
 def code_lines(function: ast.FunctionDef, lines: list[str]) -> int:
   """Non-blank, non-comment lines of a function's body, its docstring left out."""
   body = function.body
-  has_docstring = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                   and isinstance(body[0].value.value, str))
+  has_docstring = (
+    isinstance(body[0], ast.Expr)
+    and isinstance(body[0].value, ast.Constant)
+    and isinstance(body[0].value.value, str)
+  )
   if has_docstring and len(body) == 1:
     return 0
   first = body[1].lineno if has_docstring else body[0].lineno
   # Decorators and the signature sit before `first`; the body ends at the function's end.
-  return sum(1 for line in lines[first - 1:function.end_lineno]
-             if line.strip() and not line.strip().startswith('#'))
+  return sum(
+    1
+    for line in lines[first - 1 : function.end_lineno]
+    if line.strip() and not line.strip().startswith('#')
+  )
 
 
 def test_code_lines_counts_the_body_without_docstring_comments_or_blanks():
@@ -52,22 +58,32 @@ def test_no_library_function_is_longer_than_60_lines():
   assert not too_long, too_long
 
 
-@pytest.mark.parametrize('program', ['train.py', 'decode.py', 'distill.py', 'export.py',
-                                     'flax_transformer/cli/train.py',
-                                     'flax_transformer/cli/decode.py',
-                                     'flax_transformer/cli/distill.py',
-                                     'flax_transformer/cli/export.py'])
+@pytest.mark.parametrize(
+  'program',
+  [
+    'train.py',
+    'decode.py',
+    'distill.py',
+    'export.py',
+    'flax_transformer/cli/train.py',
+    'flax_transformer/cli/decode.py',
+    'flax_transformer/cli/distill.py',
+    'flax_transformer/cli/export.py',
+  ],
+)
 def test_programs_are_thin(program):
   assert len((ROOT / program).read_text().splitlines()) < MAX_PROGRAM_LINES
 
 
 def test_every_program_is_an_installed_command():
   import tomllib
+
   scripts = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['scripts']
   # The four programs, and the benchmarking command of flax_transformer.bench.
-  assert scripts == {**{f'flax-transformer-{name}': f'flax_transformer.cli.{name}:main'
-                        for name in PROGRAMS},
-                     'flax-transformer-bench': 'flax_transformer.bench.command:main'}
+  assert scripts == {
+    **{f'flax-transformer-{name}': f'flax_transformer.cli.{name}:main' for name in PROGRAMS},
+    'flax-transformer-bench': 'flax_transformer.bench.command:main',
+  }
   for name in PROGRAMS:
     assert f'from flax_transformer.cli.{name} import main' in (ROOT / f'{name}.py').read_text()
 
@@ -90,15 +106,16 @@ def untrained_run(tmp_path_factory) -> Path:
 
 def test_decoding_imports_neither_optax_nor_the_training_step(untrained_run):
   # A fresh interpreter: what the test session imported does not count.
-  script = f'''
+  script = f"""
 import json, sys
 from flax_transformer.cli.decode import main
 status = main(['--checkpoint', {str(untrained_run)!r}, '--method', 'greedy', 'one two'])
 loaded = [name for name in sys.modules if name.split('.')[0] == 'optax'
           or name in ('flax_transformer.train.step', 'flax_transformer.train.loop')]
 print(json.dumps({{'status': status, 'loaded': loaded}}))
-'''
-  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+"""
+  result = subprocess.run(
+    [sys.executable, '-c', script], capture_output=True, text=True, cwd=ROOT, timeout=300
+  )
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report == {'status': 0, 'loaded': []}, result.stderr[-2000:]

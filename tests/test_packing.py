@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
-from support.device_workers import assert_runs_match, run_values, run_worker
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data.batching import Batch, EncodedCorpus, _flatten_with_eos
@@ -17,24 +16,34 @@ from flax_transformer.data.packing import PackingBatcher, check_settings, pack_r
 from flax_transformer.nn import masks
 from flax_transformer.nn.model import Transformer, attention_weights
 from flax_transformer.train.losses import token_losses
+from support.device_workers import assert_runs_match, run_values, run_worker
 
 PAD, BOS, EOS = 0, 1, 2
-ROW = 16          # the packed row length
-MAX_LEN = 24      # pairs up to this long; those over ROW go to the 24 bucket
+ROW = 16  # the packed row length
+MAX_LEN = 24  # pairs up to this long; those over ROW go to the 24 bucket
 VOCAB = 64
 
 
 def random_corpus(num_pairs: int, seed: int = 0) -> EncodedCorpus:
   """Pairs of random ids, most short (so several fit a row), a few over ROW."""
   rng = np.random.default_rng(seed)
-  lengths = np.where(rng.random((num_pairs, 2)) < 0.9, rng.integers(1, 8, (num_pairs, 2)),
-                     rng.integers(ROW, MAX_LEN, (num_pairs, 2)))
+  lengths = np.where(
+    rng.random((num_pairs, 2)) < 0.9,
+    rng.integers(1, 8, (num_pairs, 2)),
+    rng.integers(ROW, MAX_LEN, (num_pairs, 2)),
+  )
   sides = [[rng.integers(3, VOCAB, n).tolist() for n in lengths[:, side]] for side in (0, 1)]
   src_ids, src_offsets = _flatten_with_eos(sides[0])
   tgt_ids, tgt_offsets = _flatten_with_eos(sides[1])
-  return EncodedCorpus(src_ids=src_ids, src_offsets=src_offsets, tgt_ids=tgt_ids,
-                       tgt_offsets=tgt_offsets, example_ids=np.arange(num_pairs) + 100,
-                       max_len=MAX_LEN, num_dropped=0)
+  return EncodedCorpus(
+    src_ids=src_ids,
+    src_offsets=src_offsets,
+    tgt_ids=tgt_ids,
+    tgt_offsets=tgt_offsets,
+    example_ids=np.arange(num_pairs) + 100,
+    max_len=MAX_LEN,
+    num_dropped=0,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -54,12 +63,21 @@ def segments_of(batch: Batch, row: int):
     if example < 0:
       continue
     s, t = batch.src_segments[row] == k, batch.tgt_segments[row] == k
-    out.append((int(example), batch.src[row, s], batch.tgt_in[row, t], batch.tgt_out[row, t],
-                batch.src_positions[row, s], batch.tgt_positions[row, t]))
+    out.append(
+      (
+        int(example),
+        batch.src[row, s],
+        batch.tgt_in[row, t],
+        batch.tgt_out[row, t],
+        batch.src_positions[row, s],
+        batch.tgt_positions[row, t],
+      )
+    )
   return out
 
 
 # --- the mask -------------------------------------------------------------------------------
+
 
 def test_segment_mask_matches_numpy():
   rng = np.random.default_rng(0)
@@ -73,11 +91,14 @@ def test_segment_mask_matches_numpy():
   np.testing.assert_array_equal(masks.segment_mask(jnp.asarray(q), jnp.asarray(k)), want)
   # The docstring's example: "a b | c PAD".
   row = jnp.asarray([[1, 1, 2, 0]])
-  np.testing.assert_array_equal(masks.segment_mask(row, row)[0, 0].astype(int),
-                                [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(
+    masks.segment_mask(row, row)[0, 0].astype(int),
+    [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]],
+  )
 
 
 # --- the batcher ----------------------------------------------------------------------------
+
 
 def test_every_pair_once_per_epoch_in_its_own_segment(corpus, batcher):
   """Each pair exactly once, its src / tgt_in / tgt_out as the corpus has them, positions
@@ -97,7 +118,8 @@ def test_every_pair_once_per_epoch_in_its_own_segment(corpus, batcher):
           np.testing.assert_array_equal(tgt_pos, np.arange(len(tgt_in)))
         real = batch.src_segments[row] > 0
         assert (batch.src[row, ~real] == PAD).all() and (batch.tgt_out[row] == PAD).sum() == (
-            batch.tgt_segments[row] == 0).sum()
+          batch.tgt_segments[row] == 0
+        ).sum()
     assert sorted(seen) == list(range(len(corpus)))
   assert len(batcher.epoch(0)) < math_ceil_unpacked(corpus, batcher)
 
@@ -121,8 +143,11 @@ def test_batch_at_is_a_pure_function_of_the_step(corpus, batcher):
   fresh = PackingBatcher(corpus, max_tokens=8 * ROW, seed=3, row_length=ROW, row_multiple=2)
   sizes = [len(batcher.epoch(e)) for e in range(3)]
   for step in (sizes[0] + sizes[1] + 1, 0, sizes[0], sizes[0] - 1):
-    epoch, index = (0, step) if step < sizes[0] else (
-        (1, step - sizes[0]) if step < sizes[0] + sizes[1] else (2, step - sizes[0] - sizes[1]))
+    epoch, index = (
+      (0, step)
+      if step < sizes[0]
+      else ((1, step - sizes[0]) if step < sizes[0] + sizes[1] else (2, step - sizes[0] - sizes[1]))
+    )
     want = batcher.epoch(epoch)[index]
     got = fresh.batch_at(step)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
@@ -165,20 +190,27 @@ def unpacked(batch: Batch, length: int):
   arrays = np.zeros((3, len(rows), length), np.int32)
   for r, (_, src, tgt_in, tgt_out, _, _) in enumerate(rows):
     for side, ids in enumerate((src, tgt_in, tgt_out)):
-      arrays[side, r, :len(ids)] = ids
-  return Batch(src=arrays[0], tgt_in=arrays[1], tgt_out=arrays[2],
-               example_ids=np.array([r[0] for r in rows], np.int32))
+      arrays[side, r, : len(ids)] = ids
+  return Batch(
+    src=arrays[0],
+    tgt_in=arrays[1],
+    tgt_out=arrays[2],
+    example_ids=np.array([r[0] for r in rows], np.int32),
+  )
 
 
 @functools.partial(jax.jit, static_argnames='packed')
 def nll_and_grad(params, batch: Batch, packed: bool):
   """(per-token NLL `[B, T]`, the gradient of its sum over non-PAD targets)."""
+
   def total(params):
-    logits = Transformer(CONFIG).apply({'params': params}, batch.src, batch.tgt_in,
-                                       packing=batch.packing if packed else None)
+    logits = Transformer(CONFIG).apply(
+      {'params': params}, batch.src, batch.tgt_in, packing=batch.packing if packed else None
+    )
     _, nll = token_losses(logits, batch.tgt_out, 0.0)
     nll = jnp.where(batch.tgt_out != PAD, nll, 0.0)
     return jnp.sum(nll), nll
+
   return jax.grad(total, has_aux=True)(params)[::-1]
 
 
@@ -196,9 +228,11 @@ def test_packed_losses_and_gradient_equal_unpacked(params, packed_batch):
   alone = unpacked(packed_batch, ROW)
   nll, grads = nll_and_grad(params, packed_batch, packed=True)
   nll_alone, grads_alone = nll_and_grad(params, alone, packed=False)
-  per_pair = [float(np.asarray(nll)[row][packed_batch.tgt_segments[row] == k].sum())
-              for row in range(packed_batch.src.shape[0])
-              for k in range(1, packed_batch.tgt_segments[row].max() + 1)]
+  per_pair = [
+    float(np.asarray(nll)[row][packed_batch.tgt_segments[row] == k].sum())
+    for row in range(packed_batch.src.shape[0])
+    for k in range(1, packed_batch.tgt_segments[row].max() + 1)
+  ]
   np.testing.assert_allclose(per_pair, np.asarray(nll_alone).sum(axis=1), rtol=1e-5)
   flat, flat_alone = (traverse_util.flatten_dict(g, sep='/') for g in (grads, grads_alone))
   scale = max(float(np.abs(g).max()) for g in flat_alone.values())
@@ -208,8 +242,13 @@ def test_packed_losses_and_gradient_equal_unpacked(params, packed_batch):
 
 
 def test_no_attention_crosses_a_segment(params, packed_batch):
-  weights = attention_weights(Transformer(CONFIG), {'params': params}, packed_batch.src,
-                              packed_batch.tgt_in, packed_batch.packing)
+  weights = attention_weights(
+    Transformer(CONFIG),
+    {'params': params},
+    packed_batch.src,
+    packed_batch.tgt_in,
+    packed_batch.packing,
+  )
   src_seg, tgt_seg = packed_batch.src_segments, packed_batch.tgt_segments
   for name, w in weights.items():
     queries = src_seg if name.startswith('encoder') else tgt_seg
@@ -223,8 +262,13 @@ def test_no_attention_crosses_a_segment(params, packed_batch):
 def test_packed_bfloat16_step_with_gradient_accumulation(batcher, packed_batch):
   """The data-parallel step on packed batches in bfloat16, accumulating 2 batches per update:
   finite losses, no update after the first batch, an update after the second."""
-  from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
+  from flax_transformer.train import (
+    DataParallel,
+    create_train_state,
+    make_optimizer,
+    make_parallel_step,
+  )
+
   config = CONFIG.replace(dtype='bfloat16')
   train_config = TrainConfig(grad_accum_steps=2, warmup_steps=10, packing=ROW)
   model, optimizer = Transformer(config), make_optimizer(train_config, config)
@@ -238,9 +282,12 @@ def test_packed_bfloat16_step_with_gradient_accumulation(batcher, packed_batch):
     assert np.isfinite(float(metrics['loss_sum'])) and float(metrics['nonfinite']) == 0.0
     assert int(metrics['tokens']) == int(packed_batch.num_tokens)
     params.append(jax.device_get(state.params))
-  moved = [max(float(np.abs(a - b).max())
-               for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(initial)))
-           for after in params]
+  moved = [
+    max(
+      float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(initial))
+    )
+    for after in params
+  ]
   assert moved[0] == 0.0 and moved[1] > 0.0
 
 
@@ -248,11 +295,13 @@ def test_scheduled_sampling_keeps_every_sentences_bos_gold(packed_batch):
   """With predictions always taken, every position is replaced but PAD and each sentence's
   first (its BOS), which decoding starts from."""
   from flax_transformer.train.scheduled_sampling import mix_decoder_inputs, row_keys
+
   gold = jnp.asarray(packed_batch.tgt_in)
   predictions = jnp.full_like(gold, VOCAB - 1)
   keys = row_keys(jax.random.key(0), 0, gold.shape[0])
-  mixed = np.asarray(mix_decoder_inputs(gold, predictions, 1.0, keys, PAD,
-                                        jnp.asarray(packed_batch.tgt_positions)))
+  mixed = np.asarray(
+    mix_decoder_inputs(gold, predictions, 1.0, keys, PAD, jnp.asarray(packed_batch.tgt_positions))
+  )
   starts = (packed_batch.tgt_positions == 0) & (packed_batch.tgt_segments > 0)
   np.testing.assert_array_equal(mixed[starts], BOS)
   np.testing.assert_array_equal(mixed[packed_batch.tgt_segments == 0], PAD)
@@ -262,7 +311,7 @@ def test_scheduled_sampling_keeps_every_sentences_bos_gold(packed_batch):
 # --- devices --------------------------------------------------------------------------------
 
 DEVICE_RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
-WORKER = r'''
+WORKER = r"""
 import sys
 import numpy as np
 from flax_transformer.data.batching import EncodedCorpus, _flatten_with_eos
@@ -282,7 +331,7 @@ batcher = PackingBatcher(corpus, max_tokens=8 * 16, seed=0, row_length=16, row_m
 config = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
 train_config = TrainConfig(steps=steps, warmup_steps=4, lr_scale=4.0, adam_eps=1.0, packing=16)
 np.savez(out, **train_runs(Transformer(config), train_config, runs, steps, batcher.batch_at))
-'''
+"""
 
 
 @pytest.fixture(scope='module')
@@ -301,13 +350,15 @@ def test_packed_training_on_four_devices_equals_one(device_runs, run):
 
 # --- cmlm -----------------------------------------------------------------------------------
 
-CMLM_CONFIG = ModelConfig.tiny(kind='cmlm', vocab_size=VOCAB, max_len=MAX_LEN, dropout_rate=0.0,
-                               max_length_offset=4)
+CMLM_CONFIG = ModelConfig.tiny(
+  kind='cmlm', vocab_size=VOCAB, max_len=MAX_LEN, dropout_rate=0.0, max_length_offset=4
+)
 
 
 @pytest.fixture(scope='module')
 def cmlm_inputs_packed(packed_batch):
   from flax_transformer.train import cmlm_objective
+
   return cmlm_objective.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.0)
 
 
@@ -324,13 +375,14 @@ def test_cmlm_masks_and_length_targets_per_segment(packed_batch, cmlm_inputs_pac
       masked = inputs.masked[row, segments == k]
       assert 1 <= masked.sum() <= n
       counts.append(masked.sum() / n)
-    assert (inputs.tgt_lengths[row, segments.max():] == 0).all()
+    assert (inputs.tgt_lengths[row, segments.max() :] == 0).all()
     assert not inputs.masked[row, segments == 0].any()
   np.testing.assert_array_equal(inputs.tokens == mask, inputs.masked)
   np.testing.assert_array_equal(inputs.targets, packed_batch.tgt_out)
   assert min(counts) < 1 and max(counts) == 1  # counts differ by sentence: drawn per sentence
   with pytest.raises(ValueError, match='eos_fill_rate'):
     from flax_transformer.train import cmlm_objective
+
     cmlm_objective.cmlm_inputs(jax.random.key(5), packed_batch, CMLM_CONFIG, eos_fill_rate=0.1)
   with pytest.raises(ConfigError, match='train.packing=16.*train.eos_fill_rate=0.1'):
     check_settings(CMLM_CONFIG, TrainConfig(packing=16))
@@ -342,6 +394,7 @@ def test_cmlm_packed_equals_unpacked(packed_batch, cmlm_inputs_packed, decoder_i
   equal those of its sentences one per row, masked alike (float32, to 1e-5)."""
   from flax_transformer.nn import cmlm
   from flax_transformer.train import cmlm_objective
+
   config = CMLM_CONFIG.replace(cmlm_decoder_input=decoder_input)
   model = cmlm.CMLMTransformer(config)
   tokens = jnp.ones((1, 1), jnp.int32)
@@ -356,16 +409,23 @@ def test_cmlm_packed_equals_unpacked(packed_batch, cmlm_inputs_packed, decoder_i
     n = int((segments[row] == k).sum())
     alone_tokens[r, :n] = packed.tokens[row, segments[row] == k]
     alone_masked[r, :n] = packed.masked[row, segments[row] == k]
-  token_logits, length_logits = model.apply(variables, packed.src, packed.tokens,
-                                            packing=packed.packing)
+  token_logits, length_logits = model.apply(
+    variables, packed.src, packed.tokens, packing=packed.packing
+  )
   alone_logits, alone_lengths = model.apply(variables, alone.src, alone_tokens)
   for r, (row, k) in enumerate(place):
     n = int((segments[row] == k).sum())
-    np.testing.assert_allclose(token_logits[row, segments[row] == k], alone_logits[r, :n],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+      token_logits[row, segments[row] == k], alone_logits[r, :n], rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_allclose(length_logits[row, k - 1], alone_lengths[r], rtol=1e-5, atol=1e-5)
-  alone_inputs = cmlm_objective.CMLMInputs(src=alone.src, tokens=alone_tokens, targets=alone.tgt_out,
-                                 masked=alone_masked, tgt_lengths=(alone.tgt_out != PAD).sum(1))
+  alone_inputs = cmlm_objective.CMLMInputs(
+    src=alone.src,
+    tokens=alone_tokens,
+    targets=alone.tgt_out,
+    masked=alone_masked,
+    tgt_lengths=(alone.tgt_out != PAD).sum(1),
+  )
   sums = cmlm_objective.cmlm_loss_sums(token_logits, length_logits, packed, config, 0.1)
   alone_sums = cmlm_objective.cmlm_loss_sums(alone_logits, alone_lengths, alone_inputs, config, 0.1)
   assert float(sums['sentences']) == len(place)

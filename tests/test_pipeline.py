@@ -56,7 +56,7 @@ def test_tokenizer_sample_is_bounded_seeded_and_in_file_order(text_dir):
   data = load_training_data(DataConfig(source=str(text_dir)))
   sample = data.tokenizer_texts(20)
   assert sample == data.tokenizer_texts(20)  # the same draw every time
-  sources, targets = sample[:len(sample) // 2], sample[len(sample) // 2:]
+  sources, targets = sample[: len(sample) // 2], sample[len(sample) // 2 :]
   # 20 lines drawn, those with an empty side dropped; each pair kept whole and in order.
   assert 20 - 6 <= len(sources) <= 20
   numbers = [int(text.split()[-1]) for text in sources]
@@ -86,9 +86,15 @@ def _corpus(lengths) -> EncodedCorpus:
   src = [np.arange(1, n + 1, dtype=np.int32) for n in lengths]
   ids = np.concatenate(src)
   offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-  return EncodedCorpus(src_ids=ids, src_offsets=offsets, tgt_ids=ids.copy(),
-                       tgt_offsets=offsets.copy(), example_ids=np.arange(len(lengths)),
-                       max_len=32, num_dropped=0)
+  return EncodedCorpus(
+    src_ids=ids,
+    src_offsets=offsets,
+    tgt_ids=ids.copy(),
+    tgt_offsets=offsets.copy(),
+    example_ids=np.arange(len(lengths)),
+    max_len=32,
+    num_dropped=0,
+  )
 
 
 @pytest.mark.parametrize('packing', [0, 16])
@@ -96,8 +102,11 @@ def test_make_batcher_follows_the_settings(packing):
   corpus = _corpus(np.random.default_rng(0).integers(2, 14, size=200))
   config = TrainConfig(max_tokens=128, packing=packing, seed=3)
   batcher = make_batcher(corpus, config, row_multiple=2)
-  reference = (Batcher(corpus, 128, 3, row_multiple=2) if not packing
-               else PackingBatcher(corpus, 128, 3, packing, row_multiple=2))
+  reference = (
+    Batcher(corpus, 128, 3, row_multiple=2)
+    if not packing
+    else PackingBatcher(corpus, 128, 3, packing, row_multiple=2)
+  )
   assert isinstance(batcher, ArrayPackingBatcher if packing else ArrayBatcher)
   # An old run's packed batches, planned first fit, are today's batches bit for bit.
   old = make_batcher(corpus, config, row_multiple=2, packing_plan='first_fit')
@@ -114,12 +123,12 @@ def _write_config(directory, content):
 
 def test_packing_plan_of_new_old_and_recorded_runs(tmp_path):
   directory = RunDirectory(tmp_path / 'run')
-  assert directory.packing_plan(has_checkpoints=False) == 'best_fit'      # a new run
+  assert directory.packing_plan(has_checkpoints=False) == 'best_fit'  # a new run
   _write_config(directory.path, {'model': {}, 'train': {}, 'data': {}})
-  assert directory.packing_plan(has_checkpoints=True) == 'first_fit'     # begun before the record
-  assert directory.packing_plan(has_checkpoints=False) == 'best_fit'     # nothing trained yet
+  assert directory.packing_plan(has_checkpoints=True) == 'first_fit'  # begun before the record
+  assert directory.packing_plan(has_checkpoints=False) == 'best_fit'  # nothing trained yet
   _write_config(directory.path, {'model': {}, PACKING_PLAN_KEY: 'first_fit'})
-  assert directory.packing_plan(has_checkpoints=True) == 'first_fit'     # as recorded
+  assert directory.packing_plan(has_checkpoints=True) == 'first_fit'  # as recorded
   _write_config(directory.path, {'model': {}, PACKING_PLAN_KEY: 'best_fit'})
   assert directory.packing_plan(has_checkpoints=True) == 'best_fit'
 
@@ -146,7 +155,7 @@ def test_prefetcher_raises_the_error_at_its_item():
   seen = []
   with pytest.raises(DataError, match='step 3 is bad'):
     with Prefetcher(make, 0, 10, 2) as items:
-      for index, item in items:
+      for _, item in items:
         seen.append(item)
   assert seen == [0, 1, 2]
 

@@ -10,8 +10,11 @@ import pytest
 
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig, run_preset
 from flax_transformer.data import preprocessing
-from flax_transformer.data.preprocessing import (PreprocessingTokenizer, TextPreprocessing,
-                                                 moses_tokenized)
+from flax_transformer.data.preprocessing import (
+  PreprocessingTokenizer,
+  TextPreprocessing,
+  moses_tokenized,
+)
 from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.train.evaluation import corpus_scores, tokenized_bleu
 from flax_transformer.train.loop import check_settings
@@ -24,14 +27,18 @@ def test_standard_preprocessing_normalises_lowercases_and_splits_punctuation():
   # Moses' normaliser turns typographic quotes into ASCII and collapses spaces; the tokenizer
   # splits punctuation and clitics (English "'s"), keeps abbreviations whole ("z.B.").
   assert STANDARD.prepare(['A man\u2019s  "blue" shirt, at 5 p.m.'], 'en') == [
-      'a man \'s " blue " shirt , at 5 p.m.']
+    'a man \'s " blue " shirt , at 5 p.m.'
+  ]
   assert STANDARD.prepare(['Ein Hund, z.B. ein Pudel, springt.'], 'de') == [
-      'ein hund , z.b. ein pudel , springt .']
+    'ein hund , z.b. ein pudel , springt .'
+  ]
   # Each step alone does only its own part.
   assert TextPreprocessing(lowercase=True).prepare(['Ein Hund, springt.'], 'de') == [
-      'ein hund, springt.']
+    'ein hund, springt.'
+  ]
   assert TextPreprocessing(pretokenize='moses').prepare(['Ein Hund, springt.'], 'de') == [
-      'Ein Hund , springt .']
+    'Ein Hund , springt .'
+  ]
   assert TextPreprocessing().prepare(['Ein  Hund,'], 'de') == ['Ein  Hund,']
 
 
@@ -47,7 +54,7 @@ def _bleu_by_hand(hypothesis: list[str], reference: list[str]) -> float:
   """BLEU-4 of one segment in float64 from its n-gram counts (no zero count: no smoothing)."""
   log_precisions = []
   for n in range(1, 5):
-    grams = lambda words: [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    grams = lambda words: [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     hyp, ref = grams(hypothesis), grams(reference)
     matches = sum(min(hyp.count(g), ref.count(g)) for g in set(hyp))
     log_precisions.append(np.log(np.float64(matches) / len(hyp)))
@@ -83,27 +90,34 @@ def test_tokenized_reference_length_of_test_2016_is_the_published_one(multi30k_d
 
 @pytest.fixture(scope='module')
 def cased_tokenizer() -> Tokenizer:
-  texts = ['Ein Hund läuft , ein Mann geht .', 'A dog runs , a man walks .',
-           'ein hund läuft', 'a dog runs'] * 20
+  texts = [
+    'Ein Hund läuft , ein Mann geht .',
+    'A dog runs , a man walks .',
+    'ein hund läuft',
+    'a dog runs',
+  ] * 20
   return Tokenizer.train(texts, 120)
 
 
 def test_the_wrapped_tokenizer_prepares_each_side_in_its_language_and_finishes_outputs(
-    cased_tokenizer):
-  wrapped = preprocessing.wrap(cased_tokenizer, DataConfig(src_lang='en', tgt_lang='de',
-                                                           lowercase=True, pretokenize='moses'))
+  cased_tokenizer,
+):
+  wrapped = preprocessing.wrap(
+    cased_tokenizer, DataConfig(src_lang='en', tgt_lang='de', lowercase=True, pretokenize='moses')
+  )
   assert isinstance(wrapped, PreprocessingTokenizer)
   assert wrapped.encode(['A dog runs, a man walks.']) == cased_tokenizer.encode(
-      ['a dog runs , a man walks .'])
-  assert wrapped.encode_target(['Ein Hund läuft.']) == cased_tokenizer.encode(
-      ['ein hund läuft .'])
+    ['a dog runs , a man walks .']
+  )
+  assert wrapped.encode_target(['Ein Hund läuft.']) == cased_tokenizer.encode(['ein hund läuft .'])
   # Each side in its own language: Moses splits an apostrophe's 's' as English ("'s") only.
   assert wrapped.encode(["Peter's dog."]) == cased_tokenizer.encode(["peter 's dog ."])
   assert wrapped.encode_target(["Peter's Hund."]) == cased_tokenizer.encode(["peter ' s hund ."])
   assert cased_tokenizer.encode(["peter 's"]) != cased_tokenizer.encode(["peter ' s"])
   ids, lengths = wrapped.encode_flat(['A dog runs.'])
   assert ids.tolist() == cased_tokenizer.encode(['a dog runs .'])[0] and lengths.tolist() == [
-      len(ids)]
+    len(ids)
+  ]
   row = cased_tokenizer.encode(['ein hund läuft , ein mann geht .'])[0] + [wrapped.eos_id]
   assert wrapped.decode([row]) == ['ein hund läuft, ein mann geht.']
   # Sent to a pool's workers whole; the vocabulary and files are the wrapped tokenizer's.
@@ -119,10 +133,12 @@ def test_the_corpus_cache_key_changes_with_the_preprocessing(cased_tokenizer):
   digest = 'a' * 64
   lowered = preprocessing.wrap(cased_tokenizer, DataConfig(lowercase=True))
   tokenized = preprocessing.wrap(cased_tokenizer, DataConfig(lowercase=True, pretokenize='moses'))
-  swapped = preprocessing.wrap(cased_tokenizer, DataConfig(lowercase=True, src_lang='de',
-                                                           tgt_lang='en'))
-  keys = {preprocessing.keyed_digest(digest, t)
-          for t in (cased_tokenizer, lowered, tokenized, swapped)}
+  swapped = preprocessing.wrap(
+    cased_tokenizer, DataConfig(lowercase=True, src_lang='de', tgt_lang='en')
+  )
+  keys = {
+    preprocessing.keyed_digest(digest, t) for t in (cased_tokenizer, lowered, tokenized, swapped)
+  }
   assert len(keys) == 4 and preprocessing.keyed_digest(digest, cased_tokenizer) == digest
 
 
@@ -140,13 +156,16 @@ def test_peak_lr_is_fairseqs_inverse_sqrt_schedule():
   assert float(paper(warmup - 1)) == pytest.approx((128 * warmup) ** -0.5, rel=1e-5)
 
 
-@pytest.mark.parametrize('build, message', [
+@pytest.mark.parametrize(
+  'build, message',
+  [
     (lambda: TrainConfig(peak_lr=0.005, lr_scale=2.0), 'set one of them'),
     (lambda: TrainConfig(best_metric='bleu'), 'train.best_metric=bleu needs validation BLEU'),
     (lambda: TrainConfig(patience=-1), 'train.patience must be a non-negative integer'),
     (lambda: DataConfig(detokenize=False), 'data.detokenize=false is read only with'),
     (lambda: DataConfig(pretokenize='spacy'), 'data.pretokenize must be one of none, moses'),
-])
+  ],
+)
 def test_bad_settings_are_refused_in_one_line(build, message):
   with pytest.raises(ConfigError, match=message) as error:
     build()
@@ -155,19 +174,33 @@ def test_bad_settings_are_refused_in_one_line(build, message):
 
 def test_a_pretrained_cased_tokenizer_is_not_fed_lowercased_text():
   model, train, data = run_preset('multi30k_fairseq')
-  with pytest.raises(ConfigError, match='--init-from brings a tokenizer trained on text as '
-                                        'written') as error:
+  with pytest.raises(
+    ConfigError, match='--init-from brings a tokenizer trained on text as written'
+  ) as error:
     check_settings(model.replace(vocab_size=10_000), train, data, pretrained=True)
   assert 'lowercased' in str(error.value) and '\n' not in str(error.value)
 
 
 def test_the_fairseq_preset_is_the_anchors_recipe():
   model, train, data = run_preset('multi30k_fairseq')
-  assert (model.d_model, model.num_heads, model.num_encoder_layers, model.num_decoder_layers,
-          model.d_ff, model.dropout_rate, model.norm_placement) == (128, 4, 4, 4, 256, 0.3, 'post')
-  assert (train.peak_lr, train.warmup_steps, train.max_tokens, train.patience,
-          train.label_smoothing, train.adam_eps, train.max_grad_norm) == (
-              0.005, 2000, 8192, 10, 0.1, 1e-8, 25.0)
+  assert (
+    model.d_model,
+    model.num_heads,
+    model.num_encoder_layers,
+    model.num_decoder_layers,
+    model.d_ff,
+    model.dropout_rate,
+    model.norm_placement,
+  ) == (128, 4, 4, 4, 256, 0.3, 'post')
+  assert (
+    train.peak_lr,
+    train.warmup_steps,
+    train.max_tokens,
+    train.patience,
+    train.label_smoothing,
+    train.adam_eps,
+    train.max_grad_norm,
+  ) == (0.005, 2000, 8192, 10, 0.1, 1e-8, 25.0)
   assert train.checkpoint_every == train.eval_every and train.keep_checkpoints == 10
   assert (data.normalize_punctuation, data.lowercase, data.pretokenize) == (True, True, 'moses')
   assert not math.isnan(train.steps) and train.steps == 8000

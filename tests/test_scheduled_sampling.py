@@ -12,16 +12,25 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
+
+from flax_transformer.config import (
+  ConfigError,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+  parse_overrides,
+)
+from flax_transformer.nn.model import Transformer
+from flax_transformer.train import (
+  DataParallel,
+  create_train_state,
+  make_optimizer,
+  make_parallel_step,
+)
+from flax_transformer.train import scheduled_sampling as ss
+from flax_transformer.train.loop import check_settings
 from support.copy_task import random_copy_batch
 from support.device_workers import assert_runs_match, run_worker
-
-from flax_transformer.train import scheduled_sampling as ss
-from flax_transformer.config import (ConfigError, DataConfig, ModelConfig, TrainConfig,
-                                     parse_overrides)
-from flax_transformer.nn.model import Transformer
-from flax_transformer.train.loop import check_settings
-from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
 
 PAD, BOS, EOS = 0, 1, 2
 CONFIG = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.1)
@@ -29,8 +38,9 @@ STEPS = np.array([0, 1, 7, 100, 999, 1000, 2000, 5000, 20_000, 1_000_000])
 
 
 def schedule(name, **values):
-  return TrainConfig(scheduled_sampling=name,
-                     **{f'scheduled_sampling_{key}': value for key, value in values.items()})
+  return TrainConfig(
+    scheduled_sampling=name, **{f'scheduled_sampling_{key}': value for key, value in values.items()}
+  )
 
 
 def reference_gold_probability(name, i, k=1.0, c=1e-4, eps=0.0):
@@ -39,18 +49,21 @@ def reference_gold_probability(name, i, k=1.0, c=1e-4, eps=0.0):
   if name == 'linear':
     return np.minimum(1.0, np.maximum(eps, k - c * i))
   if name == 'exponential':
-    return k ** i
+    return k**i
   return k / (k + np.exp(np.minimum(i / k, 700.0)))
 
 
-@pytest.mark.parametrize('name, values', [
+@pytest.mark.parametrize(
+  'name, values',
+  [
     ('linear', dict(k=1.0, c=1e-4, eps=0.0)),
     ('linear', dict(k=1.25, c=2.5e-4, eps=0.75)),
     ('exponential', dict(k=0.9999)),
     ('exponential', dict(k=0.99)),
     ('inverse_sigmoid', dict(k=300.0)),
     ('inverse_sigmoid', dict(k=1.0)),
-])
+  ],
+)
 def test_gold_probability_matches_bengio_formulas(name, values):
   config = schedule(name, **values)
   got = np.array([float(ss.gold_probability(step, config)) for step in STEPS])
@@ -80,7 +93,7 @@ def test_mixing_rate_matches_p_and_mixed_tokens_are_shifted_predictions(p):
   keys = ss.row_keys(jax.random.key(3), 0, rows)
   mixed = np.asarray(ss.mix_decoder_inputs(gold, predictions, p, keys, PAD))
   assert (mixed[:, 0] == BOS).all()
-  took = mixed[:, 1:] != gold[:, 1:]                                # [B, T - 1]
+  took = mixed[:, 1:] != gold[:, 1:]  # [B, T - 1]
   # A replaced position t holds the prediction made at t - 1; the rest stay gold.
   np.testing.assert_array_equal(mixed[:, 1:][took], predictions[:, :-1][took])
   n = took.size
@@ -120,44 +133,67 @@ def test_sampled_predictions_follow_the_softmax():
   np.testing.assert_array_equal(ss.predict(logits, None, 'argmax'), np.full((rows, length), 3))
 
 
-@pytest.mark.parametrize('overrides, message', [
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
     (dict(scheduled_sampling='cosine'), 'train.scheduled_sampling must be one of'),
-    (dict(scheduled_sampling_k=0.5), "train.scheduled_sampling_k=0.5 is not read with "
-                                     "train.scheduled_sampling='off'"),
-    (dict(scheduled_sampling='exponential', scheduled_sampling_eps=0.5),
-     'train.scheduled_sampling_eps=0.5 is not read'),
+    (
+      dict(scheduled_sampling_k=0.5),
+      "train.scheduled_sampling_k=0.5 is not read with train.scheduled_sampling='off'",
+    ),
+    (
+      dict(scheduled_sampling='exponential', scheduled_sampling_eps=0.5),
+      'train.scheduled_sampling_eps=0.5 is not read',
+    ),
     (dict(scheduled_sampling='linear', scheduled_sampling_eps=1.5), 'needs k >= 0, c >= 0'),
     (dict(scheduled_sampling='linear', scheduled_sampling_c=-1.0), 'needs k >= 0, c >= 0'),
     (dict(scheduled_sampling='exponential', scheduled_sampling_k=1.5), 'needs 0 < k <= 1'),
     (dict(scheduled_sampling='exponential', scheduled_sampling_k=0.0), 'needs 0 < k <= 1'),
     (dict(scheduled_sampling='inverse_sigmoid', scheduled_sampling_k=0.5), 'needs k >= 1'),
-    (dict(scheduled_sampling='linear', scheduled_sampling_k='1'),
-     'scheduled_sampling_k must be a number'),
-    (dict(scheduled_sampling='linear', scheduled_sampling_choice='top_k'),
-     'train.scheduled_sampling_choice must be one of'),
-])
+    (
+      dict(scheduled_sampling='linear', scheduled_sampling_k='1'),
+      'scheduled_sampling_k must be a number',
+    ),
+    (
+      dict(scheduled_sampling='linear', scheduled_sampling_choice='top_k'),
+      'train.scheduled_sampling_choice must be one of',
+    ),
+  ],
+)
 def test_config_rejects_bad_settings(overrides, message):
   with pytest.raises(ConfigError, match=message):
     TrainConfig(**overrides)
 
 
 def test_command_line_settings_and_cmlm_refusal():
-  config = parse_overrides(TrainConfig(), 'train', {
-      'scheduled_sampling': 'inverse_sigmoid', 'scheduled_sampling_k': '300',
-      'scheduled_sampling_choice': 'sample'})
-  assert (config.scheduled_sampling, config.scheduled_sampling_k,
-          config.scheduled_sampling_choice) == ('inverse_sigmoid', 300.0, 'sample')
+  config = parse_overrides(
+    TrainConfig(),
+    'train',
+    {
+      'scheduled_sampling': 'inverse_sigmoid',
+      'scheduled_sampling_k': '300',
+      'scheduled_sampling_choice': 'sample',
+    },
+  )
+  assert (
+    config.scheduled_sampling,
+    config.scheduled_sampling_k,
+    config.scheduled_sampling_choice,
+  ) == ('inverse_sigmoid', 300.0, 'sample')
   cmlm = ModelConfig.tiny(kind='cmlm')
   with pytest.raises(ConfigError, match="needs model.kind='autoregressive'"):
     check_settings(cmlm, config, DataConfig())
-  check_settings(CONFIG, config, DataConfig())   # an autoregressive model may
+  check_settings(CONFIG, config, DataConfig())  # an autoregressive model may
 
 
 # --- the training step --------------------------------------------------------------------
 
+
 def copy_batch(seed, rows=8, length=12):
   """Copy-task rows of 2 to `length` - 1 words, PAD after."""
-  return random_copy_batch(np.random.default_rng(seed), rows, length, CONFIG.vocab_size, min_words=2)
+  return random_copy_batch(
+    np.random.default_rng(seed), rows, length, CONFIG.vocab_size, min_words=2
+  )
 
 
 # Gold probability 1 - i clipped to [0, 1]: step 0 is teacher forcing (p = 0), step 1 feeds only
@@ -180,8 +216,10 @@ def one_step():
   def run(train_config, batch, step):
     state = initial.replace(step=np.asarray(step, np.int32))
     state, metrics = compiled(train_config)(parallel.replicate(state), parallel.shard_batch(batch))
-    return (parallel.unreplicate(metrics),
-            traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/'))
+    return (
+      parallel.unreplicate(metrics),
+      traverse_util.flatten_dict(parallel.unreplicate(state).params, sep='/'),
+    )
 
   return model, initial, run
 
@@ -203,7 +241,7 @@ def test_p1_feeds_the_teacher_forced_argmax(one_step):
   (made with the step's own parameters, without dropout), PAD kept, targets gold."""
   model, initial, run = one_step
   batch = copy_batch(1)
-  logits = model.apply({'params': initial.params}, batch.src, batch.tgt_in)     # [B, T, V]
+  logits = model.apply({'params': initial.params}, batch.src, batch.tgt_in)  # [B, T, V]
   own = np.concatenate([batch.tgt_in[:, :1], np.argmax(logits, -1)[:, :-1]], axis=1)
   own = np.where(batch.tgt_in == PAD, PAD, own).astype(np.int32)
   changed = (own != batch.tgt_in).mean()
@@ -216,7 +254,7 @@ def test_p1_feeds_the_teacher_forced_argmax(one_step):
   assert abs(metrics['loss_sum'] - gold_metrics['loss_sum']) > 1e-3 * gold_metrics['loss_sum']
 
 
-WORKER = r'''
+WORKER = r"""
 import sys
 import numpy as np
 from flax_transformer.config import ModelConfig, TrainConfig
@@ -235,7 +273,7 @@ train_config = TrainConfig(steps=steps, warmup_steps=2, lr_scale=4.0, adam_eps=1
                            scheduled_sampling_choice='sample')
 np.savez(out, **train_runs(Transformer(config), train_config, runs, steps,
                            lambda index: copy_batch(10 + index)))
-'''
+"""
 RUNS = ('shard_map-1', 'shard_map-2', 'pmap-2')
 
 
@@ -256,11 +294,12 @@ def test_free_running_accuracy_counts_reference_positions():
   reference's positions; a short output loses the positions it does not reach, a long one gains
   nothing from its extra tokens."""
   from benchmarks.scheduled_sampling import positionwise_correct
+
   reference = np.array([5, 6, 7, EOS])
   assert positionwise_correct(np.array([5, 6, 7, EOS, PAD, PAD]), reference) == 4
   assert positionwise_correct(np.array([5, 7, 7, EOS]), reference) == 3
   assert positionwise_correct(np.array([5, EOS]), reference) == 1
-  assert positionwise_correct(np.array([6, 7, EOS, PAD]), reference) == 0   # shifted: all wrong
+  assert positionwise_correct(np.array([6, 7, EOS, PAD]), reference) == 0  # shifted: all wrong
   assert positionwise_correct(np.array([5, 6, 7, 8, 9, EOS]), reference) == 3
 
 

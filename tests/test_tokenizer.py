@@ -10,14 +10,14 @@ from flax_transformer import ConfigError, ModelConfig
 from flax_transformer.data.tokenizer import FILE_NAME, SPECIAL_TOKENS, Tokenizer, TokenizerError
 
 SENTENCES = [
-    'A man in an orange hat starring at something.',
-    'Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt.',
-    'Große Hunde spielen im Schnee; zwei Jungen schauen zu!',
-    'Über die Straße läuft ein älterer Herr mit weißem Bart.',
-    'Two dogs (one black, one white) run across the grass?',
-    'Die Mädchen essen Äpfel und trinken Öl-freien Saft: "lecker".',
-    'A woman in a red coat — and a blue hat — walks by.',
-    "It's 5 o'clock, and the café is full.",
+  'A man in an orange hat starring at something.',
+  'Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt.',
+  'Große Hunde spielen im Schnee; zwei Jungen schauen zu!',
+  'Über die Straße läuft ein älterer Herr mit weißem Bart.',
+  'Two dogs (one black, one white) run across the grass?',
+  'Die Mädchen essen Äpfel und trinken Öl-freien Saft: "lecker".',
+  'A woman in a red coat — and a blue hat — walks by.',
+  "It's 5 o'clock, and the café is full.",
 ]
 CORPUS = SENTENCES * 20
 
@@ -59,15 +59,17 @@ def test_subwords_are_shared_and_compose_unseen_words(bpe):
 def test_vocab_size_and_nfkc_normalisation(bpe):
   assert bpe.vocab_size == 200
   # NFKC folds the ligature 'ﬁ' and the full-width 'Ａ' into plain letters.
-  assert bpe.decode(bpe.encode(['Ａ ﬁsh'])) == [unicodedata.normalize('NFKC', 'Ａ ﬁsh')] == ['A fish']
+  assert (
+    bpe.decode(bpe.encode(['Ａ ﬁsh'])) == [unicodedata.normalize('NFKC', 'Ａ ﬁsh')] == ['A fish']
+  )
 
 
 def test_decode_stops_at_first_eos_and_drops_pad_and_bos(bpe):
   ids = bpe.encode(['Ein Mann', 'zwei Hunde'])
   rows = np.zeros((2, 12), np.int32)
-  rows[0, :len(ids[0]) + 2] = [Tokenizer.bos_id, *ids[0], Tokenizer.eos_id]
+  rows[0, : len(ids[0]) + 2] = [Tokenizer.bos_id, *ids[0], Tokenizer.eos_id]
   rows[0, len(ids[0]) + 3] = ids[1][0]  # after EOS: ignored
-  rows[1, :len(ids[1])] = ids[1]  # no EOS: runs to the end, PAD dropped
+  rows[1, : len(ids[1])] = ids[1]  # no EOS: runs to the end, PAD dropped
   assert bpe.decode(rows) == ['Ein Mann', 'zwei Hunde']
   assert bpe.decode([[Tokenizer.eos_id, *ids[0]]]) == ['']
 
@@ -79,8 +81,11 @@ def test_unknown_characters_map_to_unk_and_decode(bpe):
 
 
 def test_ids_outside_the_vocabulary_are_refused(bpe):
-  with pytest.raises(TokenizerError, match=r'cannot decode ids \[200\]: outside the vocabulary '
-                     r'\[0, 200\)'):
+  with pytest.raises(
+    TokenizerError,
+    match=r'cannot decode ids \[200\]: outside the vocabulary '
+    r'\[0, 200\)',
+  ):
     bpe.decode([[5, 200]])
 
 
@@ -134,16 +139,22 @@ def test_train_argument_errors():
 
 def test_check_compatible(bpe):
   bpe.check_compatible(ModelConfig.tiny(vocab_size=200))
-  with pytest.raises(ConfigError, match=r'model\.vocab_size=64 but the tokenizer has 200; '
-                     r'set model.vocab_size=200'):
+  with pytest.raises(
+    ConfigError,
+    match=r'model\.vocab_size=64 but the tokenizer has 200; '
+    r'set model.vocab_size=200',
+  ):
     bpe.check_compatible(ModelConfig.tiny())
-  with pytest.raises(ConfigError, match=r'model\.eos_id=5 but the tokenizer has 2; set model\.eos_id=2'):
+  with pytest.raises(
+    ConfigError, match=r'model\.eos_id=5 but the tokenizer has 2; set model\.eos_id=2'
+  ):
     bpe.check_compatible(ModelConfig.tiny(vocab_size=200, eos_id=5))
 
 
 def test_multi30k_validation_round_trips(multi30k_dir):
   def lines(name):
     return (multi30k_dir / name).read_text(encoding='utf-8').split('\n')[:-1]
+
   tokenizer = Tokenizer.train(lines('train.en') + lines('train.de'), vocab_size=8000)
   assert tokenizer.vocab_size == 8000
   references = lines('val.en') + lines('val.de')
@@ -158,10 +169,16 @@ def test_multi30k_validation_round_trips(multi30k_dir):
 
 # Training text that holds the special strings themselves, glued and apart, so that BPE
 # learns merges spelling them and unigram learns them as pieces: the cases to close.
-TEXT_WITH_SPECIALS = CORPUS + [
-    'Sie schrieb </s> und <pad> in den Text.', 'a<s>b <unk> x</s>y <pad>', 'x < y > z / s',
+TEXT_WITH_SPECIALS = (
+  CORPUS
+  + [
+    'Sie schrieb </s> und <pad> in den Text.',
+    'a<s>b <unk> x</s>y <pad>',
+    'x < y > z / s',
     'Hund</s> Mann</s> Frau</s> Kind<pad> Tier<pad> Baum<s> Haus<unk> Weg<unk>',
-] * 15
+  ]
+  * 15
+)
 SPECIAL_IDS = {Tokenizer.pad_id, Tokenizer.bos_id, Tokenizer.eos_id, Tokenizer.unk_id}
 
 
@@ -171,8 +188,9 @@ def learnt_specials(request):
 
 
 @pytest.mark.parametrize('special', SPECIAL_TOKENS)
-@pytest.mark.parametrize('template', ['{} Ein Hund', 'Ein {} Hund', 'Ein Hund {}', '{}',
-                                      'Ein{}Hund', '{}{}', 'x</{}'])
+@pytest.mark.parametrize(
+  'template', ['{} Ein Hund', 'Ein {} Hund', 'Ein Hund {}', '{}', 'Ein{}Hund', '{}{}', 'x</{}']
+)
 def test_special_strings_in_text_are_encoded_as_text(learnt_specials, special, template):
   text = template.format(special, special)
   ids = learnt_specials.encode([text])[0]
@@ -199,8 +217,10 @@ def test_training_text_with_special_strings_keeps_their_ids(learnt_specials, tmp
 
 def test_the_ids_of_other_text_are_what_tokenizers_gives(learnt_specials):
   texts = SENTENCES + ['Ein Hund 😀', 'Hundestraße', 'x < y']
-  expected = [encoding.ids for encoding in learnt_specials._backend.encode_batch_fast(
-      texts, add_special_tokens=False)]
+  expected = [
+    encoding.ids
+    for encoding in learnt_specials._backend.encode_batch_fast(texts, add_special_tokens=False)
+  ]
   assert learnt_specials.encode(texts) == expected
 
 
@@ -208,9 +228,9 @@ def test_a_marian_tokenizer_reads_special_strings_as_text(tmp_path):
   """sentencepiece returns a run of unknown characters as one piece, which can spell
   '</s>'; vocab.json would make that EOS."""
   pytest.importorskip('sentencepiece')
+  from flax_transformer.pretrained.marian import MarianTokenizer
   from support.marian_directory import _train_spm, _vocab
 
-  from flax_transformer.pretrained.marian import MarianTokenizer
   # No '<', '/', 's', '>', 'p', 'a', 'd' in the text: '</s>' and '<pad>' are unknown runs.
   text = ['Ein Hund rennt im Freien.', 'Zwei Männer fühlen tief.', 'Hunde eilen, Kühe ruhen.']
   model = _train_spm(text * 30, 60)

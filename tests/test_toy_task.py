@@ -7,22 +7,52 @@ from flax_transformer.data.toy_task import english_words, german_words, number_t
 
 # Written out by hand from German orthography (Duden: numbers below a million are one word).
 GERMAN = {
-    0: 'null', 1: 'eins', 2: 'zwei', 7: 'sieben', 11: 'elf', 12: 'zwölf', 16: 'sechzehn',
-    17: 'siebzehn', 20: 'zwanzig', 21: 'einundzwanzig', 30: 'dreißig', 42: 'zweiundvierzig',
-    66: 'sechsundsechzig', 77: 'siebenundsiebzig', 99: 'neunundneunzig', 100: 'einhundert',
-    101: 'einhunderteins', 111: 'einhundertelf', 121: 'einhunderteinundzwanzig',
-    342: 'dreihundertzweiundvierzig', 600: 'sechshundert', 1000: 'eintausend',
-    1001: 'eintausendeins', 1100: 'eintausendeinhundert',
-    1234: 'eintausendzweihundertvierunddreißig', 2021: 'zweitausendeinundzwanzig',
-    7070: 'siebentausendsiebzig', 9999: 'neuntausendneunhundertneunundneunzig',
-    21_000: 'einundzwanzigtausend', 101_001: 'einhunderteintausendeins',
-    999_999: 'neunhundertneunundneunzigtausendneunhundertneunundneunzig',
+  0: 'null',
+  1: 'eins',
+  2: 'zwei',
+  7: 'sieben',
+  11: 'elf',
+  12: 'zwölf',
+  16: 'sechzehn',
+  17: 'siebzehn',
+  20: 'zwanzig',
+  21: 'einundzwanzig',
+  30: 'dreißig',
+  42: 'zweiundvierzig',
+  66: 'sechsundsechzig',
+  77: 'siebenundsiebzig',
+  99: 'neunundneunzig',
+  100: 'einhundert',
+  101: 'einhunderteins',
+  111: 'einhundertelf',
+  121: 'einhunderteinundzwanzig',
+  342: 'dreihundertzweiundvierzig',
+  600: 'sechshundert',
+  1000: 'eintausend',
+  1001: 'eintausendeins',
+  1100: 'eintausendeinhundert',
+  1234: 'eintausendzweihundertvierunddreißig',
+  2021: 'zweitausendeinundzwanzig',
+  7070: 'siebentausendsiebzig',
+  9999: 'neuntausendneunhundertneunundneunzig',
+  21_000: 'einundzwanzigtausend',
+  101_001: 'einhunderteintausendeins',
+  999_999: 'neunhundertneunundneunzigtausendneunhundertneunundneunzig',
 }
 ENGLISH = {
-    0: 'zero', 1: 'one', 13: 'thirteen', 40: 'forty', 42: 'forty-two', 100: 'one hundred',
-    101: 'one hundred one', 342: 'three hundred forty-two', 1000: 'one thousand',
-    1234: 'one thousand two hundred thirty-four', 9090: 'nine thousand ninety',
-    21_000: 'twenty-one thousand', 101_001: 'one hundred one thousand one',
+  0: 'zero',
+  1: 'one',
+  13: 'thirteen',
+  40: 'forty',
+  42: 'forty-two',
+  100: 'one hundred',
+  101: 'one hundred one',
+  342: 'three hundred forty-two',
+  1000: 'one thousand',
+  1234: 'one thousand two hundred thirty-four',
+  9090: 'nine thousand ninety',
+  21_000: 'twenty-one thousand',
+  101_001: 'one hundred one thousand one',
 }
 
 
@@ -83,15 +113,20 @@ def test_deterministic_from_seed(default_task):
 
 def test_small_range_and_sizes():
   ds = number_translation(num_train=50, num_validation=5, num_test=5, seed=3, max_number=99)
-  numbers = {name: {english_words(n) for n in range(100)} & set(split['source'])
-             for name, split in ds.items()}
+  numbers = {
+    name: {english_words(n) for n in range(100)} & set(split['source'])
+    for name, split in ds.items()
+  }
   assert [len(numbers[name]) for name in ('train', 'validation', 'test')] == [50, 5, 5]
   assert ds['train'].info.description == 'English->German number words, 50 of 0..99, seed 3'
 
 
 def test_argument_errors():
-  with pytest.raises(DataError, match=r'110 distinct numbers requested .* but 0\.\.99 holds only '
-                     r'100; raise max_number'):
+  with pytest.raises(
+    DataError,
+    match=r'110 distinct numbers requested .* but 0\.\.99 holds only '
+    r'100; raise max_number',
+  ):
     number_translation(num_train=100, num_validation=5, num_test=5, max_number=99)
   with pytest.raises(DataError, match='num_test must be a positive integer, got 0'):
     number_translation(num_test=0)

@@ -10,15 +10,22 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
-from support.copy_task import random_copy_batch
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig, parse_overrides
 from flax_transformer.data.batching import Batch
 from flax_transformer.nn.model import Transformer
-from flax_transformer.train import (DataParallel, TrainState, create_train_state,
-                                   label_smoothed_cross_entropy, make_optimizer,
-                                   make_parallel_step, token_metrics, transformer_schedule)
+from flax_transformer.train import (
+  DataParallel,
+  TrainState,
+  create_train_state,
+  label_smoothed_cross_entropy,
+  make_optimizer,
+  make_parallel_step,
+  token_metrics,
+  transformer_schedule,
+)
 from flax_transformer.train.losses import chunked_loss_sums, loss_sums
+from support.copy_task import random_copy_batch
 
 PAD, BOS, EOS = 0, 1, 2
 # One layer each side: the step's behaviour does not depend on depth, and compiles halve.
@@ -48,12 +55,13 @@ def flat(params):
 
 # --- schedule ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize('d_model,warmup,scale', [(512, 4000, 1.0), (128, 300, 2.0)])
 def test_schedule_matches_closed_form(d_model, warmup, scale):
   schedule = transformer_schedule(d_model, warmup, scale)
   counts = np.array([0, 1, 10, warmup // 2, warmup - 2, warmup - 1, warmup, 3 * warmup, 100_000])
   n = counts.astype(np.float64) + 1
-  want = scale * d_model ** -0.5 * np.minimum(n ** -0.5, n * warmup ** -1.5)
+  want = scale * d_model**-0.5 * np.minimum(n**-0.5, n * warmup**-1.5)
   got = np.array([float(schedule(c)) for c in counts])
   np.testing.assert_allclose(got, want, rtol=1e-6)
   # Peak at update warmup - 1 (n = warmup): scale / sqrt(d_model * warmup).
@@ -69,6 +77,7 @@ def test_schedule_is_jittable_and_rejects_zero_warmup():
 
 
 # --- loss ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize('eps', [0.0, 0.1, 0.3])
 def test_label_smoothed_cross_entropy_matches_float64_reference(eps):
@@ -89,8 +98,10 @@ def test_pad_positions_carry_no_loss():
   targets = np.array([[4, 5, 2, PAD, PAD], [6, 2, PAD, PAD, PAD]], np.int32)
   changed = logits.copy()
   changed[targets == PAD] = 100 * rng.normal(size=((targets == PAD).sum(), 11))
-  np.testing.assert_array_equal(label_smoothed_cross_entropy(logits, targets, 0.1, PAD),
-                                label_smoothed_cross_entropy(changed, targets, 0.1, PAD))
+  np.testing.assert_array_equal(
+    label_smoothed_cross_entropy(logits, targets, 0.1, PAD),
+    label_smoothed_cross_entropy(changed, targets, 0.1, PAD),
+  )
 
 
 @pytest.mark.parametrize('chunk', [1, 5, 7, 18, 64], ids=lambda c: f'chunk{c}')
@@ -119,25 +130,31 @@ def test_token_metrics():
 
 # --- configuration -------------------------------------------------------------
 
-@pytest.mark.parametrize('field,value,message', [
+
+@pytest.mark.parametrize(
+  'field,value,message',
+  [
     ('steps', 0, 'train.steps must be a positive integer'),
     ('warmup_steps', -5, 'train.warmup_steps must be a positive integer'),
     ('label_smoothing', 1.0, r'train.label_smoothing must be in \[0, 1\)'),
     ('max_grad_norm', 0.0, 'train.max_grad_norm must be a positive number'),
     ('weight_decay', -0.1, 'train.weight_decay must be >= 0'),
     ('grad_accum_steps', 1.5, 'train.grad_accum_steps must be a positive integer'),
-])
+  ],
+)
 def test_train_config_rejects_invalid_values(field, value, message):
   with pytest.raises(ConfigError, match=message):
     TrainConfig(**{field: value})
 
 
 def test_parse_overrides_by_annotation():
-  config = parse_overrides(TrainConfig(), 'train', {'steps': '7', 'max_grad_norm': 'none',
-                                                    'lr_scale': '0.5'})
+  config = parse_overrides(
+    TrainConfig(), 'train', {'steps': '7', 'max_grad_norm': 'none', 'lr_scale': '0.5'}
+  )
   assert (config.steps, config.max_grad_norm, config.lr_scale) == (7, None, 0.5)
-  model = parse_overrides(CONFIG, 'model', {'share_embeddings': 'false', 'activation': 'gelu',
-                                            'attention_radius': '3'})
+  model = parse_overrides(
+    CONFIG, 'model', {'share_embeddings': 'false', 'activation': 'gelu', 'attention_radius': '3'}
+  )
   assert (model.share_embeddings, model.activation, model.attention_radius) == (False, 'gelu', 3)
   with pytest.raises(ConfigError, match="train.steps must be an integer, got 'ten'"):
     parse_overrides(TrainConfig(), 'train', {'steps': 'ten'})
@@ -211,8 +228,9 @@ def test_step_metrics_and_counter(copy_run, setup):
   assert float(last['correct']) > 0.9 * float(last['tokens']) > 10 * float(first['correct'])
   schedule = transformer_schedule(CONFIG.d_model, TRAIN_CONFIG.warmup_steps, TRAIN_CONFIG.lr_scale)
   for index in (0, 99, 299):
-    np.testing.assert_allclose(float(history[index]['learning_rate']), float(schedule(index)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      float(history[index]['learning_rate']), float(schedule(index)), rtol=1e-6
+    )
   assert float(first['grad_norm']) > 0
   assert int(state.step) == TRAIN_CONFIG.steps
 
@@ -285,8 +303,9 @@ def test_gradient_accumulation_equals_one_large_batch(single, setup):
   two_batches = flat(single.unreplicate(state).params)
   assert one_batch.keys() == two_batches.keys()
   for name in one_batch:
-    np.testing.assert_allclose(two_batches[name], one_batch[name], rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      two_batches[name], one_batch[name], rtol=1e-5, atol=1e-6, err_msg=name
+    )
 
 
 def test_clipping_and_weight_decay_options():
@@ -308,8 +327,9 @@ def test_clipping_and_weight_decay_options():
   step_plain, _ = plain.update(big, plain.init(params), params)
   # With eps = 1 Adam's first update is -lr * g / (|g| + 1): tiny for a clipped g.
   scale = 1e-3 / norm
-  np.testing.assert_allclose(step_clipped['dense']['kernel'],
-                             -lr * 10 * scale / (10 * scale + 1), rtol=1e-5)
+  np.testing.assert_allclose(
+    step_clipped['dense']['kernel'], -lr * 10 * scale / (10 * scale + 1), rtol=1e-5
+  )
   np.testing.assert_allclose(step_plain['dense']['kernel'], -lr * 10 / 11, rtol=1e-5)
 
 

@@ -6,13 +6,13 @@ decode.py, the command line over Translator, is tests/test_decode_cli.py's.
 
 import numpy as np
 import pytest
-from support.random_run import MAX_LEN, SENTENCES
 
 from flax_transformer import ConfigError, Transformer
 from flax_transformer.decode import autoregressive
 from flax_transformer.decode.methods import BeamSearch, Greedy, MaskPredict, Sampling
 from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.cmlm import CMLMTransformer
+from support.random_run import MAX_LEN, SENTENCES
 
 # The tiny model's max_len caps the source + 50 budget of the longest sentences;
 # test_decoding.py checks that warning.
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.filterwarnings('ignore:source length .* exceeds model.m
 
 
 # The random tiny model of conftest.py's random_run, which tests/test_decode_cli.py shares.
+
 
 @pytest.fixture(scope='module')
 def tokenizer(random_run):
@@ -51,8 +52,9 @@ def greedy_translations(random_run):
   return random_run.greedy_translations
 
 
-def test_batches_come_back_in_input_order(translator, config, params, tokenizer,
-                                          greedy_translations):
+def test_batches_come_back_in_input_order(
+  translator, config, params, tokenizer, greedy_translations
+):
   # Reference: all non-empty sentences in one batch, in input order.
   present = [s for s in SENTENCES if s]
   rows = [ids + [config.eos_id] for ids in tokenizer.encode(present)]
@@ -90,25 +92,34 @@ def test_alignment_is_the_cross_attention_of_the_output(translator, config, toke
   target = tokenizer.encode(['A dog plays.'])[0] + [config.eos_id]
   assert alignment.source_tokens == [tokenizer.id_to_token(i) for i in source]
   assert alignment.target_tokens == [tokenizer.id_to_token(i) for i in target]
-  assert alignment.weights.shape == (config.num_decoder_layers, config.num_heads, len(target),
-                                     len(source))
+  assert alignment.weights.shape == (
+    config.num_decoder_layers,
+    config.num_heads,
+    len(target),
+    len(source),
+  )
   np.testing.assert_allclose(alignment.weights.sum(axis=-1), 1.0, rtol=1e-5)
 
   # Without a translation, the one decoded from the same source ids.
   decoded = translator.alignment('Ein Hund spielt.', method=Greedy())
-  output = np.asarray(autoregressive.greedy(translator.model, translator.variables,
-                                      np.array([source])))[0]
+  output = np.asarray(
+    autoregressive.greedy(translator.model, translator.variables, np.array([source]))
+  )[0]
   assert decoded.target_tokens == [tokenizer.id_to_token(i) for i in output if i != 0]
   assert decoded.weights.shape[2] == len(decoded.target_tokens)
 
 
 # --- the model kinds: an autoregressive run and a cmlm run (conftest.py) ---------------------
 
+
 def test_translator_refuses_methods_of_the_other_kind(teacher, cmlm_run):
   autoregressive = Translator.from_checkpoint(teacher)
-  with pytest.raises(ConfigError, match="method 'mask_predict' decodes cmlm models, but this "
-                                        "model is model.kind='autoregressive'; use method "
-                                        "'beam', 'greedy' or 'sample'"):
+  with pytest.raises(
+    ConfigError,
+    match="method 'mask_predict' decodes cmlm models, but this "
+    "model is model.kind='autoregressive'; use method "
+    "'beam', 'greedy' or 'sample'",
+  ):
     autoregressive.translate(['one'], MaskPredict())
   cmlm = Translator.from_checkpoint(cmlm_run['workdir'])
   assert isinstance(cmlm.model, CMLMTransformer)
@@ -117,8 +128,9 @@ def test_translator_refuses_methods_of_the_other_kind(teacher, cmlm_run):
       cmlm.translate(['one'], method)
   with pytest.raises(TypeError, match='method must be a decoding method value'):
     cmlm.translate(['one'], 'greedy')
-  with pytest.raises(ConfigError, match="alignment needs an autoregressive model; this one is "
-                                        "model.kind='cmlm'"):
+  with pytest.raises(
+    ConfigError, match="alignment needs an autoregressive model; this one is model.kind='cmlm'"
+  ):
     cmlm.alignment('one')
 
 

@@ -20,15 +20,42 @@ from flax_transformer.data import word_memo
 from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 CORPUS = [
-    'A man in an orange hat starring at something.',
-    'Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt.',
-    'Große Hunde spielen im Schnee; zwei Jungen schauen zu!',
-    'Two dogs (one black, one white) run across the grass?',
+  'A man in an orange hat starring at something.',
+  'Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt.',
+  'Große Hunde spielen im Schnee; zwei Jungen schauen zu!',
+  'Two dogs (one black, one white) run across the grass?',
 ] * 20
 # Pieces of generated lines: ordinary words and every awkward case of the module docstring.
-PARTS = ['Mann', 'Hunde', 'a', 'Große', 'the', '.', ' ', ' ', ' ', '  ', '\t', '\n',
-         '\u00a0', '\u2000', '\u3000', '\u00b4', '▁', '\u200b', 'ﬁ', 'Ａ', '①', 'e\u0301',
-         '\u0301', '\u1100\u1161', '😀', '漢', '\x1c', *SPECIAL_TOKENS]
+PARTS = [
+  'Mann',
+  'Hunde',
+  'a',
+  'Große',
+  'the',
+  '.',
+  ' ',
+  ' ',
+  ' ',
+  '  ',
+  '\t',
+  '\n',
+  '\u00a0',
+  '\u2000',
+  '\u3000',
+  '\u00b4',
+  '▁',
+  '\u200b',
+  'ﬁ',
+  'Ａ',
+  '①',
+  'e\u0301',
+  '\u0301',
+  '\u1100\u1161',
+  '😀',
+  '漢',
+  '\x1c',
+  *SPECIAL_TOKENS,
+]
 LINES = st.lists(st.sampled_from(PARTS), max_size=14).map(''.join)
 
 
@@ -40,11 +67,15 @@ def pair(request):
 
 
 def _plain_ids(plain: Tokenizer, texts):
-  return [encoding.ids for encoding in plain._encoder.encode_batch_fast(
-      list(texts), add_special_tokens=False)]
+  return [
+    encoding.ids
+    for encoding in plain._encoder.encode_batch_fast(list(texts), add_special_tokens=False)
+  ]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+  max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(batch=st.lists(LINES, min_size=1, max_size=30))
 def test_ids_equal_tokenizers_on_awkward_lines(pair, batch):
   memo, plain = pair
@@ -56,13 +87,32 @@ def test_ids_equal_tokenizers_on_awkward_lines(pair, batch):
   assert ids.dtype == np.int32 and lengths.dtype == np.int64
 
 
-@pytest.mark.parametrize('line', [
-    'x \u00a0b', 'x ▁b', '▁b x', 'x \u00b4a', 'a  b', ' a', 'a ', '', ' ', 'a\u00a0', 'a\tb',
-    'x \u3000y', '</s>', 'forty </s> two', 'a <pad>', '<unk> b'])
+@pytest.mark.parametrize(
+  'line',
+  [
+    'x \u00a0b',
+    'x ▁b',
+    '▁b x',
+    'x \u00b4a',
+    'a  b',
+    ' a',
+    'a ',
+    '',
+    ' ',
+    'a\u00a0',
+    'a\tb',
+    'x \u3000y',
+    '</s>',
+    'forty </s> two',
+    'a <pad>',
+    '<unk> b',
+  ],
+)
 def test_words_whose_ids_depend_on_their_line_are_encoded_with_it(pair, line):
   memo, plain = pair
   assert memo.encode([line, 'Mann ' + line, line + ' Hunde']) == _plain_ids(
-      plain, [line, 'Mann ' + line, line + ' Hunde'])
+    plain, [line, 'Mann ' + line, line + ' Hunde']
+  )
 
 
 def test_chunks_that_normalise_to_a_leading_space_are_marked_unsafe(pair):

@@ -27,14 +27,27 @@ import importlib
 # Public name -> its module, loaded on first use: `bench.flops` alone (the hand counts) needs
 # no more than the config, and benchmarks' peer workers import it under other environments.
 _EXPORTS = {
-    'compare': 'comparison', 'reports_table': 'comparison',
-    'Compilation': 'compiled', 'CompiledMemory': 'compiled',
-    'DecodeReport': 'decoding', 'Decoding': 'decoding', 'decode_report': 'decoding',
-    'BatchShape': 'flops', 'decode_flops': 'flops', 'train_flops': 'flops', 'xla_flops': 'flops',
-    'PeakReport': 'peaks', 'datasheet_peak': 'peaks', 'measure_peak': 'peaks',
-    'StepReport': 'step', 'TrainingStep': 'step', 'step_report': 'step',
-    'synthetic_batch': 'step',
-    'Timing': 'timing', 'alternating_rounds': 'timing', 'time_rounds': 'timing',
+  'compare': 'comparison',
+  'reports_table': 'comparison',
+  'Compilation': 'compiled',
+  'CompiledMemory': 'compiled',
+  'DecodeReport': 'decoding',
+  'Decoding': 'decoding',
+  'decode_report': 'decoding',
+  'BatchShape': 'flops',
+  'decode_flops': 'flops',
+  'train_flops': 'flops',
+  'xla_flops': 'flops',
+  'PeakReport': 'peaks',
+  'datasheet_peak': 'peaks',
+  'measure_peak': 'peaks',
+  'StepReport': 'step',
+  'TrainingStep': 'step',
+  'step_report': 'step',
+  'synthetic_batch': 'step',
+  'Timing': 'timing',
+  'alternating_rounds': 'timing',
+  'time_rounds': 'timing',
 }
 
 

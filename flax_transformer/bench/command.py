@@ -35,11 +35,13 @@ def comma_list(kind):
     try:
       values = [kind(item) for item in text.split(',') if item]
     except ValueError:
-      raise argparse.ArgumentTypeError(f'{text!r}: expected comma-separated '
-                                       f'{kind.__name__} values') from None
+      raise argparse.ArgumentTypeError(
+        f'{text!r}: expected comma-separated {kind.__name__} values'
+      ) from None
     if not values:
       raise argparse.ArgumentTypeError('expected at least one value')
     return values
+
   return parse
 
 
@@ -62,6 +64,7 @@ def positive_int(text: str) -> int:
 
 def shape_argument(text: str):
   from flax_transformer.bench.flops import BatchShape
+
   try:
     return BatchShape.parse(text)
   except ValueError as error:
@@ -81,27 +84,39 @@ def peak_argument(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   commands = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
-  helps = {'step': "time train.py's training step for these settings",
-           'decode': 'time decoding (greedy, beam, sample, mask_predict)',
-           'peak': "time this backend's matmul peak",
-           'sweep': 'time the step over a grid of batch sizes, kernels, remat policies, dtypes'}
-  parsers = {name: commands.add_parser(name, help=text, description=text)
-             for name, text in helps.items()}
+  helps = {
+    'step': "time train.py's training step for these settings",
+    'decode': 'time decoding (greedy, beam, sample, mask_predict)',
+    'peak': "time this backend's matmul peak",
+    'sweep': 'time the step over a grid of batch sizes, kernels, remat policies, dtypes',
+  }
+  parsers = {
+    name: commands.add_parser(name, help=text, description=text) for name, text in helps.items()
+  }
   for name, sub in parsers.items():
     add_debug_option(sub)
-    sub.add_argument('--rounds', type=positive_int, default=10 if name != 'decode' else 5,
-                     metavar='N', help='timed calls after warm-up (default %(default)s)')
+    sub.add_argument(
+      '--rounds',
+      type=positive_int,
+      default=10 if name != 'decode' else 5,
+      metavar='N',
+      help='timed calls after warm-up (default %(default)s)',
+    )
     sub.add_argument('--warmup', type=int, default=2, help='untimed calls first (default 2)')
     sub.add_argument('--json', type=Path, metavar='FILE', help='write the reports as JSON')
     sub.add_argument('--csv', type=Path, metavar='FILE', help='write the reports as CSV rows')
     sub.add_argument('--compilation-cache', metavar='DIR', help=compilation_cache.HELP)
     if name == 'peak':
       sub.add_argument('--dtype', default='float32', help='float32, bfloat16 or float16')
-      sub.add_argument('--size', type=int, help='the square matmul side (default: 1024 on a '
-                                                'CPU, 8192 on an accelerator)')
+      sub.add_argument(
+        '--size',
+        type=int,
+        help='the square matmul side (default: 1024 on a CPU, 8192 on an accelerator)',
+      )
       sub.add_argument('--iterations', type=int, default=8, help='products per timed call')
       continue
     _add_settings_options(sub, name)
@@ -111,43 +126,96 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_settings_options(sub: argparse.ArgumentParser, name: str) -> None:
   """What `step`, `decode` and `sweep` take beside the timing options: the settings, and each
   command's own shapes and outputs."""
-  sub.add_argument('--preset', default='base', choices=RUN_PRESETS,
-                   help="train.py's preset the settings start from (default base)")
-  sub.add_argument('--workdir', type=Path,
-                   help="a run directory of train.py: its model and training settings")
+  sub.add_argument(
+    '--preset',
+    default='base',
+    choices=RUN_PRESETS,
+    help="train.py's preset the settings start from (default base)",
+  )
+  sub.add_argument(
+    '--workdir', type=Path, help='a run directory of train.py: its model and training settings'
+  )
   add_setting_options(sub)
-  if name in ('step', 'sweep'):
-    sub.add_argument('--devices', type=int, help='devices to map the step over (default all)')
-    sub.add_argument('--parallel', choices=('shard_map', 'pmap'), default='shard_map')
-    sub.add_argument('--pair-len', type=int, default=16,
-                     help='packed rows: tokens per side of each pair (default 16)')
-    sub.add_argument('--peak', type=peak_argument, default='none',
-                     help="MFU against: 'measure' (this backend's matmul peak, timed first), "
-                          "a number of TFLOP/s, or 'none' (the datasheet's only)")
-  if name == 'step':
-    sub.add_argument('--shape', type=shape_argument,
-                     help='rows x source + target positions, e.g. 64x32+32 (default: '
-                          'train.max_tokens at length 64, or at train.packing)')
-  if name == 'sweep':
-    sub.add_argument('--batches', type=positive_ints, required=True, metavar='ROWS,...')
-    sub.add_argument('--length', type=int, default=32, help='positions per side (default 32)')
-    sub.add_argument('--kernels', type=comma_list(str), metavar='K,...',
-                     help='model.attention_kernel values (default: the settings\' own)')
-    sub.add_argument('--remats', type=comma_list(str), metavar='R,...',
-                     help='model.remat values (default: the settings\' own)')
-    sub.add_argument('--dtypes', type=comma_list(str), metavar='D,...',
-                     help='model.dtype values (default: the settings\' own)')
-    sub.add_argument('--plot', type=Path, metavar='FILE.png',
-                     help='tokens/s against batch size, and compiled memory (matplotlib)')
-  if name == 'decode':
-    sub.add_argument('--methods', type=comma_list(str), default=['greedy', 'beam'],
-                     help='decoding methods, comma-separated (default greedy,beam)')
-    sub.add_argument('--batches', type=positive_ints, default=[32], metavar='N,...')
-    sub.add_argument('--src-len', type=int, default=32, help='source tokens (default 32)')
-    sub.add_argument('--new-tokens', type=int, default=32,
-                     help='output tokens per sentence (default 32)')
-    sub.add_argument('--plot', type=Path, metavar='FILE.png',
-                     help='tokens/s against batch size per method (matplotlib)')
+  {'step': _add_step_options, 'sweep': _add_sweep_options, 'decode': _add_decode_options}[name](sub)
+
+
+def _add_mapping_options(sub: argparse.ArgumentParser) -> None:
+  """How `step` and `sweep` map the training step over devices, and what MFU is measured against."""
+  sub.add_argument('--devices', type=int, help='devices to map the step over (default all)')
+  sub.add_argument('--parallel', choices=('shard_map', 'pmap'), default='shard_map')
+  sub.add_argument(
+    '--pair-len',
+    type=int,
+    default=16,
+    help='packed rows: tokens per side of each pair (default 16)',
+  )
+  sub.add_argument(
+    '--peak',
+    type=peak_argument,
+    default='none',
+    help="MFU against: 'measure' (this backend's matmul peak, timed first), "
+    "a number of TFLOP/s, or 'none' (the datasheet's only)",
+  )
+
+
+def _add_step_options(sub: argparse.ArgumentParser) -> None:
+  _add_mapping_options(sub)
+  sub.add_argument(
+    '--shape',
+    type=shape_argument,
+    help='rows x source + target positions, e.g. 64x32+32 (default: '
+    'train.max_tokens at length 64, or at train.packing)',
+  )
+
+
+def _add_sweep_options(sub: argparse.ArgumentParser) -> None:
+  _add_mapping_options(sub)
+  sub.add_argument('--batches', type=positive_ints, required=True, metavar='ROWS,...')
+  sub.add_argument('--length', type=int, default=32, help='positions per side (default 32)')
+  sub.add_argument(
+    '--kernels',
+    type=comma_list(str),
+    metavar='K,...',
+    help="model.attention_kernel values (default: the settings' own)",
+  )
+  sub.add_argument(
+    '--remats',
+    type=comma_list(str),
+    metavar='R,...',
+    help="model.remat values (default: the settings' own)",
+  )
+  sub.add_argument(
+    '--dtypes',
+    type=comma_list(str),
+    metavar='D,...',
+    help="model.dtype values (default: the settings' own)",
+  )
+  sub.add_argument(
+    '--plot',
+    type=Path,
+    metavar='FILE.png',
+    help='tokens/s against batch size, and compiled memory (matplotlib)',
+  )
+
+
+def _add_decode_options(sub: argparse.ArgumentParser) -> None:
+  sub.add_argument(
+    '--methods',
+    type=comma_list(str),
+    default=['greedy', 'beam'],
+    help='decoding methods, comma-separated (default greedy,beam)',
+  )
+  sub.add_argument('--batches', type=positive_ints, default=[32], metavar='N,...')
+  sub.add_argument('--src-len', type=int, default=32, help='source tokens (default 32)')
+  sub.add_argument(
+    '--new-tokens', type=int, default=32, help='output tokens per sentence (default 32)'
+  )
+  sub.add_argument(
+    '--plot',
+    type=Path,
+    metavar='FILE.png',
+    help='tokens/s against batch size per method (matplotlib)',
+  )
 
 
 def settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -156,12 +224,16 @@ def settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if args.workdir is not None:
       from flax_transformer.config import parse_overrides
       from flax_transformer.run.directory import read_config
+
       if not (args.workdir / 'config.json').is_file():
         parser.error(f'--workdir {args.workdir}: no config.json there (not a run of train.py)')
       model_config, train_config, _ = read_config(args.workdir)
       for section, index in (('model', 0), ('train', 1)):
-        given = {k.split('.', 1)[1]: v for k, v in vars(args).items()
-                 if k.startswith(f'{section}.') and v is not None}
+        given = {
+          k.split('.', 1)[1]: v
+          for k, v in vars(args).items()
+          if k.startswith(f'{section}.') and v is not None
+        }
         if index == 0:
           model_config = parse_overrides(model_config, section, given)
         else:
@@ -179,6 +251,7 @@ def settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
 def check_methods(parser, names: list[str], model_config) -> list:
   """The decoding methods `names` name, each refused in one line unless it decodes this model."""
   from flax_transformer.decode.methods import method_from_name
+
   methods = []
   for name in names:
     try:
@@ -194,8 +267,9 @@ def write_outputs(reports: list, args: argparse.Namespace) -> None:
   rows = [report.to_dict() for report in reports]
   if args.json:
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({'program': PROGRAM, 'command': args.command,
-                                     'reports': rows}, indent=2) + '\n')
+    args.json.write_text(
+      json.dumps({'program': PROGRAM, 'command': args.command, 'reports': rows}, indent=2) + '\n'
+    )
     print(f'wrote {args.json}')
   if args.csv:
     flat = [flatten(row) for row in rows]
@@ -224,25 +298,33 @@ def plot(reports: list, x: str, series: list[str], path: Path, title: str) -> No
   """tokens/s against `x` per series (and compiled memory beside, for steps)."""
   try:
     import matplotlib
+
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
   except ImportError:
-    raise SystemExit(f'{PROGRAM}: --plot needs matplotlib: pip install "flax_transformer[plot]"')
+    raise SystemExit(
+      f'{PROGRAM}: --plot needs matplotlib: pip install "flax_transformer[plot]"'
+    ) from None
   rows = [report.to_dict() for report in reports]
   groups = {}
   for row in rows:
     groups.setdefault(' '.join(str(row[key]) for key in series), []).append(row)
   memory = any(row.get('memory') for row in rows)
-  figure, axes = plt.subplots(1, 2 if memory else 1, figsize=(11 if memory else 6, 4),
-                              squeeze=False)
+  figure, axes = plt.subplots(
+    1, 2 if memory else 1, figsize=(11 if memory else 6, 4), squeeze=False
+  )
   for label, group in groups.items():
     group.sort(key=lambda row: row[x])
-    axes[0][0].plot([row[x] for row in group], [row['tokens_per_s'] for row in group], 'o-',
-                    label=label)
+    axes[0][0].plot(
+      [row[x] for row in group], [row['tokens_per_s'] for row in group], 'o-', label=label
+    )
     if memory:
-      axes[0][1].plot([row[x] for row in group],
-                      [(row['memory'] or {}).get('total', float('nan')) / 2 ** 20
-                       for row in group], 'o-', label=label)
+      axes[0][1].plot(
+        [row[x] for row in group],
+        [(row['memory'] or {}).get('total', float('nan')) / 2**20 for row in group],
+        'o-',
+        label=label,
+      )
   axes[0][0].set(xlabel=x, ylabel='tokens/s', title=title)
   axes[0][0].legend(fontsize=8)
   if memory:
@@ -277,6 +359,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _peak(parser, args) -> int:
   from flax_transformer.bench.peaks import measure_peak
+
   if args.dtype not in ('float32', 'bfloat16', 'float16'):
     parser.error(f'--dtype {args.dtype!r}: choose float32, bfloat16 or float16')
   if (args.size is not None and args.size < 1) or args.iterations < 1:
@@ -293,19 +376,23 @@ def _steps(parser, args, model_config, train_config) -> int:
 
   from flax_transformer.bench.step import TrainingStep
   from flax_transformer.bench.timing import time_rounds
+
   cells = _cells(parser, args, model_config, train_config)
   peak = args.peak
   if peak == 'measure':
     from flax_transformer.bench.peaks import measure_peak
+
     peak = measure_peak(model_config.compute_dtype.name)
     print(peak.table())
   peak = None if peak == 'none' else peak
   reports = []
-  with tqdm(total=len(cells) * (args.rounds + 1), desc=args.command, unit='call',
-            disable=len(cells) == 1) as bar:
+  with tqdm(
+    total=len(cells) * (args.rounds + 1), desc=args.command, unit='call', disable=len(cells) == 1
+  ) as bar:
     for label, (model, train, shape) in cells.items():
-      step = TrainingStep(model, train, shape, devices=args.devices, parallel=args.parallel,
-                          pair_len=args.pair_len)
+      step = TrainingStep(
+        model, train, shape, devices=args.devices, parallel=args.parallel, pair_len=args.pair_len
+      )
       bar.update(1)
       for _ in range(args.warmup):
         step.run()
@@ -320,13 +407,22 @@ def _steps(parser, args, model_config, train_config) -> int:
     print(reports[0].table())
   else:
     from flax_transformer.bench.comparison import reports_table
+
     # Labels as resolved ('auto' names what it chose here).
-    print(reports_table({f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype}': r
-                         for r in reports}))
+    print(
+      reports_table(
+        {f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype}': r for r in reports}
+      )
+    )
   write_outputs(reports, args)
   if args.command == 'sweep' and args.plot:
-    plot(reports, 'rows', ['attention_kernel', 'remat', 'dtype'], args.plot,
-         f'{reports[0].model}, length {args.length}')
+    plot(
+      reports,
+      'rows',
+      ['attention_kernel', 'remat', 'dtype'],
+      args.plot,
+      f'{reports[0].model}, length {args.length}',
+    )
   return 0
 
 
@@ -334,6 +430,7 @@ def _cells(parser, args, model_config, train_config) -> dict:
   """{label: (model config, train config, shape)}, every one checked before any compiles."""
   from flax_transformer.bench.flops import BatchShape
   from flax_transformer.bench.step import check_step
+
   if args.command == 'step':
     grid = {'step': (model_config, train_config, args.shape)}
   else:
@@ -341,16 +438,24 @@ def _cells(parser, args, model_config, train_config) -> dict:
       parser.error(f'--length must be positive, got {args.length}')
     grid = {}
     for rows, kernel, remat, dtype in itertools.product(
-        args.batches, args.kernels or [model_config.attention_kernel],
-        args.remats or [model_config.remat], args.dtypes or [model_config.dtype]):
+      args.batches,
+      args.kernels or [model_config.attention_kernel],
+      args.remats or [model_config.remat],
+      args.dtypes or [model_config.dtype],
+    ):
       from flax_transformer.config import parse_overrides
+
       try:
-        model = parse_overrides(model_config, 'model', {'attention_kernel': kernel,
-                                                        'remat': remat, 'dtype': dtype})
+        model = parse_overrides(
+          model_config, 'model', {'attention_kernel': kernel, 'remat': remat, 'dtype': dtype}
+        )
       except ConfigError as error:
         parser.error(str(error))
-      grid[f'{rows} {kernel} {remat} {dtype}'] = (model, train_config,
-                                                  BatchShape(rows, args.length, args.length))
+      grid[f'{rows} {kernel} {remat} {dtype}'] = (
+        model,
+        train_config,
+        BatchShape(rows, args.length, args.length),
+      )
   if args.pair_len < 1:
     parser.error(f'--pair-len must be positive, got {args.pair_len}')
   checked = {}
@@ -366,21 +471,26 @@ def _cells(parser, args, model_config, train_config) -> dict:
 def _decode(parser, args, model_config, rounds: int) -> int:
   from flax_transformer.bench.decoding import Decoding
   from flax_transformer.bench.timing import alternating_rounds
+
   for name, value in (('--src-len', args.src_len), ('--new-tokens', args.new_tokens)):
     if not 1 <= value <= model_config.max_len:
-      parser.error(f'{name} must be between 1 and model.max_len={model_config.max_len}, '
-                   f'got {value}')
+      parser.error(
+        f'{name} must be between 1 and model.max_len={model_config.max_len}, got {value}'
+      )
   methods = check_methods(parser, args.methods, model_config)
   reports = []
   from tqdm.auto import tqdm
+
   for batch in args.batches:
     contenders = {}
     for name, method in zip(args.methods, methods):
-      contenders[name] = Decoding(model_config, method, batch=batch, src_len=args.src_len,
-                                  new_tokens=args.new_tokens)
+      contenders[name] = Decoding(
+        model_config, method, batch=batch, src_len=args.src_len, new_tokens=args.new_tokens
+      )
     with tqdm(total=rounds * len(contenders), desc=f'decode batch {batch}', unit='call') as bar:
-      timings = alternating_rounds({n: c.run for n, c in contenders.items()}, rounds,
-                                   args.warmup, bar.update)
+      timings = alternating_rounds(
+        {n: c.run for n, c in contenders.items()}, rounds, args.warmup, bar.update
+      )
     for name, decoding in contenders.items():
       report = decoding.report(timings[name])
       reports.append(report)

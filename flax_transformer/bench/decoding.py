@@ -18,13 +18,23 @@ import dataclasses
 import jax
 import numpy as np
 
-from flax_transformer.bench.compiled import (Compilation, CompiledMemory, compile_programs,
-                                             format_bytes, memory_of)
+from flax_transformer.bench.compiled import (
+  Compilation,
+  CompiledMemory,
+  compile_programs,
+  format_bytes,
+  memory_of,
+)
 from flax_transformer.bench.flops import decode_flops
 from flax_transformer.bench.step import describe_model
 from flax_transformer.bench.timing import Timing, time_rounds
 from flax_transformer.config import ModelConfig
-from flax_transformer.decode.methods import BeamSearch, DecodingMethod, MaskPredict, method_from_name
+from flax_transformer.decode.methods import (
+  BeamSearch,
+  DecodingMethod,
+  MaskPredict,
+  method_from_name,
+)
 from flax_transformer.decode.programs import decoding_programs
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import count_params
@@ -39,6 +49,7 @@ class DecodeReport:
   per sentence (the latency of one output position); analytic_flops: the model's matmuls
   (`flops.decode_flops`; None for mask-predict).
   """
+
   model: str
   parameters: int
   method: str
@@ -62,31 +73,52 @@ class DecodeReport:
     return 1e3 * self.timing.median_s / (self.generated_tokens / self.batch)
 
   def to_dict(self) -> dict:
-    return {'kind': 'decode', 'model': self.model, 'parameters': self.parameters,
-            'method': self.method, 'batch': self.batch, 'src_len': self.src_len,
-            'new_tokens': self.new_tokens, 'generated_tokens': self.generated_tokens,
-            'dtype': self.dtype, 'device': self.device,
-            'compilation': self.compilation.to_dict(), 'timing': self.timing.to_dict(),
-            'tokens_per_s': self.tokens_per_s, 'ms_per_token': self.ms_per_token,
-            'analytic_flops': self.analytic_flops,
-            'memory': self.memory and self.memory.to_dict()}
+    return {
+      'kind': 'decode',
+      'model': self.model,
+      'parameters': self.parameters,
+      'method': self.method,
+      'batch': self.batch,
+      'src_len': self.src_len,
+      'new_tokens': self.new_tokens,
+      'generated_tokens': self.generated_tokens,
+      'dtype': self.dtype,
+      'device': self.device,
+      'compilation': self.compilation.to_dict(),
+      'timing': self.timing.to_dict(),
+      'tokens_per_s': self.tokens_per_s,
+      'ms_per_token': self.ms_per_token,
+      'analytic_flops': self.analytic_flops,
+      'memory': self.memory and self.memory.to_dict(),
+    }
 
   def table(self) -> str:
     t, m = self.timing, self.memory
     rows = [
-        ('model', f'{self.model} ({self.parameters:,} parameters), {self.dtype} on '
-                  f'{self.device}'),
-        ('method', self.method),
-        ('batch', f'{self.batch} sources of {self.src_len} tokens, {self.generated_tokens:,} '
-                  'tokens out'),
-        ('compile', f'{self.compilation.seconds:.2f} s for {self.compilation.programs} '
-                    f'program(s) (cache: {self.compilation.cache})'),
-        ('call', f'{t.median_s * 1e3:.2f} ms median, p10 {t.p10_s * 1e3:.2f}, p90 '
-                 f'{t.p90_s * 1e3:.2f} ({len(t.times_s)} rounds)'),
-        ('tokens/s', f'{self.tokens_per_s:,.0f} ({self.ms_per_token:.3f} ms per token)'),
-        ('memory', 'n/a' if m is None else
-         f'{format_bytes(m.total)}: temporaries {format_bytes(m.temporaries)}, arguments '
-         f'{format_bytes(m.arguments)}, outputs {format_bytes(m.outputs)}'),
+      ('model', f'{self.model} ({self.parameters:,} parameters), {self.dtype} on {self.device}'),
+      ('method', self.method),
+      (
+        'batch',
+        f'{self.batch} sources of {self.src_len} tokens, {self.generated_tokens:,} tokens out',
+      ),
+      (
+        'compile',
+        f'{self.compilation.seconds:.2f} s for {self.compilation.programs} '
+        f'program(s) (cache: {self.compilation.cache})',
+      ),
+      (
+        'call',
+        f'{t.median_s * 1e3:.2f} ms median, p10 {t.p10_s * 1e3:.2f}, p90 '
+        f'{t.p90_s * 1e3:.2f} ({len(t.times_s)} rounds)',
+      ),
+      ('tokens/s', f'{self.tokens_per_s:,.0f} ({self.ms_per_token:.3f} ms per token)'),
+      (
+        'memory',
+        'n/a'
+        if m is None
+        else f'{format_bytes(m.total)}: temporaries {format_bytes(m.temporaries)}, arguments '
+        f'{format_bytes(m.arguments)}, outputs {format_bytes(m.outputs)}',
+      ),
     ]
     return '\n'.join(f'{name:>9s}  {value}' for name, value in rows)
 
@@ -107,15 +139,25 @@ class Decoding:
   new_tokens. params None: random parameters (seeded).
   """
 
-  def __init__(self, config: ModelConfig, method: DecodingMethod | str = 'greedy', *,
-               batch: int = 32, src_len: int = 32, new_tokens: int = 32, params=None,
-               seed: int = 0):
+  def __init__(
+    self,
+    config: ModelConfig,
+    method: DecodingMethod | str = 'greedy',
+    *,
+    batch: int = 32,
+    src_len: int = 32,
+    new_tokens: int = 32,
+    params=None,
+    seed: int = 0,
+  ):
     for name, value in (('batch', batch), ('src_len', src_len), ('new_tokens', new_tokens)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f'{name} must be a positive integer, got {value!r}')
     if max(src_len, new_tokens) > config.max_len:
-      raise ValueError(f'src_len {src_len} and new_tokens {new_tokens} must be at most '
-                       f'model.max_len={config.max_len}')
+      raise ValueError(
+        f'src_len {src_len} and new_tokens {new_tokens} must be at most '
+        f'model.max_len={config.max_len}'
+      )
     if isinstance(method, str):
       method = method_from_name(method)
     autoregressive = not isinstance(method, MaskPredict)
@@ -126,8 +168,9 @@ class Decoding:
     src = random_sources(config, batch, src_len, seed)
     if params is None:
       params = jax.jit(model.init)(jax.random.key(seed), src[:, :1], src[:, :1])['params']
-    programs = decoding_programs(method, model, params, src,
-                                 min_len=new_tokens if autoregressive else 0)
+    programs = decoding_programs(
+      method, model, params, src, min_len=new_tokens if autoregressive else 0
+    )
     compiled, self.compilation = compile_programs(lambda: programs.lowered)
     self.run_programs = lambda: programs.run(compiled)
     self.compiled = compiled
@@ -142,21 +185,42 @@ class Decoding:
   def report(self, timing: Timing) -> DecodeReport:
     config, device = self.config, jax.devices()[0]
     beams = self.method.beam_size if isinstance(self.method, BeamSearch) else 1
-    flops = None if isinstance(self.method, MaskPredict) else decode_flops(
-        config, self.batch, self.src_len, self.new_tokens, beams)
+    flops = (
+      None
+      if isinstance(self.method, MaskPredict)
+      else decode_flops(config, self.batch, self.src_len, self.new_tokens, beams)
+    )
     return DecodeReport(
-        model=describe_model(config), parameters=count_params(self.params),
-        method=self.method.describe(), batch=self.batch, src_len=self.src_len,
-        new_tokens=self.new_tokens, generated_tokens=self.generated_tokens,
-        dtype=config.compute_dtype.name, device=getattr(device, 'device_kind', device.platform),
-        compilation=self.compilation, timing=timing, memory=memory_of(self.compiled),
-        analytic_flops=flops)
+      model=describe_model(config),
+      parameters=count_params(self.params),
+      method=self.method.describe(),
+      batch=self.batch,
+      src_len=self.src_len,
+      new_tokens=self.new_tokens,
+      generated_tokens=self.generated_tokens,
+      dtype=config.compute_dtype.name,
+      device=getattr(device, 'device_kind', device.platform),
+      compilation=self.compilation,
+      timing=timing,
+      memory=memory_of(self.compiled),
+      analytic_flops=flops,
+    )
 
 
-def decode_report(config: ModelConfig, method: DecodingMethod | str = 'greedy', *,
-                  batch: int = 32, src_len: int = 32, new_tokens: int = 32, rounds: int = 5,
-                  warmup: int = 1, params=None, seed: int = 0) -> DecodeReport:
+def decode_report(
+  config: ModelConfig,
+  method: DecodingMethod | str = 'greedy',
+  *,
+  batch: int = 32,
+  src_len: int = 32,
+  new_tokens: int = 32,
+  rounds: int = 5,
+  warmup: int = 1,
+  params=None,
+  seed: int = 0,
+) -> DecodeReport:
   """Compiles `method`'s programs for `batch` random sources and times `rounds` calls."""
-  decoding = Decoding(config, method, batch=batch, src_len=src_len, new_tokens=new_tokens,
-                      params=params, seed=seed)
+  decoding = Decoding(
+    config, method, batch=batch, src_len=src_len, new_tokens=new_tokens, params=params, seed=seed
+  )
   return decoding.report(time_rounds(decoding.run, rounds, warmup))

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # only read: the counts take any object with the config's fie
 class BatchShape:
   """One training batch: `batch` rows of `src_len` source and `tgt_len` target positions
   (train.py's buckets and packed rows have src_len == tgt_len)."""
+
   batch: int
   src_len: int
   tgt_len: int
@@ -42,8 +43,10 @@ class BatchShape:
       src, _, tgt = lengths.partition('+')
       return cls(int(rows), int(src), int(tgt or src))
     except ValueError:
-      raise ValueError(f'{text!r} is not a batch shape: ROWSxSRC+TGT (32x64+64) or ROWSxLEN '
-                       '(32x64), positive integers') from None
+      raise ValueError(
+        f'{text!r} is not a batch shape: ROWSxSRC+TGT (32x64+64) or ROWSxLEN '
+        '(32x64), positive integers'
+      ) from None
 
   @classmethod
   def for_tokens(cls, max_tokens: int, length: int, row_multiple: int = 1) -> BatchShape:
@@ -89,10 +92,16 @@ def train_flops(config: ModelConfig, shape: BatchShape) -> int:
   B, S, T = shape.batch, shape.src_len, shape.tgt_len
   D, F, V = config.d_model, config.d_ff, config.vocab_size
   encoder = encoder_layer_flops(config, B, S)
-  decoder = (2 * B * T * (4 * D * D + 2 * D * F) + 4 * B * T * T * D
-             + 2 * B * T * 2 * D * D + 2 * B * S * 2 * D * D + 4 * B * T * S * D)
-  forward = (config.num_encoder_layers * encoder + config.num_decoder_layers * decoder
-             + 2 * B * T * D * V)
+  decoder = (
+    2 * B * T * (4 * D * D + 2 * D * F)
+    + 4 * B * T * T * D
+    + 2 * B * T * 2 * D * D
+    + 2 * B * S * 2 * D * D
+    + 4 * B * T * S * D
+  )
+  forward = (
+    config.num_encoder_layers * encoder + config.num_decoder_layers * decoder + 2 * B * T * D * V
+  )
   return 3 * forward
 
 
@@ -105,8 +114,10 @@ def prefix_flops(config: ModelConfig, batch: int, src_len: int) -> int:
     decoder layer   2BS(2D^2)                      cross-attention K and V, once
   """
   D = config.d_model
-  return (config.num_encoder_layers * encoder_layer_flops(config, batch, src_len)
-          + config.num_decoder_layers * 2 * batch * src_len * 2 * D * D)
+  return (
+    config.num_encoder_layers * encoder_layer_flops(config, batch, src_len)
+    + config.num_decoder_layers * 2 * batch * src_len * 2 * D * D
+  )
 
 
 def step_flops(config: ModelConfig, rows: int, src_len: int, attended: int) -> int:
@@ -126,12 +137,14 @@ def step_flops(config: ModelConfig, rows: int, src_len: int, attended: int) -> i
   return config.num_decoder_layers * layer + 2 * R * D * V
 
 
-def decode_flops(config: ModelConfig, batch: int, src_len: int, new_tokens: int,
-                 beam_size: int = 1) -> int:
+def decode_flops(
+  config: ModelConfig, batch: int, src_len: int, new_tokens: int, beam_size: int = 1
+) -> int:
   """Model FLOPs of decoding `new_tokens` for B sources: the prefix plus every step on B * beams
   rows. Not counted: softmax, LayerNorm, top-k and the cache reorder."""
   return prefix_flops(config, batch, src_len) + sum(
-      step_flops(config, batch * beam_size, src_len, t + 1) for t in range(new_tokens))
+    step_flops(config, batch * beam_size, src_len, t + 1) for t in range(new_tokens)
+  )
 
 
 def xla_flops(compiled) -> float | None:

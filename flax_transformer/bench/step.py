@@ -22,8 +22,13 @@ import dataclasses
 import jax
 import numpy as np
 
-from flax_transformer.bench.compiled import (Compilation, CompiledMemory, compile_programs,
-                                             format_bytes, memory_of)
+from flax_transformer.bench.compiled import (
+  Compilation,
+  CompiledMemory,
+  compile_programs,
+  format_bytes,
+  memory_of,
+)
 from flax_transformer.bench.flops import BatchShape, train_flops, xla_flops
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.timing import Timing, time_rounds
@@ -37,8 +42,9 @@ from flax_transformer.train.step import compiled_training, create_train_state
 PAIR_LEN = 16  # tokens per side of a packed pair: about a Multi30k sentence's
 
 
-def synthetic_batch(config: ModelConfig, shape: BatchShape, packing: int = 0,
-                    pair_len: int = PAIR_LEN, seed: int = 0) -> Batch:
+def synthetic_batch(
+  config: ModelConfig, shape: BatchShape, packing: int = 0, pair_len: int = PAIR_LEN, seed: int = 0
+) -> Batch:
   """A batch of `shape` of random ordinary ids, EOS-terminated (NumPy int32).
 
   packing 0: one pair per row, every position a token (`src [B, S]`, `tgt_in`/`tgt_out
@@ -50,7 +56,7 @@ def synthetic_batch(config: ModelConfig, shape: BatchShape, packing: int = 0,
   first = config.unk_id + 1  # ordinary tokens only
   B, S, T = shape.batch, shape.src_len, shape.tgt_len
 
-  def tokens(length):                                                          # [B, length]
+  def tokens(length):  # [B, length]
     ids = rng.integers(first, config.vocab_size, (B, length)).astype(np.int32)
     ids[:, -1] = config.eos_id
     return ids
@@ -58,20 +64,33 @@ def synthetic_batch(config: ModelConfig, shape: BatchShape, packing: int = 0,
   if not packing:
     src, tgt_out = tokens(S), tokens(T)
     tgt_in = np.concatenate([np.full((B, 1), config.bos_id, np.int32), tgt_out[:, :-1]], 1)
-    return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out,
-                 example_ids=np.arange(B, dtype=np.int32), pad_id=config.pad_id)
+    return Batch(
+      src=src,
+      tgt_in=tgt_in,
+      tgt_out=tgt_out,
+      example_ids=np.arange(B, dtype=np.int32),
+      pad_id=config.pad_id,
+    )
   if S != T:
     raise ValueError(f'a packed batch has rows of one length on both sides; got {shape}')
   if not 1 <= pair_len <= S:
     raise ValueError(f'pair_len must be between 1 and the row length {S}, got {pair_len}')
   pairs = S // pair_len
   used = pairs * pair_len
-  position = np.tile(np.arange(pair_len, dtype=np.int32), pairs)                # [used]
-  segment = np.repeat(np.arange(1, pairs + 1, dtype=np.int32), pair_len)        # [used]
-  arrays = {name: np.full((B, S), config.pad_id if name in ('src', 'tgt_in', 'tgt_out')
-                          else 0, np.int32)
-            for name in ('src', 'tgt_in', 'tgt_out', 'src_segments', 'tgt_segments',
-                         'src_positions', 'tgt_positions')}
+  position = np.tile(np.arange(pair_len, dtype=np.int32), pairs)  # [used]
+  segment = np.repeat(np.arange(1, pairs + 1, dtype=np.int32), pair_len)  # [used]
+  arrays = {
+    name: np.full((B, S), config.pad_id if name in ('src', 'tgt_in', 'tgt_out') else 0, np.int32)
+    for name in (
+      'src',
+      'tgt_in',
+      'tgt_out',
+      'src_segments',
+      'tgt_segments',
+      'src_positions',
+      'tgt_positions',
+    )
+  }
   for side in ('src', 'tgt_out'):
     ids = rng.integers(first, config.vocab_size, (B, used)).astype(np.int32)
     ids[:, position == pair_len - 1] = config.eos_id
@@ -89,8 +108,10 @@ def synthetic_batch(config: ModelConfig, shape: BatchShape, packing: int = 0,
 def describe_model(config: ModelConfig) -> str:
   """'d512 6+6 layers, 8 heads, ff 2048, vocab 37000' and the model kind if not the paper's."""
   kind = '' if config.kind == 'autoregressive' else f' {config.kind}'
-  return (f'd{config.d_model} {config.num_encoder_layers}+{config.num_decoder_layers} layers, '
-          f'{config.num_heads} heads, ff {config.d_ff}, vocab {config.vocab_size}{kind}')
+  return (
+    f'd{config.d_model} {config.num_encoder_layers}+{config.num_decoder_layers} layers, '
+    f'{config.num_heads} heads, ff {config.d_ff}, vocab {config.vocab_size}{kind}'
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +124,7 @@ class StepReport:
   xla_flops: what XLA counts in the compiled step (remat's recomputation and the elementwise
     work included), None where the backend gives no count.
   """
+
   model: str
   parameters: int
   shape: BatchShape
@@ -133,13 +155,17 @@ class StepReport:
   @property
   def mfu(self) -> float | None:
     """Model FLOP/s over the measured peak of all the devices."""
-    return self.flops_per_s / (self.peak_flops_per_s * self.devices) if self.peak_flops_per_s \
-        else None
+    return (
+      self.flops_per_s / (self.peak_flops_per_s * self.devices) if self.peak_flops_per_s else None
+    )
 
   @property
   def datasheet_mfu(self) -> float | None:
-    return self.flops_per_s / (self.datasheet_flops_per_s * self.devices) \
-        if self.datasheet_flops_per_s else None
+    return (
+      self.flops_per_s / (self.datasheet_flops_per_s * self.devices)
+      if self.datasheet_flops_per_s
+      else None
+    )
 
   def with_peak(self, peak: PeakReport | float | None) -> StepReport:
     """This report against `peak`: a PeakReport (its measured FLOP/s) or FLOP/s."""
@@ -147,48 +173,81 @@ class StepReport:
     return dataclasses.replace(self, peak_flops_per_s=value)
 
   def to_dict(self) -> dict:
-    return {'kind': 'step', 'model': self.model, 'parameters': self.parameters,
-            'shape': str(self.shape), 'rows': self.shape.batch, 'src_len': self.shape.src_len,
-            'tgt_len': self.shape.tgt_len, 'packing': self.packing, 'dtype': self.dtype,
-            'attention_kernel': self.attention_kernel, 'remat': self.remat,
-            'device': self.device, 'devices': self.devices, 'parallel': self.parallel,
-            'real_tokens': self.real_tokens, 'compilation': self.compilation.to_dict(),
-            'timing': self.timing.to_dict(), 'tokens_per_s': self.tokens_per_s,
-            'analytic_flops': self.analytic_flops, 'xla_flops': self.xla_flops,
-            'flops_per_s': self.flops_per_s, 'peak_flops_per_s': self.peak_flops_per_s,
-            'mfu': self.mfu, 'datasheet_flops_per_s': self.datasheet_flops_per_s,
-            'datasheet_mfu': self.datasheet_mfu,
-            'memory': self.memory and self.memory.to_dict()}
+    return {
+      'kind': 'step',
+      'model': self.model,
+      'parameters': self.parameters,
+      'shape': str(self.shape),
+      'rows': self.shape.batch,
+      'src_len': self.shape.src_len,
+      'tgt_len': self.shape.tgt_len,
+      'packing': self.packing,
+      'dtype': self.dtype,
+      'attention_kernel': self.attention_kernel,
+      'remat': self.remat,
+      'device': self.device,
+      'devices': self.devices,
+      'parallel': self.parallel,
+      'real_tokens': self.real_tokens,
+      'compilation': self.compilation.to_dict(),
+      'timing': self.timing.to_dict(),
+      'tokens_per_s': self.tokens_per_s,
+      'analytic_flops': self.analytic_flops,
+      'xla_flops': self.xla_flops,
+      'flops_per_s': self.flops_per_s,
+      'peak_flops_per_s': self.peak_flops_per_s,
+      'mfu': self.mfu,
+      'datasheet_flops_per_s': self.datasheet_flops_per_s,
+      'datasheet_mfu': self.datasheet_mfu,
+      'memory': self.memory and self.memory.to_dict(),
+    }
 
   def table(self) -> str:
     t, m = self.timing, self.memory
     percent = lambda x: 'n/a' if x is None else f'{100 * x:.1f}%'
     xla = 'n/a' if self.xla_flops is None else f'{self.xla_flops / 1e9:,.2f} GFLOP'
     rows = [
-        ('model', f'{self.model} ({self.parameters:,} parameters)'),
-        ('computes', f'{self.dtype}, {self.attention_kernel} attention, remat {self.remat}'
-                     + (f', packed rows of {self.packing}' if self.packing else '')),
-        ('devices', f'{self.devices} x {self.device} via {self.parallel}'),
-        ('batch', f'{self.shape} ({self.real_tokens:,} real target tokens)'),
-        ('compile', f'{self.compilation.seconds:.2f} s (cache: {self.compilation.cache})'),
-        ('step', f'{t.median_s * 1e3:.2f} ms median, p10 {t.p10_s * 1e3:.2f}, p90 '
-                 f'{t.p90_s * 1e3:.2f} ({len(t.times_s)} rounds)'),
-        ('tokens/s', f'{self.tokens_per_s:,.0f}'),
-        ('FLOPs', f'{self.analytic_flops / 1e9:,.2f} GFLOP by hand, {xla} by XLA'),
-        ('FLOP/s', f'{self.flops_per_s / 1e12:.3f} TFLOP/s'),
-        ('MFU', f'{percent(self.mfu)} of the measured peak'
-                + (f' ({self.peak_flops_per_s / 1e12:.3f} TFLOP/s)' if self.peak_flops_per_s
-                   else '') + f', {percent(self.datasheet_mfu)} of the datasheet\'s'),
-        ('memory', 'n/a' if m is None else
-         f'{format_bytes(m.total)} per device: temporaries {format_bytes(m.temporaries)}, '
-         f'arguments {format_bytes(m.arguments)}, outputs {format_bytes(m.outputs)} '
-         f'({format_bytes(m.aliased)} aliased)'),
+      ('model', f'{self.model} ({self.parameters:,} parameters)'),
+      (
+        'computes',
+        f'{self.dtype}, {self.attention_kernel} attention, remat {self.remat}'
+        + (f', packed rows of {self.packing}' if self.packing else ''),
+      ),
+      ('devices', f'{self.devices} x {self.device} via {self.parallel}'),
+      ('batch', f'{self.shape} ({self.real_tokens:,} real target tokens)'),
+      ('compile', f'{self.compilation.seconds:.2f} s (cache: {self.compilation.cache})'),
+      (
+        'step',
+        f'{t.median_s * 1e3:.2f} ms median, p10 {t.p10_s * 1e3:.2f}, p90 '
+        f'{t.p90_s * 1e3:.2f} ({len(t.times_s)} rounds)',
+      ),
+      ('tokens/s', f'{self.tokens_per_s:,.0f}'),
+      ('FLOPs', f'{self.analytic_flops / 1e9:,.2f} GFLOP by hand, {xla} by XLA'),
+      ('FLOP/s', f'{self.flops_per_s / 1e12:.3f} TFLOP/s'),
+      (
+        'MFU',
+        f'{percent(self.mfu)} of the measured peak'
+        + (f' ({self.peak_flops_per_s / 1e12:.3f} TFLOP/s)' if self.peak_flops_per_s else '')
+        + f", {percent(self.datasheet_mfu)} of the datasheet's",
+      ),
+      (
+        'memory',
+        'n/a'
+        if m is None
+        else f'{format_bytes(m.total)} per device: temporaries {format_bytes(m.temporaries)}, '
+        f'arguments {format_bytes(m.arguments)}, outputs {format_bytes(m.outputs)} '
+        f'({format_bytes(m.aliased)} aliased)',
+      ),
     ]
     return '\n'.join(f'{name:>9s}  {value}' for name, value in rows)
 
 
-def check_step(model_config: ModelConfig, train_config: TrainConfig, shape: BatchShape | None,
-               devices: int | None = None) -> tuple[BatchShape, int]:
+def check_step(
+  model_config: ModelConfig,
+  train_config: TrainConfig,
+  shape: BatchShape | None,
+  devices: int | None = None,
+) -> tuple[BatchShape, int]:
   """(the batch shape, the device count) a TrainingStep of these settings would use; raises
   ValueError (or ConfigError, for an attention kernel that cannot run here) naming the
   problem, before anything is compiled."""
@@ -197,15 +256,18 @@ def check_step(model_config: ModelConfig, train_config: TrainConfig, shape: Batc
   if not 1 <= count <= len(local):
     raise ValueError(f'devices must be between 1 and the {len(local)} here, got {devices}')
   if shape is None:
-    shape = BatchShape.for_tokens(train_config.max_tokens,
-                                  train_config.packing or min(model_config.max_len, 64), count)
+    shape = BatchShape.for_tokens(
+      train_config.max_tokens, train_config.packing or min(model_config.max_len, 64), count
+    )
   if shape.batch % count:
     raise ValueError(f'a batch of {shape.batch} rows does not split over {count} devices')
   if max(shape.src_len, shape.tgt_len) > model_config.max_len:
     raise ValueError(f'batch {shape} is longer than model.max_len={model_config.max_len}')
   if train_config.packing and shape.src_len != train_config.packing:
-    raise ValueError(f'train.packing={train_config.packing} packs rows of that length; '
-                     f'the batch {shape} has rows of {shape.src_len}')
+    raise ValueError(
+      f'train.packing={train_config.packing} packs rows of that length; '
+      f'the batch {shape} has rows of {shape.src_len}'
+    )
   resolve_attention_kernel(model_config)
   return shape, count
 
@@ -217,9 +279,16 @@ class TrainingStep:
   done and returns the step's metrics; `report(timing)` is the StepReport of timed `run()` calls.
   """
 
-  def __init__(self, model_config: ModelConfig, train_config: TrainConfig | None = None,
-               shape: BatchShape | None = None, *, devices: int | None = None,
-               parallel: str = 'shard_map', pair_len: int = PAIR_LEN):
+  def __init__(
+    self,
+    model_config: ModelConfig,
+    train_config: TrainConfig | None = None,
+    shape: BatchShape | None = None,
+    *,
+    devices: int | None = None,
+    parallel: str = 'shard_map',
+    pair_len: int = PAIR_LEN,
+  ):
     train_config = train_config or TrainConfig()
     shape, count = check_step(model_config, train_config, shape, devices)
     kernel = resolve_attention_kernel(model_config)
@@ -252,21 +321,38 @@ class TrainingStep:
     per_device = xla_flops(self.compiled)
     config = self.model_config
     return StepReport(
-        model=describe_model(config), parameters=count_params(abstract_params(config)),
-        shape=self.shape, packing=self.train_config.packing, dtype=config.compute_dtype.name,
-        attention_kernel=self.kernel, remat=config.remat, device=kind,
-        devices=self.parallel.num_devices, parallel=self.parallel.mode,
-        real_tokens=self.real_tokens, compilation=self.compilation, timing=timing,
-        analytic_flops=train_flops(config, self.shape),
-        xla_flops=None if per_device is None else per_device * self.parallel.num_devices,
-        memory=memory_of([self.compiled]),
-        datasheet_flops_per_s=datasheet_peak(kind, config.compute_dtype.name)).with_peak(peak)
+      model=describe_model(config),
+      parameters=count_params(abstract_params(config)),
+      shape=self.shape,
+      packing=self.train_config.packing,
+      dtype=config.compute_dtype.name,
+      attention_kernel=self.kernel,
+      remat=config.remat,
+      device=kind,
+      devices=self.parallel.num_devices,
+      parallel=self.parallel.mode,
+      real_tokens=self.real_tokens,
+      compilation=self.compilation,
+      timing=timing,
+      analytic_flops=train_flops(config, self.shape),
+      xla_flops=None if per_device is None else per_device * self.parallel.num_devices,
+      memory=memory_of([self.compiled]),
+      datasheet_flops_per_s=datasheet_peak(kind, config.compute_dtype.name),
+    ).with_peak(peak)
 
 
-def step_report(model_config: ModelConfig, train_config: TrainConfig | None = None,
-                shape: BatchShape | None = None, *, rounds: int = 10, warmup: int = 2,
-                peak: PeakReport | float | None = None, devices: int | None = None,
-                parallel: str = 'shard_map', pair_len: int = PAIR_LEN) -> StepReport:
+def step_report(
+  model_config: ModelConfig,
+  train_config: TrainConfig | None = None,
+  shape: BatchShape | None = None,
+  *,
+  rounds: int = 10,
+  warmup: int = 2,
+  peak: PeakReport | float | None = None,
+  devices: int | None = None,
+  parallel: str = 'shard_map',
+  pair_len: int = PAIR_LEN,
+) -> StepReport:
   """Compiles train.py's step for these settings and times `rounds` updates after `warmup`.
 
   shape: rows x source x target positions; None: train.max_tokens at length 64 (or
@@ -274,6 +360,7 @@ def step_report(model_config: ModelConfig, train_config: TrainConfig | None = No
   for the MFU column. Raises ValueError (or ConfigError) before compiling for a shape or
   device count that cannot run.
   """
-  step = TrainingStep(model_config, train_config, shape, devices=devices, parallel=parallel,
-                      pair_len=pair_len)
+  step = TrainingStep(
+    model_config, train_config, shape, devices=devices, parallel=parallel, pair_len=pair_len
+  )
   return step.report(time_rounds(step.run, rounds, warmup), peak)

@@ -22,6 +22,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Timing:
   """Seconds of each timed call, in the order they ran."""
+
   times_s: tuple[float, ...]
 
   def __post_init__(self):
@@ -41,8 +42,13 @@ class Timing:
     return float(np.percentile(self.times_s, 90))
 
   def to_dict(self) -> dict:
-    return {'median_s': self.median_s, 'p10_s': self.p10_s, 'p90_s': self.p90_s,
-            'rounds': len(self.times_s), 'times_s': list(self.times_s)}
+    return {
+      'median_s': self.median_s,
+      'p10_s': self.p10_s,
+      'p90_s': self.p90_s,
+      'rounds': len(self.times_s),
+      'times_s': list(self.times_s),
+    }
 
 
 def check_rounds(rounds: int, warmup: int) -> None:
@@ -58,9 +64,12 @@ def time_rounds(fn: Callable[[], object], rounds: int, warmup: int = 1) -> Timin
   return alternating_rounds({'fn': fn}, rounds, warmup)['fn']
 
 
-def alternating_rounds(contenders: Mapping[str, Callable[[], object]], rounds: int,
-                       warmup: int = 1, progress: Callable[[], object] | None = None
-                       ) -> dict[str, Timing]:
+def alternating_rounds(
+  contenders: Mapping[str, Callable[[], object]],
+  rounds: int,
+  warmup: int = 1,
+  progress: Callable[[], object] | None = None,
+) -> dict[str, Timing]:
   """Times several blocking calls side by side: round r calls every contender once, in turn,
   after `warmup` untimed calls of each. `progress()` follows every timed call (a bar)."""
   check_rounds(rounds, warmup)

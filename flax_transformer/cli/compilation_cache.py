@@ -38,8 +38,10 @@ from pathlib import Path
 from flax_transformer.config import ConfigError
 
 OFF = 'off'
-HELP = ("where compiled programs are kept, so that a restart skips compiling; 'off' keeps "
-        'none (default: $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/flax_transformer/jax)')
+HELP = (
+  "where compiled programs are kept, so that a restart skips compiling; 'off' keeps "
+  'none (default: $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/flax_transformer/jax)'
+)
 ENVIRONMENT = 'JAX_COMPILATION_CACHE_DIR'
 _REQUESTS = '/jax/compilation_cache/compile_requests_use_cache'
 _HITS = '/jax/compilation_cache/cache_hits'
@@ -53,8 +55,9 @@ def default_directory(environ: Mapping[str, str] = os.environ) -> Path:
   return Path(base) / 'flax_transformer' / 'jax'
 
 
-def location(setting: str | None, environ: Mapping[str, str] = os.environ
-             ) -> tuple[Path | None, str]:
+def location(
+  setting: str | None, environ: Mapping[str, str] = os.environ
+) -> tuple[Path | None, str]:
   """(the directory, or None for no cache; where it came from: 'setting', 'environment' or
   'default'), by the precedence of the module docstring."""
   if setting is not None:
@@ -67,6 +70,7 @@ def location(setting: str | None, environ: Mapping[str, str] = os.environ
 @dataclasses.dataclass
 class CompilationCache:
   """Where the cache is (None: off) and the counts of JAX's events when it was enabled."""
+
   directory: Path | None
   note: str = ''
   _start: dict = dataclasses.field(default_factory=dict)
@@ -82,12 +86,15 @@ class CompilationCache:
     if self.directory is None:
       return f'compilation cache: off{self.note}'
     read, compiled = self.counts()
-    return (f'compilation cache {self.directory}: {read:,} programs read, {compiled:,} '
-            f'compiled{self.note}')
+    return (
+      f'compilation cache {self.directory}: {read:,} programs read, {compiled:,} '
+      f'compiled{self.note}'
+    )
 
   def report(self) -> None:
     """Prints `summary` on process 0 of the job."""
     import jax
+
     if jax.process_index() == 0:
       print(self.summary())
 
@@ -107,11 +114,15 @@ def enable(setting: str | None, environ: Mapping[str, str] = os.environ) -> Comp
     except OSError as error:
       if source != 'default':
         name = '--compilation-cache' if source == 'setting' else ENVIRONMENT
-        raise ConfigError(f'{name}={directory}: cannot use it as the compilation cache '
-                          f"({error.strerror or error}); give another directory, or 'off'"
-                          ) from None
-      return _off(jax, f' ({directory} cannot be made: {error.strerror or error}; '
-                       f'--compilation-cache DIR chooses another)')
+        raise ConfigError(
+          f'{name}={directory}: cannot use it as the compilation cache '
+          f"({error.strerror or error}); give another directory, or 'off'"
+        ) from None
+      return _off(
+        jax,
+        f' ({directory} cannot be made: {error.strerror or error}; '
+        f'--compilation-cache DIR chooses another)',
+      )
   if directory is None:
     return _off(jax, '')
   jax.config.update('jax_enable_compilation_cache', True)
@@ -130,6 +141,7 @@ def _off(jax, note: str) -> CompilationCache:
 def listen() -> None:
   """Counts JAX's cache events from now on (once per process; `enable` calls it)."""
   import jax
+
   global _listening
   if not _listening:
     jax.monitoring.register_event_listener(_count)

@@ -20,45 +20,59 @@ the table in flax_transformer/cli/failures.py lists them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from tqdm import tqdm
-
-from flax_transformer.cli.failures import Failure, add_debug_option, one_line, run_program
-from flax_transformer.cli.options import (add_method_options, add_unverified_option,
-                                          method_settings, unverified_reporter)
-from flax_transformer.signals import Stopped
-
-# Sentences read, sorted and decoded together; their translations are written before the next
-# block is read. Large enough for length-sorted batches, small enough to see output soon.
-BATCHES_PER_BLOCK = 8
+from flax_transformer.cli.failures import Failure, add_debug_option, run_program
+from flax_transformer.cli.options import (
+  add_method_options,
+  add_unverified_option,
+  method_settings,
+  unverified_reporter,
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog='decode.py', description=__doc__.split('\n\n')[0],
-                                   allow_abbrev=False,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog='decode.py',
+    description=__doc__.split('\n\n')[0],
+    allow_abbrev=False,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   add = parser.add_argument
   add('sentences', nargs='*', help='sentences to translate (else --input or stdin)')
-  add('--checkpoint', required=True, type=Path,
-      help='run directory of train.py (config.json, tokenizer.json, checkpoints/), its RUN/best '
-      'or RUN/average-lastK, or a Hugging Face Marian directory (config.json, model.safetensors)')
+  add(
+    '--checkpoint',
+    required=True,
+    type=Path,
+    help='run directory of train.py (config.json, tokenizer.json, checkpoints/), its RUN/best '
+    'or RUN/average-lastK, or a Hugging Face Marian directory (config.json, model.safetensors)',
+  )
   add('--step', type=int, help='checkpoint step to load (default: the latest)')
-  add('--average-last', type=int, default=0, metavar='K',
-      help='average the parameters of the last K checkpoints (paper: 5)')
+  add(
+    '--average-last',
+    type=int,
+    default=0,
+    metavar='K',
+    help='average the parameters of the last K checkpoints (paper: 5)',
+  )
   add('--input', type=Path, help='file with one sentence per line ("-": stdin)')
   add('--output', type=Path, help='write translations here (default: stdout)')
-  add('--reference', type=Path, help='reference translations, one per line: print BLEU (cased, '
-      'lowercased, tokenized as the literature reports it) and chrF')
+  add(
+    '--reference',
+    type=Path,
+    help='reference translations, one per line: print BLEU (cased, '
+    'lowercased, tokenized as the literature reports it) and chrF',
+  )
   add('--target-lang', metavar='LANG', help="--reference's tokenized BLEU: the output language")
   add('--batch-size', type=int, default=64, help='sentences per batch')
-  add('--dtype', choices=('float32', 'bfloat16'),
-      help="compute dtype to decode in (default: the model's): bfloat16 runs the matmuls in "
-      'bfloat16 with float32 accumulation, the search in float32')
+  add(
+    '--dtype',
+    choices=('float32', 'bfloat16'),
+    help="compute dtype to decode in (default: the model's): bfloat16 runs the matmuls in "
+    'bfloat16 with float32 accumulation, the search in float32',
+  )
   add_method_options(parser)
   add_unverified_option(parser)
   add_debug_option(parser)
@@ -91,59 +105,39 @@ def _main(argv: Sequence[str] | None) -> int:
   try:
     text_io.check_output(args.output, args.checkpoint, args.input, args.reference)
     sentences, show_progress = text_io.read_input(args.sentences, args.input)
-    references = (text_io.read_references(args.reference, len(sentences))
-                  if args.reference is not None else None)
+    references = (
+      text_io.read_references(args.reference, len(sentences))
+      if args.reference is not None
+      else None
+    )
     # A named method's settings are refused before the checkpoint loads.
     method = method_from_name(args.method, **settings) if args.method else None
-    translator = Translator.from_directory(args.checkpoint, args.step, args.average_last,
-                                           args.dtype, unverified_reporter(args, 'decode.py'))
+    translator = Translator.from_directory(
+      args.checkpoint,
+      args.step,
+      args.average_last,
+      args.dtype,
+      unverified_reporter(args, 'decode.py'),
+    )
     method = method or default_method(translator.config, **settings)
     args.target_lang = args.target_lang or text_io.target_language(args.checkpoint)
     translator.check_method(method, len(sentences), args.batch_size)
     output = text_io.open_output(args.output)
   except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
     raise Failure(str(error), 2) from error  # one line; its traceback with --debug
-  return _translate(translator, method, sentences, references, output, args, show_progress)
-
-
-def _translate(translator, method, sentences, references, output, args, show_progress) -> int:
-  """Decodes block by block, writing each block's translations before reading the next."""
-  from flax_transformer.cli import text_io
-  destination, translations = args.output or 'standard output', []
-  max_len = translator.config.max_len
-  try:
-    with tqdm(total=len(sentences), unit='sent', desc='decode', disable=not show_progress,
-              file=sys.stderr, dynamic_ncols=True) as progress, warnings.catch_warnings():
-      # Library warnings (e.g. an output budget capped at max_len) as one plain line each.
-      warnings.showwarning = lambda message, *_, **__: progress.write(
-          f'decode.py: warning: {message}', file=sys.stderr)
-      for start, block in text_io.blocks(sentences, args.batch_size * BATCHES_PER_BLOCK):
-        done = translator.translate(
-            block, method, batch_size=args.batch_size, on_batch=progress.update,
-            on_truncated=lambda index, count, start=start: progress.write(
-                f'decode.py: warning: line {start + index + 1} has {count} subword tokens; the '
-                f'model reads at most {max_len - 1} + EOS: truncated', file=sys.stderr))
-        output.write(''.join(text + '\n' for text in done))
-        output.flush()
-        translations.extend(done)
-    if output is not sys.stdout:
-      output.close()  # a failure to write the last bytes is reported like any other
-  except OSError as error:
-    print(f'decode.py: error: writing {destination} failed ({error.strerror or error}); it holds '
-          f'the translations of the first {len(translations)} lines at most', file=sys.stderr)
-    return 1
-  except Stopped as stop:  # between batches: the block under way is not written
-    print(f'decode.py: {stop}; {destination} holds the translations of the first '
-          f'{len(translations)} lines', file=sys.stderr)
-    return stop.exit_code
-  except Exception as error:
-    raise Failure(f'failed after {len(translations)} lines, whose translations are in '
-                  f'{destination}: {one_line(error)}', 1) from error
-  finally:
-    if output is not sys.stdout and not output.closed:
-      with contextlib.suppress(OSError):  # after an error: what failed is reported already
-        output.close()
-  if references is not None:  # BLEU cased, lowercased and tokenized, chrF (train/evaluation.py)
-    print(*text_io.score_lines(translations, references, args.target_lang), sep='\n',
-          file=sys.stdout if args.output else sys.stderr)
-  return 0
+  status, translations = text_io.translate_into(
+    output,
+    args.output or 'standard output',
+    translator,
+    method,
+    sentences,
+    args.batch_size,
+    show_progress,
+  )
+  if status == 0 and references is not None:  # BLEU cased, lowercased, tokenized; chrF
+    print(
+      *text_io.score_lines(translations, references, args.target_lang),
+      sep='\n',
+      file=sys.stdout if args.output else sys.stderr,
+    )
+  return status

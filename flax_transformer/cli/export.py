@@ -24,16 +24,31 @@ from flax_transformer.cli.options import add_unverified_option, unverified_repor
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog='export.py', description=__doc__.split('\n\n')[0],
-                                   allow_abbrev=False)
+  parser = argparse.ArgumentParser(
+    prog='export.py', description=__doc__.split('\n\n')[0], allow_abbrev=False
+  )
   add = parser.add_argument
-  add('run', type=Path, help='run directory written by train.py (or its average-lastK, or its '
-      'best: RUN/best, the best validation checkpoint)')
-  add('--to', required=True, type=Path, metavar='DIR',
-      help='directory to write (new, empty, or an earlier export, which is replaced)')
+  add(
+    'run',
+    type=Path,
+    help='run directory written by train.py (or its average-lastK, or its '
+    'best: RUN/best, the best validation checkpoint)',
+  )
+  add(
+    '--to',
+    required=True,
+    type=Path,
+    metavar='DIR',
+    help='directory to write (new, empty, or an earlier export, which is replaced)',
+  )
   add('--step', type=int, help='checkpoint step to export (default: the latest)')
-  add('--average-last', type=int, default=0, metavar='K',
-      help='export the mean of the last K checkpoints (paper: 5)')
+  add(
+    '--average-last',
+    type=int,
+    default=0,
+    metavar='K',
+    help='export the mean of the last K checkpoints (paper: 5)',
+  )
   add_unverified_option(parser)
   add_debug_option(parser)
   args = parser.parse_args(argv)
@@ -56,13 +71,21 @@ def _main(argv: Sequence[str] | None) -> int:
   from flax_transformer.data.tokenizer import TokenizerError
   from flax_transformer.run.checkpoints import CheckpointError
   from flax_transformer.run.export import export_run
+
   try:
-    output = export_run(args.run, args.to, step=args.step, average_last=args.average_last,
-                        on_unverified=unverified_reporter(args, 'export.py'))
+    output = export_run(
+      args.run,
+      args.to,
+      step=args.step,
+      average_last=args.average_last,
+      on_unverified=unverified_reporter(args, 'export.py'),
+    )
   except ModuleNotFoundError as error:
     raise Failure(f'export needs {error.name}: pip install -e .[pretrained]', 2) from error
   except (CheckpointError, ConfigError, TokenizerError) as error:
     raise Failure(str(error), 2) from error
-  print(f'export.py: wrote {output} (transformers: MarianMTModel.from_pretrained({str(output)!r});'
-        f' CTranslate2: ct2-transformers-converter --model {output} --output_dir ...)')
+  print(
+    f'export.py: wrote {output} (transformers: MarianMTModel.from_pretrained({str(output)!r});'
+    f' CTranslate2: ct2-transformers-converter --model {output} --output_dir ...)'
+  )
   return 0

@@ -90,16 +90,23 @@ class Failure(Exception):
 
 
 def add_debug_option(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument('--debug', action='store_true',
-                      help=f'print the Python traceback of a failure (also: {DEBUG_ENVIRONMENT}=1)')
+  parser.add_argument(
+    '--debug',
+    action='store_true',
+    help=f'print the Python traceback of a failure (also: {DEBUG_ENVIRONMENT}=1)',
+  )
 
 
 def debug_requested(argv: Sequence[str]) -> bool:
   return '--debug' in argv or os.environ.get(DEBUG_ENVIRONMENT, '') not in ('', '0')
 
 
-def run_program(script: str, body: Callable[[], int], argv: Sequence[str] | None,
-                report: Callable[[BaseException], tuple[str, int] | None]) -> int:
+def run_program(
+  script: str,
+  body: Callable[[], int],
+  argv: Sequence[str] | None,
+  report: Callable[[BaseException], tuple[str, int] | None],
+) -> int:
   """`body()`'s status; a failure becomes one line 'SCRIPT: ...' and its status.
 
   `report(error)` words the program's own failures as (line, status), or None
@@ -150,7 +157,7 @@ def one_line(error: BaseException) -> str:
   text = str(error).strip().splitlines()
   text = f'{type(error).__name__}: {text[0] if text else "(no message)"}'
   if len(text) > _MESSAGE_CHARS:
-    text = text[:_MESSAGE_CHARS - 3] + '...'
+    text = text[: _MESSAGE_CHARS - 3] + '...'
   return f'{text} (unexpected; --debug or {DEBUG_ENVIRONMENT}=1 shows the traceback)'
 
 
@@ -159,6 +166,7 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
   from flax_transformer.pretrained.marian import PretrainedError
   from flax_transformer.train.interruption import Interrupted
   from flax_transformer.train.loop import NonFiniteError
+
   if isinstance(error, Interrupted):
     return str(error), error.exit_code
   if isinstance(error, PretrainedError):  # --init-from's directory, read before training
@@ -166,20 +174,26 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
   if isinstance(error, NonFiniteError):
     return f'error: {error}', 3
   if isinstance(error, KeyboardInterrupt):
-    return ('interrupted by SIGINT, nothing more saved; the checkpoints on disk are complete: '
-            'run the same command to resume from the latest'), 128 + signal.SIGINT
+    return (
+      'interrupted by SIGINT, nothing more saved; the checkpoints on disk are complete: '
+      'run the same command to resume from the latest'
+    ), 128 + signal.SIGINT
   if isinstance(error, signals.Stopped):
-    return (f'{error} before the first step (while loading); nothing new was saved: run the '
-            'same command to resume from the latest checkpoint, if any'), error.exit_code
+    return (
+      f'{error} before the first step (while loading); nothing new was saved: run the '
+      'same command to resume from the latest checkpoint, if any'
+    ), error.exit_code
   if isinstance(error, MemoryError):
     return 'error: out of memory; choose a smaller model or train.max_tokens', 1
   if _device_out_of_memory(error):
     # XLA's estimate for a batch shape comes only when that shape first compiles and runs,
     # so a run can pass the step before and fail here: the saved checkpoints are complete.
     detail = str(error).strip().splitlines()[0].split('RESOURCE_EXHAUSTED:', 1)[-1].strip()
-    return (f'error: the device ran out of memory in a training step ({detail}); lower '
-            '--train.max_tokens (tokens per batch) or the model size; the checkpoints on disk '
-            'are complete: run again to resume'), 1
+    return (
+      f'error: the device ran out of memory in a training step ({detail}); lower '
+      '--train.max_tokens (tokens per batch) or the model size; the checkpoints on disk '
+      'are complete: run again to resume'
+    ), 1
   if isinstance(error, _refusals()):
     return f'error: {error}', 2
   if isinstance(error, _run_errors()):
@@ -190,6 +204,7 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
 def _device_out_of_memory(error: BaseException) -> bool:
   """XLA's out-of-memory error (on any device, the CPU included)."""
   import jax
+
   return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
 
 
@@ -197,6 +212,7 @@ def _refusals() -> tuple[type[Exception], ...]:
   """train.py's errors that refuse the request before any work: a setting, the --workdir."""
   from flax_transformer.config import ConfigError
   from flax_transformer.run.directory import NotARun
+
   return ConfigError, NotARun
 
 
@@ -206,6 +222,7 @@ def _run_errors() -> tuple[type[Exception], ...]:
   from flax_transformer.data.tokenizer import TokenizerError
   from flax_transformer.run.checkpoints import CheckpointError, WriteError
   from flax_transformer.run.lock import RunDirectoryInUse
+
   return (CheckpointError, WriteError, DataError, TokenizerError, RunDirectoryInUse, OSError)
 
 
@@ -236,8 +253,9 @@ def _after_the_work(script: str, status: int, number: int | None) -> int:
   acted on (in the last instant of the work): the work is done, so nothing is lost."""
   if status != 0 or number is None:
     return status
-  _say(script, f'stopped by {signal.Signals(number).name} after its work was done (nothing is '
-       'lost)')
+  _say(
+    script, f'stopped by {signal.Signals(number).name} after its work was done (nothing is lost)'
+  )
   return 128 + number
 
 
@@ -266,8 +284,9 @@ def _say(script: str, line: str) -> None:
 
 
 @contextlib.contextmanager
-def deadline(seconds: float, script: str, line: str, status: int,
-             waiting: str = '') -> Iterator[None]:
+def deadline(
+  seconds: float, script: str, line: str, status: int, waiting: str = ''
+) -> Iterator[None]:
   """Ends the process with 'SCRIPT: LINE' and `status` unless the block is done within
   `seconds`: for a main thread stuck in a call that no exception or signal handler reaches
   (JAX's C++ multi-host start-up), which only another thread can end. `waiting`: a line

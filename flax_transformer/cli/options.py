@@ -17,42 +17,71 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from flax_transformer.config import (RENAMED, RUN_PRESETS, SECTIONS, Bounds, DataConfig,
-                                     ModelConfig, TrainConfig, field_types, help_of,
-                                     parse_overrides, run_preset)
+from flax_transformer.config import (
+  RENAMED,
+  RUN_PRESETS,
+  SECTIONS,
+  Bounds,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+  field_types,
+  help_of,
+  parse_overrides,
+  run_preset,
+)
 
 
 def add_setting_options(parser: argparse.ArgumentParser) -> None:
   """The shortcuts and one option per config field (less those the tokenizer decides)."""
   shortcuts = parser.add_argument_group('shortcuts')
-  shortcuts.add_argument('--data', dest='data.source', metavar='SOURCE',
-                         help='= --data.source: a directory of <split>.<lang> files, a '
-                              'JSON/JSONL/CSV/Parquet file or directory, a Hub name, or "toy"')
+  shortcuts.add_argument(
+    '--data',
+    dest='data.source',
+    metavar='SOURCE',
+    help='= --data.source: a directory of <split>.<lang> files, a '
+    'JSON/JSONL/CSV/Parquet file or directory, a Hub name, or "toy"',
+  )
   shortcuts.add_argument('--src', dest='data.src_lang', metavar='LANG', help='= --data.src_lang')
   shortcuts.add_argument('--tgt', dest='data.tgt_lang', metavar='LANG', help='= --data.tgt_lang')
   shortcuts.add_argument('--steps', dest='train.steps', metavar='N', help='= --train.steps')
-  shortcuts.add_argument('--objective', dest='model.kind', choices=('autoregressive', 'cmlm'),
-                         help='= --model.kind: autoregressive (the paper: predict each next '
-                              'token) or cmlm (non-autoregressive: mask a random number of '
-                              'target tokens, predict them all at once from the rest, plus '
-                              '--train.length_loss_weight times a target-length loss; BLEU '
-                              'decodes with mask-predict, as decode.py --method mask_predict)')
-  shortcuts.add_argument('--bf16', dest='model.dtype', action='store_const', const='bfloat16',
-                         help='= --model.dtype=bfloat16')
-  shortcuts.add_argument('--init-from', type=Path, metavar='DIR',
-                         help='fine-tune a Hugging Face Marian model (config.json, '
-                              'model.safetensors, source.spm, target.spm, vocab.json): its '
-                              'architecture, tokenizer and parameters; --model options may only '
-                              'change dropout_rate, attention_dropout_rate, dtype and remat')
+  shortcuts.add_argument(
+    '--objective',
+    dest='model.kind',
+    choices=('autoregressive', 'cmlm'),
+    help='= --model.kind: autoregressive (the paper: predict each next '
+    'token) or cmlm (non-autoregressive: mask a random number of '
+    'target tokens, predict them all at once from the rest, plus '
+    '--train.length_loss_weight times a target-length loss; BLEU '
+    'decodes with mask-predict, as decode.py --method mask_predict)',
+  )
+  shortcuts.add_argument(
+    '--bf16',
+    dest='model.dtype',
+    action='store_const',
+    const='bfloat16',
+    help='= --model.dtype=bfloat16',
+  )
+  shortcuts.add_argument(
+    '--init-from',
+    type=Path,
+    metavar='DIR',
+    help='fine-tune a Hugging Face Marian model (config.json, '
+    'model.safetensors, source.spm, target.spm, vocab.json): its '
+    'architecture, tokenizer and parameters; --model options may only '
+    'change dropout_rate, attention_dropout_rate, dtype and remat',
+  )
   presets = {name: run_preset(name) for name in RUN_PRESETS}
   for index, (section, cls) in enumerate(SECTIONS.items()):
-    group = parser.add_argument_group(f'{section} settings (value per preset: '
-                                      + ' | '.join(RUN_PRESETS) + ')')
+    group = parser.add_argument_group(
+      f'{section} settings (value per preset: ' + ' | '.join(RUN_PRESETS) + ')'
+    )
     for option in setting_options(section, cls):
       name = option.split('.', 1)[1]
       values = ' | '.join(str(getattr(presets[p][index], name)) for p in RUN_PRESETS)
-      group.add_argument(f'--{option}', dest=option, metavar='VALUE',
-                         help=f'{help_of(cls, name)} [{values}]')
+      group.add_argument(
+        f'--{option}', dest=option, metavar='VALUE', help=f'{help_of(cls, name)} [{values}]'
+      )
   for old in RENAMED:  # accepted only to be refused by parse_overrides, naming the new option
     if old.split('.', 1)[0] in SECTIONS:
       parser.add_argument(f'--{old}', dest=old, help=argparse.SUPPRESS)
@@ -61,19 +90,24 @@ def add_setting_options(parser: argparse.ArgumentParser) -> None:
 def setting_options(section: str, cls) -> list[str]:
   """'SECTION.NAME' of each field that is a command-line option."""
   hidden = ModelConfig.TOKENIZER_FIELDS if cls is ModelConfig else ()
-  return [f'{section}.{field.name}' for field in dataclasses.fields(cls)
-          if field.name not in hidden]
+  return [
+    f'{section}.{field.name}' for field in dataclasses.fields(cls) if field.name not in hidden
+  ]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, DataConfig]:
   """The preset's configs with every given override applied (raises ConfigError)."""
   configs = list(run_preset(args.preset))
   for index, section in enumerate(SECTIONS):
-    assignments = {name.split('.', 1)[1]: value for name, value in vars(args).items()
-                   if name.startswith(f'{section}.') and value is not None}
+    assignments = {
+      name.split('.', 1)[1]: value
+      for name, value in vars(args).items()
+      if name.startswith(f'{section}.') and value is not None
+    }
     configs[index] = parse_overrides(configs[index], section, assignments)
     if section == 'model' and getattr(args, 'init_from', None) is not None:
       from flax_transformer.pretrained.marian import fine_tuning_config
+
       configs[index] = fine_tuning_config(args.init_from, assignments)
   model_config, train_config, data_config = configs
   source = Path(data_config.source).expanduser()
@@ -83,48 +117,66 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
   return model_config, train_config, data_config
 
 
-def add_method_options(parser: argparse.ArgumentParser, methods=None,
-                       title: str = 'decoding method') -> None:
+def add_method_options(
+  parser: argparse.ArgumentParser, methods=None, title: str = 'decoding method'
+) -> None:
   """One option per setting of the decoding `methods` (default: all, chosen by --method), named
   and documented as the method class's field (`--beam-size`: `BeamSearch.beam_size`), its
   range refused when parsed; a setting not given is None, the method's own default. The old
   names in config.RENAMED are accepted only to be refused by `method_settings`, naming the new."""
   from flax_transformer.decode.methods import METHODS, renamed_methods
+
   choose = methods is None
   methods = list(METHODS.values()) if choose else list(methods)
-  group = parser.add_argument_group(title, (
+  group = parser.add_argument_group(
+    title,
+    (
       'beam, greedy and sample decode an autoregressive checkpoint, mask_predict a cmlm one'
-      if choose else None))
+      if choose
+      else None
+    ),
+  )
   if choose:
     group.add_argument(
-        '--method', choices=[*METHODS, *renamed_methods()], metavar='{' + ','.join(METHODS) + '}',
-        help='default: beam for an autoregressive checkpoint, mask_predict for a cmlm one (it '
-             'predicts the output length, fills all positions at once, then re-predicts the '
-             'least confident ones)')
+      '--method',
+      choices=[*METHODS, *renamed_methods()],
+      metavar='{' + ','.join(METHODS) + '}',
+      help='default: beam for an autoregressive checkpoint, mask_predict for a cmlm one (it '
+      'predicts the output length, fills all positions at once, then re-predicts the '
+      'least confident ones)',
+    )
   for name, (field, owners) in _method_fields(methods).items():
     kind, choices = _option_type(field_types(owners[0])[name])
     default = '' if field.default is None else f' (default {field.default})'
     group.add_argument(
-        f'--{name.replace("_", "-")}', dest=name, choices=choices,
-        metavar=None if choices else {int: 'N', float: 'X'}.get(kind),
-        type=_bounded(kind, field.metadata.get('bounds')) if choices is None else kind,
-        help=(f'{", ".join(owner.name for owner in owners)}: ' if choose else '')
-        + field.metadata['help'] + default)
-  for old, new in RENAMED.items():
+      f'--{name.replace("_", "-")}',
+      dest=name,
+      choices=choices,
+      metavar=None if choices else {int: 'N', float: 'X'}.get(kind),
+      type=_bounded(kind, field.metadata.get('bounds')) if choices is None else kind,
+      help=(f'{", ".join(owner.name for owner in owners)}: ' if choose else '')
+      + field.metadata['help']
+      + default,
+    )
+  for old in RENAMED:
     section, old_name = old.split('.', 1)
     if any(section == method.name for method in methods):
       group.add_argument(f'--{old_name.replace("_", "-")}', dest=old, help=argparse.SUPPRESS)
 
 
-def method_settings(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                    methods=None) -> dict[str, object]:
+def method_settings(
+  parser: argparse.ArgumentParser, args: argparse.Namespace, methods=None
+) -> dict[str, object]:
   """The method settings given on the command line, by field name (parser.error for an old
   option)."""
   from flax_transformer.decode.methods import METHODS
+
   for old, new in RENAMED.items():
     if getattr(args, old, None) is not None:
-      parser.error(f'--{old.split(".", 1)[1].replace("_", "-")} is now called '
-                   f'--{new.split(".", 1)[1].replace("_", "-")}')
+      parser.error(
+        f'--{old.split(".", 1)[1].replace("_", "-")} is now called '
+        f'--{new.split(".", 1)[1].replace("_", "-")}'
+      )
   names = _method_fields(METHODS.values() if methods is None else methods)
   settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
   if settings.get('length') == 'fixed' and 'length_beam' not in settings:
@@ -161,6 +213,7 @@ def _bounded(kind: type, bounds: Bounds | None):
     if not bounds.admits(value):
       raise argparse.ArgumentTypeError(f'must be {_limits(bounds)}, got {value}')
     return value
+
   parse.__name__ = kind.__name__
   return parse
 
@@ -191,12 +244,15 @@ def _int_at_least(text: str, low: int, kind: str) -> int:
 
 
 def add_unverified_option(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument('--allow-unverified', action='store_true',
-                      help='load a checkpoint that has no recorded SHA-256s (sha256sums.json, '
-                           'e.g. one from an older version), saying it was not verified '
-                           '(default: it counts as damaged: decode.py, distill.py and export.py '
-                           'refuse it; train.py sets it aside and resumes from the newest '
-                           'verified one)')
+  parser.add_argument(
+    '--allow-unverified',
+    action='store_true',
+    help='load a checkpoint that has no recorded SHA-256s (sha256sums.json, '
+    'e.g. one from an older version), saying it was not verified '
+    '(default: it counts as damaged: decode.py, distill.py and export.py '
+    'refuse it; train.py sets it aside and resumes from the newest '
+    'verified one)',
+  )
 
 
 def unverified_reporter(args: argparse.Namespace, script: str):

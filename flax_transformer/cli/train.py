@@ -20,88 +20,79 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flax_transformer.cli import compilation_cache
-from flax_transformer.cli.failures import add_debug_option, deadline, run_program, train_failure
-from flax_transformer.cli.options import (add_setting_options, add_unverified_option,
-                                          configs_from_args, nonnegative_int, positive_int)
+from flax_transformer.cli import compilation_cache, hosts, options
+from flax_transformer.cli.failures import add_debug_option, run_program, train_failure
 from flax_transformer.config import RUN_PRESETS, ConfigError
-
-# How long a multi-host start waits for every process to join the coordinator (JAX's default).
-COORDINATOR_TIMEOUT_S = 300
-# JAX's own deadline comes this much later: its expiry aborts the process with a C++ stack trace,
-# so the program's `deadline` ends it first, with one line.
-_JAX_TIMEOUT_MARGIN_S = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog='train.py', allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-      description=__doc__.split('\n\n')[0],
-      epilog='model.vocab_size and the special token ids come from the tokenizer trained on the '
-             'data (its size is at most --data.vocab_size).\nMixed precision: --bf16 computes in '
-             'bfloat16 with float32 parameters, logits and loss.')
-  run = parser.add_argument_group('run')
-  run.add_argument('--preset', choices=RUN_PRESETS, default='toy',
-                   help='named settings to start from (default: toy, offline)')
-  run.add_argument('--workdir', help='run directory: config.json, tokenizer.json, '
-                   'checkpoints/, metrics.jsonl (default: runs/PRESET)')
-  run.add_argument('--resume', action=argparse.BooleanOptionalAction, default=True,
-                   help='continue from the latest checkpoint in --workdir if there is one; '
-                        '--no-resume deletes the previous run there and starts afresh')
-  run.add_argument('--devices', type=positive_int, metavar='N',
-                   help='use the first N local devices (default: all devices of all processes)')
-  run.add_argument('--parallel', choices=('shard_map', 'pmap'), default='shard_map',
-                   help='how the step is mapped over devices (identical results)')
-  run.add_argument('--average-last', type=positive_int, default=0, metavar='K',
-                   help='at the end, write WORKDIR/average-lastK, the mean of the last K '
-                        'checkpoints (the paper averages 5), and report its scores')
-  run.add_argument('--compilation-cache', metavar='DIR', help=compilation_cache.HELP)
-  run.add_argument('--skip-nonfinite', type=nonnegative_int, default=0, metavar='N',
-                   help='skip up to N steps whose loss or gradient is not finite (their '
-                        'updates are not applied) before stopping; default 0: stop at the first')
-  hosts = parser.add_argument_group(
-      'multi-host', 'run the same command on every process; with --distributed alone, JAX '
-      'detects the cluster (SLURM, TPU pods, Open MPI)')
-  hosts.add_argument('--distributed', action='store_true',
-                     help='call jax.distributed.initialize() before anything else')
-  hosts.add_argument('--coordinator', metavar='HOST:PORT',
-                     help='address of process 0 (implies --distributed)')
-  hosts.add_argument('--num-processes', type=positive_int, metavar='N',
-                     help='how many processes take part (with --coordinator)')
-  hosts.add_argument('--process-id', type=int, metavar='I',
-                     help="this process's index, 0 .. N-1 (with --coordinator)")
-  hosts.add_argument('--coordinator-timeout', type=positive_int, metavar='SECONDS',
-                     default=COORDINATOR_TIMEOUT_S,
-                     help='give up when the processes have not all joined the coordinator '
-                          'within this time (default: %(default)s)')
-  add_unverified_option(run)
+    prog='train.py',
+    allow_abbrev=False,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    description=__doc__.split('\n\n')[0],
+    epilog='model.vocab_size and the special token ids come from the tokenizer trained on the '
+    'data (its size is at most --data.vocab_size).\nMixed precision: --bf16 computes in '
+    'bfloat16 with float32 parameters, logits and loss.',
+  )
+  run = _add_run_options(parser.add_argument_group('run'))
+  hosts.add_host_options(parser)
+  options.add_unverified_option(run)
   add_debug_option(run)
-  add_setting_options(parser)
+  options.add_setting_options(parser)
   return parser
 
 
-def _start_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-  """jax.distributed.initialize when asked; flag mistakes are answered at once."""
-  from flax_transformer.train import distributed
-  if not (args.coordinator or args.distributed):
-    if (args.num_processes is not None or args.process_id is not None
-        or args.coordinator_timeout != COORDINATOR_TIMEOUT_S):
-      parser.error('--num-processes, --process-id and --coordinator-timeout need --coordinator '
-                   '(or --distributed)')
-    return
-  problem = distributed.check_coordinator(args.coordinator, args.num_processes, args.process_id)
-  if problem:
-    parser.error(problem)
-  try:
-    waiting, failed = distributed.join_lines(args.coordinator, args.num_processes,
-                                             args.process_id, args.coordinator_timeout)
-    with deadline(args.coordinator_timeout, 'train.py', failed, 1, waiting=waiting):
-      distributed.start(args.coordinator, args.num_processes, args.process_id,
-                        timeout_s=args.coordinator_timeout + _JAX_TIMEOUT_MARGIN_S)
-  except ValueError as error:  # JAX names the first setting it could neither read nor detect
-    parser.error(f'jax.distributed.initialize: {error} JAX detects the cluster on TPU pods and '
-                 'under SLURM or Open MPI; elsewhere give --coordinator HOST:PORT, '
-                 '--num-processes N and --process-id I')
+def _add_run_options(run: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
+  """Where the run lives, how it maps over devices, and what it does at the end."""
+  run.add_argument(
+    '--preset',
+    choices=RUN_PRESETS,
+    default='toy',
+    help='named settings to start from (default: toy, offline)',
+  )
+  run.add_argument(
+    '--workdir',
+    help='run directory: config.json, tokenizer.json, '
+    'checkpoints/, metrics.jsonl (default: runs/PRESET)',
+  )
+  run.add_argument(
+    '--resume',
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help='continue from the latest checkpoint in --workdir if there is one; '
+    '--no-resume deletes the previous run there and starts afresh',
+  )
+  run.add_argument(
+    '--devices',
+    type=options.positive_int,
+    metavar='N',
+    help='use the first N local devices (default: all devices of all processes)',
+  )
+  run.add_argument(
+    '--parallel',
+    choices=('shard_map', 'pmap'),
+    default='shard_map',
+    help='how the step is mapped over devices (identical results)',
+  )
+  run.add_argument(
+    '--average-last',
+    type=options.positive_int,
+    default=0,
+    metavar='K',
+    help='at the end, write WORKDIR/average-lastK, the mean of the last K '
+    'checkpoints (the paper averages 5), and report its scores',
+  )
+  run.add_argument('--compilation-cache', metavar='DIR', help=compilation_cache.HELP)
+  run.add_argument(
+    '--skip-nonfinite',
+    type=options.nonnegative_int,
+    default=0,
+    metavar='N',
+    help='skip up to N steps whose loss or gradient is not finite (their '
+    'updates are not applied) before stopping; default 0: stop at the first',
+  )
+  return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,10 +104,10 @@ def _main(argv: list[str] | None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
-    configs = configs_from_args(args)
+    configs = options.configs_from_args(args)
   except ConfigError as error:
     parser.error(str(error))
-  _start_hosts(parser, args)
+  hosts.start_hosts(parser, args)
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
   from flax_transformer.run.directory import NotARun, saved_steps
@@ -130,14 +121,25 @@ def _main(argv: list[str] | None) -> int:
     raise NotARun("--workdir '' names no directory; name a new one (default: runs/PRESET)")
   workdir = Path(args.workdir) if args.workdir is not None else Path('runs') / args.preset
   try:
-    check_settings(*configs, args.average_last, args.skip_nonfinite,
-                   pretrained=args.init_from is not None,
-                   saved=saved_steps(workdir) if args.resume else ())
+    check_settings(
+      *configs,
+      args.average_last,
+      args.skip_nonfinite,
+      pretrained=args.init_from is not None,
+      saved=saved_steps(workdir) if args.resume else (),
+    )
   except ConfigError as error:
     parser.error(str(error))
-  train(*configs, workdir, devices=args.devices,
-        parallel=args.parallel, resume=args.resume, average_last=args.average_last,
-        skip_nonfinite=args.skip_nonfinite, init_from=args.init_from,
-        allow_unverified=args.allow_unverified)
+  train(
+    *configs,
+    workdir,
+    devices=args.devices,
+    parallel=args.parallel,
+    resume=args.resume,
+    average_last=args.average_last,
+    skip_nonfinite=args.skip_nonfinite,
+    init_from=args.init_from,
+    allow_unverified=args.allow_unverified,
+  )
   cache.report()
   return 0

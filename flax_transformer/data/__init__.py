@@ -10,12 +10,28 @@ per row), `toy_task` (number words, English -> German, offline).
 from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, encode_corpus, shard
 from flax_transformer.data.corpus import DataError, describe, load_parallel
 from flax_transformer.data.packing import PackingBatcher, padding_share
-from flax_transformer.data.tokenizer import (TextTokenizer, Tokenizer, TokenizerError,
-                                             check_compatible)
+from flax_transformer.data.tokenizer import (
+  TextTokenizer,
+  Tokenizer,
+  TokenizerError,
+  check_compatible,
+)
 from flax_transformer.data.toy_task import number_translation
 
 __all__ = [
-    'Batch', 'Batcher', 'DataError', 'EncodedCorpus', 'PackingBatcher', 'TextTokenizer',
-    'Tokenizer', 'TokenizerError', 'check_compatible', 'describe', 'encode_corpus',
-    'load_parallel', 'number_translation', 'padding_share', 'shard',
+  'Batch',
+  'Batcher',
+  'DataError',
+  'EncodedCorpus',
+  'PackingBatcher',
+  'TextTokenizer',
+  'Tokenizer',
+  'TokenizerError',
+  'check_compatible',
+  'describe',
+  'encode_corpus',
+  'load_parallel',
+  'number_translation',
+  'padding_share',
+  'shard',
 ]

@@ -58,7 +58,6 @@ from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, proces
 from flax_transformer.data.corpus import DataError
 from flax_transformer.data.packing import PackingBatcher, pack_rows
 
-
 # ------------------------------------------------------------------------------------------------
 # Rows of pairs, flat.
 
@@ -70,7 +69,8 @@ class PackedRows:
   Behaves as the list of per-row arrays `pack_rows` returns where `Batcher._plan` uses
   it: `len()` is the number of rows, a slice is the rows it selects, an int a row.
   """
-  pairs: np.ndarray   # int64 [P]
+
+  pairs: np.ndarray  # int64 [P]
   splits: np.ndarray  # int64 [R + 1], splits[0] == 0
 
   @classmethod
@@ -78,8 +78,11 @@ class PackedRows:
     counts = np.fromiter(map(len, rows), np.int64, count=len(rows))
     splits = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(counts, out=splits[1:])
-    pairs = (np.concatenate([np.asarray(row, np.int64) for row in rows]) if len(rows)
-             else np.zeros(0, np.int64))
+    pairs = (
+      np.concatenate([np.asarray(row, np.int64) for row in rows])
+      if len(rows)
+      else np.zeros(0, np.int64)
+    )
     return cls(pairs=pairs.astype(np.int64, copy=False), splits=splits)
 
   def __len__(self) -> int:
@@ -91,9 +94,11 @@ class PackedRows:
       if step != 1:
         raise ValueError('PackedRows slices take consecutive rows')
       stop = max(start, stop)
-      return PackedRows(pairs=self.pairs[self.splits[start]:self.splits[stop]],
-                        splits=self.splits[start:stop + 1] - self.splits[start])
-    return self.pairs[self.splits[index]:self.splits[index + 1]]
+      return PackedRows(
+        pairs=self.pairs[self.splits[start] : self.splits[stop]],
+        splits=self.splits[start : stop + 1] - self.splits[start],
+      )
+    return self.pairs[self.splits[index] : self.splits[index + 1]]
 
   def rows(self) -> list[np.ndarray]:
     """As `pack_rows` returns them: one int64 array per row."""
@@ -128,12 +133,13 @@ def _shifted(ids: np.ndarray, flat: np.ndarray, positions: np.ndarray, bos: int)
   return np.where(positions == 0, np.int32(bos), previous)
 
 
-def build_bucketed(corpus: EncodedCorpus, pairs: np.ndarray, rows: int, length: int,
-                   index: int = 0, count: int = 1) -> Batch:
+def build_bucketed(
+  corpus: EncodedCorpus, pairs: np.ndarray, rows: int, length: int, index: int = 0, count: int = 1
+) -> Batch:
   """`Batcher._build(bucket, pairs)` for a bucket of `rows` x `length`, or with `count` > 1
   only rows `[index * rows / count, (index + 1) * rows / count)` of it (`shard`'s part)."""
   first, size = process_rows(rows, index, count)
-  pairs = np.asarray(pairs, np.int64)[first:first + size]
+  pairs = np.asarray(pairs, np.int64)[first : first + size]
   pad = corpus.pad_id
   src = np.full((size, length), pad, np.int32)
   tgt_in = np.full((size, length), pad, np.int32)
@@ -145,27 +151,41 @@ def build_bucketed(corpus: EncodedCorpus, pairs: np.ndarray, rows: int, length: 
   at = row * length + column
   tgt_out.ravel()[at] = tokens
   tgt_in.ravel()[at] = _shifted(corpus.tgt_ids, flat, column, corpus.bos_id)
-  example_ids[:len(pairs)] = np.asarray(corpus.example_ids)[pairs]
+  example_ids[: len(pairs)] = np.asarray(corpus.example_ids)[pairs]
   return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids, pad_id=pad)
 
 
-def build_packed(corpus: EncodedCorpus, rows_of_pairs: PackedRows | Sequence[np.ndarray],
-                 rows: int, length: int, index: int = 0, count: int = 1) -> Batch:
+def build_packed(
+  corpus: EncodedCorpus,
+  rows_of_pairs: PackedRows | Sequence[np.ndarray],
+  rows: int,
+  length: int,
+  index: int = 0,
+  count: int = 1,
+) -> Batch:
   """`PackingBatcher._build(bucket, rows_of_pairs)` for a bucket of `rows` x `length`, or
   with `count` > 1 only this process's rows of it (`shard`'s part)."""
   if not isinstance(rows_of_pairs, PackedRows):
     rows_of_pairs = PackedRows.from_rows(rows_of_pairs)
   first, size = process_rows(rows, index, count)
-  mine = rows_of_pairs[first:first + size]
+  mine = rows_of_pairs[first : first + size]
   pairs = mine.pairs
   counts = np.diff(mine.splits)
   row_of_pair = np.repeat(np.arange(len(mine)), counts)
   segment = np.arange(len(pairs)) - mine.splits[row_of_pair]  # 0-based, within its row
   pad = corpus.pad_id
-  arrays = {name: np.full((size, length), pad if name in ('src', 'tgt_in', 'tgt_out') else 0,
-                          np.int32)
-            for name in ('src', 'tgt_in', 'tgt_out', 'src_segments', 'tgt_segments',
-                         'src_positions', 'tgt_positions')}
+  arrays = {
+    name: np.full((size, length), pad if name in ('src', 'tgt_in', 'tgt_out') else 0, np.int32)
+    for name in (
+      'src',
+      'tgt_in',
+      'tgt_out',
+      'src_segments',
+      'tgt_segments',
+      'src_positions',
+      'tgt_positions',
+    )
+  }
   for side in ('src', 'tgt'):
     ids, offsets = getattr(corpus, f'{side}_ids'), getattr(corpus, f'{side}_offsets')
     lengths, item, position, flat, tokens = _side(ids, offsets, pairs)
@@ -189,8 +209,13 @@ def build_packed(corpus: EncodedCorpus, rows_of_pairs: PackedRows | Sequence[np.
 # The packing plan.
 
 
-def pack_plan(order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int,
-              rng: np.random.Generator | None = None) -> PackedRows:
+def pack_plan(
+  order: np.ndarray,
+  src_lengths: np.ndarray,
+  tgt_lengths: np.ndarray,
+  length: int,
+  rng: np.random.Generator | None = None,
+) -> PackedRows:
   """Pairs `order` (indices into the length arrays, each <= `length` a side) -> rows, by
   best-fit decreasing on the length histogram (the module docstring); every pair lands in
   exactly one row. `rng` shuffles the rows (None: the order the groups made them).
@@ -202,8 +227,9 @@ def pack_plan(order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarra
   need_tgt = np.asarray(tgt_lengths[order], np.int64)
   if need_src.max() > length or need_tgt.max() > length or min(need_src.min(), need_tgt.min()) < 1:
     raise DataError(f'pack_plan: every pair needs 1..{length} positions a side')
-  types, pair_type, type_count = np.unique(need_src * (length + 1) + need_tgt,
-                                           return_inverse=True, return_counts=True)
+  types, pair_type, type_count = np.unique(
+    need_src * (length + 1) + need_tgt, return_inverse=True, return_counts=True
+  )
   type_src, type_tgt = types // (length + 1), types % (length + 1)
   largest_first = np.lexsort((-(type_src + type_tgt), -np.maximum(type_src, type_tgt)))
   groups = _Groups(length)
@@ -224,8 +250,9 @@ def pack_plan(order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarra
   live = [g for g in range(groups.size) if groups.count[g]]
   contents = [groups.contents[g] for g in live]
   row_counts = np.repeat([len(c) for c in contents], groups.count[live])
-  slot_type = np.concatenate([np.tile(np.asarray(c, np.int64), int(groups.count[g]))
-                              for g, c in zip(live, contents)])
+  slot_type = np.concatenate(
+    [np.tile(np.asarray(c, np.int64), int(groups.count[g])) for g, c in zip(live, contents)]
+  )
   pairs = np.empty(len(order), np.int64)
   pairs[np.argsort(slot_type, kind='stable')] = order[np.argsort(pair_type, kind='stable')]
   splits = np.zeros(len(row_counts) + 1, np.int64)
@@ -252,7 +279,9 @@ class _Groups:
     if group is None:
       if self.size == len(self.count):
         for name in ('count', 'src_free', 'tgt_free'):
-          setattr(self, name, np.concatenate([getattr(self, name), np.zeros_like(getattr(self, name))]))
+          setattr(
+            self, name, np.concatenate([getattr(self, name), np.zeros_like(getattr(self, name))])
+          )
       group = self.index[content] = self.size
       self.contents.append(content)
       self.src_free[group], self.tgt_free[group] = src_free, tgt_free
@@ -273,13 +302,18 @@ class _Groups:
     """One pair of `kind` into each of up to `left` rows of `group`; returns how many."""
     moved = int(min(left, self.count[group]))
     self.count[group] -= moved
-    self.add(moved, self.contents[group] + (kind,), int(self.src_free[group]) - a,
-             int(self.tgt_free[group]) - b)
+    self.add(
+      moved,
+      self.contents[group] + (kind,),
+      int(self.src_free[group]) - a,
+      int(self.tgt_free[group]) - b,
+    )
     return moved
 
 
-def _reorder_rows(pairs: np.ndarray, splits: np.ndarray,
-                  order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _reorder_rows(
+  pairs: np.ndarray, splits: np.ndarray, order: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
   counts = np.diff(splits)[order]
   new_splits = np.zeros(len(order) + 1, np.int64)
   np.cumsum(counts, out=new_splits[1:])
@@ -287,16 +321,24 @@ def _reorder_rows(pairs: np.ndarray, splits: np.ndarray,
   return pairs[splits[order][rows] + positions], new_splits
 
 
-def plan_padding(plan: Sequence[tuple[int, Sequence]], rows: Sequence[int],
-                 length_buckets: Sequence[int], corpus: EncodedCorpus) -> dict[str, float]:
+def plan_padding(
+  plan: Sequence[tuple[int, Sequence]],
+  rows: Sequence[int],
+  length_buckets: Sequence[int],
+  corpus: EncodedCorpus,
+) -> dict[str, float]:
   """Padding of a whole epoch's plan ([(bucket, rows or pairs)] per batch) without building
   it: {'target', 'source'} shares of PAD positions, 'rows' filled, 'positions' per side."""
   positions = sum(rows[bucket] * length_buckets[bucket] for bucket, _ in plan)
   filled = sum(len(entry) for _, entry in plan)
   src = int(np.diff(corpus.src_offsets).sum())
   tgt = int(np.diff(corpus.tgt_offsets).sum())
-  return {'target': 1 - tgt / positions, 'source': 1 - src / positions, 'rows': filled,
-          'positions': positions}
+  return {
+    'target': 1 - tgt / positions,
+    'source': 1 - src / positions,
+    'rows': filled,
+    'positions': positions,
+  }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -318,8 +360,9 @@ class ArrayBatcher(Batcher):
   def local_batch_at(self, step: int, index: int, count: int) -> Batch:
     """`shard(batch_at(step), index, count)`, building only those rows."""
     bucket, pairs = self._entry(step)
-    return build_bucketed(self.corpus, pairs, self.rows[bucket], self.length_buckets[bucket],
-                          index, count)
+    return build_bucketed(
+      self.corpus, pairs, self.rows[bucket], self.length_buckets[bucket], index, count
+    )
 
 
 class ArrayPackingBatcher(PackingBatcher):
@@ -328,16 +371,25 @@ class ArrayPackingBatcher(PackingBatcher):
   `pack_rows` exactly as `PackingBatcher` plans them (then its batches are bit for bit
   `PackingBatcher`'s); with `local_batch_at` building one process's rows only."""
 
-  def __init__(self, corpus: EncodedCorpus, max_tokens: int, seed: int, row_length: int,
-               length_buckets: Sequence[int] | None = None, row_multiple: int = 1,
-               shuffle: bool = True, plan: Literal['best_fit', 'first_fit'] = 'best_fit'):
+  def __init__(
+    self,
+    corpus: EncodedCorpus,
+    max_tokens: int,
+    seed: int,
+    row_length: int,
+    length_buckets: Sequence[int] | None = None,
+    row_multiple: int = 1,
+    shuffle: bool = True,
+    plan: Literal['best_fit', 'first_fit'] = 'best_fit',
+  ):
     if plan not in ('best_fit', 'first_fit'):
       raise DataError(f"plan must be 'best_fit' or 'first_fit', got {plan!r}")
     self.plan_kind = plan
     super().__init__(corpus, max_tokens, seed, row_length, length_buckets, row_multiple, shuffle)
 
-  def _fill_rows(self, bucket: int, pairs: np.ndarray,
-                 rng: np.random.Generator | None) -> PackedRows:
+  def _fill_rows(
+    self, bucket: int, pairs: np.ndarray, rng: np.random.Generator | None
+  ) -> PackedRows:
     """A bucket's shuffled pairs -> its rows: `pack_plan` (which shuffles the rows it makes
     with the epoch's generator), or `pack_rows` with plan='first_fit'."""
     length = self.length_buckets[bucket]
@@ -346,11 +398,11 @@ class ArrayPackingBatcher(PackingBatcher):
     return pack_plan(pairs, self._src_lengths, self._tgt_lengths, length, rng)
 
   def _build(self, bucket: int, rows_of_pairs) -> Batch:
-    return build_packed(self.corpus, rows_of_pairs, self.rows[bucket],
-                        self.length_buckets[bucket])
+    return build_packed(self.corpus, rows_of_pairs, self.rows[bucket], self.length_buckets[bucket])
 
   def local_batch_at(self, step: int, index: int, count: int) -> Batch:
     """`shard(batch_at(step), index, count)`, building only those rows."""
     bucket, rows_of_pairs = self._entry(step)
-    return build_packed(self.corpus, rows_of_pairs, self.rows[bucket],
-                        self.length_buckets[bucket], index, count)
+    return build_packed(
+      self.corpus, rows_of_pairs, self.rows[bucket], self.length_buckets[bucket], index, count
+    )

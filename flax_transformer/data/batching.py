@@ -64,6 +64,7 @@ class Batch:
   pad_id: the PAD id of the tokenizer that encoded the rows (`EncodedCorpus.pad_id`; a
     Marian tokenizer's is not ours); static, not an array.
   """
+
   src: np.ndarray
   tgt_in: np.ndarray
   tgt_out: np.ndarray
@@ -79,8 +80,12 @@ class Batch:
     """The segment ids and positions for the model, or None for one pair per row."""
     if self.src_segments is None:
       return None
-    return masks.Packing(src_segments=self.src_segments, tgt_segments=self.tgt_segments,
-                         src_positions=self.src_positions, tgt_positions=self.tgt_positions)
+    return masks.Packing(
+      src_segments=self.src_segments,
+      tgt_segments=self.tgt_segments,
+      src_positions=self.src_positions,
+      tgt_positions=self.tgt_positions,
+    )
 
   @property
   def num_tokens(self):
@@ -105,6 +110,7 @@ class EncodedCorpus:
   num_dropped: pairs of the dataset left out because a side exceeded `max_len`.
   pad_id, bos_id: the tokenizer's, for the batches (a Marian tokenizer's differ from ours).
   """
+
   src_ids: np.ndarray
   src_offsets: np.ndarray
   tgt_ids: np.ndarray
@@ -120,11 +126,11 @@ class EncodedCorpus:
 
   def source(self, i: int) -> np.ndarray:
     """Pair i's source ids, `x1..xm </s>`."""
-    return self.src_ids[self.src_offsets[i]:self.src_offsets[i + 1]]
+    return self.src_ids[self.src_offsets[i] : self.src_offsets[i + 1]]
 
   def target(self, i: int) -> np.ndarray:
     """Pair i's target ids, `y1..yn </s>`."""
-    return self.tgt_ids[self.tgt_offsets[i]:self.tgt_offsets[i + 1]]
+    return self.tgt_ids[self.tgt_offsets[i] : self.tgt_offsets[i + 1]]
 
   @property
   def lengths(self) -> np.ndarray:
@@ -141,38 +147,59 @@ def encode_corpus(dataset: datasets.Dataset, tokenizer: Tokenizer, max_len: int)
   `max_len`, the length of its positional-encoding table.
   """
   if not isinstance(dataset, datasets.Dataset):
-    raise DataError(f'encode_corpus takes one split (a datasets.Dataset), got '
-                    f'{type(dataset).__name__}; pass e.g. ds["train"]')
+    raise DataError(
+      f'encode_corpus takes one split (a datasets.Dataset), got '
+      f'{type(dataset).__name__}; pass e.g. ds["train"]'
+    )
   if not {'source', 'target'} <= set(dataset.column_names):
-    raise DataError(f"encode_corpus needs columns 'source' and 'target', the dataset has "
-                    f'{dataset.column_names}')
+    raise DataError(
+      f"encode_corpus needs columns 'source' and 'target', the dataset has {dataset.column_names}"
+    )
   check_bounds(max_len, SEQUENCE_LENGTH, 'max_len', DataError, why=' (a token and EOS)')
   src_rows, tgt_rows, kept = [], [], []
   chunks = dataset.select_columns(['source', 'target']).iter(batch_size=_ENCODE_CHUNK)
-  for start, chunk in zip(itertools.count(0, _ENCODE_CHUNK),
-                          tqdm(chunks, desc='encode', unit='chunk', leave=False,
-                               total=math.ceil(len(dataset) / _ENCODE_CHUNK))):
+  for start, chunk in zip(
+    itertools.count(0, _ENCODE_CHUNK),
+    tqdm(
+      chunks,
+      desc='encode',
+      unit='chunk',
+      leave=False,
+      total=math.ceil(len(dataset) / _ENCODE_CHUNK),
+    ),
+  ):
     signals.check()
-    for row, src, tgt in zip(itertools.count(start), tokenizer.encode(chunk['source']),
-                             tokenizer.encode_target(chunk['target'])):
+    for row, src, tgt in zip(
+      itertools.count(start),
+      tokenizer.encode(chunk['source']),
+      tokenizer.encode_target(chunk['target']),
+    ):
       if len(src) < max_len and len(tgt) < max_len:
         src_rows.append(src)
         tgt_rows.append(tgt)
         kept.append(row)
   src_ids, src_offsets = _flatten_with_eos(src_rows, tokenizer.eos_id)
   tgt_ids, tgt_offsets = _flatten_with_eos(tgt_rows, tokenizer.eos_id)
-  return EncodedCorpus(src_ids=src_ids, src_offsets=src_offsets, tgt_ids=tgt_ids,
-                       tgt_offsets=tgt_offsets, example_ids=np.asarray(kept, np.int64),
-                       max_len=max_len, num_dropped=len(dataset) - len(kept),
-                       pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id)
+  return EncodedCorpus(
+    src_ids=src_ids,
+    src_offsets=src_offsets,
+    tgt_ids=tgt_ids,
+    tgt_offsets=tgt_offsets,
+    example_ids=np.asarray(kept, np.int64),
+    max_len=max_len,
+    num_dropped=len(dataset) - len(kept),
+    pad_id=tokenizer.pad_id,
+    bos_id=tokenizer.bos_id,
+  )
 
 
 def _flatten_with_eos(rows: list[list[int]], eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
   """(int32 ids with EOS after each row, int64 `[len(rows) + 1]` offsets)."""
   offsets = np.zeros(len(rows) + 1, np.int64)
   np.cumsum([len(row) + 1 for row in rows], out=offsets[1:])
-  ids = np.fromiter(itertools.chain.from_iterable(row + [eos_id] for row in rows),
-                    np.int32, count=offsets[-1])
+  ids = np.fromiter(
+    itertools.chain.from_iterable(row + [eos_id] for row in rows), np.int32, count=offsets[-1]
+  )
   return ids, offsets
 
 
@@ -184,7 +211,8 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
   compiles about 2 log2(max_len) shapes.
   """
   lengths = {8 * 2**k for k in range(max_len.bit_length())} | {
-      24 * 2**k for k in range(max_len.bit_length())}
+    24 * 2**k for k in range(max_len.bit_length())
+  }
   return tuple(sorted(length for length in lengths if length < max_len)) + (max_len,)
 
 
@@ -217,40 +245,58 @@ class Batcher:
   in corpus order.
   """
 
-  def __init__(self, corpus: EncodedCorpus, max_tokens: int, seed: int,
-               length_buckets: Sequence[int] | None = None, row_multiple: int = 1,
-               shuffle: bool = True):
+  def __init__(
+    self,
+    corpus: EncodedCorpus,
+    max_tokens: int,
+    seed: int,
+    length_buckets: Sequence[int] | None = None,
+    row_multiple: int = 1,
+    shuffle: bool = True,
+  ):
     check_bounds(max_tokens, POSITIVE_INT, 'max_tokens', DataError)
     check_bounds(row_multiple, POSITIVE_INT, 'row_multiple', DataError)
     check_bounds(seed, NONNEGATIVE_INT, 'seed', DataError)
     if not len(corpus):
-      raise DataError(f'the corpus holds no pairs ({corpus.num_dropped:,} were longer than '
-                      f'max_len={corpus.max_len}); raise max_len')
-    buckets = default_buckets(corpus.max_len) if length_buckets is None else tuple(
-        sorted(set(length_buckets)))
+      raise DataError(
+        f'the corpus holds no pairs ({corpus.num_dropped:,} were longer than '
+        f'max_len={corpus.max_len}); raise max_len'
+      )
+    buckets = (
+      default_buckets(corpus.max_len)
+      if length_buckets is None
+      else tuple(sorted(set(length_buckets)))
+    )
     if any(not isinstance(b, (int, np.integer)) or b < 1 for b in buckets):
       raise DataError(f'length_buckets must be positive integers, got {list(length_buckets)}')
     if buckets[-1] < corpus.max_len:
-      raise DataError(f'the largest length bucket, {buckets[-1]}, is shorter than the '
-                      f'corpus max_len={corpus.max_len}; add a bucket of {corpus.max_len}')
+      raise DataError(
+        f'the largest length bucket, {buckets[-1]}, is shorter than the '
+        f'corpus max_len={corpus.max_len}; add a bucket of {corpus.max_len}'
+      )
     self.corpus = corpus
     self.max_tokens = int(max_tokens)
     self.seed = int(seed)
     self.shuffle = shuffle
     self.length_buckets = tuple(int(b) for b in buckets)
-    self.rows = tuple(rows_per_batch(max_tokens, length, row_multiple)
-                      for length in self.length_buckets)
+    self.rows = tuple(
+      rows_per_batch(max_tokens, length, row_multiple) for length in self.length_buckets
+    )
     bucket_of = np.searchsorted(self.length_buckets, corpus.lengths)  # smallest bucket >= length
     self._members = [np.flatnonzero(bucket_of == b) for b in range(len(self.length_buckets))]
     self.num_batches_per_epoch = sum(
-        math.ceil(len(members) / rows) for members, rows in zip(self._members, self.rows))
+      math.ceil(len(members) / rows) for members, rows in zip(self._members, self.rows)
+    )
     self._cached_plan: tuple[int, list[tuple[int, np.ndarray]]] | None = None
 
   @property
   def shapes(self) -> tuple[tuple[int, int], ...]:
     """The `(B, L)` batch shapes this corpus produces: one per non-empty bucket."""
-    return tuple((rows, length) for rows, length, members
-                 in zip(self.rows, self.length_buckets, self._members) if len(members))
+    return tuple(
+      (rows, length)
+      for rows, length, members in zip(self.rows, self.length_buckets, self._members)
+      if len(members)
+    )
 
   def epoch(self, epoch_index: int) -> EpochBatches:
     """The batches of one epoch, built on access; every pair appears exactly once."""
@@ -265,12 +311,16 @@ class Batcher:
   def describe(self) -> str:
     """One line for logs: batches per epoch, shapes, and how much is padding."""
     target_tokens = int(np.diff(self.corpus.tgt_offsets).sum())
-    positions = sum(math.ceil(len(members) / rows) * rows * length for members, rows, length
-                    in zip(self._members, self.rows, self.length_buckets))
+    positions = sum(
+      math.ceil(len(members) / rows) * rows * length
+      for members, rows, length in zip(self._members, self.rows, self.length_buckets)
+    )
     shapes = ' '.join(f'{rows}x{length}' for rows, length in self.shapes)
-    return (f'{len(self.corpus):,} pairs in {self.num_batches_per_epoch:,} batches per epoch '
-            f'of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
-            f'{1 - target_tokens / positions:.1%} of target positions are padding')
+    return (
+      f'{len(self.corpus):,} pairs in {self.num_batches_per_epoch:,} batches per epoch '
+      f'of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
+      f'{1 - target_tokens / positions:.1%} of target positions are padding'
+    )
 
   def _plan(self, epoch_index: int) -> list[tuple[int, np.ndarray]]:
     """[(bucket, pair indices)] per batch of the epoch; the last epoch's plan is memoised."""
@@ -280,16 +330,16 @@ class Batcher:
     rng = np.random.default_rng([self.seed, epoch_index])
     plan = []
     for bucket, (members, rows) in enumerate(zip(self._members, self.rows)):
-      order = self._fill_rows(bucket, rng.permutation(members) if self.shuffle else members,
-                              rng if self.shuffle else None)
-      plan.extend((bucket, order[start:start + rows]) for start in range(0, len(order), rows))
+      order = self._fill_rows(
+        bucket, rng.permutation(members) if self.shuffle else members, rng if self.shuffle else None
+      )
+      plan.extend((bucket, order[start : start + rows]) for start in range(0, len(order), rows))
     if self.shuffle:
       plan = [plan[i] for i in rng.permutation(len(plan))]
     self._cached_plan = (epoch_index, plan)
     return plan
 
-  def _fill_rows(self, bucket: int, pairs: np.ndarray,
-                 rng: np.random.Generator | None) -> Sequence:
+  def _fill_rows(self, bucket: int, pairs: np.ndarray, rng: np.random.Generator | None) -> Sequence:
     """A bucket's pairs, in order -> its rows: here one pair per row (`packing` packs several).
 
     rng: the epoch's generator (None without shuffling), for a packer that draws from it.
@@ -306,10 +356,10 @@ class Batcher:
     example_ids = np.full((rows,), -1, np.int32)
     for row, pair in enumerate(pairs):
       source, target = self.corpus.source(pair), self.corpus.target(pair)
-      src[row, :len(source)] = source
-      tgt_out[row, :len(target)] = target
+      src[row, : len(source)] = source
+      tgt_out[row, : len(target)] = target
       tgt_in[row, 0] = self.corpus.bos_id
-      tgt_in[row, 1:len(target)] = target[:-1]  # the target without its EOS
+      tgt_in[row, 1 : len(target)] = target[:-1]  # the target without its EOS
       example_ids[row] = self.corpus.example_ids[pair]
     return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids, pad_id=pad)
 
@@ -338,7 +388,7 @@ def shard(batch: Batch, index: int, count: int) -> Batch:
   be a multiple of `count` (make `row_multiple` one).
   """
   first, size = process_rows(batch.src.shape[0], index, count)
-  return jax.tree.map(lambda array: array[first:first + size], batch)
+  return jax.tree.map(lambda array: array[first : first + size], batch)
 
 
 def process_rows(rows: int, index: int, count: int) -> tuple[int, int]:
@@ -346,7 +396,9 @@ def process_rows(rows: int, index: int, count: int) -> tuple[int, int]:
   if not 0 <= index < count:
     raise DataError(f'shard index {index} is outside [0, {count})')
   if rows % count:
-    raise DataError(f'a batch of {rows} rows does not split into {count} equal shards; '
-                    f'make row_multiple a multiple of {count}')
+    raise DataError(
+      f'a batch of {rows} rows does not split into {count} equal shards; '
+      f'make row_multiple a multiple of {count}'
+    )
   size = rows // count
   return index * size, size

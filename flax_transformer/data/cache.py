@@ -91,6 +91,7 @@ from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
 from flax_transformer.data.corpus import DataError, invalid_utf8
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.data.word_memo import flat_rows
+from flax_transformer.files import file_digest, write_atomically
 
 FORMAT_VERSION = 1
 # How text becomes ids beyond what the tokenizer's files say. 2: special tokens' strings in
@@ -99,9 +100,13 @@ FORMAT_VERSION = 1
 TEXT_ENCODING = 2
 MANIFEST = 'manifest.json'
 # EncodedCorpus field -> (file name, dtype). Little-endian on every platform we run on.
-ARRAYS = {'src_ids': ('src_ids.i32', '<i4'), 'src_offsets': ('src_offsets.i64', '<i8'),
-          'tgt_ids': ('tgt_ids.i32', '<i4'), 'tgt_offsets': ('tgt_offsets.i64', '<i8'),
-          'example_ids': ('example_ids.i64', '<i8')}
+ARRAYS = {
+  'src_ids': ('src_ids.i32', '<i4'),
+  'src_offsets': ('src_offsets.i64', '<i8'),
+  'tgt_ids': ('tgt_ids.i32', '<i4'),
+  'tgt_offsets': ('tgt_offsets.i64', '<i8'),
+  'example_ids': ('example_ids.i64', '<i8'),
+}
 # Lines a worker encodes at a time: large enough to amortise the hand-over, small enough
 # that the blocks in flight (2 per worker) stay a few tens of MB.
 BLOCK_LINES = 20_000
@@ -139,8 +144,14 @@ def files_fingerprint(paths: Sequence[str | Path]) -> dict:
           last = block[-1:]
     except OSError as error:
       raise DataError(f'{path}: cannot read it ({error.strerror or error})') from error
-    entries.append({'name': path.name, 'size': size, 'sha256': digest.hexdigest(),
-                    'lines': newlines + (last != b'\n')})
+    entries.append(
+      {
+        'name': path.name,
+        'size': size,
+        'sha256': digest.hexdigest(),
+        'lines': newlines + (last != b'\n'),
+      }
+    )
   return {'files': entries}
 
 
@@ -152,13 +163,17 @@ class TextPairFiles:
   '\\n' only, both sides stripped, pairs with an empty side dropped; `example_ids` count
   the pairs kept by that cleaning, as the rows of `load_parallel(...)[split]` do.
   """
+
   source: str | Path
   target: str | Path
 
   @functools.cached_property
   def _fingerprint(self) -> dict:
-    return {'kind': 'text-pair-files', 'clean': 'strip-drop-empty',
-            **files_fingerprint([self.source, self.target])}
+    return {
+      'kind': 'text-pair-files',
+      'clean': 'strip-drop-empty',
+      **files_fingerprint([self.source, self.target]),
+    }
 
   def fingerprint(self) -> dict:
     """The content key (read once: every byte is hashed)."""
@@ -199,12 +214,19 @@ class TextPairFiles:
         if len(src_lines) != len(tgt_lines):
           src_total = first + len(src_lines) + sum(1 for _ in src_file)
           tgt_total = first + len(tgt_lines) + sum(1 for _ in tgt_file)
-          raise DataError(f'{self.source} has {src_total:,} lines but {self.target} has '
-                          f'{tgt_total:,}; line N of one must translate line N of the other')
+          raise DataError(
+            f'{self.source} has {src_total:,} lines but {self.target} has '
+            f'{tgt_total:,}; line N of one must translate line N of the other'
+          )
         if not src_lines:
           return
-        yield ('text', b''.join(src_lines), b''.join(tgt_lines), first,
-               (str(self.source), str(self.target)))
+        yield (
+          'text',
+          b''.join(src_lines),
+          b''.join(tgt_lines),
+          first,
+          (str(self.source), str(self.target)),
+        )
 
 
 def sample_rows(total: int, count: int, seed: int = 0) -> np.ndarray | None:
@@ -229,6 +251,7 @@ class DatasetPairs:
   `files_fingerprint` of the files it was read from plus how they were read. (A
   `datasets` fingerprint of an in-memory table is random per process, so it cannot be
   the key.)"""
+
   dataset: datasets.Dataset
   content: str | dict
 
@@ -247,7 +270,7 @@ class DatasetPairs:
   def blocks(self, lines: int) -> Iterator[tuple]:
     columns = self.dataset.select_columns(['source', 'target'])
     for first in range(0, len(columns), lines):
-      chunk = columns[first:first + lines]
+      chunk = columns[first : first + lines]
       yield ('list', chunk['source'], chunk['target'], first, None)
 
 
@@ -258,30 +281,28 @@ PairSource = TextPairFiles | DatasetPairs
 # The key.
 
 
-def cache_key(fingerprint: dict, tokenizer_digest: str, max_len: int,
-              special_ids: tuple[int, int, int] = (0, 1, 2),
-              text_encoding: int = TEXT_ENCODING) -> str:
+def cache_key(
+  fingerprint: dict,
+  tokenizer_digest: str,
+  max_len: int,
+  special_ids: tuple[int, int, int] = (0, 1, 2),
+  text_encoding: int = TEXT_ENCODING,
+) -> str:
   """SHA-256 hex of everything the encoded arrays depend on: the source's content
   fingerprint, the tokenizer's digest, `max_len`, the (pad, bos, eos) ids, the format and
   `TEXT_ENCODING` (1 gives the keys of caches made before it existed)."""
   if not tokenizer_digest:
     raise CacheError('cache_key needs the tokenizer digest (the SHA-256 of its files)')
-  inputs = {'format': FORMAT_VERSION, 'source': fingerprint, 'tokenizer': tokenizer_digest,
-            'max_len': int(max_len), 'special_ids': [int(i) for i in special_ids]}
+  inputs = {
+    'format': FORMAT_VERSION,
+    'source': fingerprint,
+    'tokenizer': tokenizer_digest,
+    'max_len': int(max_len),
+    'special_ids': [int(i) for i in special_ids],
+  }
   if text_encoding != 1:
     inputs['text_encoding'] = int(text_encoding)
   return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-
-
-def tokenizer_files_digest(paths: Sequence[str | Path]) -> str:
-  """One SHA-256 over a tokenizer's files (name and bytes each, in order): for a Marian
-  tokenizer's several files; for ours, pass [tokenizer.json] or use the run's
-  `directory.file_digest`, which hashes the one file (either is a sound digest)."""
-  digest = hashlib.sha256()
-  for path in paths:
-    digest.update(Path(path).name.encode() + b'\0')
-    digest.update(Path(path).read_bytes())
-  return digest.hexdigest()
 
 
 def cache_path(cache_dir: str | Path, key: str) -> Path:
@@ -304,8 +325,11 @@ def load(cache_dir: str | Path, key: str, verify: bool = True) -> EncodedCorpus:
     raise CacheError(f'{directory}: no {MANIFEST} (absent or never finished)') from None
   except (OSError, ValueError) as error:
     raise CacheError(f'{manifest_file}: unreadable ({error})') from None
-  if not isinstance(manifest, dict) or manifest.get('format') != FORMAT_VERSION or \
-      manifest.get('key') != key:
+  if (
+    not isinstance(manifest, dict)
+    or manifest.get('format') != FORMAT_VERSION
+    or manifest.get('key') != key
+  ):
     raise CacheError(f'{manifest_file}: written for another format or key')
   arrays = {}
   try:
@@ -321,15 +345,19 @@ def load(cache_dir: str | Path, key: str, verify: bool = True) -> EncodedCorpus:
         raise CacheError(f'{path}: missing') from None
       if size != expected:
         raise CacheError(f'{path}: {size:,} bytes, the manifest says {expected:,}')
-      if verify and _file_sha256(path) != entry['sha256']:
-        raise CacheError(f'{path}: its SHA-256 differs from the manifest\'s (damaged)')
-      arrays[field] = (np.memmap(path, dtype=dtype, mode='r', shape=(count,)) if count
-                       else np.zeros(0, dtype))
+      if verify and file_digest(path) != entry['sha256']:
+        raise CacheError(f"{path}: its SHA-256 differs from the manifest's (damaged)")
+      arrays[field] = (
+        np.memmap(path, dtype=dtype, mode='r', shape=(count,)) if count else np.zeros(0, dtype)
+      )
     num_pairs = int(manifest['num_pairs'])
-    corpus = EncodedCorpus(max_len=int(manifest['max_len']),
-                           num_dropped=int(manifest['num_dropped']),
-                           pad_id=int(manifest['pad_id']), bos_id=int(manifest['bos_id']),
-                           **arrays)
+    corpus = EncodedCorpus(
+      max_len=int(manifest['max_len']),
+      num_dropped=int(manifest['num_dropped']),
+      pad_id=int(manifest['pad_id']),
+      bos_id=int(manifest['bos_id']),
+      **arrays,
+    )
   except (KeyError, TypeError, ValueError) as error:
     raise CacheError(f'{manifest_file}: incomplete ({type(error).__name__}: {error})') from None
   for side in ('src', 'tgt'):
@@ -337,28 +365,31 @@ def load(cache_dir: str | Path, key: str, verify: bool = True) -> EncodedCorpus:
     if len(offsets) != num_pairs + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
       raise CacheError(f'{directory}: {side}_offsets do not span {side}_ids')
   if len(corpus.example_ids) != num_pairs:
-    raise CacheError(f'{directory}: {len(corpus.example_ids):,} example ids for {num_pairs:,} '
-                     'pairs')
+    raise CacheError(
+      f'{directory}: {len(corpus.example_ids):,} example ids for {num_pairs:,} pairs'
+    )
   return corpus
-
-
-def _file_sha256(path: Path) -> str:
-  digest = hashlib.sha256()
-  with open(path, 'rb') as file:
-    while block := file.read(_HASH_BLOCK):
-      digest.update(block)
-  return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------
 # The entry point.
 
 
-def load_or_encode(source: PairSource, tokenizer: TextTokenizer, tokenizer_digest: str,
-                   max_len: int, cache_dir: str | Path, *, is_writer: bool = True,
-                   wait: Callable[[], None] | None = None, workers: int | None = None,
-                   block_lines: int = BLOCK_LINES, verify: bool = True, progress: bool = True,
-                   say: Callable[[str], None] | None = None) -> EncodedCorpus:
+def load_or_encode(
+  source: PairSource,
+  tokenizer: TextTokenizer,
+  tokenizer_digest: str,
+  max_len: int,
+  cache_dir: str | Path,
+  *,
+  is_writer: bool = True,
+  wait: Callable[[], None] | None = None,
+  workers: int | None = None,
+  block_lines: int = BLOCK_LINES,
+  verify: bool = True,
+  progress: bool = True,
+  say: Callable[[str], None] | None = None,
+) -> EncodedCorpus:
   """The encoded corpus of `source`: read from `cache_dir` when a valid cache of the same key
   is there, else encoded (by the writer) and cached first.
 
@@ -366,8 +397,8 @@ def load_or_encode(source: PairSource, tokenizer: TextTokenizer, tokenizer_diges
     source: `TextPairFiles` or `DatasetPairs`.
     tokenizer: encodes the text (`encode`, `encode_target`, the special ids); sent to the
       worker processes by pickle.
-    tokenizer_digest: the SHA-256 of the tokenizer's file(s) (`run.directory.file_digest`
-      of tokenizer.json, or `tokenizer_files_digest`): part of the key.
+    tokenizer_digest: the SHA-256 of the tokenizer's file(s) (`files.file_digest`
+      of tokenizer.json, or `files.files_digest`): part of the key.
     max_len: as `encode_corpus`: pairs with a side of max_len tokens or more are dropped.
     cache_dir: where the caches live, one subdirectory per key (created).
     is_writer: whether this process may encode and write (process 0 of a job).
@@ -399,28 +430,40 @@ def load_or_encode(source: PairSource, tokenizer: TextTokenizer, tokenizer_diges
     try:
       corpus = load(cache_dir, key, verify)
     except CacheError as error:
-      raise CacheError(f'process 0 left no valid encoded corpus at {directory} ({error}); '
-                       'cache_dir must be on a filesystem every process shares') from None
-    say(f'cache: read {len(corpus):,} pairs from {directory} '
-        f'({time.perf_counter() - started:.1f}s)')
+      raise CacheError(
+        f'process 0 left no valid encoded corpus at {directory} ({error}); '
+        'cache_dir must be on a filesystem every process shares'
+      ) from None
+    say(
+      f'cache: read {len(corpus):,} pairs from {directory} ({time.perf_counter() - started:.1f}s)'
+    )
     return corpus
   try:
     corpus = load(cache_dir, key, verify)
-    say(f'cache: hit, {len(corpus):,} pairs from {directory} '
-        f'({time.perf_counter() - started:.1f}s)')
+    say(
+      f'cache: hit, {len(corpus):,} pairs from {directory} ({time.perf_counter() - started:.1f}s)'
+    )
   except CacheError as error:
     if directory.exists():
       say(f'cache: {error}; encoding again')
-    elif (legacy := cache_path(cache_dir, cache_key(fingerprint, tokenizer_digest, max_len,
-                                                    special, text_encoding=1))).is_dir():
-      say(f'cache: {legacy} was encoded with special tokens\' strings in the text (</s>, '
-          '<pad>, <unk>, <s>) read as those tokens; they are text now, so the corpus is '
-          'encoded again (the old cache is no longer used and can be deleted)')
-    _build(source, fingerprint, tokenizer, key, max_len, Path(cache_dir), workers, block_lines,
-           progress)
+    elif (
+      legacy := cache_path(
+        cache_dir, cache_key(fingerprint, tokenizer_digest, max_len, special, text_encoding=1)
+      )
+    ).is_dir():
+      say(
+        f"cache: {legacy} was encoded with special tokens' strings in the text (</s>, "
+        '<pad>, <unk>, <s>) read as those tokens; they are text now, so the corpus is '
+        'encoded again (the old cache is no longer used and can be deleted)'
+      )
+    _build(
+      source, fingerprint, tokenizer, key, max_len, Path(cache_dir), workers, block_lines, progress
+    )
     corpus = load(cache_dir, key, verify=False)  # just written and hashed as written
-    say(f'cache: encoded {len(corpus):,} pairs ({corpus.num_dropped:,} longer than max_len='
-        f'{max_len} dropped) into {directory} in {time.perf_counter() - started:.1f}s')
+    say(
+      f'cache: encoded {len(corpus):,} pairs ({corpus.num_dropped:,} longer than max_len='
+      f'{max_len} dropped) into {directory} in {time.perf_counter() - started:.1f}s'
+    )
   if wait is not None:
     wait()
   return corpus
@@ -449,59 +492,115 @@ class _ArrayFile:
     self.file.flush()
     os.fsync(self.file.fileno())
     self.file.close()
-    return {'dtype': self.dtype.str, 'count': self.count,
-            'bytes': self.count * self.dtype.itemsize, 'sha256': self.digest.hexdigest()}
+    return {
+      'dtype': self.dtype.str,
+      'count': self.count,
+      'bytes': self.count * self.dtype.itemsize,
+      'sha256': self.digest.hexdigest(),
+    }
 
 
-def _build(source: PairSource, fingerprint: dict, tokenizer: TextTokenizer, key: str,
-           max_len: int, cache_dir: Path, workers: int | None, block_lines: int,
-           progress: bool) -> None:
+def _build(
+  source: PairSource,
+  fingerprint: dict,
+  tokenizer: TextTokenizer,
+  key: str,
+  max_len: int,
+  cache_dir: Path,
+  workers: int | None,
+  block_lines: int,
+  progress: bool,
+) -> None:
   """Encodes `source` into a partial directory, then renames it to `cache_path(key)`."""
   final = cache_path(cache_dir, key)
+  partial = _make_partial(cache_dir, final)
+  try:
+    total_lines = (
+      len(source.dataset) if isinstance(source, DatasetPairs) else fingerprint['files'][0]['lines']
+    )
+    arrays, rows, kept = _write_arrays(
+      partial, source, tokenizer, max_len, workers, block_lines, total_lines, progress
+    )
+    manifest = {
+      'format': FORMAT_VERSION,
+      'key': key,
+      'fingerprint': fingerprint,
+      'source': source.describe(),
+      'tokenizer': type(tokenizer).__name__,
+      'max_len': int(max_len),
+      'num_pairs': kept,
+      'num_dropped': rows - kept,
+      'pad_id': int(tokenizer.pad_id),
+      'bos_id': int(tokenizer.bos_id),
+      'eos_id': int(tokenizer.eos_id),
+      'created': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
+      'arrays': arrays,
+    }
+    write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
+    _install(partial, final)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+
+
+def _make_partial(cache_dir: Path, final: Path) -> Path:
+  """A new directory to build `final` in, named for this host and process; dead ones go."""
   try:
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(cache_dir, final.name)
     partial = cache_dir / f'.{final.name}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}'
     partial.mkdir()
   except OSError as error:
-    raise CacheError(f'{cache_dir}: cannot write the encoded-corpus cache '
-                     f'({error.strerror or error}); choose another cache directory') from error
-  try:
-    files = {field: _ArrayFile(partial / name, dtype) for field, (name, dtype) in ARRAYS.items()}
-    files['src_offsets'].append(np.zeros(1, np.int64))
-    files['tgt_offsets'].append(np.zeros(1, np.int64))
-    src_total = tgt_total = rows = kept = 0
-    total_lines = (len(source.dataset) if isinstance(source, DatasetPairs)
-                   else fingerprint['files'][0]['lines'])
-    with tqdm(total=total_lines, desc='encode', unit='pairs', unit_scale=True, disable=not progress,
-              dynamic_ncols=True, mininterval=1.0) as bar:
-      for block_rows, result in _encoded_blocks(source, tokenizer, max_len, workers, block_lines,
-                                                   total_lines):
-        src_ids, src_lengths, tgt_ids, tgt_lengths, kept_rows, clean_rows = result
-        files['src_ids'].append(src_ids)
-        files['tgt_ids'].append(tgt_ids)
-        files['src_offsets'].append(src_total + np.cumsum(src_lengths))
-        files['tgt_offsets'].append(tgt_total + np.cumsum(tgt_lengths))
-        files['example_ids'].append(rows + kept_rows)
-        src_total += int(src_lengths.sum())
-        tgt_total += int(tgt_lengths.sum())
-        rows += clean_rows
-        kept += len(kept_rows)
-        bar.update(block_rows)
-        signals.check()  # a program's SIGTERM or SIGINT: the partial directory is removed
-    manifest = {'format': FORMAT_VERSION, 'key': key, 'fingerprint': fingerprint,
-                'source': source.describe(), 'tokenizer': type(tokenizer).__name__,
-                'max_len': int(max_len), 'num_pairs': kept, 'num_dropped': rows - kept,
-                'pad_id': int(tokenizer.pad_id), 'bos_id': int(tokenizer.bos_id),
-                'eos_id': int(tokenizer.eos_id), 'created': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
-                'arrays': {field: file.close() for field, file in files.items()}}
-    temporary = partial / f'.{MANIFEST}.tmp'
-    temporary.write_text(json.dumps(manifest, indent=1))
-    os.replace(temporary, partial / MANIFEST)
-    _install(partial, final)
-  except BaseException:
-    shutil.rmtree(partial, ignore_errors=True)
-    raise
+    raise CacheError(
+      f'{cache_dir}: cannot write the encoded-corpus cache '
+      f'({error.strerror or error}); choose another cache directory'
+    ) from error
+  return partial
+
+
+def _write_arrays(
+  partial: Path,
+  source: PairSource,
+  tokenizer: TextTokenizer,
+  max_len: int,
+  workers: int | None,
+  block_lines: int,
+  total_lines: int,
+  progress: bool,
+) -> tuple[dict, int, int]:
+  """Encodes `source` block by block into the array files of `partial`.
+
+  Returns the arrays' manifest entries, the rows read and the pairs kept.
+  """
+  files = {field: _ArrayFile(partial / name, dtype) for field, (name, dtype) in ARRAYS.items()}
+  files['src_offsets'].append(np.zeros(1, np.int64))
+  files['tgt_offsets'].append(np.zeros(1, np.int64))
+  src_total = tgt_total = rows = kept = 0
+  with tqdm(
+    total=total_lines,
+    desc='encode',
+    unit='pairs',
+    unit_scale=True,
+    disable=not progress,
+    dynamic_ncols=True,
+    mininterval=1.0,
+  ) as bar:
+    for block_rows, result in _encoded_blocks(
+      source, tokenizer, max_len, workers, block_lines, total_lines
+    ):
+      src_ids, src_lengths, tgt_ids, tgt_lengths, kept_rows, clean_rows = result
+      files['src_ids'].append(src_ids)
+      files['tgt_ids'].append(tgt_ids)
+      files['src_offsets'].append(src_total + np.cumsum(src_lengths))
+      files['tgt_offsets'].append(tgt_total + np.cumsum(tgt_lengths))
+      files['example_ids'].append(rows + kept_rows)
+      src_total += int(src_lengths.sum())
+      tgt_total += int(tgt_lengths.sum())
+      rows += clean_rows
+      kept += len(kept_rows)
+      bar.update(block_rows)
+      signals.check()  # a program's SIGTERM or SIGINT: the partial directory is removed
+  return {field: file.close() for field, file in files.items()}, rows, kept
 
 
 def _remove_dead_partials(cache_dir: Path, name: str) -> None:
@@ -536,21 +635,28 @@ def _install(partial: Path, final: Path) -> None:
       raise
 
 
-def _encoded_blocks(source: PairSource, tokenizer: TextTokenizer, max_len: int,
-                    workers: int | None, block_lines: int, total_lines: int | None
-                    ) -> Iterator[tuple[int, tuple]]:
+def _encoded_blocks(
+  source: PairSource,
+  tokenizer: TextTokenizer,
+  max_len: int,
+  workers: int | None,
+  block_lines: int,
+  total_lines: int | None,
+) -> Iterator[tuple[int, tuple]]:
   """(lines in the block, `_encode_block`'s result) per block, in order."""
   if workers is None:  # a `Tokenizer` parallelises its batch call itself (module docstring)
-    workers = 1 if isinstance(tokenizer, Tokenizer) else (
-        len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())
+    workers = (
+      1
+      if isinstance(tokenizer, Tokenizer)
+      else (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())
+    )
   blocks = source.blocks(block_lines)
   first = next(blocks, None)
   if first is None:
     return
   second = next(blocks, None)
   blocks = itertools.chain([first] + ([second] if second is not None else []), blocks)
-  if workers > 1 and second is not None and (total_lines is None or
-                                             total_lines >= POOL_MIN_LINES):
+  if workers > 1 and second is not None and (total_lines is None or total_lines >= POOL_MIN_LINES):
     try:
       payload = pickle.dumps(tokenizer)
     except Exception:  # a tokenizer that cannot travel is encoded here instead
@@ -562,12 +668,13 @@ def _encoded_blocks(source: PairSource, tokenizer: TextTokenizer, max_len: int,
     yield _block_rows(block), _encode_block(tokenizer, max_len, block)
 
 
-def _pool_blocks(blocks: Iterator[tuple], tokenizer_pickle: bytes, max_len: int,
-                 workers: int) -> Iterator[tuple[int, tuple]]:
+def _pool_blocks(
+  blocks: Iterator[tuple], tokenizer_pickle: bytes, max_len: int, workers: int
+) -> Iterator[tuple[int, tuple]]:
   context = multiprocessing.get_context('spawn')
-  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
-                                              initializer=_start_worker,
-                                              initargs=(tokenizer_pickle, max_len)) as pool:
+  with concurrent.futures.ProcessPoolExecutor(
+    workers, mp_context=context, initializer=_start_worker, initargs=(tokenizer_pickle, max_len)
+  ) as pool:
     in_flight: deque = deque()
     for block in blocks:
       in_flight.append((_block_rows(block), pool.submit(_encode_in_worker, block)))
@@ -630,16 +737,18 @@ def _decode_lines(data: bytes, where: str, first: int) -> list[str]:
   return [line.strip() for line in lines]
 
 
-def _encode_flat(tokenizer: TextTokenizer, texts: list[str], target: bool
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def _encode_flat(
+  tokenizer: TextTokenizer, texts: list[str], target: bool
+) -> tuple[np.ndarray, np.ndarray]:
   """(ids int32, lengths int64) of `texts` on the source or target side."""
   if isinstance(tokenizer, Tokenizer):  # one vocabulary for both sides, encoded by words
     return tokenizer.encode_flat(texts)
   return flat_rows(tokenizer.encode_target(texts) if target else tokenizer.encode(texts))
 
 
-def _with_eos(ids: np.ndarray, lengths: np.ndarray, keep: np.ndarray,
-              eos: int) -> tuple[np.ndarray, np.ndarray]:
+def _with_eos(
+  ids: np.ndarray, lengths: np.ndarray, keep: np.ndarray, eos: int
+) -> tuple[np.ndarray, np.ndarray]:
   """The kept rows' ids, each followed by EOS, and their lengths with EOS."""
   ids = ids[np.repeat(keep, lengths)]
   lengths = lengths[keep]

@@ -31,8 +31,9 @@ import datasets
 TABLE_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet'}
 # Stems recognised as the validation split, in order of preference.
 VALIDATION_STEMS = ('val', 'valid', 'validation', 'dev')
-_TEXT_PAIR = datasets.Features({'source': datasets.Value('string'),
-                                'target': datasets.Value('string')})
+_TEXT_PAIR = datasets.Features(
+  {'source': datasets.Value('string'), 'target': datasets.Value('string')}
+)
 _HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$')
 
 
@@ -40,9 +41,15 @@ class DataError(ValueError):
   """The data cannot be loaded; the message names the file, line or option at fault."""
 
 
-def load_parallel(source: str, src_lang: str, tgt_lang: str,
-                  splits: Mapping[str, str] | None = None, *, valid_split: str | None = None,
-                  test_split: str | None = None) -> datasets.DatasetDict:
+def load_parallel(
+  source: str,
+  src_lang: str,
+  tgt_lang: str,
+  splits: Mapping[str, str] | None = None,
+  *,
+  valid_split: str | None = None,
+  test_split: str | None = None,
+) -> datasets.DatasetDict:
   """Loads a parallel corpus as {split: Dataset with 'source' and 'target' strings}.
 
   Args:
@@ -71,13 +78,18 @@ def load_parallel(source: str, src_lang: str, tgt_lang: str,
       languages, an unreachable Hub dataset, or a split left with zero pairs.
   """
   if src_lang == tgt_lang:
-    raise DataError(f'source and target language are both {src_lang!r}; '
-                    'pass two different languages')
-  preferred = {name: stem for name, stem in (('validation', valid_split), ('test', test_split))
-               if stem is not None}
+    raise DataError(
+      f'source and target language are both {src_lang!r}; pass two different languages'
+    )
+  preferred = {
+    name: stem
+    for name, stem in (('validation', valid_split), ('test', test_split))
+    if stem is not None
+  }
   if splits is not None and preferred:
-    raise DataError(f'give either splits={dict(splits)} or valid_split/test_split '
-                    f'(got {preferred}), not both')
+    raise DataError(
+      f'give either splits={dict(splits)} or valid_split/test_split (got {preferred}), not both'
+    )
   path = Path(source).expanduser()
   if path.is_dir():
     if _stems(path, f'.{src_lang}') or _stems(path, f'.{tgt_lang}'):
@@ -85,13 +97,17 @@ def load_parallel(source: str, src_lang: str, tgt_lang: str,
     return _load_table_dir(path, src_lang, tgt_lang, splits, preferred)
   if path.is_file():
     if path.suffix not in TABLE_FORMATS:
-      raise DataError(f'{path}: cannot read a {path.suffix or "suffix-less"} file on its own; '
-                      f'point the source at the directory holding <split>.{src_lang} and '
-                      f'<split>.{tgt_lang}, or use one of {sorted(TABLE_FORMATS)}')
+      raise DataError(
+        f'{path}: cannot read a {path.suffix or "suffix-less"} file on its own; '
+        f'point the source at the directory holding <split>.{src_lang} and '
+        f'<split>.{tgt_lang}, or use one of {sorted(TABLE_FORMATS)}'
+      )
     if splits is not None or preferred:
-      raise DataError(f'{path} is a single file, so it is one split and splits cannot be '
-                      f'selected from it (got {dict(splits or preferred)}); point the source '
-                      'at a directory')
+      raise DataError(
+        f'{path} is a single file, so it is one split and splits cannot be '
+        f'selected from it (got {dict(splits or preferred)}); point the source '
+        'at a directory'
+      )
     discovered = _discover({path.stem: path}, path.parent)
     name = next((ours for ours, stem in discovered.items() if stem == path.stem), 'train')
     return _load_tables({name: path}, src_lang, tgt_lang)
@@ -114,15 +130,16 @@ def describe(ds: datasets.DatasetDict) -> str:
 
 
 def _stems(directory: Path, suffix: str) -> list[str]:
-  return sorted(p.name[:-len(suffix)] for p in directory.glob(f'*{suffix}') if p.is_file())
+  return sorted(p.name[: -len(suffix)] for p in directory.glob(f'*{suffix}') if p.is_file())
 
 
 # The DataConfig setting that picks each discovered split, for messages.
 _SPLIT_SETTINGS = {'validation': 'valid_split', 'test': 'test_split'}
 
 
-def _discover(stems: Mapping[str, object], where: Path | str,
-              preferred: Mapping[str, str] | None = None) -> dict[str, str]:
+def _discover(
+  stems: Mapping[str, object], where: Path | str, preferred: Mapping[str, str] | None = None
+) -> dict[str, str]:
   """Our split name -> stem for the stems that follow the naming rules, or are `preferred`."""
   preferred = preferred or {}
   found = {}
@@ -133,27 +150,37 @@ def _discover(stems: Mapping[str, object], where: Path | str,
     found['validation'] = validation[0]
   tests = ['test'] if 'test' in stems else sorted(s for s in stems if s.startswith('test'))
   if len(tests) > 1 and 'test' not in preferred:
-    raise DataError(f'{where}: several test sets {tests}; choose one with data.test_split '
-                    f'(train.py --data.test_split={tests[0]})')
+    raise DataError(
+      f'{where}: several test sets {tests}; choose one with data.test_split '
+      f'(train.py --data.test_split={tests[0]})'
+    )
   if tests:
     found['test'] = tests[0]
   for name, stem in preferred.items():
     if stem not in stems:
-      raise DataError(f'{where}: data.{_SPLIT_SETTINGS[name]}={stem!r} names no split '
-                      f'(found {sorted(stems)})')
+      raise DataError(
+        f'{where}: data.{_SPLIT_SETTINGS[name]}={stem!r} names no split (found {sorted(stems)})'
+      )
     found[name] = stem
   return found
 
 
-def _select(available: Mapping[str, object], splits: Mapping[str, str] | None,
-            preferred: Mapping[str, str], where: Path | str, what: str) -> dict[str, str]:
+def _select(
+  available: Mapping[str, object],
+  splits: Mapping[str, str] | None,
+  preferred: Mapping[str, str],
+  where: Path | str,
+  what: str,
+) -> dict[str, str]:
   """Our split name -> stem, from `splits` or by discovery (which takes the `preferred` stem
   for 'validation' or 'test'); never empty."""
   if splits is None:
     chosen = _discover(available, where, preferred)
     if not chosen:
-      raise DataError(f'{where}: found no train/val/valid/validation/dev/test* {what} '
-                      f'(found {sorted(available) or "nothing"}); name them with `splits`')
+      raise DataError(
+        f'{where}: found no train/val/valid/validation/dev/test* {what} '
+        f'(found {sorted(available) or "nothing"}); name them with `splits`'
+      )
     return chosen
   missing = {name: stem for name, stem in splits.items() if stem not in available}
   if missing:
@@ -161,48 +188,73 @@ def _select(available: Mapping[str, object], splits: Mapping[str, str] | None,
   return dict(splits)
 
 
-def text_pair_files(source: str, src_lang: str, tgt_lang: str, *,
-                    valid_split: str | None = None, test_split: str | None = None
-                    ) -> dict[str, tuple[Path, Path]] | None:
+def text_pair_files(
+  source: str,
+  src_lang: str,
+  tgt_lang: str,
+  *,
+  valid_split: str | None = None,
+  test_split: str | None = None,
+) -> dict[str, tuple[Path, Path]] | None:
   """{split: (source file, target file)} of a directory of `<stem>.<lang>` text pairs, the
   splits chosen as `load_parallel` chooses them; None when `source` is not such a directory.
 
   For reading a large split as a stream (`cache.TextPairFiles`) rather than as a table.
   """
   directory = Path(source).expanduser()
-  if not directory.is_dir() or not (_stems(directory, f'.{src_lang}')
-                                    or _stems(directory, f'.{tgt_lang}')):
+  if not directory.is_dir() or not (
+    _stems(directory, f'.{src_lang}') or _stems(directory, f'.{tgt_lang}')
+  ):
     return None
-  preferred = {name: stem for name, stem in (('validation', valid_split), ('test', test_split))
-               if stem is not None}
+  preferred = {
+    name: stem
+    for name, stem in (('validation', valid_split), ('test', test_split))
+    if stem is not None
+  }
   return _text_dir_files(directory, src_lang, tgt_lang, None, preferred)
 
 
-def _text_dir_files(directory: Path, src_lang: str, tgt_lang: str,
-                    splits: Mapping[str, str] | None, preferred: Mapping[str, str]
-                    ) -> dict[str, tuple[Path, Path]]:
+def _text_dir_files(
+  directory: Path,
+  src_lang: str,
+  tgt_lang: str,
+  splits: Mapping[str, str] | None,
+  preferred: Mapping[str, str],
+) -> dict[str, tuple[Path, Path]]:
   stems = set(_stems(directory, f'.{src_lang}')) | set(_stems(directory, f'.{tgt_lang}'))
-  chosen = _select(stems, splits, preferred, directory, f'files <stem>.{src_lang}/<stem>.{tgt_lang}')
-  files = {name: (directory / f'{stem}.{src_lang}', directory / f'{stem}.{tgt_lang}')
-           for name, stem in chosen.items()}
+  chosen = _select(
+    stems, splits, preferred, directory, f'files <stem>.{src_lang}/<stem>.{tgt_lang}'
+  )
+  files = {
+    name: (directory / f'{stem}.{src_lang}', directory / f'{stem}.{tgt_lang}')
+    for name, stem in chosen.items()
+  }
   for pair in files.values():
     for path in pair:
       if not path.is_file():
-        raise DataError(f'{path}: no such file, but split {path.stem!r} needs one file per '
-                        'language')
+        raise DataError(
+          f'{path}: no such file, but split {path.stem!r} needs one file per language'
+        )
   return files
 
 
-def _load_text_dir(directory: Path, src_lang: str, tgt_lang: str,
-                   splits: Mapping[str, str] | None, preferred: Mapping[str, str]
-                   ) -> datasets.DatasetDict:
+def _load_text_dir(
+  directory: Path,
+  src_lang: str,
+  tgt_lang: str,
+  splits: Mapping[str, str] | None,
+  preferred: Mapping[str, str],
+) -> datasets.DatasetDict:
   result = {}
-  for name, (src_file, tgt_file) in _text_dir_files(directory, src_lang, tgt_lang, splits,
-                                                    preferred).items():
+  for name, (src_file, tgt_file) in _text_dir_files(
+    directory, src_lang, tgt_lang, splits, preferred
+  ).items():
     src_lines, tgt_lines = _read_lines(src_file), _read_lines(tgt_file)
     if len(src_lines) != len(tgt_lines):
-      raise DataError(f'{src_file} has {len(src_lines):,} lines but {tgt_file} has '
-                      f'{len(tgt_lines):,}; line N of one must translate line N of the other')
+      raise DataError(
+        f'{src_file} has {len(src_lines):,} lines but {tgt_file} has '
+        f'{len(tgt_lines):,}; line N of one must translate line N of the other'
+      )
     table = datasets.Dataset.from_dict({'source': src_lines, 'target': tgt_lines})
     result[name] = _clean(table, f'{src_file.name}/{tgt_file.name}', src_file.parent)
   return datasets.DatasetDict(result)
@@ -230,62 +282,77 @@ def split_lines(data: bytes, where: str) -> list[str]:
   return lines
 
 
-def invalid_utf8(where: str, data: bytes, error: UnicodeDecodeError,
-                 first_line: int = 0) -> DataError:
+def invalid_utf8(
+  where: str, data: bytes, error: UnicodeDecodeError, first_line: int = 0
+) -> DataError:
   """The DataError for `error` in decoding `data`, lines `first_line + 1, ...` of file
   `where`: it names the file, the line and the byte within the line."""
   line_start = data.rfind(b'\n', 0, error.start) + 1
   line = first_line + data.count(b'\n', 0, error.start) + 1
-  return DataError(f'{where}, line {line}: invalid UTF-8 ({error.reason} at byte '
-                   f'{error.start - line_start} of the line); re-encode the file as UTF-8')
+  return DataError(
+    f'{where}, line {line}: invalid UTF-8 ({error.reason} at byte '
+    f'{error.start - line_start} of the line); re-encode the file as UTF-8'
+  )
 
 
-def _load_table_dir(directory: Path, src_lang: str, tgt_lang: str,
-                    splits: Mapping[str, str] | None, preferred: Mapping[str, str]
-                    ) -> datasets.DatasetDict:
+def _load_table_dir(
+  directory: Path,
+  src_lang: str,
+  tgt_lang: str,
+  splits: Mapping[str, str] | None,
+  preferred: Mapping[str, str],
+) -> datasets.DatasetDict:
   files: dict[str, Path] = {}
   for path in sorted(directory.iterdir()):
     if path.is_file() and path.suffix in TABLE_FORMATS:
       if path.stem in files:
-        raise DataError(f'{directory}: both {files[path.stem].name} and {path.name} hold '
-                        f'split {path.stem!r}; keep one')
+        raise DataError(
+          f'{directory}: both {files[path.stem].name} and {path.name} hold '
+          f'split {path.stem!r}; keep one'
+        )
       files[path.stem] = path
   if not files:
     found = sorted(p.name for p in directory.iterdir())[:10]
-    raise DataError(f'{directory}: found neither <split>.{src_lang}/<split>.{tgt_lang} text '
-                    f'pairs nor {"/".join(sorted(TABLE_FORMATS))} files (found {found})')
+    raise DataError(
+      f'{directory}: found neither <split>.{src_lang}/<split>.{tgt_lang} text '
+      f'pairs nor {"/".join(sorted(TABLE_FORMATS))} files (found {found})'
+    )
   chosen = _select(files, splits, preferred, directory, f'{"/".join(sorted(TABLE_FORMATS))} files')
   return _load_tables({name: files[stem] for name, stem in chosen.items()}, src_lang, tgt_lang)
 
 
-def _load_tables(files: Mapping[str, Path], src_lang: str,
-                 tgt_lang: str) -> datasets.DatasetDict:
+def _load_tables(files: Mapping[str, Path], src_lang: str, tgt_lang: str) -> datasets.DatasetDict:
   result = {}
   for name, path in files.items():
     try:
-      table = datasets.load_dataset(TABLE_FORMATS[path.suffix], data_files=str(path),
-                                    split='train')
+      table = datasets.load_dataset(TABLE_FORMATS[path.suffix], data_files=str(path), split='train')
     except Exception as error:  # the builders raise many types; the file is what matters
-      raise DataError(f'{path}: cannot read it as {TABLE_FORMATS[path.suffix]}: '
-                      f'{_root_cause(error)}') from error
+      raise DataError(
+        f'{path}: cannot read it as {TABLE_FORMATS[path.suffix]}: {_root_cause(error)}'
+      ) from error
     pairs = _pair_columns(table, src_lang, tgt_lang, str(path))
     result[name] = _clean(pairs, path.name, path.parent)
   return datasets.DatasetDict(result)
 
 
-def _load_hub(source: str, src_lang: str, tgt_lang: str,
-              splits: Mapping[str, str] | None, preferred: Mapping[str, str]
-              ) -> datasets.DatasetDict:
+def _load_hub(
+  source: str,
+  src_lang: str,
+  tgt_lang: str,
+  splits: Mapping[str, str] | None,
+  preferred: Mapping[str, str],
+) -> datasets.DatasetDict:
   name, _, config = source.partition(':')
   try:
     hub = datasets.load_dataset(name, config or None)
   except Exception as error:  # network, authentication and missing-config errors alike
     raise DataError(
-        f'{source!r} is not a local file or directory ({Path(source).resolve()}), and '
-        f'loading it as a Hugging Face Hub dataset (name {name!r}, config '
-        f'{config or None!r}) failed: {type(error).__name__}: {error}. Offline? Point the source at a '
-        'local directory of <split>.<lang> files, or set HF_DATASETS_OFFLINE=1 to use a '
-        'copy already in the Hugging Face cache') from error
+      f'{source!r} is not a local file or directory ({Path(source).resolve()}), and '
+      f'loading it as a Hugging Face Hub dataset (name {name!r}, config '
+      f'{config or None!r}) failed: {type(error).__name__}: {error}. Offline? Point the source at a '
+      'local directory of <split>.<lang> files, or set HF_DATASETS_OFFLINE=1 to use a '
+      'copy already in the Hugging Face cache'
+    ) from error
   chosen = _select(hub, splits, preferred, source, 'splits')
   result = {}
   for ours, theirs in chosen.items():
@@ -294,38 +361,55 @@ def _load_hub(source: str, src_lang: str, tgt_lang: str,
   return datasets.DatasetDict(result)
 
 
-def _pair_columns(table: datasets.Dataset, src_lang: str, tgt_lang: str,
-                  where: str) -> datasets.Dataset:
+def _pair_columns(
+  table: datasets.Dataset, src_lang: str, tgt_lang: str, where: str
+) -> datasets.Dataset:
   """Renames language columns, or unpacks a 'translation' column, to source/target."""
   columns = table.column_names
   if src_lang in columns and tgt_lang in columns:
     return table.select_columns([src_lang, tgt_lang]).rename_columns(
-        {src_lang: 'source', tgt_lang: 'target'})
+      {src_lang: 'source', tgt_lang: 'target'}
+    )
   if 'translation' in columns:
     feature = table.features['translation']
     languages = getattr(feature, 'languages', None) or list(feature)
     missing = [lang for lang in (src_lang, tgt_lang) if lang not in languages]
     if missing:
-      raise DataError(f'{where}: the translation column has languages {sorted(languages)}, '
-                      f'not {missing}')
+      raise DataError(
+        f'{where}: the translation column has languages {sorted(languages)}, not {missing}'
+      )
     return table.map(
-        lambda batch: {'source': [pair[src_lang] for pair in batch['translation']],
-                       'target': [pair[tgt_lang] for pair in batch['translation']]},
-        batched=True, remove_columns=columns, desc='pair columns')
-  raise DataError(f'{where}: needs columns {src_lang!r} and {tgt_lang!r} or a '
-                  f"'translation' column, found {columns}")
+      lambda batch: {
+        'source': [pair[src_lang] for pair in batch['translation']],
+        'target': [pair[tgt_lang] for pair in batch['translation']],
+      },
+      batched=True,
+      remove_columns=columns,
+      desc='pair columns',
+    )
+  raise DataError(
+    f'{where}: needs columns {src_lang!r} and {tgt_lang!r} or a '
+    f"'translation' column, found {columns}"
+  )
 
 
 def _clean(pairs: datasets.Dataset, origin: str, directory: Path | None) -> datasets.Dataset:
   """Strips both sides and drops pairs with an empty side; a split may not end up empty."""
   total = len(pairs)
   stripped = pairs.map(
-      lambda batch: {key: ['' if text is None else str(text).strip() for text in batch[key]]
-                     for key in ('source', 'target')},
-      batched=True, features=_TEXT_PAIR, desc=f'strip {origin}')
+    lambda batch: {
+      key: ['' if text is None else str(text).strip() for text in batch[key]]
+      for key in ('source', 'target')
+    },
+    batched=True,
+    features=_TEXT_PAIR,
+    desc=f'strip {origin}',
+  )
   kept = stripped.filter(
-      lambda batch: [bool(s) and bool(t) for s, t in zip(batch['source'], batch['target'])],
-      batched=True, desc=f'drop empty {origin}')
+    lambda batch: [bool(s) and bool(t) for s, t in zip(batch['source'], batch['target'])],
+    batched=True,
+    desc=f'drop empty {origin}',
+  )
   where = f'{directory}/{origin}' if directory else origin
   if not len(kept):
     raise DataError(f'{where}: no sentence pairs ({total:,} read, all with an empty side)')

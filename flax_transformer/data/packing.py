@@ -28,8 +28,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from flax_transformer.config import NONNEGATIVE, ConfigError, ModelConfig, TrainConfig, check_bounds
-from flax_transformer.data.batching import (SEQUENCE_LENGTH, Batch, Batcher, EncodedCorpus,
-                                            rows_per_batch)
+from flax_transformer.data.batching import (
+  SEQUENCE_LENGTH,
+  Batch,
+  Batcher,
+  EncodedCorpus,
+  rows_per_batch,
+)
 from flax_transformer.data.corpus import DataError
 
 # Rows kept open for the next pairs while packing; more fill rows a little better and cost
@@ -49,9 +54,16 @@ class PackingBatcher(Batcher):
   The number of batches can differ by an epoch's draw; `batch_at` counts them.
   """
 
-  def __init__(self, corpus: EncodedCorpus, max_tokens: int, seed: int, row_length: int,
-               length_buckets: Sequence[int] | None = None, row_multiple: int = 1,
-               shuffle: bool = True):
+  def __init__(
+    self,
+    corpus: EncodedCorpus,
+    max_tokens: int,
+    seed: int,
+    row_length: int,
+    length_buckets: Sequence[int] | None = None,
+    row_multiple: int = 1,
+    shuffle: bool = True,
+  ):
     super().__init__(corpus, max_tokens, seed, length_buckets, row_multiple, shuffle)
     check_bounds(row_length, SEQUENCE_LENGTH, 'train.packing (the packed row length)', DataError)
     self.row_length = int(row_length)
@@ -88,12 +100,15 @@ class PackingBatcher(Batcher):
     positions = sum(self.rows[bucket] * self.length_buckets[bucket] for bucket, _ in plan)
     pairs_per_row = len(self.corpus) / sum(len(rows) for _, rows in plan)
     shapes = ' '.join(f'{rows}x{length}' for rows, length in self.shapes)
-    return (f'{len(self.corpus):,} pairs packed {pairs_per_row:.2f} per row in {len(plan):,} '
-            f'batches (epoch 0) of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
-            f'{1 - target_tokens / positions:.1%} of target positions are padding')
+    return (
+      f'{len(self.corpus):,} pairs packed {pairs_per_row:.2f} per row in {len(plan):,} '
+      f'batches (epoch 0) of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
+      f'{1 - target_tokens / positions:.1%} of target positions are padding'
+    )
 
-  def _fill_rows(self, bucket: int, pairs: np.ndarray,
-                 rng: np.random.Generator | None) -> list[np.ndarray]:
+  def _fill_rows(
+    self, bucket: int, pairs: np.ndarray, rng: np.random.Generator | None
+  ) -> list[np.ndarray]:
     """A bucket's pairs, in order -> its rows, each the pair indices it holds (`pack_rows`)."""
     del rng  # first fit places the pairs in their shuffled order and draws nothing more
     return pack_rows(pairs, self._src_lengths, self._tgt_lengths, self.length_buckets[bucket])
@@ -101,10 +116,18 @@ class PackingBatcher(Batcher):
   def _build(self, bucket: int, rows_of_pairs: list[np.ndarray]) -> Batch:
     rows, length = self.rows[bucket], self.length_buckets[bucket]
     pad, corpus = self.corpus.pad_id, self.corpus
-    arrays = {name: np.full((rows, length), pad if name in ('src', 'tgt_in', 'tgt_out') else 0,
-                            np.int32)
-              for name in ('src', 'tgt_in', 'tgt_out', 'src_segments', 'tgt_segments',
-                           'src_positions', 'tgt_positions')}
+    arrays = {
+      name: np.full((rows, length), pad if name in ('src', 'tgt_in', 'tgt_out') else 0, np.int32)
+      for name in (
+        'src',
+        'tgt_in',
+        'tgt_out',
+        'src_segments',
+        'tgt_segments',
+        'src_positions',
+        'tgt_positions',
+      )
+    }
     example_ids = np.full((rows, length), -1, np.int32)
     for row, pairs in enumerate(rows_of_pairs):
       src_at = tgt_at = 0
@@ -114,17 +137,18 @@ class PackingBatcher(Batcher):
           span = slice(at, at + len(ids))
           arrays[f'{side}_segments'][row, span] = segment
           arrays[f'{side}_positions'][row, span] = np.arange(len(ids))
-        arrays['src'][row, src_at:src_at + len(source)] = source
-        arrays['tgt_out'][row, tgt_at:tgt_at + len(target)] = target
+        arrays['src'][row, src_at : src_at + len(source)] = source
+        arrays['tgt_out'][row, tgt_at : tgt_at + len(target)] = target
         arrays['tgt_in'][row, tgt_at] = corpus.bos_id
-        arrays['tgt_in'][row, tgt_at + 1:tgt_at + len(target)] = target[:-1]  # without its EOS
+        arrays['tgt_in'][row, tgt_at + 1 : tgt_at + len(target)] = target[:-1]  # without its EOS
         example_ids[row, segment - 1] = corpus.example_ids[pair]
         src_at, tgt_at = src_at + len(source), tgt_at + len(target)
     return Batch(example_ids=example_ids, pad_id=pad, **arrays)
 
 
-def pack_rows(order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarray,
-              length: int) -> list[np.ndarray]:
+def pack_rows(
+  order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarray, length: int
+) -> list[np.ndarray]:
   """Pairs `order` (indices into the length arrays, each pair <= `length` a side) -> rows.
 
   Each pair, in order, goes to the first of the open rows (at most `_OPEN_ROWS`,
@@ -133,13 +157,12 @@ def pack_rows(order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarra
   indices, in the order the rows were opened; every pair is in exactly one row.
   """
   rows: list[list[int]] = []
-  open_rows: list[int] = []           # indices into rows
+  open_rows: list[int] = []  # indices into rows
   src_free: dict[int, int] = {}
   tgt_free: dict[int, int] = {}
   for pair in order.tolist():
     need_src, need_tgt = int(src_lengths[pair]), int(tgt_lengths[pair])
-    home = next((r for r in open_rows if src_free[r] >= need_src and tgt_free[r] >= need_tgt),
-                None)
+    home = next((r for r in open_rows if src_free[r] >= need_src and tgt_free[r] >= need_tgt), None)
     if home is None:
       if len(open_rows) == _OPEN_ROWS:
         open_rows.remove(min(open_rows, key=lambda r: max(src_free[r], tgt_free[r])))
@@ -156,8 +179,10 @@ def pack_rows(order: np.ndarray, src_lengths: np.ndarray, tgt_lengths: np.ndarra
 def padding_share(batches: Sequence[Batch], pad_id: int) -> dict[str, float]:
   """The fraction of source and of target positions that are PAD over `batches`."""
   positions = max(sum(b.src.size for b in batches), 1)
-  return {'source': 1 - sum(int((b.src != pad_id).sum()) for b in batches) / positions,
-          'target': 1 - sum(int(b.num_tokens) for b in batches) / positions}
+  return {
+    'source': 1 - sum(int((b.src != pad_id).sum()) for b in batches) / positions,
+    'target': 1 - sum(int(b.num_tokens) for b in batches) / positions,
+  }
 
 
 def check_settings(model_config: ModelConfig, train_config: TrainConfig) -> None:
@@ -165,17 +190,24 @@ def check_settings(model_config: ModelConfig, train_config: TrainConfig) -> None
   if not train_config.packing:
     return
   # Refused here, before the data loads, rather than by PackingBatcher after.
-  check_bounds(train_config.packing, SEQUENCE_LENGTH, 'train.packing (the packed row length; 0: '
-               'no packing)')
+  check_bounds(
+    train_config.packing, SEQUENCE_LENGTH, 'train.packing (the packed row length; 0: no packing)'
+  )
   if train_config.packing > model_config.max_len:
-    raise ConfigError(f'train.packing={train_config.packing} is longer than model.max_len='
-                      f'{model_config.max_len}, the longest row the model takes; lower it')
+    raise ConfigError(
+      f'train.packing={train_config.packing} is longer than model.max_len='
+      f'{model_config.max_len}, the longest row the model takes; lower it'
+    )
   if model_config.attention_radius is not None:
-    raise ConfigError(f'train.packing={train_config.packing} cannot be combined with '
-                      f'model.attention_radius={model_config.attention_radius}: the banded '
-                      'attention has no segment mask; set one of them off')
+    raise ConfigError(
+      f'train.packing={train_config.packing} cannot be combined with '
+      f'model.attention_radius={model_config.attention_radius}: the banded '
+      'attention has no segment mask; set one of them off'
+    )
   if model_config.kind == 'cmlm' and train_config.eos_fill_rate:
-    raise ConfigError(f'train.packing={train_config.packing} cannot be combined with '
-                      f'train.eos_fill_rate={train_config.eos_fill_rate} (cmlm): it fills the PAD '
-                      "after a sentence, and a packed row's PAD belongs to none; set "
-                      'train.eos_fill_rate=0, or train.packing=0 to train unpacked')
+    raise ConfigError(
+      f'train.packing={train_config.packing} cannot be combined with '
+      f'train.eos_fill_rate={train_config.eos_fill_rate} (cmlm): it fills the PAD '
+      "after a sentence, and a packed row's PAD belongs to none; set "
+      'train.eos_fill_rate=0, or train.packing=0 to train unpacked'
+    )

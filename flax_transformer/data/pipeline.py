@@ -52,6 +52,7 @@ class TrainingData:
   train: the training split, as files read as a stream (`TextPairFiles`) or a table.
   evaluation: 'validation' and 'test' when present, as tables (they are small).
   """
+
   train: TextPairFiles | datasets.Dataset
   evaluation: datasets.DatasetDict
 
@@ -87,68 +88,117 @@ class TrainingData:
     if pairs or not isinstance(self.train, TextPairFiles):
       return
     source, target = Path(self.train.source), Path(self.train.target)
-    raise DataError(f'{source.parent}/{source.name}/{target.name}: no sentence pairs '
-                    f'({self.train.num_lines:,} read, all with an empty side)')
+    raise DataError(
+      f'{source.parent}/{source.name}/{target.name}: no sentence pairs '
+      f'({self.train.num_lines:,} read, all with an empty side)'
+    )
 
-  def encoded_train(self, tokenizer: TextTokenizer, tokenizer_digest: str, max_len: int,
-                    cache_dir: str | Path, *, is_writer: bool = True,
-                    wait: Callable[[], None] | None = None, progress: bool = True,
-                    say: Callable[[str], None] | None = None) -> EncodedCorpus:
+  def encoded_train(
+    self,
+    tokenizer: TextTokenizer,
+    tokenizer_digest: str,
+    max_len: int,
+    cache_dir: str | Path,
+    *,
+    is_writer: bool = True,
+    wait: Callable[[], None] | None = None,
+    progress: bool = True,
+    say: Callable[[str], None] | None = None,
+  ) -> EncodedCorpus:
     """The training split encoded: from the cache in `cache_dir` (built first when missing,
     stale or damaged), or in memory for a dataset without files on disk."""
     if isinstance(self.train, datasets.Dataset) and not self.train.cache_files:
       if wait is not None:
         wait()  # every process encodes its own copy; the barrier keeps the job in step
       return encode_corpus(self.train, tokenizer, max_len)
-    corpus = load_or_encode(self._pairs(), tokenizer, tokenizer_digest, max_len, cache_dir,
-                            is_writer=is_writer, wait=wait, progress=progress, say=say)
+    corpus = load_or_encode(
+      self._pairs(),
+      tokenizer,
+      tokenizer_digest,
+      max_len,
+      cache_dir,
+      is_writer=is_writer,
+      wait=wait,
+      progress=progress,
+      say=say,
+    )
     cleaned = len(corpus) + corpus.num_dropped
     self._check_not_empty(cleaned)
     if isinstance(self.train, TextPairFiles) and say is not None:
       source, target = Path(self.train.source).name, Path(self.train.target).name
-      say(f'train: {cleaned:,} pairs ({source}/{target}, '
-          f'{self.train.num_lines - cleaned:,} dropped with an empty side)')
+      say(
+        f'train: {cleaned:,} pairs ({source}/{target}, '
+        f'{self.train.num_lines - cleaned:,} dropped with an empty side)'
+      )
     return corpus
 
 
-def load_training_data(data_config: DataConfig,
-                       dataset: datasets.DatasetDict | None = None) -> TrainingData:
+def load_training_data(
+  data_config: DataConfig, dataset: datasets.DatasetDict | None = None
+) -> TrainingData:
   """The text of `data_config.source` (or the `dataset` given): a directory of text pairs
   keeps its training split on disk; anything else is loaded by `corpus.load_parallel`."""
   if dataset is None and data_config.source == 'toy':
     dataset = number_translation()
   if dataset is None:
-    files = text_pair_files(data_config.source, data_config.src_lang, data_config.tgt_lang,
-                            valid_split=data_config.valid_split,
-                            test_split=data_config.test_split)
+    files = text_pair_files(
+      data_config.source,
+      data_config.src_lang,
+      data_config.tgt_lang,
+      valid_split=data_config.valid_split,
+      test_split=data_config.test_split,
+    )
     if files is not None and 'train' in files:
-      stems = {name: src.name[:-len(f'.{data_config.src_lang}')]
-               for name, (src, _) in files.items() if name != 'train'}
-      evaluation = (load_parallel(data_config.source, data_config.src_lang,
-                                  data_config.tgt_lang, splits=stems)
-                    if stems else datasets.DatasetDict())
+      stems = {
+        name: src.name[: -len(f'.{data_config.src_lang}')]
+        for name, (src, _) in files.items()
+        if name != 'train'
+      }
+      evaluation = (
+        load_parallel(data_config.source, data_config.src_lang, data_config.tgt_lang, splits=stems)
+        if stems
+        else datasets.DatasetDict()
+      )
       return TrainingData(train=TextPairFiles(*files['train']), evaluation=evaluation)
-    dataset = load_parallel(data_config.source, data_config.src_lang, data_config.tgt_lang,
-                            valid_split=data_config.valid_split,
-                            test_split=data_config.test_split)
+    dataset = load_parallel(
+      data_config.source,
+      data_config.src_lang,
+      data_config.tgt_lang,
+      valid_split=data_config.valid_split,
+      test_split=data_config.test_split,
+    )
   if 'train' not in dataset:
     raise DataError(f'the data has no train split (splits: {", ".join(dataset)})')
-  return TrainingData(train=dataset['train'], evaluation=datasets.DatasetDict(
-      {name: split for name, split in dataset.items() if name != 'train'}))
+  return TrainingData(
+    train=dataset['train'],
+    evaluation=datasets.DatasetDict(
+      {name: split for name, split in dataset.items() if name != 'train'}
+    ),
+  )
 
 
 PackingPlan = Literal['best_fit', 'first_fit']
 
 
-def make_batcher(corpus: EncodedCorpus, config: TrainConfig, row_multiple: int,
-                 packing_plan: PackingPlan = 'best_fit') -> ArrayBatcher | ArrayPackingBatcher:
+def make_batcher(
+  corpus: EncodedCorpus,
+  config: TrainConfig,
+  row_multiple: int,
+  packing_plan: PackingPlan = 'best_fit',
+) -> ArrayBatcher | ArrayPackingBatcher:
   """The training batcher of `config`: bucketed rows, or packed ones (`config.packing`) whose
   rows are planned by `packing_plan` (runs begun before best fit existed resume with
   'first_fit', so their batches stay the same)."""
   if not config.packing:
     return ArrayBatcher(corpus, config.max_tokens, config.seed, row_multiple=row_multiple)
-  return ArrayPackingBatcher(corpus, config.max_tokens, config.seed, config.packing,
-                             row_multiple=row_multiple, plan=packing_plan)
+  return ArrayPackingBatcher(
+    corpus,
+    config.max_tokens,
+    config.seed,
+    config.packing,
+    row_multiple=row_multiple,
+    plan=packing_plan,
+  )
 
 
 T = TypeVar('T')

@@ -41,6 +41,7 @@ class TextPreprocessing:
     'none' leaves words as written.
   detokenize: outputs of a Moses-pretokenized model are Moses-detokenized into text.
   """
+
   normalize_punctuation: bool = False
   lowercase: bool = False
   pretokenize: Literal['none', 'moses'] = 'none'
@@ -48,9 +49,12 @@ class TextPreprocessing:
 
   @classmethod
   def of(cls, data_config: DataConfig) -> TextPreprocessing:
-    return cls(normalize_punctuation=data_config.normalize_punctuation,
-               lowercase=data_config.lowercase, pretokenize=data_config.pretokenize,
-               detokenize=data_config.detokenize)
+    return cls(
+      normalize_punctuation=data_config.normalize_punctuation,
+      lowercase=data_config.lowercase,
+      pretokenize=data_config.pretokenize,
+      detokenize=data_config.detokenize,
+    )
 
   @property
   def active(self) -> bool:
@@ -59,9 +63,15 @@ class TextPreprocessing:
 
   def describe(self) -> str:
     """'punctuation normalised, lowercased, Moses-tokenized (outputs detokenized)', or 'none'."""
-    steps = [name for name, on in (('punctuation normalised', self.normalize_punctuation),
-                                   ('lowercased', self.lowercase),
-                                   ('Moses-tokenized', self.pretokenize == 'moses')) if on]
+    steps = [
+      name
+      for name, on in (
+        ('punctuation normalised', self.normalize_punctuation),
+        ('lowercased', self.lowercase),
+        ('Moses-tokenized', self.pretokenize == 'moses'),
+      )
+      if on
+    ]
     if self.pretokenize == 'moses':
       steps[-1] += ' (outputs detokenized)' if self.detokenize else ' (outputs left tokenized)'
     return ', '.join(steps) or 'none'
@@ -99,18 +109,21 @@ def moses_tokenized(texts: Sequence[str], lang: str) -> list[str]:
 @functools.cache
 def _normalizer(lang: str):
   import sacremoses
+
   return sacremoses.MosesPunctNormalizer(lang=lang)
 
 
 @functools.cache
 def _tokenizer(lang: str):
   import sacremoses
+
   return sacremoses.MosesTokenizer(lang=lang)
 
 
 @functools.cache
 def _detokenizer(lang: str):
   import sacremoses
+
   return sacremoses.MosesDetokenizer(lang=lang)
 
 
@@ -127,8 +140,10 @@ def check_available(preprocessing: TextPreprocessing) -> None:
   """Raises ConfigError, before any work, when sacremoses is needed and not installed."""
   needed = preprocessing.normalize_punctuation or preprocessing.pretokenize == 'moses'
   if needed and not moses_available():
-    raise ConfigError('data.normalize_punctuation and data.pretokenize=moses need sacremoses: '
-                      'pip install sacremoses')
+    raise ConfigError(
+      'data.normalize_punctuation and data.pretokenize=moses need sacremoses: '
+      'pip install sacremoses'
+    )
 
 
 class PreprocessingTokenizer:
@@ -184,8 +199,9 @@ def wrap(tokenizer, data_config: DataConfig):
   preprocessing = TextPreprocessing.of(data_config)
   if not preprocessing.active:
     return tokenizer
-  return PreprocessingTokenizer(tokenizer, preprocessing, data_config.src_lang,
-                                data_config.tgt_lang)
+  return PreprocessingTokenizer(
+    tokenizer, preprocessing, data_config.src_lang, data_config.tgt_lang
+  )
 
 
 def keyed_digest(tokenizer_digest: str, tokenizer) -> str:
@@ -193,10 +209,15 @@ def keyed_digest(tokenizer_digest: str, tokenizer) -> str:
   preprocessing and languages of a `PreprocessingTokenizer` (part of the corpus cache's key)."""
   if not isinstance(tokenizer, PreprocessingTokenizer):
     return tokenizer_digest
-  recipe = json.dumps({'tokenizer': tokenizer_digest, 'src_lang': tokenizer.src_lang,
-                       'tgt_lang': tokenizer.tgt_lang,
-                       'preprocessing': dataclasses.asdict(tokenizer.preprocessing)},
-                      sort_keys=True)
+  recipe = json.dumps(
+    {
+      'tokenizer': tokenizer_digest,
+      'src_lang': tokenizer.src_lang,
+      'tgt_lang': tokenizer.tgt_lang,
+      'preprocessing': dataclasses.asdict(tokenizer.preprocessing),
+    },
+    sort_keys=True,
+  )
   return hashlib.sha256(recipe.encode()).hexdigest()
 
 

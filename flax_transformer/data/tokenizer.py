@@ -26,7 +26,6 @@ hide from the masks as padding.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence, Sized
 from pathlib import Path
 from typing import ClassVar, Literal, Protocol, runtime_checkable
@@ -37,6 +36,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.data import word_memo
+from flax_transformer.files import write_atomically
 
 FILE_NAME = 'tokenizer.json'
 SPECIAL_TOKENS = ('<pad>', '<s>', '</s>', '<unk>')  # index = id
@@ -84,20 +84,27 @@ class TextTokenizer(Protocol):
 VOCABULARY_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
 
 
-def vocabulary_mismatches(tokenizer: TextTokenizer, config: ModelConfig
-                          ) -> list[tuple[str, int, int]]:
+def vocabulary_mismatches(
+  tokenizer: TextTokenizer, config: ModelConfig
+) -> list[tuple[str, int, int]]:
   """(field, the model's value, the tokenizer's) for each of `VOCABULARY_FIELDS` that differs:
   the one rule of a tokenizer fitting a model."""
-  return [(name, getattr(config, name), getattr(tokenizer, name)) for name in VOCABULARY_FIELDS
-          if getattr(config, name) != getattr(tokenizer, name)]
+  return [
+    (name, getattr(config, name), getattr(tokenizer, name))
+    for name in VOCABULARY_FIELDS
+    if getattr(config, name) != getattr(tokenizer, name)
+  ]
 
 
-def check_compatible(tokenizer: TextTokenizer, config: ModelConfig, what: str = 'the tokenizer'
-                     ) -> None:
+def check_compatible(
+  tokenizer: TextTokenizer, config: ModelConfig, what: str = 'the tokenizer'
+) -> None:
   """Raises ConfigError naming the first of `vocabulary_mismatches` and the setting to change."""
   for name, model_value, tokenizer_value in vocabulary_mismatches(tokenizer, config):
-    raise ConfigError(f'model.{name}={model_value} but {what} has {tokenizer_value}; set '
-                      f'model.{name}={tokenizer_value}')
+    raise ConfigError(
+      f'model.{name}={model_value} but {what} has {tokenizer_value}; set '
+      f'model.{name}={tokenizer_value}'
+    )
 
 
 # Distinct words whose BPE pieces `tokenizers` remembers while encoding without the word memo
@@ -123,14 +130,20 @@ class Tokenizer:
     self._check_special_ids(backend)
     config = json.loads(backend.to_str())  # parsed once here: a large vocabulary takes long
     self._encoder = special_tokens_as_text(backend, config)
-    self._memo = (word_memo.WordMemo(self._encoder, memo_words, config)
-                  if memo_words and word_memo.applies_to(self._encoder, config) else None)
+    self._memo = (
+      word_memo.WordMemo(self._encoder, memo_words, config)
+      if memo_words and word_memo.applies_to(self._encoder, config)
+      else None
+    )
     # Without the memo, BPE's own cache of 10,000 words is what spares a corpus's frequent
     # words their merges; a corpus has many more (WMT14: hundreds of thousands), so it is
     # made larger. With the memo every distinct word reaches BPE once, so it would only
     # hold copies (about 600 MB at a million words). The ids are the same either way.
-    if (self._memo is None and isinstance(self._encoder.model, models.BPE)
-        and hasattr(self._encoder.model, '_resize_cache')):
+    if (
+      self._memo is None
+      and isinstance(self._encoder.model, models.BPE)
+      and hasattr(self._encoder.model, '_resize_cache')
+    ):
       self._encoder.model._resize_cache(BPE_CACHE_WORDS)
     self._backend = backend
     self.memo_words = memo_words
@@ -139,8 +152,10 @@ class Tokenizer:
     """Raises TokenizerError unless `backend` gives each special token this class's id."""
     for token_id, token in enumerate(SPECIAL_TOKENS):
       if backend.token_to_id(token) != token_id:
-        raise TokenizerError(f'special token {token} must have id {token_id}, the tokenizer '
-                             f'gives it {backend.token_to_id(token)}')
+        raise TokenizerError(
+          f'special token {token} must have id {token_id}, the tokenizer '
+          f'gives it {backend.token_to_id(token)}'
+        )
 
   def __reduce__(self):
     # Pickled (for a pool's workers) as its backend and settings: unpickling runs __init__,
@@ -149,8 +164,13 @@ class Tokenizer:
     return type(self), (self._backend, self.memo_words)
 
   @classmethod
-  def train(cls, texts: Iterable[str], vocab_size: int,
-            model: Literal['bpe', 'unigram'] = 'bpe', progress: bool = False) -> Tokenizer:
+  def train(
+    cls,
+    texts: Iterable[str],
+    vocab_size: int,
+    model: Literal['bpe', 'unigram'] = 'bpe',
+    progress: bool = False,
+  ) -> Tokenizer:
     """Learns a vocabulary of at most `vocab_size` pieces, specials included.
 
     Pass source and target training text together for one shared vocabulary.
@@ -167,24 +187,30 @@ class Tokenizer:
     progress: show the trainer's own progress bars (its stages, each with counts and time).
     """
     if vocab_size <= len(SPECIAL_TOKENS):
-      raise TokenizerError(f'vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, '
-                           f'got {vocab_size}')
+      raise TokenizerError(
+        f'vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}'
+      )
     if model == 'bpe':
       backend = tokenizers.Tokenizer(models.BPE(unk_token='<unk>'))
-      trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                    show_progress=progress)
+      trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=progress
+      )
     elif model == 'unigram':
       backend = tokenizers.Tokenizer(models.Unigram())
-      trainer = trainers.UnigramTrainer(vocab_size=vocab_size,
-                                        special_tokens=list(SPECIAL_TOKENS),
-                                        unk_token='<unk>', show_progress=progress)
+      trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        unk_token='<unk>',
+        show_progress=progress,
+      )
     else:
       raise TokenizerError(f"tokenizer model must be 'bpe' or 'unigram', got {model!r}")
     backend.normalizer = normalizers.NFKC()
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
     backend.decoder = decoders.Metaspace()
-    backend.train_from_iterator(texts, trainer,
-                                length=len(texts) if isinstance(texts, Sized) else None)
+    backend.train_from_iterator(
+      texts, trainer, length=len(texts) if isinstance(texts, Sized) else None
+    )
     return cls(_without_learned_copies_of_special_tokens(backend))
 
   @classmethod
@@ -192,13 +218,16 @@ class Tokenizer:
     """Reads `<directory>/tokenizer.json` as written by `save`."""
     path = Path(directory) / FILE_NAME
     if not path.is_file():
-      raise TokenizerError(f'{path}: no such file; train a tokenizer first (train.py saves '
-                           f'one beside its checkpoints) or point to the directory holding it')
+      raise TokenizerError(
+        f'{path}: no such file; train a tokenizer first (train.py saves '
+        f'one beside its checkpoints) or point to the directory holding it'
+      )
     try:
       backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust side raises a bare Exception
-      raise TokenizerError(f'{path}: not a valid tokenizer file ({error}); delete it and '
-                           'train again') from error
+      raise TokenizerError(
+        f'{path}: not a valid tokenizer file ({error}); delete it and train again'
+      ) from error
     return cls(backend)
 
   def save(self, directory: str | Path) -> Path:
@@ -208,10 +237,7 @@ class Tokenizer:
     """
     path = Path(directory) / FILE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f'.{FILE_NAME}.tmp')
-    self._backend.save(str(temporary))
-    os.replace(temporary, path)
-    return path
+    return write_atomically(path, writer=self._backend.save)
 
   @property
   def vocab_size(self) -> int:
@@ -246,11 +272,12 @@ class Tokenizer:
     for row in ids:
       row = [int(token) for token in row]
       if self.eos_id in row:
-        row = row[:row.index(self.eos_id)]
+        row = row[: row.index(self.eos_id)]
       bad = [token for token in row if not 0 <= token < self.vocab_size]
       if bad:
-        raise TokenizerError(f'cannot decode ids {bad[:5]}: outside the vocabulary '
-                             f'[0, {self.vocab_size})')
+        raise TokenizerError(
+          f'cannot decode ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})'
+        )
       rows.append([token for token in row if token not in (self.pad_id, self.bos_id)])
     # skip_special_tokens=False keeps <unk> visible; PAD/BOS/EOS are already gone.
     return self._backend.decode_batch(rows, skip_special_tokens=False)
@@ -263,8 +290,9 @@ class Tokenizer:
     check_compatible(self, config)
 
 
-def special_tokens_as_text(backend: tokenizers.Tokenizer, config: dict | None = None
-                           ) -> tokenizers.Tokenizer:
+def special_tokens_as_text(
+  backend: tokenizers.Tokenizer, config: dict | None = None
+) -> tokenizers.Tokenizer:
   """A tokenizer for encoding with `backend`'s ids that never gives a special id for text, and
   the same ids as `backend` for any text without a special token's string (module docstring).
 
@@ -304,8 +332,9 @@ def _merged(merge: list[str] | str, prefix: str) -> str:
   return left + right.removeprefix(prefix)
 
 
-def _without_learned_copies_of_special_tokens(backend: tokenizers.Tokenizer
-                                              ) -> tokenizers.Tokenizer:
+def _without_learned_copies_of_special_tokens(
+  backend: tokenizers.Tokenizer,
+) -> tokenizers.Tokenizer:
   """A just-trained unigram model without the pieces it learnt that spell a special token
   (training text holding '</s>' gives a second '</s>' piece, which takes the name's id);
   the pieces after it move up one id. Other models are returned as they are."""
@@ -314,8 +343,9 @@ def _without_learned_copies_of_special_tokens(backend: tokenizers.Tokenizer
   if model.get('type') != 'Unigram':
     return backend
   reserved = len(SPECIAL_TOKENS)
-  vocab = model['vocab'][:reserved] + [entry for entry in model['vocab'][reserved:]
-                                       if entry[0] not in SPECIAL_TOKENS]
+  vocab = model['vocab'][:reserved] + [
+    entry for entry in model['vocab'][reserved:] if entry[0] not in SPECIAL_TOKENS
+  ]
   if len(vocab) == len(model['vocab']):
     return backend
   model['vocab'] = vocab

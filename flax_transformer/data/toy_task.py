@@ -25,16 +25,37 @@ from flax_transformer.data.corpus import DataError
 
 LARGEST = 999_999
 
-_EN_ONES = ('zero one two three four five six seven eight nine ten eleven twelve thirteen '
-            'fourteen fifteen sixteen seventeen eighteen nineteen').split()
-_EN_TENS = ('', '', 'twenty', 'thirty', 'forty', 'fifty', 'sixty', 'seventy', 'eighty',
-            'ninety')
+_EN_ONES = (
+  'zero one two three four five six seven eight nine ten eleven twelve thirteen '
+  'fourteen fifteen sixteen seventeen eighteen nineteen'
+).split()
+_EN_TENS = ('', '', 'twenty', 'thirty', 'forty', 'fifty', 'sixty', 'seventy', 'eighty', 'ninety')
 # Index 1 is 'ein', the form before 'und', 'hundert' and 'tausend'.
 _DE_UNITS = ('', 'ein', 'zwei', 'drei', 'vier', 'fünf', 'sechs', 'sieben', 'acht', 'neun')
-_DE_TEENS = ('zehn', 'elf', 'zwölf', 'dreizehn', 'vierzehn', 'fünfzehn', 'sechzehn',
-             'siebzehn', 'achtzehn', 'neunzehn')
-_DE_TENS = ('', '', 'zwanzig', 'dreißig', 'vierzig', 'fünfzig', 'sechzig', 'siebzig',
-            'achtzig', 'neunzig')
+_DE_TEENS = (
+  'zehn',
+  'elf',
+  'zwölf',
+  'dreizehn',
+  'vierzehn',
+  'fünfzehn',
+  'sechzehn',
+  'siebzehn',
+  'achtzehn',
+  'neunzehn',
+)
+_DE_TENS = (
+  '',
+  '',
+  'zwanzig',
+  'dreißig',
+  'vierzig',
+  'fünfzig',
+  'sechzig',
+  'siebzig',
+  'achtzig',
+  'neunzig',
+)
 
 
 def english_words(n: int) -> str:
@@ -92,8 +113,13 @@ def _check_range(n: int) -> None:
     raise DataError(f'number words are defined for 0..{LARGEST:,}, got {n}')
 
 
-def number_translation(num_train: int = 8000, num_validation: int = 1000, num_test: int = 1000,
-                       seed: int = 0, max_number: int = 9999) -> datasets.DatasetDict:
+def number_translation(
+  num_train: int = 8000,
+  num_validation: int = 1000,
+  num_test: int = 1000,
+  seed: int = 0,
+  max_number: int = 9999,
+) -> datasets.DatasetDict:
   """English -> German number words for distinct numbers drawn from 0..max_number.
 
   The numbers are a seeded permutation of 0..max_number cut into train,
@@ -111,15 +137,25 @@ def number_translation(num_train: int = 8000, num_validation: int = 1000, num_te
     raise DataError(f'max_number must be an integer in 0..{LARGEST:,}, got {max_number!r}')
   total = sum(counts.values())
   if total > max_number + 1:
-    raise DataError(f'{total:,} distinct numbers requested ({counts}) but 0..{max_number:,} '
-                    f'holds only {max_number + 1:,}; raise max_number or ask for fewer')
+    raise DataError(
+      f'{total:,} distinct numbers requested ({counts}) but 0..{max_number:,} '
+      f'holds only {max_number + 1:,}; raise max_number or ask for fewer'
+    )
   numbers = np.random.default_rng(seed).permutation(max_number + 1)[:total]
   cuts = np.cumsum([num_train, num_validation])
   splits = dict(zip(('train', 'validation', 'test'), np.split(numbers, cuts)))
-  return datasets.DatasetDict({
+  return datasets.DatasetDict(
+    {
       name: datasets.Dataset.from_dict(
-          {'source': [english_words(int(n)) for n in chosen],
-           'target': [german_words(int(n)) for n in chosen]},
-          info=datasets.DatasetInfo(description=f'English->German number words, {len(chosen):,} '
-                                                f'of 0..{max_number:,}, seed {seed}'))
-      for name, chosen in splits.items()})
+        {
+          'source': [english_words(int(n)) for n in chosen],
+          'target': [german_words(int(n)) for n in chosen],
+        },
+        info=datasets.DatasetInfo(
+          description=f'English->German number words, {len(chosen):,} '
+          f'of 0..{max_number:,}, seed {seed}'
+        ),
+      )
+      for name, chosen in splits.items()
+    }
+  )

@@ -51,8 +51,12 @@ METASPACE = '▁'
 _UNSAFE = -2  # a word whose ids alone differ from its ids in a line (module docstring)
 _MISSING = -1
 _NORMALIZER = {'type': 'NFKC'}
-_PRE_TOKENIZER = {'type': 'Metaspace', 'replacement': METASPACE, 'prepend_scheme': 'always',
-                  'split': True}
+_PRE_TOKENIZER = {
+  'type': 'Metaspace',
+  'replacement': METASPACE,
+  'prepend_scheme': 'always',
+  'split': True,
+}
 
 
 def applies_to(backend: tokenizers.Tokenizer, config: dict | None = None) -> bool:
@@ -65,30 +69,37 @@ def applies_to(backend: tokenizers.Tokenizer, config: dict | None = None) -> boo
   """
   config = config if config is not None else json.loads(backend.to_str())
   model = config.get('model') or {}
-  return (config.get('normalizer') == _NORMALIZER
-          and config.get('pre_tokenizer') == _PRE_TOKENIZER
-          and (model.get('type') == 'Unigram'
-               or (model.get('type') == 'BPE' and model.get('dropout') is None))
-          and all(token.get('special') for token in config.get('added_tokens') or [])
-          and backend.encode_special_tokens
-          and config.get('truncation') is None and config.get('padding') is None)
+  return (
+    config.get('normalizer') == _NORMALIZER
+    and config.get('pre_tokenizer') == _PRE_TOKENIZER
+    and (
+      model.get('type') == 'Unigram'
+      or (model.get('type') == 'BPE' and model.get('dropout') is None)
+    )
+    and all(token.get('special') for token in config.get('added_tokens') or [])
+    and backend.encode_special_tokens
+    and config.get('truncation') is None
+    and config.get('padding') is None
+  )
 
 
 class WordMemo:
   """Ids of distinct words, and lines encoded from them (module docstring)."""
 
-  def __init__(self, backend: tokenizers.Tokenizer, capacity: int = MEMO_WORDS,
-               config: dict | None = None):
+  def __init__(
+    self, backend: tokenizers.Tokenizer, capacity: int = MEMO_WORDS, config: dict | None = None
+  ):
     """config: `backend`'s tokenizer.json, parsed, if at hand (`applies_to`)."""
     if not applies_to(backend, config):
-      raise ValueError('WordMemo needs a tokenizer built as Tokenizer.train builds one '
-                       '(word_memo.applies_to)')
+      raise ValueError(
+        'WordMemo needs a tokenizer built as Tokenizer.train builds one (word_memo.applies_to)'
+      )
     self._backend = backend
     self.capacity = capacity
     self._row = {'': _UNSAFE}  # word -> row of the tables below, or _UNSAFE
-    self._starts = np.zeros(1024, np.int64)   # [rows] first id in _ids
+    self._starts = np.zeros(1024, np.int64)  # [rows] first id in _ids
     self._lengths = np.zeros(1024, np.int64)  # [rows] ids per word
-    self._ids = np.zeros(8192, np.int32)      # [ids of every remembered word]
+    self._ids = np.zeros(8192, np.int32)  # [ids of every remembered word]
     self._rows = self._used = 0
 
   def __len__(self) -> int:
@@ -115,8 +126,7 @@ class WordMemo:
     lengths = np.add.reduceat(self._lengths[np.maximum(rows, 0)], line_starts)
     plain_rows = np.flatnonzero(plain)
     if len(plain_rows):
-      plain_ids, lengths[plain_rows] = encode_lines(self._backend,
-                                                    [texts[i] for i in plain_rows])
+      plain_ids, lengths[plain_rows] = encode_lines(self._backend, [texts[i] for i in plain_rows])
     ids = np.empty(int(lengths.sum()), np.int32)
     from_memo = np.repeat(~plain, lengths)  # [ids] which ids the memo gives
     ids[from_memo] = self._gather(rows[~np.repeat(plain, counts)])
@@ -127,11 +137,10 @@ class WordMemo:
   def _rows_of(self, words: list[str]) -> np.ndarray:
     """[words] each distinct word's row, remembering new ones while there is room; _UNSAFE,
     or _MISSING once the memo is full, for words the memo cannot give."""
-    rows = np.fromiter(map(self._row.get, words, itertools.repeat(_MISSING)), np.int64,
-                       len(words))
+    rows = np.fromiter(map(self._row.get, words, itertools.repeat(_MISSING)), np.int64, len(words))
     missing = np.flatnonzero(rows == _MISSING)
     if len(missing) and self._rows < self.capacity:
-      self._remember([words[i] for i in missing[:self.capacity - self._rows]])
+      self._remember([words[i] for i in missing[: self.capacity - self._rows]])
       rows[missing] = [self._row.get(words[i], _MISSING) for i in missing]
     return rows
 
@@ -147,10 +156,11 @@ class WordMemo:
     lengths = np.fromiter((len(ids) for _, ids in safe), np.int64, len(safe))
     self._grow(len(safe), int(lengths.sum()))
     first, used = self._rows, self._used
-    self._lengths[first:first + len(safe)] = lengths
-    self._starts[first:first + len(safe)] = used + np.cumsum(lengths) - lengths
-    self._ids[used:used + int(lengths.sum())] = np.fromiter(
-        itertools.chain.from_iterable(ids for _, ids in safe), np.int32, int(lengths.sum()))
+    self._lengths[first : first + len(safe)] = lengths
+    self._starts[first : first + len(safe)] = used + np.cumsum(lengths) - lengths
+    self._ids[used : used + int(lengths.sum())] = np.fromiter(
+      itertools.chain.from_iterable(ids for _, ids in safe), np.int32, int(lengths.sum())
+    )
     for row, (word, _) in enumerate(safe, first):
       self._row[word] = row
     self._rows, self._used = first + len(safe), used + int(lengths.sum())
@@ -172,8 +182,7 @@ class WordMemo:
     return self._ids[shift + np.arange(len(shift))]
 
 
-def encode_lines(backend: tokenizers.Tokenizer, texts: list[str]
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def encode_lines(backend: tokenizers.Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
   """`WordMemo.encode`'s result through `tokenizers` alone, line by line (no special ids
   added)."""
   encodings = backend.encode_batch_fast(texts, add_special_tokens=False)

@@ -12,12 +12,30 @@ how it runs), `methods` (the list of methods, decode.py's names, the default),
 """
 
 from flax_transformer.decode.autoregressive import beam_search, greedy, length_penalty, sample
+from flax_transformer.decode.methods import (
+  METHODS,
+  BeamSearch,
+  DecodingMethod,
+  Greedy,
+  MaskPredict,
+  Sampling,
+  default_method,
+)
 from flax_transformer.decode.non_autoregressive import mask_predict
-from flax_transformer.decode.methods import (METHODS, BeamSearch, DecodingMethod, Greedy,
-                                             MaskPredict, Sampling, default_method)
 from flax_transformer.decode.translator import Translator
 
 __all__ = [
-    'METHODS', 'BeamSearch', 'DecodingMethod', 'Greedy', 'MaskPredict', 'Sampling', 'Translator',
-    'beam_search', 'default_method', 'greedy', 'length_penalty', 'mask_predict', 'sample',
+  'METHODS',
+  'BeamSearch',
+  'DecodingMethod',
+  'Greedy',
+  'MaskPredict',
+  'Sampling',
+  'Translator',
+  'beam_search',
+  'default_method',
+  'greedy',
+  'length_penalty',
+  'mask_predict',
+  'sample',
 ]

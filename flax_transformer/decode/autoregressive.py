@@ -49,8 +49,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.config import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, Bounds,
-                                     ConfigError, ModelConfig, check_fields, setting)
+from flax_transformer.config import (
+  NONNEGATIVE,
+  NONNEGATIVE_INT,
+  POSITIVE,
+  POSITIVE_INT,
+  Bounds,
+  ConfigError,
+  ModelConfig,
+  check_fields,
+  setting,
+)
 from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
 from flax_transformer.run.sizes import check_decoding_fits
 
@@ -78,6 +87,7 @@ class LoopConfig:
   steps_per_check: steps per `lax.scan` chunk; `>= max_len` gives one plain scan
     that runs all L steps whatever `done` says.
   """
+
   max_len: int
   min_len: int = 0
   steps_per_check: int = DEFAULT_STEPS_PER_CHECK
@@ -89,16 +99,19 @@ class LoopConfig:
     if not isinstance(self.max_len, int) or self.max_len < 1:
       raise ConfigError(f'decoding max_len must be a positive integer, got {self.max_len!r}')
     if not isinstance(self.min_len, int) or not 0 <= self.min_len <= self.max_len:
-      raise ConfigError(f'decoding min_len must be an integer in [0, max_len={self.max_len}], '
-                        f'got {self.min_len!r}')
+      raise ConfigError(
+        f'decoding min_len must be an integer in [0, max_len={self.max_len}], got {self.min_len!r}'
+      )
     if not isinstance(self.steps_per_check, int) or self.steps_per_check < 1:
-      raise ConfigError(f'decoding steps_per_check must be a positive integer, '
-                        f'got {self.steps_per_check!r}')
+      raise ConfigError(
+        f'decoding steps_per_check must be a positive integer, got {self.steps_per_check!r}'
+      )
 
   @classmethod
   def for_model(cls, config: ModelConfig, max_len: int, **settings) -> LoopConfig:
-    return cls(max_len=max_len, pad_id=config.pad_id, bos_id=config.bos_id, eos_id=config.eos_id,
-               **settings)
+    return cls(
+      max_len=max_len, pad_id=config.pad_id, bos_id=config.bos_id, eos_id=config.eos_id, **settings
+    )
 
   @property
   def chunk(self) -> int:
@@ -144,12 +157,16 @@ class DecodingMethod:
     if config.kind != self.model_kind:
       names = [repr(cls.name) for cls in _method_classes() if cls.model_kind == config.kind]
       usable = ', '.join(names[:-1]) + ' or ' * (len(names) > 1) + names[-1]
-      raise ConfigError(f'method {self.name!r} decodes {self.model_kind} models, but this model '
-                        f'is model.kind={config.kind!r}; use method {usable}')
+      raise ConfigError(
+        f'method {self.name!r} decodes {self.model_kind} models, but this model '
+        f'is model.kind={config.kind!r}; use method {usable}'
+      )
     max_len = getattr(self, 'max_len', None)
     if max_len is not None and max_len > config.max_len:
-      raise ConfigError(f"max_len must be in [1, {config.max_len}] (the model's max_len, the "
-                        f'length of its positional table), got {max_len}')
+      raise ConfigError(
+        f"max_len must be in [1, {config.max_len}] (the model's max_len, the "
+        f'length of its positional table), got {max_len}'
+      )
 
   def check_fits(self, config: ModelConfig, rows: int) -> None:
     """Raises ConfigError when decoding `rows` sentences at once cannot fit in this machine's
@@ -167,8 +184,9 @@ def _method_classes() -> list[type[DecodingMethod]]:
 
 
 # An autoregressive method's output budget, one field shared by all three.
-_MAX_LEN_HELP = ("output tokens per sentence (default: source length + 50, at most the model's "
-                 'max_len)')
+_MAX_LEN_HELP = (
+  "output tokens per sentence (default: source length + 50, at most the model's max_len)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,14 +197,18 @@ class BeamSearch(DecodingMethod):
   beam_size: int = setting(4, 'beams K kept per sentence', bounds=POSITIVE_INT)
   # alpha >= 0: the early stop bounds a live beam's best final score by its score at the
   # longest length, which holds only when the penalty grows with length.
-  alpha: float = setting(0.6, 'length penalty ((5 + |Y|) / 6)^alpha; 0 ranks by plain '
-                              'log-probability', bounds=NONNEGATIVE)
+  alpha: float = setting(
+    0.6,
+    'length penalty ((5 + |Y|) / 6)^alpha; 0 ranks by plain log-probability',
+    bounds=NONNEGATIVE,
+  )
   max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
 
   def check_fits(self, config: ModelConfig, rows: int) -> None:
     # The shortest output budget: a one-token source + 50, unless max_len says.
-    check_decoding_fits(config, rows, self.beam_size, '--beam-size',
-                        self.max_len or 1 + EXTRA_OUTPUT_TOKENS)
+    check_decoding_fits(
+      config, rows, self.beam_size, '--beam-size', self.max_len or 1 + EXTRA_OUTPUT_TOKENS
+    )
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
     tokens, _ = beam_search(model, params, src, **dataclasses.asdict(self))
@@ -217,13 +239,22 @@ class Sampling(DecodingMethod):
   (nucleus sampling), on the tempered distribution. `seed` makes `run`'s draws repeatable."""
 
   name: ClassVar[str] = 'sample'
-  temperature: float = setting(1.0, 'divides the logits: above 1 flattens the distribution, '
-                                    'below 1 sharpens it', bounds=POSITIVE)
+  temperature: float = setting(
+    1.0,
+    'divides the logits: above 1 flattens the distribution, below 1 sharpens it',
+    bounds=POSITIVE,
+  )
   top_k: int = setting(0, 'keep the k most probable tokens (0: all)', bounds=NONNEGATIVE_INT)
-  top_p: float = setting(1.0, 'nucleus sampling: keep the most probable tokens whose mass '
-                              'reaches p (1: all)', bounds=Bounds(low=0, high=1, low_open=True))
-  seed: int = setting(0, 'random seed (batch i draws from the seed folded with i)',
-                      bounds=Bounds(low=-2 ** 63, high=2 ** 63 - 1, integer=True))
+  top_p: float = setting(
+    1.0,
+    'nucleus sampling: keep the most probable tokens whose mass reaches p (1: all)',
+    bounds=Bounds(low=0, high=1, low_open=True),
+  )
+  seed: int = setting(
+    0,
+    'random seed (batch i draws from the seed folded with i)',
+    bounds=Bounds(low=-(2**63), high=2**63 - 1, integer=True),
+  )
   max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
@@ -232,8 +263,10 @@ class Sampling(DecodingMethod):
     return np.asarray(sample(model, params, src, rng, **dataclasses.asdict(self)))
 
   def describe(self) -> str:
-    return (f'sampling (temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}, '
-            f'seed {self.seed})')
+    return (
+      f'sampling (temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}, '
+      f'seed {self.seed})'
+    )
 
 
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
@@ -257,6 +290,7 @@ class DecodeState:
   done: bool `[B]`, the row emitted EOS or reached its limit.
   cache: the step function's cache.
   """
+
   position: jax.Array
   tokens: jax.Array
   done: jax.Array
@@ -278,6 +312,7 @@ class BeamState:
   done: bool `[B]`, no live beam can still enter the n best, or the limit is reached.
   cache: the step function's cache, leaves `[B * K, ...]` in beam order.
   """
+
   position: jax.Array
   live_tokens: jax.Array
   live_logprobs: jax.Array
@@ -287,8 +322,9 @@ class BeamState:
   cache: Cache
 
 
-def decode_loop(step_fn: StepFn, pick: PickFn, cache: Cache, limits: jax.Array,
-                config: LoopConfig) -> DecodeState:
+def decode_loop(
+  step_fn: StepFn, pick: PickFn, cache: Cache, limits: jax.Array, config: LoopConfig
+) -> DecodeState:
   """Greedy or sampled decoding: feeds each picked token back until all rows are done.
 
   Args:
@@ -305,28 +341,37 @@ def decode_loop(step_fn: StepFn, pick: PickFn, cache: Cache, limits: jax.Array,
   """
   batch = limits.shape[0]
   state = DecodeState(
-      position=jnp.int32(0),
-      tokens=jnp.full((batch, config.buffer_len), config.pad_id, jnp.int32),
-      done=limits <= 0,
-      cache=cache)
+    position=jnp.int32(0),
+    tokens=jnp.full((batch, config.buffer_len), config.pad_id, jnp.int32),
+    done=limits <= 0,
+    cache=cache,
+  )
 
   def step(state: DecodeState) -> DecodeState:
     position = state.position
-    logits, cache = step_fn(_last_tokens(state.tokens, position, config), state.cache,
-                            _cache_position(position, config))
+    logits, cache = step_fn(
+      _last_tokens(state.tokens, position, config), state.cache, _cache_position(position, config)
+    )
     token = pick(_allowed_logits(logits, position, config), position)
     token = jnp.where(state.done, config.pad_id, token).astype(jnp.int32)
     return DecodeState(
-        position=position + 1,
-        tokens=_write_column(state.tokens, token, position),
-        done=state.done | (token == config.eos_id) | (position + 1 >= limits),
-        cache=cache)
+      position=position + 1,
+      tokens=_write_column(state.tokens, token, position),
+      done=state.done | (token == config.eos_id) | (position + 1 >= limits),
+      cache=cache,
+    )
 
   return _run_until_done(step, state, config)
 
 
-def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConfig,
-              beam: BeamSearch, n_best: int = 1) -> BeamState:
+def beam_loop(
+  step_fn: StepFn,
+  cache: Cache,
+  limits: jax.Array,
+  config: LoopConfig,
+  beam: BeamSearch,
+  n_best: int = 1,
+) -> BeamState:
   """Beam search with finished hypotheses kept apart and the cache reordered with the beams.
 
   At each step the 2K best one-token extensions of the live beams are scored
@@ -353,47 +398,57 @@ def beam_loop(step_fn: StepFn, cache: Cache, limits: jax.Array, config: LoopConf
   """
   if isinstance(n_best, bool) or not isinstance(n_best, int) or not 1 <= n_best <= beam.beam_size:
     # n_best is the functional API's, not a method setting: a method's run returns the best.
-    raise ConfigError(f'n_best must be an integer in [1, beam_size={beam.beam_size}], '
-                      f'got {n_best!r}')
+    raise ConfigError(
+      f'n_best must be an integer in [1, beam_size={beam.beam_size}], got {n_best!r}'
+    )
   batch, beam_size, n = limits.shape[0], beam.beam_size, n_best
   length = config.buffer_len
   state = BeamState(
-      position=jnp.int32(0),
-      live_tokens=jnp.full((batch, beam_size, length), config.pad_id, jnp.int32),
-      # Only beam 0 is live at the start: K copies of BOS would fill the beam with duplicates.
-      live_logprobs=jnp.where(jnp.arange(beam_size) == 0, 0.0, -jnp.inf)[None].repeat(batch, 0),
-      finished_tokens=jnp.full((batch, n, length), config.pad_id, jnp.int32),
-      finished_scores=jnp.full((batch, n), -jnp.inf),
-      done=limits <= 0,
-      cache=cache)
+    position=jnp.int32(0),
+    live_tokens=jnp.full((batch, beam_size, length), config.pad_id, jnp.int32),
+    # Only beam 0 is live at the start: K copies of BOS would fill the beam with duplicates.
+    live_logprobs=jnp.where(jnp.arange(beam_size) == 0, 0.0, -jnp.inf)[None].repeat(batch, 0),
+    finished_tokens=jnp.full((batch, n, length), config.pad_id, jnp.int32),
+    finished_scores=jnp.full((batch, n), -jnp.inf),
+    done=limits <= 0,
+    cache=cache,
+  )
 
   def step(state: BeamState) -> BeamState:
     position = state.position
     flat_tokens = state.live_tokens.reshape(batch * beam_size, length)
-    logits, cache = step_fn(_last_tokens(flat_tokens, position, config), state.cache,
-                            _cache_position(position, config))
-    logits = _allowed_logits(logits, position, config)                          # [B*K, V]
+    logits, cache = step_fn(
+      _last_tokens(flat_tokens, position, config), state.cache, _cache_position(position, config)
+    )
+    logits = _allowed_logits(logits, position, config)  # [B*K, V]
     cand_logprobs, cand_parent, cand_token = _best_extensions(logits, state.live_logprobs)
     cand_tokens = _write_column(
-        jnp.take_along_axis(state.live_tokens, cand_parent[:, :, None], axis=1),
-        cand_token, position)                                                   # [B, 2K, Lb]
+      jnp.take_along_axis(state.live_tokens, cand_parent[:, :, None], axis=1), cand_token, position
+    )  # [B, 2K, Lb]
     is_eos = cand_token == config.eos_id
     finished_tokens, finished_scores = _keep_finished(
-        state, cand_tokens, cand_logprobs, is_eos | (position + 1 >= limits)[:, None], beam,
-        config.pad_id)
+      state,
+      cand_tokens,
+      cand_logprobs,
+      is_eos | (position + 1 >= limits)[:, None],
+      beam,
+      config.pad_id,
+    )
     live_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logprobs), beam_size)
     live_tokens = jnp.take_along_axis(cand_tokens, keep[:, :, None], axis=1)
-    cache = reorder_beams(cache, jnp.take_along_axis(cand_parent, keep, axis=1))   # [B, K]
+    cache = reorder_beams(cache, jnp.take_along_axis(cand_parent, keep, axis=1))  # [B, K]
     best_possible = live_logprobs[:, 0] / length_penalty(limits, beam.alpha)
     done = state.done | (position + 1 >= limits) | (finished_scores[:, -1] >= best_possible)
-    return BeamState(position + 1, live_tokens, live_logprobs, finished_tokens, finished_scores,
-                     done, cache)
+    return BeamState(
+      position + 1, live_tokens, live_logprobs, finished_tokens, finished_scores, done, cache
+    )
 
   return _run_until_done(step, state, config)
 
 
-def _best_extensions(logits: jax.Array, live_logprobs: jax.Array
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _best_extensions(
+  logits: jax.Array, live_logprobs: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The 2K best one-token extensions of a row's K live beams: (log P, parent beam, token),
   each `[B, 2K]`, from logits `[B*K, V]` and the beams' log P `[B, K]`.
 
@@ -402,31 +457,43 @@ def _best_extensions(logits: jax.Array, live_logprobs: jax.Array
   """
   batch, beam_size = live_logprobs.shape
   per_beam = min(2 * beam_size, logits.shape[-1])
-  top_logits, top_tokens = jax.lax.top_k(logits, per_beam)                    # [B*K, 2K]
+  top_logits, top_tokens = jax.lax.top_k(logits, per_beam)  # [B*K, 2K]
   top_logprobs = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
   extended = live_logprobs[:, :, None] + top_logprobs.reshape(batch, beam_size, per_beam)
-  cand_logprobs, cand_index = jax.lax.top_k(extended.reshape(batch, beam_size * per_beam),
-                                            2 * beam_size)
-  cand_token = jnp.take_along_axis(top_tokens.reshape(batch, beam_size * per_beam), cand_index,
-                                   axis=1)
+  cand_logprobs, cand_index = jax.lax.top_k(
+    extended.reshape(batch, beam_size * per_beam), 2 * beam_size
+  )
+  cand_token = jnp.take_along_axis(
+    top_tokens.reshape(batch, beam_size * per_beam), cand_index, axis=1
+  )
   return cand_logprobs, cand_index // per_beam, cand_token
 
 
-def _keep_finished(state: BeamState, cand_tokens: jax.Array, cand_logprobs: jax.Array,
-                   ends: jax.Array, beam: BeamSearch, pad_id: int) -> tuple[jax.Array, jax.Array]:
+def _keep_finished(
+  state: BeamState,
+  cand_tokens: jax.Array,
+  cand_logprobs: jax.Array,
+  ends: jax.Array,
+  beam: BeamSearch,
+  pad_id: int,
+) -> tuple[jax.Array, jax.Array]:
   """The n best finished hypotheses after this step: the old ones and the candidates that
   `ends` `[B, 2K]` (EOS, or the row's limit), scored log P / length_penalty. A done row is
   frozen: its finished set is final. Returns (tokens `[B, n, Lb]`, scores `[B, n]`)."""
   n = state.finished_scores.shape[1]
-  cand_scores = jnp.where(ends & ~state.done[:, None],
-                          cand_logprobs / length_penalty(state.position + 1, beam.alpha), -jnp.inf)
+  cand_scores = jnp.where(
+    ends & ~state.done[:, None],
+    cand_logprobs / length_penalty(state.position + 1, beam.alpha),
+    -jnp.inf,
+  )
   finished_scores, best = jax.lax.top_k(
-      jnp.concatenate([state.finished_scores, cand_scores], axis=1), n)
+    jnp.concatenate([state.finished_scores, cand_scores], axis=1), n
+  )
   # A slot that no hypothesis filled (score -inf) holds only PAD.
   cand_tokens_or_pad = jnp.where(jnp.isneginf(cand_scores)[:, :, None], pad_id, cand_tokens)
   finished_tokens = jnp.take_along_axis(
-      jnp.concatenate([state.finished_tokens, cand_tokens_or_pad], axis=1), best[:, :, None],
-      axis=1)
+    jnp.concatenate([state.finished_tokens, cand_tokens_or_pad], axis=1), best[:, :, None], axis=1
+  )
   return finished_tokens, finished_scores
 
 
@@ -451,6 +518,7 @@ def _run_until_done(step, state, config: LoopConfig):
   Every row is done at its limit (<= max_len), so the loop ends by step
   `buffer_len`. Steps past max_len (to fill the last chunk) see only done rows.
   """
+
   def chunk(state):
     state, _ = jax.lax.scan(lambda s, _: (step(s), None), state, None, length=config.chunk)
     return state
@@ -460,8 +528,9 @@ def _run_until_done(step, state, config: LoopConfig):
 
 def _last_tokens(tokens: jax.Array, position: jax.Array, config: LoopConfig) -> jax.Array:
   """The decoder input at `position`: BOS first, then the previous output column. `[B]`."""
-  previous = jax.lax.dynamic_index_in_dim(tokens, jnp.maximum(position - 1, 0), axis=-1,
-                                          keepdims=False)
+  previous = jax.lax.dynamic_index_in_dim(
+    tokens, jnp.maximum(position - 1, 0), axis=-1, keepdims=False
+  )
   return jnp.where(position == 0, config.bos_id, previous)
 
 
@@ -484,8 +553,9 @@ def never_output(vocab_size: int, pad_id: int, bos_id: int) -> jax.Array:
 def _allowed_logits(logits: jax.Array, position: jax.Array, config: LoopConfig) -> jax.Array:
   """Logits `[B, V]` with PAD, BOS, and EOS before `min_len`, set to -inf."""
   vocab = jnp.arange(logits.shape[-1])
-  forbidden = (never_output(logits.shape[-1], config.pad_id, config.bos_id)
-               | ((vocab == config.eos_id) & (position < config.min_len)))
+  forbidden = never_output(logits.shape[-1], config.pad_id, config.bos_id) | (
+    (vocab == config.eos_id) & (position < config.min_len)
+  )
   return jnp.where(forbidden, -jnp.inf, logits)
 
 
@@ -508,6 +578,7 @@ def sampling_pick(rng: jax.Array, config: Sampling) -> PickFn:
   The key of step p is `fold_in(rng, p)`: the draws do not depend on the
   chunking of the loop.
   """
+
   def pick(logits: jax.Array, position: jax.Array) -> jax.Array:
     # Inverse-CDF sampling: one uniform number per row, where `jax.random.categorical`
     # draws Gumbel noise for every token, several times the cost on CPU. Token i
@@ -515,6 +586,7 @@ def sampling_pick(rng: jax.Array, config: Sampling) -> PickFn:
     cdf = jnp.cumsum(jax.nn.softmax(truncated_logits(logits, config), axis=-1), axis=-1)
     u = jax.random.uniform(jax.random.fold_in(rng, position), (logits.shape[0], 1))
     return jnp.sum(cdf <= u * cdf[:, -1:], axis=-1)
+
   return pick
 
 
@@ -540,8 +612,15 @@ def truncated_logits(logits: jax.Array, config: Sampling) -> jax.Array:
 # --- on the model --------------------------------------------------------------
 
 
-def greedy(model: Transformer, params, src, *, min_len: int = 0,
-           steps_per_check: int = DEFAULT_STEPS_PER_CHECK, **settings) -> jax.Array:
+def greedy(
+  model: Transformer,
+  params,
+  src,
+  *,
+  min_len: int = 0,
+  steps_per_check: int = DEFAULT_STEPS_PER_CHECK,
+  **settings,
+) -> jax.Array:
   """Greedy decoding: the most probable token at each step.
 
   Args:
@@ -558,13 +637,22 @@ def greedy(model: Transformer, params, src, *, min_len: int = 0,
     int32 tokens `[B, L]`: EOS-terminated, PAD after EOS (see the module docstring).
   """
   method = Greedy(**settings)
-  variables, src, limits, loop = _prepare(model, params, src, method.max_len, min_len,
-                                          steps_per_check)
+  variables, src, limits, loop = _prepare(
+    model, params, src, method.max_len, min_len, steps_per_check
+  )
   return _greedy(model.config, variables, src, limits, loop)
 
 
-def sample(model: Transformer, params, src, rng: jax.Array, *, min_len: int = 0,
-           steps_per_check: int = DEFAULT_STEPS_PER_CHECK, **settings) -> jax.Array:
+def sample(
+  model: Transformer,
+  params,
+  src,
+  rng: jax.Array,
+  *,
+  min_len: int = 0,
+  steps_per_check: int = DEFAULT_STEPS_PER_CHECK,
+  **settings,
+) -> jax.Array:
   """Ancestral sampling with temperature, top-k and top-p: `settings` are `Sampling`'s fields
   (temperature, top_k, top_p, max_len; a seed is not read: `rng` draws).
 
@@ -572,16 +660,24 @@ def sample(model: Transformer, params, src, rng: jax.Array, *, min_len: int = 0,
   arguments and the result are as in `greedy`.
   """
   method = Sampling(**settings)
-  variables, src, limits, loop = _prepare(model, params, src, method.max_len, min_len,
-                                          steps_per_check)
+  variables, src, limits, loop = _prepare(
+    model, params, src, method.max_len, min_len, steps_per_check
+  )
   # Compiled once per what the loop reads: the seed is in `rng`, the output length in `loop`.
   static = dataclasses.replace(method, seed=0, max_len=None)
   return _sample(model.config, variables, src, limits, rng, loop, static)
 
 
-def beam_search(model: Transformer, params, src, *, n_best: int = 1, min_len: int = 0,
-                steps_per_check: int = DEFAULT_STEPS_PER_CHECK, **settings
-                ) -> tuple[jax.Array, jax.Array]:
+def beam_search(
+  model: Transformer,
+  params,
+  src,
+  *,
+  n_best: int = 1,
+  min_len: int = 0,
+  steps_per_check: int = DEFAULT_STEPS_PER_CHECK,
+  **settings,
+) -> tuple[jax.Array, jax.Array]:
   """Beam search with the GNMT length penalty (see `beam_loop`): `settings` are
   `BeamSearch`'s fields (beam_size, alpha, max_len), its defaults the paper's beam 4, alpha 0.6.
 
@@ -595,8 +691,9 @@ def beam_search(model: Transformer, params, src, *, n_best: int = 1, min_len: in
   Other arguments are as in `greedy`.
   """
   method = BeamSearch(**settings)
-  variables, src, limits, loop = _prepare(model, params, src, method.max_len, min_len,
-                                          steps_per_check)
+  variables, src, limits, loop = _prepare(
+    model, params, src, method.max_len, min_len, steps_per_check
+  )
   static = dataclasses.replace(method, max_len=None)  # the output length is in `loop`
   tokens, scores = _beam_search(model.config, variables, src, limits, loop, static, n_best)
   return (tokens[:, 0], scores[:, 0]) if n_best == 1 else (tokens, scores)
@@ -605,8 +702,10 @@ def beam_search(model: Transformer, params, src, *, n_best: int = 1, min_len: in
 def as_variables(params) -> Mapping:
   """`{'params': params}` for a bare parameter dict; full variables pass through."""
   if not isinstance(params, Mapping):
-    raise TypeError(f'params must be the parameter dict or the variables {{"params": ...}}, '
-                    f'got {type(params).__name__}')
+    raise TypeError(
+      f'params must be the parameter dict or the variables {{"params": ...}}, '
+      f'got {type(params).__name__}'
+    )
   return params if 'params' in params else {'params': params}
 
 
@@ -623,13 +722,13 @@ def cast_matrices(variables, dtype) -> Mapping:
   """
   if jnp.dtype(dtype) == jnp.float32:
     return variables
-  cast = lambda x: (x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
-                    else x)
+  cast = lambda x: x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
   return jax.tree.map(cast, variables)
 
 
-def output_limits(src: np.ndarray, config: ModelConfig, max_len: int | None
-                  ) -> tuple[int, np.ndarray]:
+def output_limits(
+  src: np.ndarray, config: ModelConfig, max_len: int | None
+) -> tuple[int, np.ndarray]:
   """The output length L of a batch and each sentence's limit `[B]` (0 for all-PAD rows).
 
   max_len None: a sentence of n source tokens may emit n + 50, capped at
@@ -639,14 +738,18 @@ def output_limits(src: np.ndarray, config: ModelConfig, max_len: int | None
   if max_len is None:
     wanted = lengths + EXTRA_OUTPUT_TOKENS
     if (wanted > config.max_len).any():
-      warnings.warn(f'source length {lengths.max()} + {EXTRA_OUTPUT_TOKENS} exceeds '
-                    f'model.max_len={config.max_len}: output capped at {config.max_len} tokens',
-                    stacklevel=4)
+      warnings.warn(
+        f'source length {lengths.max()} + {EXTRA_OUTPUT_TOKENS} exceeds '
+        f'model.max_len={config.max_len}: output capped at {config.max_len} tokens',
+        stacklevel=4,
+      )
     total = min(src.shape[1] + EXTRA_OUTPUT_TOKENS, config.max_len)
   else:
     if not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= config.max_len:
-      raise ValueError(f'max_len must be an integer in [1, model.max_len={config.max_len}] '
-                       f'(the positional-encoding table), got {max_len!r}')
+      raise ValueError(
+        f'max_len must be an integer in [1, model.max_len={config.max_len}] '
+        f'(the positional-encoding table), got {max_len!r}'
+      )
     wanted = np.full_like(lengths, max_len)
     total = int(max_len)
   return total, np.where(lengths == 0, 0, np.minimum(wanted, total)).astype(np.int32)
@@ -656,11 +759,13 @@ def check_source(src, config: ModelConfig) -> np.ndarray:
   """Source ids `[B, S]` (numpy or jax) -> int32 numpy, or ValueError naming what is wrong."""
   src = np.asarray(src)
   if src.ndim != 2 or not np.issubdtype(src.dtype, np.integer):
-    raise ValueError(f'src must be integer token ids [batch, length], got {src.dtype} '
-                     f'array of shape {src.shape}')
+    raise ValueError(
+      f'src must be integer token ids [batch, length], got {src.dtype} array of shape {src.shape}'
+    )
   if src.shape[1] > config.max_len:
-    raise ValueError(f'source length {src.shape[1]} exceeds model.max_len={config.max_len}; '
-                     'truncate the input')
+    raise ValueError(
+      f'source length {src.shape[1]} exceeds model.max_len={config.max_len}; truncate the input'
+    )
   if src.size and (src.min() < 0 or src.max() >= config.vocab_size):
     raise ValueError(f'src has token ids outside [0, model.vocab_size={config.vocab_size})')
   return src.astype(np.int32)
@@ -671,16 +776,19 @@ def _prepare(model: Transformer, params, src, max_len, min_len, steps_per_check)
   config = model.config
   if config.kind != 'autoregressive':
     # Its parameters would load into the causal decoder and give fluent-looking garbage.
-    raise ValueError(f"greedy, sample and beam_search decode an autoregressive model; "
-                     f"model.kind={config.kind!r} decodes with non_autoregressive.mask_predict")
+    raise ValueError(
+      f'greedy, sample and beam_search decode an autoregressive model; '
+      f'model.kind={config.kind!r} decodes with non_autoregressive.mask_predict'
+    )
   src = check_source(src, config)
   total, limits = output_limits(src, config, max_len)
   loop = LoopConfig.for_model(config, total, min_len=min_len, steps_per_check=steps_per_check)
   return as_variables(params), src, limits, loop
 
 
-def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
-                  beam_size: int = 1) -> tuple[StepFn, Cache]:
+def model_step_fn(
+  config: ModelConfig, variables, src: jax.Array, max_len: int, beam_size: int = 1
+) -> tuple[StepFn, Cache]:
   """Runs the encoder once; returns the step function on `[B * K]` rows and its initial cache.
 
   beam_size 1: the cache is the self-attention cache only (`[B, N, L, H]` per
@@ -691,21 +799,29 @@ def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
   model = Transformer(config)
   variables = cast_matrices(variables, config.compute_dtype)
   if beam_size > 1:
+
     def beam_step_fn(tokens: jax.Array, cache: BeamDecodeCache, position: jax.Array):
-      logits, cache = model.apply(variables, tokens.reshape(-1, beam_size), cache, position,
-                                  method=Transformer.decode_beam_step)
+      logits, cache = model.apply(
+        variables,
+        tokens.reshape(-1, beam_size),
+        cache,
+        position,
+        method=Transformer.decode_beam_step,
+      )
       return logits.reshape(tokens.shape[0], -1), cache
 
-    return beam_step_fn, model.apply(variables, src, max_len, beam_size,
-                                     method=Transformer.start_beam_decoding)
+    return beam_step_fn, model.apply(
+      variables, src, max_len, beam_size, method=Transformer.start_beam_decoding
+    )
 
   start = model.apply(variables, src, max_len, method=Transformer.start_decoding)
   cross_kv, src_mask = start.cross_kv, start.src_mask
 
   def step_fn(tokens: jax.Array, self_kv: Cache, position: jax.Array):
     cache = DecodeCache(self_kv=self_kv, cross_kv=cross_kv, src_mask=src_mask)
-    logits, cache = model.apply(variables, tokens[:, None], cache, position,
-                                method=Transformer.decode_step)
+    logits, cache = model.apply(
+      variables, tokens[:, None], cache, position, method=Transformer.decode_step
+    )
     return logits[:, 0], cache.self_kv
 
   return step_fn, start.self_kv
@@ -714,20 +830,22 @@ def model_step_fn(config: ModelConfig, variables, src: jax.Array, max_len: int,
 @functools.partial(jax.jit, static_argnames=('config', 'loop'))
 def _greedy(config: ModelConfig, variables, src, limits, loop: LoopConfig) -> jax.Array:
   step_fn, cache = model_step_fn(config, variables, src, loop.max_len)
-  return decode_loop(step_fn, argmax_pick, cache, limits, loop).tokens[:, :loop.max_len]
+  return decode_loop(step_fn, argmax_pick, cache, limits, loop).tokens[:, : loop.max_len]
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'loop', 'sampling'))
-def _sample(config: ModelConfig, variables, src, limits, rng, loop: LoopConfig,
-            sampling: Sampling) -> jax.Array:
+def _sample(
+  config: ModelConfig, variables, src, limits, rng, loop: LoopConfig, sampling: Sampling
+) -> jax.Array:
   step_fn, cache = model_step_fn(config, variables, src, loop.max_len)
   pick = sampling_pick(rng, sampling)
-  return decode_loop(step_fn, pick, cache, limits, loop).tokens[:, :loop.max_len]
+  return decode_loop(step_fn, pick, cache, limits, loop).tokens[:, : loop.max_len]
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'loop', 'beam', 'n_best'))
-def _beam_search(config: ModelConfig, variables, src, limits, loop: LoopConfig, beam: BeamSearch,
-                 n_best: int = 1) -> tuple[jax.Array, jax.Array]:
+def _beam_search(
+  config: ModelConfig, variables, src, limits, loop: LoopConfig, beam: BeamSearch, n_best: int = 1
+) -> tuple[jax.Array, jax.Array]:
   step_fn, cache = model_step_fn(config, variables, src, loop.max_len, beam.beam_size)
   state = beam_loop(step_fn, cache, limits, loop, beam, n_best)
-  return state.finished_tokens[:, :, :loop.max_len], state.finished_scores
+  return state.finished_tokens[:, :, : loop.max_len], state.finished_scores

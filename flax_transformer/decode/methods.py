@@ -32,22 +32,36 @@ from flax_transformer.decode.autoregressive import BeamSearch, DecodingMethod, G
 from flax_transformer.decode.non_autoregressive import MaskPredict
 from flax_transformer.nn import cmlm
 
-__all__ = ['METHODS', 'BeamSearch', 'DecodingMethod', 'Greedy', 'MaskPredict', 'Sampling',
-           'default_method', 'method_from_name', 'renamed_methods']
+__all__ = [
+  'METHODS',
+  'BeamSearch',
+  'DecodingMethod',
+  'Greedy',
+  'MaskPredict',
+  'Sampling',
+  'default_method',
+  'method_from_name',
+  'renamed_methods',
+]
 
 # decode.py's --method names.
 METHODS: dict[str, type[DecodingMethod]] = {
-    cls.name: cls for cls in (BeamSearch, Greedy, Sampling, MaskPredict)}
+  cls.name: cls for cls in (BeamSearch, Greedy, Sampling, MaskPredict)
+}
 
 
 def renamed_methods() -> dict[str, str]:
   """Method names of earlier versions -> their names now (config.RENAMED's 'method.NAME')."""
-  return {old.split('.', 1)[1]: new.split('.', 1)[1] for old, new in RENAMED.items()
-          if old.startswith('method.')}
+  return {
+    old.split('.', 1)[1]: new.split('.', 1)[1]
+    for old, new in RENAMED.items()
+    if old.startswith('method.')
+  }
 
 
-def default_method(config: ModelConfig, autoregressive: DecodingMethod = BeamSearch(),
-                   **settings) -> DecodingMethod:
+def default_method(
+  config: ModelConfig, autoregressive: DecodingMethod = BeamSearch(), **settings
+) -> DecodingMethod:
   """How a model decodes unless told otherwise: a cmlm model with mask-predict (its length
   beam at most the model's length classes), an autoregressive one with `autoregressive`
   (the paper's beam search; training's quick BLEU passes Greedy()). `settings` (decode.py's
@@ -79,7 +93,11 @@ def _refuse_foreign_settings(cls: type[DecodingMethod], settings) -> None:
   own = {field.name for field in dataclasses.fields(cls)}
   for setting in settings:
     if setting not in own:
-      owners = [other.name for other in METHODS.values()
-                if setting in {f.name for f in dataclasses.fields(other)}]
-      raise ConfigError(f'{setting} only applies to method {" or ".join(map(repr, owners))}, '
-                        f'not {cls.name!r}')
+      owners = [
+        other.name
+        for other in METHODS.values()
+        if setting in {f.name for f in dataclasses.fields(other)}
+      ]
+      raise ConfigError(
+        f'{setting} only applies to method {" or ".join(map(repr, owners))}, not {cls.name!r}'
+      )

@@ -48,8 +48,12 @@ import numpy as np
 from flax_transformer.config import POSITIVE_INT, Bounds, ConfigError, ModelConfig, setting
 from flax_transformer.decode import autoregressive
 from flax_transformer.nn import masks
-from flax_transformer.nn.cmlm import (CMLMTransformer, lengths_from_classes, mask_id,
-                                      num_length_classes)
+from flax_transformer.nn.cmlm import (
+  CMLMTransformer,
+  lengths_from_classes,
+  mask_id,
+  num_length_classes,
+)
 
 # Canvas widths are rounded up to a multiple of this: few compiled programs, little waste.
 WIDTH_MULTIPLE = 8
@@ -57,7 +61,7 @@ WIDTH_MULTIPLE = 8
 
 # The largest length adjustment: no output is longer, so a larger ratio or offset would only
 # clip every length to an end (and an offset past int32 overflows before the clip).
-LENGTH_LIMIT = 2 ** 16
+LENGTH_LIMIT = 2**16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,41 +79,62 @@ class MaskPredict(autoregressive.DecodingMethod):
 
   name: ClassVar[str] = 'mask_predict'
   model_kind: ClassVar[str] = 'cmlm'
-  iterations: int = setting(10, 'decoding passes I; each after the first re-masks the least '
-                                'confident tokens (1: one-pass decoding)', bounds=POSITIVE_INT)
-  length_beam: int = setting(3, 'output lengths M decoded per sentence, the length '
-                                "classifier's best, the most confident output kept (1 with "
-                                'length fixed)', bounds=POSITIVE_INT)
+  iterations: int = setting(
+    10,
+    'decoding passes I; each after the first re-masks the least '
+    'confident tokens (1: one-pass decoding)',
+    bounds=POSITIVE_INT,
+  )
+  length_beam: int = setting(
+    3,
+    'output lengths M decoded per sentence, the length '
+    "classifier's best, the most confident output kept (1 with "
+    'length fixed)',
+    bounds=POSITIVE_INT,
+  )
   length: Literal['predict', 'fixed'] = setting(
-      'predict', "predict the length, or decode source length + the model's "
-      'max_length_offset, cut at the first EOS')
-  length_ratio: float = setting(1.0, 'multiply each length (predicted, or with length fixed '
-                                     'the canvas) by this and round',
-                                bounds=Bounds(low=0, high=LENGTH_LIMIT, low_open=True))
-  length_offset: int = setting(0, 'add this many tokens (may be negative) to each length after '
-                                  "length_ratio; lengths stay in [1, the model's max_len]",
-                               bounds=Bounds(low=-LENGTH_LIMIT, high=LENGTH_LIMIT, integer=True))
+    'predict',
+    "predict the length, or decode source length + the model's "
+    'max_length_offset, cut at the first EOS',
+  )
+  length_ratio: float = setting(
+    1.0,
+    'multiply each length (predicted, or with length fixed the canvas) by this and round',
+    bounds=Bounds(low=0, high=LENGTH_LIMIT, low_open=True),
+  )
+  length_offset: int = setting(
+    0,
+    'add this many tokens (may be negative) to each length after '
+    "length_ratio; lengths stay in [1, the model's max_len]",
+    bounds=Bounds(low=-LENGTH_LIMIT, high=LENGTH_LIMIT, integer=True),
+  )
 
   def __post_init__(self):
     super().__post_init__()
     if self.length == 'fixed' and self.length_beam != 1:
-      raise ConfigError(f"mask_predict length='fixed' decodes one length per sentence: "
-                        f'length_beam must be 1, got {self.length_beam}')
+      raise ConfigError(
+        f"mask_predict length='fixed' decodes one length per sentence: "
+        f'length_beam must be 1, got {self.length_beam}'
+      )
 
   def check_model(self, config: ModelConfig) -> None:
     super().check_model(config)
     classes = num_length_classes(config)
     if self.length_beam > classes:
-      raise ConfigError(f"length_beam={self.length_beam} exceeds the model's {classes} length "
-                        f'classes (2 * model.max_length_offset + 1, max_length_offset='
-                        f'{config.max_length_offset})')
+      raise ConfigError(
+        f"length_beam={self.length_beam} exceeds the model's {classes} length "
+        f'classes (2 * model.max_length_offset + 1, max_length_offset='
+        f'{config.max_length_offset})'
+      )
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
     return np.asarray(mask_predict(model, params, src, **dataclasses.asdict(self)))
 
   def describe(self) -> str:
-    parts = [f'{self.iterations} iterations',
-             'fixed length' if self.length == 'fixed' else f'length beam {self.length_beam}']
+    parts = [
+      f'{self.iterations} iterations',
+      'fixed length' if self.length == 'fixed' else f'length beam {self.length_beam}',
+    ]
     if self.length_ratio != 1 or self.length_offset:
       parts.append(f'lengths x {self.length_ratio} {self.length_offset:+d}')
     return f'mask-predict decoding ({", ".join(parts)})'
@@ -123,12 +148,12 @@ class Canvas:
   scores: float32 `[R, W]`, the log-probability each token had when it was last predicted
     (0 beyond N).
   """
+
   tokens: jax.Array
   scores: jax.Array
 
 
-def mask_predict(model: CMLMTransformer, params, src, *, return_history: bool = False,
-                 **settings):
+def mask_predict(model: CMLMTransformer, params, src, *, return_history: bool = False, **settings):
   """Non-autoregressive decoding with iterative refinement (see the module docstring).
 
   Args:
@@ -151,15 +176,18 @@ def mask_predict(model: CMLMTransformer, params, src, *, return_history: bool = 
       'chosen': int32 `[B]`, the winning candidate of each sentence.
   """
   if not isinstance(model, CMLMTransformer):
-    raise TypeError(f"mask_predict needs a CMLMTransformer (model.kind='cmlm'), "
-                    f'got {type(model).__name__}')
+    raise TypeError(
+      f"mask_predict needs a CMLMTransformer (model.kind='cmlm'), got {type(model).__name__}"
+    )
   settings = MaskPredict(**settings)
   config = model.config
   if settings.length_beam > num_length_classes(config):
-    raise ConfigError(f'mask-predict length_beam={settings.length_beam} exceeds the '
-                      f'{num_length_classes(config)} length classes '
-                      f'(2 * model.max_length_offset + 1, max_length_offset='
-                      f'{config.max_length_offset})')
+    raise ConfigError(
+      f'mask-predict length_beam={settings.length_beam} exceeds the '
+      f'{num_length_classes(config)} length classes '
+      f'(2 * model.max_length_offset + 1, max_length_offset='
+      f'{config.max_length_offset})'
+    )
   src = autoregressive.check_source(src, config)
   variables = autoregressive.as_variables(params)
   memory, lengths = _encode(config, variables, src, settings)
@@ -180,39 +208,54 @@ def canvas_width(longest: int, max_len: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'settings'))
-def _encode(config: ModelConfig, variables, src: jax.Array, settings: MaskPredict
-            ) -> tuple[jax.Array, jax.Array]:
+def _encode(
+  config: ModelConfig, variables, src: jax.Array, settings: MaskPredict
+) -> tuple[jax.Array, jax.Array]:
   """Source `[B, S]` -> (memory `[B, S, D]`, candidate lengths int32 `[R]`)."""
+
   def encode(module: CMLMTransformer, src: jax.Array):
     memory = module.encode(src)
     return memory, module.predict_length(memory, masks.padding_mask(src, config.pad_id))
 
   memory, length_logits = CMLMTransformer(config).apply(variables, src, method=encode)
-  lengths = _candidate_lengths(length_logits, src, config, settings)             # [B, M]
+  lengths = _candidate_lengths(length_logits, src, config, settings)  # [B, M]
   return memory, lengths.reshape(-1)
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'settings', 'width'))
-def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
-            lengths: jax.Array, settings: MaskPredict, width: int
-            ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _refine(
+  config: ModelConfig,
+  variables,
+  src: jax.Array,
+  memory: jax.Array,
+  lengths: jax.Array,
+  settings: MaskPredict,
+  width: int,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The I passes over the canvas `[R, W]` and the choice among each sentence's M candidates."""
   model = CMLMTransformer(config)
   batch, length_beam, iterations = src.shape[0], settings.length_beam, settings.iterations
   cross_kv = model.apply(variables, memory, method=CMLMTransformer.cross_kv)
   src_mask = masks.padding_mask(src, config.pad_id)
   # Candidate rows b * M + j: the M candidates of a sentence share its memory.
-  cross_kv, src_mask, candidate_src = jax.tree.map(lambda x: jnp.repeat(x, length_beam, axis=0),
-                                                   (cross_kv, src_mask, src))
+  cross_kv, src_mask, candidate_src = jax.tree.map(
+    lambda x: jnp.repeat(x, length_beam, axis=0), (cross_kv, src_mask, src)
+  )
 
   position = jnp.arange(width)
-  in_row = position < lengths[:, None]                                          # [R, W]
+  in_row = position < lengths[:, None]  # [R, W]
   never_target = autoregressive.never_output(config.vocab_size, config.pad_id, config.bos_id)  # [V]
 
   def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Canvas `[R, W]` -> the most likely token at every position and its log-probability."""
-    logits = model.apply(variables, tokens, cross_kv, src_mask, src=candidate_src,
-                         method=CMLMTransformer.decode_parallel_from_kv)        # [R, W, V]
+    logits = model.apply(
+      variables,
+      tokens,
+      cross_kv,
+      src_mask,
+      src=candidate_src,
+      method=CMLMTransformer.decode_parallel_from_kv,
+    )  # [R, W, V]
     # PAD and BOS are never targets; forbid them as greedy decoding does.
     logits = jnp.where(never_target, -jnp.inf, logits)
     # The best token's log-probability is its logit minus the logsumexp: two reductions
@@ -223,46 +266,54 @@ def _refine(config: ModelConfig, variables, src: jax.Array, memory: jax.Array,
   def update(canvas: Canvas, remask: jax.Array) -> Canvas:
     """Predicts the `remask` positions `[R, W]` again; the others keep their tokens and scores."""
     tokens, scores = predict(jnp.where(remask, mask_id(config), canvas.tokens))
-    return Canvas(tokens=jnp.where(remask, tokens, canvas.tokens).astype(jnp.int32),
-                  scores=jnp.where(remask, scores, canvas.scores))
+    return Canvas(
+      tokens=jnp.where(remask, tokens, canvas.tokens).astype(jnp.int32),
+      scores=jnp.where(remask, scores, canvas.scores),
+    )
 
-  first = update(Canvas(tokens=jnp.full((batch * length_beam, width), config.pad_id, jnp.int32),
-                        scores=jnp.zeros((batch * length_beam, width), jnp.float32)), in_row)
+  first = update(
+    Canvas(
+      tokens=jnp.full((batch * length_beam, width), config.pad_id, jnp.int32),
+      scores=jnp.zeros((batch * length_beam, width), jnp.float32),
+    ),
+    in_row,
+  )
 
   def refine(canvas: Canvas, t: jax.Array):
-    count = lengths * (iterations - t) // iterations                            # [R]
+    count = lengths * (iterations - t) // iterations  # [R]
     remask = _lowest(canvas.scores, in_row, count)
     canvas = update(canvas, remask)
     return canvas, (jnp.sum(remask, axis=1, dtype=jnp.int32), canvas.tokens)
 
   last, (counts, canvases) = jax.lax.scan(refine, first, jnp.arange(1, iterations))
 
-  mean_scores = (jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1)
-                 / jnp.maximum(lengths, 1)).reshape(batch, length_beam)         # [B, M]
-  chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)                   # [B]
+  mean_scores = (
+    jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1) / jnp.maximum(lengths, 1)
+  ).reshape(batch, length_beam)  # [B, M]
+  chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)  # [B]
   rows = jnp.arange(batch) * length_beam + chosen
   output = _cut_at_eos(last.tokens[rows], lengths[rows], config)
   history = {
-      'lengths': lengths,
-      'masked_counts': jnp.concatenate([lengths[None], counts], axis=0),
-      'tokens': jnp.concatenate([first.tokens[None], canvases], axis=0),
-      'scores': mean_scores,
-      'chosen': chosen,
+    'lengths': lengths,
+    'masked_counts': jnp.concatenate([lengths[None], counts], axis=0),
+    'tokens': jnp.concatenate([first.tokens[None], canvases], axis=0),
+    'scores': mean_scores,
+    'chosen': chosen,
   }
   return output, history
 
 
-def _candidate_lengths(length_logits: jax.Array, src: jax.Array, config: ModelConfig,
-                       settings: MaskPredict) -> jax.Array:
+def _candidate_lengths(
+  length_logits: jax.Array, src: jax.Array, config: ModelConfig, settings: MaskPredict
+) -> jax.Array:
   """int32 `[B, M]`: the top-M predicted lengths, or the fixed one, adjusted; 0 for all-PAD
   sources."""
   src_lengths = jnp.sum(src != config.pad_id, axis=1, dtype=jnp.int32)[:, None]  # [B, 1]
   if settings.length == 'fixed':
     lengths = jnp.minimum(src_lengths + config.max_length_offset, config.max_len)
   else:
-    _, classes = jax.lax.top_k(length_logits, settings.length_beam)            # [B, M]
-    lengths = lengths_from_classes(classes, src_lengths, config.max_length_offset,
-                                   config.max_len)
+    _, classes = jax.lax.top_k(length_logits, settings.length_beam)  # [B, M]
+    lengths = lengths_from_classes(classes, src_lengths, config.max_length_offset, config.max_len)
   lengths = adjust_lengths(lengths, settings.length_ratio, settings.length_offset, config.max_len)
   return jnp.where(src_lengths > 0, lengths, 0)
 
@@ -286,7 +337,7 @@ def _lowest(scores: jax.Array, in_row: jax.Array, count: jax.Array) -> jax.Array
   scores (-1, -3, -2, -3), all in the row, and count 2: positions 1 and 3.
   """
   keys = jnp.where(in_row, scores, jnp.inf)
-  rank = jnp.argsort(jnp.argsort(keys, axis=1), axis=1)   # stable: ties keep position order
+  rank = jnp.argsort(jnp.argsort(keys, axis=1), axis=1)  # stable: ties keep position order
   return rank < count[:, None]
 
 
@@ -300,7 +351,8 @@ def _cut_at_eos(tokens: jax.Array, lengths: jax.Array, config: ModelConfig) -> j
   """
   position = jnp.arange(tokens.shape[1])
   inside = position < lengths[:, None]
-  end = jnp.min(jnp.where(inside & (tokens == config.eos_id), position, lengths[:, None]),
-                axis=1)                                                         # [B]
+  end = jnp.min(
+    jnp.where(inside & (tokens == config.eos_id), position, lengths[:, None]), axis=1
+  )  # [B]
   output = jnp.where(position < end[:, None], tokens, config.pad_id)
   return jnp.where((position == end[:, None]) & (lengths[:, None] > 0), config.eos_id, output)

@@ -22,19 +22,27 @@ import jax.numpy as jnp
 
 from flax_transformer.decode import autoregressive as ar
 from flax_transformer.decode import non_autoregressive as nar
-from flax_transformer.decode.methods import BeamSearch, DecodingMethod, Greedy, MaskPredict, Sampling
+from flax_transformer.decode.methods import (
+  BeamSearch,
+  DecodingMethod,
+  Greedy,
+  MaskPredict,
+  Sampling,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodingPrograms:
   """`lowered`: the programs, in the order `run(compiled)` calls them; `run` returns the
   output ids `[B, L]` (beam search: the best hypothesis)."""
+
   lowered: tuple[jax.stages.Lowered, ...]
   run: Callable[[Sequence[jax.stages.Compiled]], jax.Array]
 
 
-def decoding_programs(method: DecodingMethod, model, params, src, *, min_len: int = 0,
-                      batch_index: int = 0) -> DecodingPrograms:
+def decoding_programs(
+  method: DecodingMethod, model, params, src, *, min_len: int = 0, batch_index: int = 0
+) -> DecodingPrograms:
   """The programs `method.run(model, params, src, batch_index)` compiles and runs (with
   `min_len`, which decode.py leaves at 0). Raises what `method.run` raises for bad input."""
   config = model.config
@@ -42,8 +50,9 @@ def decoding_programs(method: DecodingMethod, model, params, src, *, min_len: in
     return _mask_predict_programs(method, model, params, src)
   if not isinstance(method, (Greedy, Sampling, BeamSearch)):
     raise TypeError(f'no programs known for decoding method {type(method).__name__}')
-  variables, src, limits, loop = ar._prepare(model, params, src, method.max_len, min_len,
-                                             ar.DEFAULT_STEPS_PER_CHECK)
+  variables, src, limits, loop = ar._prepare(
+    model, params, src, method.max_len, min_len, ar.DEFAULT_STEPS_PER_CHECK
+  )
   if isinstance(method, Greedy):
     lowered = ar._greedy.lower(config, variables, src, limits, loop)
     return DecodingPrograms((lowered,), lambda compiled: compiled[0](variables, src, limits))
@@ -51,12 +60,10 @@ def decoding_programs(method: DecodingMethod, model, params, src, *, min_len: in
     rng = jax.random.fold_in(jax.random.key(method.seed), batch_index)
     static = dataclasses.replace(method, seed=0, max_len=None)
     lowered = ar._sample.lower(config, variables, src, limits, rng, loop, static)
-    return DecodingPrograms((lowered,),
-                            lambda compiled: compiled[0](variables, src, limits, rng))
+    return DecodingPrograms((lowered,), lambda compiled: compiled[0](variables, src, limits, rng))
   static = dataclasses.replace(method, max_len=None)
   lowered = ar._beam_search.lower(config, variables, src, limits, loop, static, 1)
-  return DecodingPrograms((lowered,),
-                          lambda compiled: compiled[0](variables, src, limits)[0][:, 0])
+  return DecodingPrograms((lowered,), lambda compiled: compiled[0](variables, src, limits)[0][:, 0])
 
 
 def _mask_predict_programs(method: MaskPredict, model, params, src) -> DecodingPrograms:

@@ -54,6 +54,7 @@ class Sources:
   ids: int32 ids per sentence, EOS-terminated; None for an empty sentence.
   truncated: (index, subword count) of each sentence cut to model.max_len - 1 subwords.
   """
+
   ids: list[np.ndarray | None]
   truncated: list[tuple[int, int]]
 
@@ -68,6 +69,7 @@ class Alignment:
     (predicted from the tokens before it) attends over the source. A common
     plot is `weights[-1].mean(axis=0)`.
   """
+
   source_tokens: list[str]
   target_tokens: list[str]
   weights: np.ndarray
@@ -87,15 +89,21 @@ class Translator:
     self.config = config.replace(dtype=dtype or config.dtype, attention_kernel=kernel)
     self.model = build_model(self.config)
     # Matrices in the compute dtype once here, not at every decoding step.
-    self.variables = autoregressive.cast_matrices(autoregressive.as_variables(params),
-                                                  self.config.compute_dtype)
+    self.variables = autoregressive.cast_matrices(
+      autoregressive.as_variables(params), self.config.compute_dtype
+    )
     self.tokenizer = tokenizer
     self._attention_weights = jax.jit(functools.partial(attention_weights, self.model))
 
   @classmethod
-  def from_checkpoint(cls, workdir: str | Path, step: int | None = None,
-                      average_last: int = 0, dtype: str | None = None,
-                      on_unverified: Callable[[str], object] | None = None) -> Translator:
+  def from_checkpoint(
+    cls,
+    workdir: str | Path,
+    step: int | None = None,
+    average_last: int = 0,
+    dtype: str | None = None,
+    on_unverified: Callable[[str], object] | None = None,
+  ) -> Translator:
     """Loads WORKDIR's config, tokenizer and parameters (see `checkpoint.load_for_inference`).
 
     step: the checkpoint to load, None for the latest; average_last > 0: the
@@ -104,29 +112,44 @@ class Translator:
     on_unverified: load a checkpoint without recorded SHA-256s, telling this function
       (None: refuse it, as damaged).
     """
-    return cls(*load_for_inference(workdir, step=step, average_last=average_last,
-                                   on_unverified=on_unverified), dtype=dtype)
+    return cls(
+      *load_for_inference(
+        workdir, step=step, average_last=average_last, on_unverified=on_unverified
+      ),
+      dtype=dtype,
+    )
 
   @classmethod
   def from_pretrained(cls, directory: str | Path, dtype: str | None = None) -> Translator:
     """Loads a Hugging Face Marian directory (see `pretrained.load_marian`), refusing a model
     its config.json makes too large for this machine before reading the weights."""
     from flax_transformer.pretrained.marian import load_marian
-    return cls(*load_marian(directory, lambda config: check_fits(config, training=False)),
-               dtype=dtype)
+
+    return cls(
+      *load_marian(directory, lambda config: check_fits(config, training=False)), dtype=dtype
+    )
 
   @classmethod
-  def from_directory(cls, directory: str | Path, step: int | None = None,
-                     average_last: int = 0, dtype: str | None = None,
-                     on_unverified: Callable[[str], object] | None = None) -> Translator:
+  def from_directory(
+    cls,
+    directory: str | Path,
+    step: int | None = None,
+    average_last: int = 0,
+    dtype: str | None = None,
+    on_unverified: Callable[[str], object] | None = None,
+  ) -> Translator:
     """A run directory (`from_checkpoint`) or a Marian directory (`from_pretrained`), by its files."""
     from flax_transformer.pretrained.marian import is_marian_directory
+
     if not is_marian_directory(directory):
-      return cls.from_checkpoint(directory, step=step, average_last=average_last, dtype=dtype,
-                                 on_unverified=on_unverified)
+      return cls.from_checkpoint(
+        directory, step=step, average_last=average_last, dtype=dtype, on_unverified=on_unverified
+      )
     if step is not None or average_last:
-      raise ConfigError(f'{directory} is a pretrained Marian model, which has one set of '
-                        'parameters: step and average_last apply to run directories')
+      raise ConfigError(
+        f'{directory} is a pretrained Marian model, which has one set of '
+        'parameters: step and average_last apply to run directories'
+      )
     return cls.from_pretrained(directory, dtype=dtype)
 
   def encode(self, sentences: Sequence[str]) -> Sources:
@@ -145,9 +168,15 @@ class Translator:
       ids.append(np.array(subwords + [self.tokenizer.eos_id], np.int32))
     return Sources(ids=ids, truncated=truncated)
 
-  def translate(self, sentences: Sequence[str], method: DecodingMethod | None = None, *,
-                batch_size: int = 64, on_batch: Callable[[int], object] | None = None,
-                on_truncated: Callable[[int, int], object] | None = None) -> list[str]:
+  def translate(
+    self,
+    sentences: Sequence[str],
+    method: DecodingMethod | None = None,
+    *,
+    batch_size: int = 64,
+    on_batch: Callable[[int], object] | None = None,
+    on_truncated: Callable[[int, int], object] | None = None,
+  ) -> list[str]:
     """Translations of `sentences`, in their order, decoded with `method`.
 
     method: None is the model's `default_method` (the paper's beam search, or
@@ -158,18 +187,23 @@ class Translator:
       model.max_len tokens, which is truncated; None warns.
     """
     if method is not None and not isinstance(method, DecodingMethod):
-      raise TypeError(f'method must be a decoding method value such as BeamSearch(beam_size=4) '
-                      f'or Greedy() (flax_transformer.decode.methods), got {method!r}')
+      raise TypeError(
+        f'method must be a decoding method value such as BeamSearch(beam_size=4) '
+        f'or Greedy() (flax_transformer.decode.methods), got {method!r}'
+      )
     sources = self.encode(sentences)
     for index, count in sources.truncated:
       if on_truncated is not None:
         on_truncated(index, count)
       else:
-        warnings.warn(f'sentence {index}: {count} subwords + EOS exceed model.max_len='
-                      f'{self.config.max_len}; truncated to {self.config.max_len - 1} subwords',
-                      stacklevel=2)
-    translations = self.translate_sources(sources, method or default_method(self.config),
-                                          batch_size, on_batch)
+        warnings.warn(
+          f'sentence {index}: {count} subwords + EOS exceed model.max_len='
+          f'{self.config.max_len}; truncated to {self.config.max_len - 1} subwords',
+          stacklevel=2,
+        )
+    translations = self.translate_sources(
+      sources, method or default_method(self.config), batch_size, on_batch
+    )
     empty = sum(ids is None for ids in sources.ids)
     if on_batch is not None and empty:
       on_batch(empty)
@@ -181,8 +215,13 @@ class Translator:
     method.check_model(self.config)
     method.check_fits(self.config, max(1, min(batch_size, sentences)))
 
-  def translate_sources(self, sources: Sources, method: DecodingMethod, batch_size: int = 64,
-                        on_batch: Callable[[int], object] | None = None) -> list[str]:
+  def translate_sources(
+    self,
+    sources: Sources,
+    method: DecodingMethod,
+    batch_size: int = 64,
+    on_batch: Callable[[int], object] | None = None,
+  ) -> list[str]:
     """Translations of encoded sources, in their order ('' for empty ones).
 
     Decodes the non-empty sources longest first, `batch_size` at a time, and
@@ -198,17 +237,18 @@ class Translator:
     translations = [''] * len(sources.ids)
     for batch_index, start in enumerate(range(0, len(order), batch_size)):
       signals.check()  # a program's SIGTERM or SIGINT stops here, between batches
-      indices = order[start:start + batch_size]
+      indices = order[start : start + batch_size]
       src = self._pad([sources.ids[i] for i in indices], batch_size)
       tokens = method.run(self.model, self.variables, src, batch_index)
-      for index, text in zip(indices, self.tokenizer.decode(tokens[:len(indices)])):
+      for index, text in zip(indices, self.tokenizer.decode(tokens[: len(indices)])):
         translations[index] = text
       if on_batch is not None:
         on_batch(len(indices))
     return translations
 
-  def alignment(self, sentence: str, translation: str | None = None,
-                method: DecodingMethod = BeamSearch()) -> Alignment:
+  def alignment(
+    self, sentence: str, translation: str | None = None, method: DecodingMethod = BeamSearch()
+  ) -> Alignment:
     """Cross-attention weights of `translation` (default: decoded with `method`) over `sentence`.
 
     The weights come from one teacher-forced pass over the output tokens
@@ -217,9 +257,11 @@ class Translator:
     prefix, so this pass would not show what it attended to.
     """
     if self.config.kind != 'autoregressive':
-      raise ConfigError(f'alignment needs an autoregressive model; this one is '
-                        f'model.kind={self.config.kind!r}, whose decoder reads MASK placeholders '
-                        'rather than the output prefix')
+      raise ConfigError(
+        f'alignment needs an autoregressive model; this one is '
+        f'model.kind={self.config.kind!r}, whose decoder reads MASK placeholders '
+        'rather than the output prefix'
+      )
     method.check_model(self.config)
     sources = self.encode([sentence])
     if sources.ids[0] is None:
@@ -230,14 +272,17 @@ class Translator:
       output = output[output != self.tokenizer.pad_id]
     else:
       output = np.array(self.tokenizer.encode_target([translation])[0] + [self.tokenizer.eos_id])
-    output = output[:self.config.max_len]
+    output = output[: self.config.max_len]
     tgt_in = np.concatenate([[self.tokenizer.bos_id], output[:-1]])[None].astype(np.int32)
     weights = self._attention_weights(self.variables, src, tgt_in)
-    layers = [weights[f'decoder/layer_{i}/cross_attention'][0]
-              for i in range(self.config.num_decoder_layers)]
+    layers = [
+      weights[f'decoder/layer_{i}/cross_attention'][0]
+      for i in range(self.config.num_decoder_layers)
+    ]
     spell = lambda ids: [self.tokenizer.id_to_token(int(i)) for i in ids]
-    return Alignment(source_tokens=spell(src[0]), target_tokens=spell(output),
-                     weights=np.stack(layers))
+    return Alignment(
+      source_tokens=spell(src[0]), target_tokens=spell(output), weights=np.stack(layers)
+    )
 
   def _pad(self, rows: list[np.ndarray], batch_size: int) -> np.ndarray:
     """Ids `[R, W]`: W the longest row rounded up to WIDTH_MULTIPLE (at most model.max_len), R
@@ -248,5 +293,5 @@ class Translator:
     height = min(1 << (len(rows) - 1).bit_length(), batch_size)
     src = np.full((height, width), self.tokenizer.pad_id, np.int32)
     for i, row in enumerate(rows):
-      src[i, :len(row)] = row
+      src[i, : len(row)] = row
     return src

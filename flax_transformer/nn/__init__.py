@@ -7,18 +7,44 @@ checkpoints. Modules, bottom up: `masks`, `matmul`, `dropout`, `attention`,
 """
 
 from flax_transformer.nn import masks
-from flax_transformer.nn.attention import (KVCache, MultiHeadAttention, banded_attention,
-                                           scaled_dot_product_attention)
+from flax_transformer.nn.attention import (
+  KVCache,
+  MultiHeadAttention,
+  banded_attention,
+  scaled_dot_product_attention,
+)
 from flax_transformer.nn.build import abstract_params, build_model
 from flax_transformer.nn.cmlm import CMLMTransformer, mask_id, num_length_classes
 from flax_transformer.nn.layers import Decoder, Encoder, sinusoidal_positions
 from flax_transformer.nn.matmul import Dense
-from flax_transformer.nn.model import (BeamDecodeCache, DecodeCache, Transformer,
-                                       attention_weights, count_params, empty_self_cache)
+from flax_transformer.nn.model import (
+  BeamDecodeCache,
+  DecodeCache,
+  Transformer,
+  attention_weights,
+  count_params,
+  empty_self_cache,
+)
 
 __all__ = [
-    'BeamDecodeCache', 'CMLMTransformer', 'DecodeCache', 'Decoder', 'Dense', 'Encoder',
-    'KVCache', 'MultiHeadAttention', 'Transformer', 'abstract_params', 'attention_weights',
-    'banded_attention', 'build_model', 'count_params', 'empty_self_cache', 'mask_id', 'masks',
-    'num_length_classes', 'scaled_dot_product_attention', 'sinusoidal_positions',
+  'BeamDecodeCache',
+  'CMLMTransformer',
+  'DecodeCache',
+  'Decoder',
+  'Dense',
+  'Encoder',
+  'KVCache',
+  'MultiHeadAttention',
+  'Transformer',
+  'abstract_params',
+  'attention_weights',
+  'banded_attention',
+  'build_model',
+  'count_params',
+  'empty_self_cache',
+  'mask_id',
+  'masks',
+  'num_length_classes',
+  'scaled_dot_product_attention',
+  'sinusoidal_positions',
 ]

@@ -7,7 +7,7 @@ Axis legend for the einsums in this module:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax
 import flax.linen as nn
@@ -21,7 +21,10 @@ from flax_transformer.nn.matmul import Dense, dense_dot
 
 
 def scaled_dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """softmax(Q K^T / sqrt(d_k)) V, per head.
 
@@ -45,15 +48,16 @@ def _heads_first(x: jax.Array) -> jax.Array:
   return x.transpose(0, 2, 1, 3)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-               keys_transposed: bool = False) -> tuple[jax.Array, jax.Array]:
+def _attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, keys_transposed: bool = False
+) -> tuple[jax.Array, jax.Array]:
   """`scaled_dot_product_attention` with keys and values `[B, N, S, H]`, as a `KVCache` holds them.
 
   keys_transposed: k is `[B, N, H, S]` (a pooled beam cache's layout).
   """
   head_dim = q.shape[-1]
   # Scale q (T*H values) rather than the logits (T*S values).
-  q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
+  q = q * jnp.asarray(head_dim**-0.5, q.dtype)
   key_axes = 'BNHS' if keys_transposed else 'BNSH'
   logits = jnp.einsum(f'BTNH,{key_axes}->BNTS', q, k, preferred_element_type=jnp.float32)
   if mask is not None:
@@ -75,8 +79,9 @@ def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.einsum('BNTS,BNSH->BNTH', weights.astype(v.dtype), v).transpose(0, 2, 1, 3)
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: masks.KeyLengths,
-                    implementation: str = 'xla') -> jax.Array:
+def fused_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: masks.KeyLengths, implementation: str = 'xla'
+) -> jax.Array:
   """`scaled_dot_product_attention` by `jax.nn.dot_product_attention` (no weights returned).
 
   Args:
@@ -92,13 +97,25 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: masks.KeyLen
     out `[B, T, N, H]`, equal to `scaled_dot_product_attention(q, k, v, mask.dense(T, S))`
     (logits and softmax in float32 either way).
   """
-  return jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal,
-                                      key_value_seq_lengths=mask.lengths,
-                                      implementation=implementation)
+  return jax.nn.dot_product_attention(
+    q,
+    k,
+    v,
+    is_causal=mask.causal,
+    key_value_seq_lengths=mask.lengths,
+    implementation=implementation,
+  )
 
 
-def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, radius: int, *,
-                     causal: bool = False, key_padding: jax.Array | None = None) -> jax.Array:
+def banded_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  radius: int,
+  *,
+  causal: bool = False,
+  key_padding: jax.Array | None = None,
+) -> jax.Array:
   """Restricted self-attention (paper §4) that computes only the band: O(T r) scores, not T^2.
 
   Equals `scaled_dot_product_attention(q, k, v, band.dense(T))` for `band =
@@ -122,36 +139,41 @@ def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, radius: int, *,
   return _banded_attention(q, _heads_first(k), _heads_first(v), band)
 
 
-def _banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
-                      weights_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+def _banded_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  band: masks.Band,
+  weights_fn: Callable[[jax.Array], jax.Array] | None = None,
+) -> jax.Array:
   """`banded_attention` with keys and values `[B, N, T, H]`; weights_fn transforms the block
   weights `[B, N, U, J, E]` (attention dropout) before they weigh the values."""
   length, width = q.shape[1], max(band.radius, 1)
   neighbours = (-1, 0) if band.causal else (-1, 0, 1)
   blocks = -(-length // width)
   q_blocks = jnp.pad(q, ((0, 0), (0, blocks * width - length), (0, 0), (0, 0)))
-  q_blocks = q_blocks.reshape(q.shape[0], blocks, width, *q.shape[2:])          # [B, U, J, N, H]
+  q_blocks = q_blocks.reshape(q.shape[0], blocks, width, *q.shape[2:])  # [B, U, J, N, H]
   q_blocks = q_blocks * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-  k_blocks = _neighbour_blocks(k, 2, width, blocks, neighbours)                  # [B, N, U, E, H]
-  logits = jnp.einsum('BUJNH,BNUEH->BNUJE', q_blocks, k_blocks,
-                      preferred_element_type=jnp.float32)
+  k_blocks = _neighbour_blocks(k, 2, width, blocks, neighbours)  # [B, N, U, E, H]
+  logits = jnp.einsum('BUJNH,BNUEH->BNUJE', q_blocks, k_blocks, preferred_element_type=jnp.float32)
   mask = jnp.asarray(_band_positions(length, band.radius, width, blocks, neighbours, band.causal))
   if band.key_padding is not None:
     padding = _neighbour_blocks(band.key_padding, 1, width, blocks, neighbours)  # [B, U, E]
-    mask = mask & padding[:, None, :, None, :]                                   # [B, 1, U, J, E]
+    mask = mask & padding[:, None, :, None, :]  # [B, 1, U, J, E]
   # finite, not -inf: a fully masked row must give zeros, not NaN
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   weights = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
   if weights_fn is not None:
     weights = weights_fn(weights)
-  v_blocks = _neighbour_blocks(v, 2, width, blocks, neighbours)                  # [B, N, U, E, H]
+  v_blocks = _neighbour_blocks(v, 2, width, blocks, neighbours)  # [B, N, U, E, H]
   out = jnp.einsum('BNUJE,BNUEH->BNUJH', weights.astype(v.dtype), v_blocks)
-  out = out.reshape(*out.shape[:2], blocks * width, out.shape[-1])               # [B, N, U * J, H]
+  out = out.reshape(*out.shape[:2], blocks * width, out.shape[-1])  # [B, N, U * J, H]
   return out.transpose(0, 2, 1, 3)[:, :length]
 
 
-def _neighbour_blocks(x: jax.Array, axis: int, width: int, blocks: int,
-                      neighbours: tuple[int, ...]) -> jax.Array:
+def _neighbour_blocks(
+  x: jax.Array, axis: int, width: int, blocks: int, neighbours: tuple[int, ...]
+) -> jax.Array:
   """For each block u of `width` positions on `axis`, blocks u + o for o in neighbours, side by side.
 
   x `[..., T, ...]` -> `[..., U, E, ...]` with E = len(neighbours) * width;
@@ -159,20 +181,25 @@ def _neighbour_blocks(x: jax.Array, axis: int, width: int, blocks: int,
   """
   length = x.shape[axis]
   pad = [(0, 0)] * x.ndim
-  pad[axis] = (width, (blocks + 1) * width - length)                             # [.., (U + 2) J, ..]
+  pad[axis] = (width, (blocks + 1) * width - length)  # [.., (U + 2) J, ..]
   x = jnp.pad(x, pad)
-  shape = (*x.shape[:axis], blocks, width, *x.shape[axis + 1:])
-  windows = [jax.lax.slice_in_dim(x, (1 + o) * width, (1 + o + blocks) * width, axis=axis)
-             .reshape(shape) for o in neighbours]
+  shape = (*x.shape[:axis], blocks, width, *x.shape[axis + 1 :])
+  windows = [
+    jax.lax.slice_in_dim(x, (1 + o) * width, (1 + o + blocks) * width, axis=axis).reshape(shape)
+    for o in neighbours
+  ]
   return jnp.concatenate(windows, axis=axis + 1)
 
 
-def _band_positions(length: int, radius: int, width: int, blocks: int,
-                    neighbours: tuple[int, ...], causal: bool) -> np.ndarray:
+def _band_positions(
+  length: int, radius: int, width: int, blocks: int, neighbours: tuple[int, ...], causal: bool
+) -> np.ndarray:
   """bool `[U, J, E]`: query u * J + a may see the e-th key of its neighbour blocks."""
   query = (np.arange(blocks)[:, None] * width + np.arange(width)[None, :])[:, :, None]  # [U, J, 1]
-  key = np.concatenate([(np.arange(blocks)[:, None] + o) * width + np.arange(width)[None, :]
-                        for o in neighbours], axis=1)[:, None, :]                     # [U, 1, E]
+  key = np.concatenate(
+    [(np.arange(blocks)[:, None] + o) * width + np.arange(width)[None, :] for o in neighbours],
+    axis=1,
+  )[:, None, :]  # [U, 1, E]
   visible = (np.abs(query - key) <= radius) & (key >= 0) & (key < length)
   return visible & (key <= query) if causal else visible
 
@@ -183,9 +210,13 @@ def _band_is_worth_it(length: int, band: masks.Band) -> bool:
   return length > (2 if band.causal else 3) * max(band.radius, 1)
 
 
-def _cached_band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
-                           weights_fn: Callable[[jax.Array], jax.Array] | None = None
-                           ) -> tuple[jax.Array, jax.Array]:
+def _cached_band_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  band: masks.Band,
+  weights_fn: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """T queries at positions offset.. against a cache of S slots `[B, N, S, H]`, with r + T < S.
 
   Only keys offset - r .. offset + T - 1 can be visible, so attention reads a
@@ -194,9 +225,11 @@ def _cached_band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks
   window, slots = band.radius + q.shape[1], k.shape[2]
   start = jnp.clip(band.offset - band.radius, 0, slots - window)
   k, v = (jax.lax.dynamic_slice_in_dim(x, start, window, axis=2) for x in (k, v))
-  query_pos = band.offset + jnp.arange(q.shape[1])[:, None]                     # [T, 1]
-  key_pos = start + jnp.arange(window)[None, :]                                 # [1, r + T]
-  mask = (jnp.abs(query_pos - key_pos) <= band.radius) & ((key_pos <= query_pos) | (not band.causal))
+  query_pos = band.offset + jnp.arange(q.shape[1])[:, None]  # [T, 1]
+  key_pos = start + jnp.arange(window)[None, :]  # [1, r + T]
+  mask = (jnp.abs(query_pos - key_pos) <= band.radius) & (
+    (key_pos <= query_pos) | (not band.causal)
+  )
   mask = mask[None, None]
   if band.key_padding is not None:
     padding = jax.lax.dynamic_slice_in_dim(band.key_padding, start, window, axis=1)
@@ -204,9 +237,14 @@ def _cached_band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks
   return _masked_attention(q, k, v, mask, weights_fn)
 
 
-def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                      weights_fn: Callable[[jax.Array], jax.Array] | None = None,
-                      keys_transposed: bool = False) -> tuple[jax.Array, jax.Array]:
+def _masked_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array | None,
+  weights_fn: Callable[[jax.Array], jax.Array] | None = None,
+  keys_transposed: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """`_attention`, then weights_fn on the weights `[B, N, T, S]` and the output recomputed."""
   out, weights = _attention(q, k, v, mask, keys_transposed)
   if weights_fn is not None:
@@ -214,8 +252,13 @@ def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array 
   return out, weights
 
 
-def _band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
-                    weights_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+def _band_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  band: masks.Band,
+  weights_fn: Callable[[jax.Array], jax.Array] | None = None,
+) -> jax.Array:
   """Attention under a `masks.Band`, by the cheapest exact path; keys and values `[B, N, S, H]`.
 
   A whole sequence (T == S) takes `_banded_attention` when `_band_is_worth_it`,
@@ -229,8 +272,9 @@ def _band_attention(q: jax.Array, k: jax.Array, v: jax.Array, band: masks.Band,
   return _masked_attention(q, k, v, band.dense(length, slots), weights_fn)[0]
 
 
-def _write_beam_blocks(buf: jax.Array, x: jax.Array, index: jax.Array | int, slot_axis: int
-                       ) -> jax.Array:
+def _write_beam_blocks(
+  buf: jax.Array, x: jax.Array, index: jax.Array | int, slot_axis: int
+) -> jax.Array:
   """Writes x's K columns, one per beam, at position `index` of the K blocks of buf's slot axis.
 
   buf has K * L slots on `slot_axis`; x has the K beams on that same axis.
@@ -238,10 +282,13 @@ def _write_beam_blocks(buf: jax.Array, x: jax.Array, index: jax.Array | int, slo
   """
   beam_size = x.shape[slot_axis]
   shape = buf.shape
-  blocks = buf.reshape(*shape[:slot_axis], beam_size, shape[slot_axis] // beam_size,
-                       *shape[slot_axis + 1:])
+  blocks = buf.reshape(
+    *shape[:slot_axis], beam_size, shape[slot_axis] // beam_size, *shape[slot_axis + 1 :]
+  )
   update = jnp.expand_dims(x, slot_axis + 1).astype(buf.dtype)
-  return jax.lax.dynamic_update_slice_in_dim(blocks, update, index, axis=slot_axis + 1).reshape(shape)
+  return jax.lax.dynamic_update_slice_in_dim(blocks, update, index, axis=slot_axis + 1).reshape(
+    shape
+  )
 
 
 @flax.struct.dataclass
@@ -266,6 +313,7 @@ class KVCache:
   product XLA:CPU runs faster in that layout (for one query, `[B, N, S, H]` is
   as fast or faster; benchmarks/README.md has the measurements).
   """
+
   k: jax.Array
   v: jax.Array
   beam_size: int = flax.struct.field(pytree_node=False, default=1)
@@ -278,6 +326,7 @@ class MultiHeadAttention(nn.Module):
   self-attention (`project_kv` of its own input), cross-attention (`project_kv`
   of the encoder memory, computed once) and cached decoding (`extend_cache`).
   """
+
   num_heads: int
   d_model: int
   attention_dropout_rate: float = 0.0
@@ -287,9 +336,13 @@ class MultiHeadAttention(nn.Module):
   kernel: str = 'einsum'
 
   def setup(self):
-    dense = lambda name, use_bias=True: Dense(self.d_model, dtype=self.dtype, name=name,
-                                              use_bias=use_bias,
-                                              kernel_init=nn.initializers.xavier_uniform())
+    dense = lambda name, use_bias=True: Dense(
+      self.d_model,
+      dtype=self.dtype,
+      name=name,
+      use_bias=use_bias,
+      kernel_init=nn.initializers.xavier_uniform(),
+    )
     self.query, self.value, self.out = dense('query'), dense('value'), dense('out')
     # No key bias: q . (k + b) adds q . b to a whole row of logits, which the
     # softmax cancels, so b would get an exactly-zero gradient (rounding noise
@@ -315,16 +368,19 @@ class MultiHeadAttention(nn.Module):
       return [self._split_heads(layer(x)) for layer in layers]
     params = [layer.variables['params'] for layer in layers]
     # Concatenated in float32: dense_dot returns the weight gradient in its kernel's dtype.
-    kernel = jnp.concatenate([p['kernel'] for p in params], axis=1)              # [D, k * D]
-    bias = jnp.concatenate([p['bias'] if 'bias' in p else jnp.zeros(self.d_model, jnp.float32)
-                            for p in params])                                    # [k * D]
-    y = (dense_dot(x.astype(self.dtype), kernel) + bias).astype(self.dtype)      # [B, L, k * D]
+    kernel = jnp.concatenate([p['kernel'] for p in params], axis=1)  # [D, k * D]
+    bias = jnp.concatenate(
+      [p['bias'] if 'bias' in p else jnp.zeros(self.d_model, jnp.float32) for p in params]
+    )  # [k * D]
+    y = (dense_dot(x.astype(self.dtype), kernel) + bias).astype(self.dtype)  # [B, L, k * D]
     return [self._split_heads(part) for part in jnp.split(y, len(names), axis=-1)]
 
   def project_kv(self, inputs_kv: jax.Array) -> KVCache:
     """Keys and values `[B, N, S, H]` of `inputs_kv` `[B, S, D]`."""
-    return KVCache(k=_heads_first(self._split_heads(self.key(inputs_kv))),
-                   v=_heads_first(self._split_heads(self.value(inputs_kv))))
+    return KVCache(
+      k=_heads_first(self._split_heads(self.key(inputs_kv))),
+      v=_heads_first(self._split_heads(self.value(inputs_kv))),
+    )
 
   def project_qkv(self, inputs: jax.Array, fuse: bool = False) -> tuple[jax.Array, KVCache]:
     """Self-attention's queries `[B, T, N, H]` (for `attend`) and keys and values `[B, N, T, H]`
@@ -353,19 +409,28 @@ class MultiHeadAttention(nn.Module):
     its own beam's block at position `index`.
     """
     if cache.beam_size == 1:
-      write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), index,
-                                                                 axis=2)
+      write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(
+        buf, x.astype(buf.dtype), index, axis=2
+      )
       return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
     if new.k.shape[2] != cache.beam_size:
-      raise ValueError(f'a cache pooling {cache.beam_size} beams takes one token per beam, '
-                       f'got {new.k.shape[2]}')
+      raise ValueError(
+        f'a cache pooling {cache.beam_size} beams takes one token per beam, got {new.k.shape[2]}'
+      )
     # Keys [B, N, H, K * L] take their new column on the last axis, values [B, N, K * L, H] on axis 2.
-    return KVCache(k=_write_beam_blocks(cache.k, new.k.transpose(0, 1, 3, 2), index, slot_axis=3),
-                   v=_write_beam_blocks(cache.v, new.v, index, slot_axis=2),
-                   beam_size=cache.beam_size)
+    return KVCache(
+      k=_write_beam_blocks(cache.k, new.k.transpose(0, 1, 3, 2), index, slot_axis=3),
+      v=_write_beam_blocks(cache.v, new.v, index, slot_axis=2),
+      beam_size=cache.beam_size,
+    )
 
-  def __call__(self, inputs_q: jax.Array, kv: KVCache, mask: jax.Array | masks.Band | None,
-               deterministic: bool = True) -> jax.Array:
+  def __call__(
+    self,
+    inputs_q: jax.Array,
+    kv: KVCache,
+    mask: jax.Array | masks.Band | None,
+    deterministic: bool = True,
+  ) -> jax.Array:
     """Attends from `inputs_q` `[B, T, D]` to `kv`; returns `[B, T, D]`.
 
     mask: bool broadcastable to `[B, N, T, S]`; a `masks.Band` (self-attention
@@ -378,8 +443,9 @@ class MultiHeadAttention(nn.Module):
     """
     return self.attend(self._split_heads(self.query(inputs_q)), kv, mask, deterministic)
 
-  def attend(self, q: jax.Array, kv: KVCache, mask: jax.Array | masks.Band | None,
-             deterministic: bool = True) -> jax.Array:
+  def attend(
+    self, q: jax.Array, kv: KVCache, mask: jax.Array | masks.Band | None, deterministic: bool = True
+  ) -> jax.Array:
     """`__call__` from queries `[B, T, N, H]` already projected (`project_qkv`); returns `[B, T, D]`."""
     k, v = kv.k.astype(q.dtype), kv.v.astype(q.dtype)
     weights_fn = None
@@ -389,8 +455,12 @@ class MultiHeadAttention(nn.Module):
     sowing = self.is_mutable_collection('intermediates')
     if isinstance(mask, masks.Band) and not sowing:
       out = _band_attention(q, k, v, mask, weights_fn)
-    elif (isinstance(mask, masks.KeyLengths) and self.kernel != 'einsum' and weights_fn is None
-          and not sowing):
+    elif (
+      isinstance(mask, masks.KeyLengths)
+      and self.kernel != 'einsum'
+      and weights_fn is None
+      and not sowing
+    ):
       out = fused_attention(q, _heads_first(k), _heads_first(v), mask, self.kernel)
     else:
       # Asked for the weights `[B, N, T, S]`, a Band is materialized: they are that big anyway.
@@ -398,5 +468,5 @@ class MultiHeadAttention(nn.Module):
         mask = mask.dense(q.shape[1], k.shape[2])
       out, weights = _masked_attention(q, k, v, mask, weights_fn, keys_transposed=kv.beam_size > 1)
       self.sow('intermediates', 'attention_weights', weights)
-    out = out.reshape(*out.shape[:-2], self.d_model)                 # [B, T, D]
+    out = out.reshape(*out.shape[:-2], self.d_model)  # [B, T, D]
     return self.out(out)

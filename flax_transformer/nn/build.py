@@ -29,5 +29,6 @@ def build_model(config: ModelConfig) -> Transformer | CMLMTransformer:
 def abstract_params(config: ModelConfig):
   """The model's parameter shapes and dtypes (`jax.ShapeDtypeStruct` leaves), computing nothing."""
   tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-  return jax.eval_shape(lambda src, tgt: build_model(config).init(
-      jax.random.key(0), src, tgt)['params'], tokens, tokens)
+  return jax.eval_shape(
+    lambda src, tgt: build_model(config).init(jax.random.key(0), src, tgt)['params'], tokens, tokens
+  )

@@ -63,12 +63,19 @@ class CMLMTransformer(Transformer):
     c = self.config
     if c.cmlm_decoder_input == 'mask':
       # Same initialisation as the table's rows: unit variance after the sqrt(D) scaling.
-      self.mask_embedding = self.param('mask_embedding',
-                                       nn.initializers.normal(c.d_model ** -0.5), (c.d_model,))
+      self.mask_embedding = self.param(
+        'mask_embedding', nn.initializers.normal(c.d_model**-0.5), (c.d_model,)
+      )
     self.length_head = Dense(num_length_classes(c), dtype=c.compute_dtype)
 
-  def _embed(self, tokens: jax.Array, side: str, offset: jax.Array | int, train: bool,
-             positions: jax.Array | None = None) -> jax.Array:
+  def _embed(
+    self,
+    tokens: jax.Array,
+    side: str,
+    offset: jax.Array | int,
+    train: bool,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """As `Transformer._embed`; on the target side MASK (id V) gets the 'mask_embedding' row.
 
     With `cmlm_decoder_input='uniform_copy'` the callers have already replaced
@@ -77,17 +84,18 @@ class CMLMTransformer(Transformer):
     if side == 'source' or self.config.cmlm_decoder_input == 'uniform_copy':
       return super()._embed(tokens, side, offset, train, positions)
     c = self.config
-    is_mask = tokens == mask_id(c)                                              # [B, T]
+    is_mask = tokens == mask_id(c)  # [B, T]
     # The table has V rows: embed MASK positions as PAD, then swap PAD's row for MASK's.
     # Dropout comes after the swap, so MASK positions are dropped like any other.
     x = super()._embed(jnp.where(is_mask, c.pad_id, tokens), side, offset, False, positions)
     table = self.embedding if c.share_embeddings else self.target_embedding
-    swap = (self.mask_embedding - table.embedding[c.pad_id]) * math.sqrt(c.d_model)   # [D]
+    swap = (self.mask_embedding - table.embedding[c.pad_id]) * math.sqrt(c.d_model)  # [D]
     x = jnp.where(is_mask[..., None], x + swap.astype(x.dtype), x)
     return self.embedding_dropout(x, deterministic=not train)
 
-  def predict_length(self, memory: jax.Array, src_mask: jax.Array,
-                     packing: masks.Packing | None = None) -> jax.Array:
+  def predict_length(
+    self, memory: jax.Array, src_mask: jax.Array, packing: masks.Packing | None = None
+  ) -> jax.Array:
     """Length-class logits from the mean of the encoder output over real source positions.
 
     Args:
@@ -102,13 +110,16 @@ class CMLMTransformer(Transformer):
       segments a row can hold; empty slots pool to zeros).
     """
     if packing is not None:
-      weights = segment_slots(packing.src_segments).astype(jnp.float32)        # [B, S, Z]
-      pooled = jnp.einsum('BSZ,BSD->BZD', weights, memory.astype(jnp.float32)) / jnp.maximum(
-          jnp.sum(weights, axis=1), 1.0)[..., None]                              # [B, Z, D]
+      weights = segment_slots(packing.src_segments).astype(jnp.float32)  # [B, S, Z]
+      pooled = (
+        jnp.einsum('BSZ,BSD->BZD', weights, memory.astype(jnp.float32))
+        / jnp.maximum(jnp.sum(weights, axis=1), 1.0)[..., None]
+      )  # [B, Z, D]
       return self.length_head(pooled.astype(self.config.compute_dtype)).astype(jnp.float32)
-    weights = src_mask[:, 0, 0, :, None].astype(jnp.float32)                   # [B, S, 1]
+    weights = src_mask[:, 0, 0, :, None].astype(jnp.float32)  # [B, S, 1]
     pooled = jnp.sum(memory.astype(jnp.float32) * weights, axis=1) / jnp.maximum(
-        jnp.sum(weights, axis=1), 1.0)                                          # [B, D]
+      jnp.sum(weights, axis=1), 1.0
+    )  # [B, D]
     return self.length_head(pooled.astype(self.config.compute_dtype)).astype(jnp.float32)
 
   def cross_kv(self, memory: jax.Array) -> tuple[KVCache, ...]:
@@ -118,30 +129,52 @@ class CMLMTransformer(Transformer):
     """
     return self.decoder.cross_kv(memory)
 
-  def decode_parallel_from_kv(self, tokens: jax.Array, cross_kv: tuple[KVCache, ...],
-                              src_mask: jax.Array, train: bool = False,
-                              src: jax.Array | None = None,
-                              packing: masks.Packing | None = None) -> jax.Array:
+  def decode_parallel_from_kv(
+    self,
+    tokens: jax.Array,
+    cross_kv: tuple[KVCache, ...],
+    src_mask: jax.Array,
+    train: bool = False,
+    src: jax.Array | None = None,
+    packing: masks.Packing | None = None,
+  ) -> jax.Array:
     """`decode_parallel` with the memory's keys and values from `cross_kv`."""
     self._check_length(tokens, 'target')
     if self.config.cmlm_decoder_input == 'uniform_copy':
       if src is None:
-        raise ValueError("model.cmlm_decoder_input='uniform_copy' needs the source ids (src=...) "
-                         'to copy into the MASKed positions')
-      tokens = jnp.where(tokens == mask_id(self.config),
-                         uniform_copy(src, tokens, self.config.pad_id, packing), tokens)
-    segments, positions = (None, None) if packing is None else (packing.tgt_segments,
-                                                                packing.tgt_positions)
+        raise ValueError(
+          "model.cmlm_decoder_input='uniform_copy' needs the source ids (src=...) "
+          'to copy into the MASKed positions'
+        )
+      tokens = jnp.where(
+        tokens == mask_id(self.config),
+        uniform_copy(src, tokens, self.config.pad_id, packing),
+        tokens,
+      )
+    segments, positions = (
+      (None, None) if packing is None else (packing.tgt_segments, packing.tgt_positions)
+    )
     # Padding mask only: every position sees the whole row (and the restricted window, if set);
     # packed, the whole of its own sentence.
     self_mask = self._self_attention_mask(tokens, False, segments)
-    y, _ = self.decoder(self._embed(tokens, 'target', 0, train, positions), cross_kv, self_mask,
-                        self._cross_mask(src_mask, packing), train)
+    y, _ = self.decoder(
+      self._embed(tokens, 'target', 0, train, positions),
+      cross_kv,
+      self_mask,
+      self._cross_mask(src_mask, packing),
+      train,
+    )
     return self._logits(y)
 
-  def decode_parallel(self, tokens: jax.Array, memory: jax.Array, src_mask: jax.Array,
-                      train: bool = False, src: jax.Array | None = None,
-                      packing: masks.Packing | None = None) -> jax.Array:
+  def decode_parallel(
+    self,
+    tokens: jax.Array,
+    memory: jax.Array,
+    src_mask: jax.Array,
+    train: bool = False,
+    src: jax.Array | None = None,
+    packing: masks.Packing | None = None,
+  ) -> jax.Array:
     """All target positions at once: partly MASKed row `[B, T]` -> float32 logits `[B, T, V]`.
 
     Args:
@@ -156,17 +189,25 @@ class CMLMTransformer(Transformer):
     The logits of a position depend on every non-PAD position of its row, before
     and after it, and not on PAD columns: appending PAD changes nothing.
     """
-    return self.decode_parallel_from_kv(tokens, self.cross_kv(memory), src_mask, train, src,
-                                        packing)
+    return self.decode_parallel_from_kv(
+      tokens, self.cross_kv(memory), src_mask, train, src, packing
+    )
 
-  def __call__(self, src: jax.Array, tokens: jax.Array, train: bool = False,
-               packing: masks.Packing | None = None) -> tuple[jax.Array, jax.Array]:
+  def __call__(
+    self,
+    src: jax.Array,
+    tokens: jax.Array,
+    train: bool = False,
+    packing: masks.Packing | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Source `[B, S]` and decoder input `[B, T]` -> token logits `[B, T, V]`, length logits `[B, C]`
     (packed rows: `[B, Z, C]`, one per sentence slot, `predict_length`)."""
     memory = self.encode(src, train, packing)
     src_mask = self.source_mask(src, packing)
-    return (self.decode_parallel(tokens, memory, src_mask, train, src, packing),
-            self.predict_length(memory, src_mask, packing))
+    return (
+      self.decode_parallel(tokens, memory, src_mask, train, src, packing),
+      self.predict_length(memory, src_mask, packing),
+    )
 
 
 def segment_slots(segments: jax.Array) -> jax.Array:
@@ -175,8 +216,9 @@ def segment_slots(segments: jax.Array) -> jax.Array:
   return segments[:, :, None] == jnp.arange(1, segments.shape[1] + 1)
 
 
-def uniform_copy(src: jax.Array, tokens: jax.Array, pad_id: int,
-                 packing: masks.Packing | None = None) -> jax.Array:
+def uniform_copy(
+  src: jax.Array, tokens: jax.Array, pad_id: int, packing: masks.Packing | None = None
+) -> jax.Array:
   """The source token at each target position's relative place: int32 `[B, T]`.
 
   Position j of a row with N non-PAD tokens gets source token round(j * S / N)
@@ -192,24 +234,31 @@ def uniform_copy(src: jax.Array, tokens: jax.Array, pad_id: int,
   """
   src = jnp.asarray(src, jnp.int32)
   if packing is None:  # one sentence per row: a row of segment ids 1, PAD 0
-    in_row = tokens != pad_id                                                   # [B, T]
-    packing = masks.Packing(src_segments=(src != pad_id).astype(jnp.int32),
-                            tgt_segments=in_row.astype(jnp.int32), src_positions=None,
-                            tgt_positions=jnp.broadcast_to(jnp.arange(tokens.shape[1]),
-                                                           tokens.shape))
-  in_row = packing.tgt_segments > 0                                             # [B, T]
-  src_slots = segment_slots(packing.src_segments)                              # [B, S, Z]
-  slot = jnp.clip(packing.tgt_segments - 1, 0, src.shape[1] - 1)               # [B, T]
-  per_token = lambda per_slot: jnp.take_along_axis(per_slot, slot, axis=1)    # [B, Z] -> [B, T]
+    in_row = tokens != pad_id  # [B, T]
+    packing = masks.Packing(
+      src_segments=(src != pad_id).astype(jnp.int32),
+      tgt_segments=in_row.astype(jnp.int32),
+      src_positions=None,
+      tgt_positions=jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape),
+    )
+  in_row = packing.tgt_segments > 0  # [B, T]
+  src_slots = segment_slots(packing.src_segments)  # [B, S, Z]
+  slot = jnp.clip(packing.tgt_segments - 1, 0, src.shape[1] - 1)  # [B, T]
+  per_token = lambda per_slot: jnp.take_along_axis(per_slot, slot, axis=1)  # [B, Z] -> [B, T]
   src_lengths = per_token(jnp.sum(src_slots, axis=1, dtype=jnp.int32))
   src_starts = per_token(jnp.argmax(src_slots, axis=1).astype(jnp.int32))
-  lengths = jnp.maximum(jnp.sum(packing.tgt_segments[:, :, None] == packing.tgt_segments[:, None],
-                                axis=2, dtype=jnp.int32), 1)                    # [B, T]
-  position = jnp.asarray(packing.tgt_positions, jnp.int32)                      # [B, T]
+  lengths = jnp.maximum(
+    jnp.sum(
+      packing.tgt_segments[:, :, None] == packing.tgt_segments[:, None], axis=2, dtype=jnp.int32
+    ),
+    1,
+  )  # [B, T]
+  position = jnp.asarray(packing.tgt_positions, jnp.int32)  # [B, T]
   # round(j S / N) = floor((2 j S + N) / 2N), in integers.
-  index = (2 * position * src_lengths + lengths) // (2 * lengths)               # [B, T]
+  index = (2 * position * src_lengths + lengths) // (2 * lengths)  # [B, T]
   copied = jnp.take_along_axis(
-      src, src_starts + jnp.minimum(index, jnp.maximum(src_lengths - 1, 0)), axis=1)
+    src, src_starts + jnp.minimum(index, jnp.maximum(src_lengths - 1, 0)), axis=1
+  )
   return jnp.where(in_row, copied, pad_id)
 
 
@@ -225,8 +274,9 @@ def length_classes(tgt_lengths: jax.Array, src_lengths: jax.Array, max_offset: i
   return jnp.clip(offset, -max_offset, max_offset) + max_offset
 
 
-def lengths_from_classes(classes: jax.Array, src_lengths: jax.Array, max_offset: int,
-                         max_len: int) -> jax.Array:
+def lengths_from_classes(
+  classes: jax.Array, src_lengths: jax.Array, max_offset: int, max_len: int
+) -> jax.Array:
   """Classes -> target lengths src + class - O, clipped to [1, max_len]; int32, broadcasting."""
   lengths = jnp.asarray(src_lengths, jnp.int32) + jnp.asarray(classes, jnp.int32) - max_offset
   return jnp.clip(lengths, 1, max_len)

@@ -29,7 +29,7 @@ _BITS = 16
 
 def keep_threshold(rate: float) -> int:
   """Elements whose 16 random bits are below this are kept: round((1 - rate) * 2^16)."""
-  threshold = round((1.0 - rate) * 2 ** _BITS)
+  threshold = round((1.0 - rate) * 2**_BITS)
   if not 0.0 <= rate < 1.0 or threshold == 0:
     raise ValueError(f'dropout rate must be in [0, 1 - 2^-17), got {rate!r}')
   return threshold
@@ -43,7 +43,7 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
   threshold = keep_threshold(rate)
   keep = _keep_mask(key, x.shape, threshold)
   keep = lax.optimization_barrier(keep)  # one mask, not threefry fused into every consumer
-  scale = jnp.asarray(2 ** _BITS / threshold, x.dtype)
+  scale = jnp.asarray(2**_BITS / threshold, x.dtype)
   return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
 
@@ -54,13 +54,14 @@ def _keep_mask(key: jax.Array, shape: tuple[int, ...], threshold: int) -> jax.Ar
   i of the flattened array and its high 16 bits to element ceil(size / 2) + i.
   """
   size = math.prod(shape)
-  words = jax.random.bits(key, ((size + 1) // 2,), jnp.uint32)   # [ceil(size / 2)]
+  words = jax.random.bits(key, ((size + 1) // 2,), jnp.uint32)  # [ceil(size / 2)]
   halves = jnp.concatenate([words & 0xFFFF, words >> 16])[:size]  # [2 * ceil(size / 2)] -> [size]
   return (halves < threshold).reshape(shape)
 
 
 class Dropout(nn.Module):
   """`nn.Dropout`'s interface (rate; deterministic at call time; 'dropout' rngs) on `dropout`."""
+
   rate: float
 
   @nn.compact

@@ -40,13 +40,13 @@ def _sinusoid_table(length: int, d_model: int, layout: str) -> np.ndarray:
   A constant, so computed in float64 and rounded once: float32 angles put the
   table 1.6e-5 off the formula by position 249 (d_model 512), and further on.
   """
-  position = np.arange(length, dtype=np.float64)[:, None]                   # [L, 1]
-  two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]               # [1, ceil(D/2)]
-  angle = position / np.power(10_000.0, two_i / d_model)                    # [L, ceil(D/2)]
+  position = np.arange(length, dtype=np.float64)[:, None]  # [L, 1]
+  two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]  # [1, ceil(D/2)]
+  angle = position / np.power(10_000.0, two_i / d_model)  # [L, ceil(D/2)]
   if layout == 'concatenated':
-    table = np.concatenate([np.sin(angle), np.cos(angle)[:, :d_model // 2]], axis=-1)
+    table = np.concatenate([np.sin(angle), np.cos(angle)[:, : d_model // 2]], axis=-1)
   else:
-    table = np.stack([np.sin(angle), np.cos(angle)], axis=-1)               # [L, ceil(D/2), 2]
+    table = np.stack([np.sin(angle), np.cos(angle)], axis=-1)  # [L, ceil(D/2), 2]
     table = table.reshape(length, -1)[:, :d_model]
   table = table.astype(np.float32)
   table.flags.writeable = False
@@ -55,13 +55,15 @@ def _sinusoid_table(length: int, d_model: int, layout: str) -> np.ndarray:
 
 class FeedForward(nn.Module):
   """FFN(x) = W_2 act(W_1 x + b_1) + b_2, applied at each position."""
+
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    dense = lambda features, name: Dense(features, dtype=c.compute_dtype, name=name,
-                                         kernel_init=nn.initializers.xavier_uniform())
+    dense = lambda features, name: Dense(
+      features, dtype=c.compute_dtype, name=name, kernel_init=nn.initializers.xavier_uniform()
+    )
     activation = {'relu': nn.relu, 'gelu': nn.gelu, 'silu': nn.silu}[c.activation]
     return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))
 
@@ -75,10 +77,13 @@ class Sublayer(nn.Module):
   Usage: `h = s.normalize_input(x)`, run the sub-layer on h to get y, then
   `x = s(x, y, train)`.
   """
+
   config: ModelConfig
 
   def setup(self):
-    self.norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype)
+    self.norm = nn.LayerNorm(
+      epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype
+    )
     self.dropout = Dropout(self.config.dropout_rate)
 
   def normalize_input(self, x: jax.Array) -> jax.Array:
@@ -90,14 +95,19 @@ class Sublayer(nn.Module):
 
 
 def _attention(config: ModelConfig, name: str) -> MultiHeadAttention:
-  return MultiHeadAttention(num_heads=config.num_heads, d_model=config.d_model,
-                            attention_dropout_rate=config.attention_dropout_rate,
-                            dtype=config.compute_dtype, kernel=resolve_attention_kernel(config),
-                            name=name)
+  return MultiHeadAttention(
+    num_heads=config.num_heads,
+    d_model=config.d_model,
+    attention_dropout_rate=config.attention_dropout_rate,
+    dtype=config.compute_dtype,
+    kernel=resolve_attention_kernel(config),
+    name=name,
+  )
 
 
 class EncoderBlock(nn.Module):
   """Self-attention, then feed-forward, each wrapped in a `Sublayer`."""
+
   config: ModelConfig
 
   @nn.compact
@@ -110,11 +120,14 @@ class EncoderBlock(nn.Module):
     x = attention_sublayer(x, attention.attend(q, kv, mask, not train), train)
 
     ffn_sublayer = Sublayer(self.config, name='ffn_sublayer')
-    return ffn_sublayer(x, FeedForward(self.config, name='ffn')(ffn_sublayer.normalize_input(x)), train)
+    return ffn_sublayer(
+      x, FeedForward(self.config, name='ffn')(ffn_sublayer.normalize_input(x)), train
+    )
 
 
 class DecoderBlock(nn.Module):
   """Masked self-attention, cross-attention over the memory, then feed-forward."""
+
   config: ModelConfig
 
   def setup(self):
@@ -129,9 +142,16 @@ class DecoderBlock(nn.Module):
     """Cross-attention keys and values `[B, N, S, H]` of the memory `[B, S, D]`."""
     return self.cross_attention.project_kv(memory)
 
-  def __call__(self, y: jax.Array, cross_kv: KVCache, self_mask: jax.Array | None,
-               cross_mask: jax.Array | None, train: bool, cache: KVCache | None = None,
-               cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+  def __call__(
+    self,
+    y: jax.Array,
+    cross_kv: KVCache,
+    self_mask: jax.Array | None,
+    cross_mask: jax.Array | None,
+    train: bool,
+    cache: KVCache | None = None,
+    cache_index: jax.Array | int = 0,
+  ) -> tuple[jax.Array, KVCache | None]:
     """One decoder layer.
 
     Args:
@@ -153,12 +173,14 @@ class DecoderBlock(nn.Module):
     q, kv = self.self_attention.project_qkv(h, fuse=cache is not None)
     if cache is not None:
       kv = cache = self.self_attention.write_cache(kv, cache, cache_index)
-    y = self.self_attention_sublayer(y, self.self_attention.attend(q, kv, self_mask, deterministic),
-                                     train)
+    y = self.self_attention_sublayer(
+      y, self.self_attention.attend(q, kv, self_mask, deterministic), train
+    )
 
     h = self.cross_attention_sublayer.normalize_input(y)
-    y = self.cross_attention_sublayer(y, self.cross_attention(h, cross_kv, cross_mask, deterministic),
-                                      train)
+    y = self.cross_attention_sublayer(
+      y, self.cross_attention(h, cross_kv, cross_mask, deterministic), train
+    )
     return self.ffn_sublayer(y, self.ffn(self.ffn_sublayer.normalize_input(y)), train), cache
 
 
@@ -180,8 +202,9 @@ def _scans(module: nn.Module, train: bool) -> bool:
   return module.config.remat != 'none' and train and not module.is_initializing()
 
 
-def scanned_layers(apply_layer, layers: list, x: jax.Array, per_layer: list | None, remat: str,
-                   rng: jax.Array) -> jax.Array:
+def scanned_layers(
+  apply_layer, layers: list, x: jax.Array, per_layer: list | None, remat: str, rng: jax.Array
+) -> jax.Array:
   """The layers as one `lax.scan` over their parameters stacked, each step rematerialised.
 
   apply_layer(params, dropout_key, x, extra) -> x: one layer; layers: each layer's
@@ -208,6 +231,7 @@ def scanned_layers(apply_layer, layers: list, x: jax.Array, per_layer: list | No
 
 class Encoder(nn.Module):
   """N encoder blocks (plus a final LayerNorm when pre-LN)."""
+
   config: ModelConfig
 
   @nn.compact
@@ -216,50 +240,77 @@ class Encoder(nn.Module):
     names = [f'layer_{i}' for i in range(self.config.num_encoder_layers)]
     if _scans(self, train):
       block = EncoderBlock(self.config, parent=None)
-      apply_layer = lambda params, key, x, _: block.apply({'params': params}, x, mask, True,
-                                                          rngs={'dropout': key})
-      x = scanned_layers(apply_layer, [self.variables['params'][name] for name in names], x,
-                         None, self.config.remat, self.make_rng('dropout'))
+      apply_layer = lambda params, key, x, _: block.apply(
+        {'params': params}, x, mask, True, rngs={'dropout': key}
+      )
+      x = scanned_layers(
+        apply_layer,
+        [self.variables['params'][name] for name in names],
+        x,
+        None,
+        self.config.remat,
+        self.make_rng('dropout'),
+      )
     else:
       for name in names:
         x = EncoderBlock(self.config, name=name)(x, mask, train)
     if self.config.norm_placement == 'pre':
-      x = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon,
-                       dtype=self.config.compute_dtype, name='final_norm')(x)
+      x = nn.LayerNorm(
+        epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype, name='final_norm'
+      )(x)
     return x
 
 
 class Decoder(nn.Module):
   """N decoder blocks (plus a final LayerNorm when pre-LN)."""
+
   config: ModelConfig
 
   def setup(self):
-    self.layers = [DecoderBlock(self.config, name=f'layer_{i}')
-                   for i in range(self.config.num_decoder_layers)]
+    self.layers = [
+      DecoderBlock(self.config, name=f'layer_{i}') for i in range(self.config.num_decoder_layers)
+    ]
     if self.config.norm_placement == 'pre':
-      self.final_norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype)
+      self.final_norm = nn.LayerNorm(
+        epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype
+      )
 
   def cross_kv(self, memory: jax.Array) -> tuple[KVCache, ...]:
     """Every layer's cross-attention keys and values of the memory `[B, S, D]`."""
     return tuple(layer.cross_kv(memory) for layer in self.layers)
 
-  def __call__(self, y: jax.Array, cross_kv: tuple[KVCache, ...], self_mask: jax.Array | None,
-               cross_mask: jax.Array | None, train: bool,
-               caches: tuple[KVCache, ...] | None = None, cache_index: jax.Array | int = 0,
-               ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+  def __call__(
+    self,
+    y: jax.Array,
+    cross_kv: tuple[KVCache, ...],
+    self_mask: jax.Array | None,
+    cross_mask: jax.Array | None,
+    train: bool,
+    caches: tuple[KVCache, ...] | None = None,
+    cache_index: jax.Array | int = 0,
+  ) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
     """y `[B, T, D]` (embedded target) -> `[B, T, D]`, and the updated per-layer caches."""
     if _scans(self, train) and caches is None:
       block = DecoderBlock(self.config, parent=None)
       apply_layer = lambda params, key, y, kv: block.apply(
-          {'params': params}, y, kv, self_mask, cross_mask, True, rngs={'dropout': key})[0]
+        {'params': params}, y, kv, self_mask, cross_mask, True, rngs={'dropout': key}
+      )[0]
       layers = [self.variables['params'][f'layer_{i}'] for i in range(len(self.layers))]
-      y = scanned_layers(apply_layer, layers, y, list(cross_kv), self.config.remat,
-                         self.make_rng('dropout'))
+      y = scanned_layers(
+        apply_layer, layers, y, list(cross_kv), self.config.remat, self.make_rng('dropout')
+      )
       return (self.final_norm(y) if self.config.norm_placement == 'pre' else y), None
     new_caches = []
     for i, layer in enumerate(self.layers):
-      y, cache = layer(y, cross_kv[i], self_mask, cross_mask, train,
-                       None if caches is None else caches[i], cache_index)
+      y, cache = layer(
+        y,
+        cross_kv[i],
+        self_mask,
+        cross_mask,
+        train,
+        None if caches is None else caches[i],
+        cache_index,
+      )
       new_caches.append(cache)
     if self.config.norm_placement == 'pre':
       y = self.final_norm(y)

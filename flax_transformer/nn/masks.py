@@ -40,8 +40,9 @@ def padding_mask(tokens: jax.Array, pad_id: int = 0) -> jax.Array:
   return (tokens != pad_id)[:, None, None, :]
 
 
-def causal_mask(length: int, kv_length: int | None = None, offset: int | jax.Array = 0
-                ) -> jax.Array:
+def causal_mask(
+  length: int, kv_length: int | None = None, offset: int | jax.Array = 0
+) -> jax.Array:
   """Look-ahead mask: position i may attend to positions <= i.
 
   Args:
@@ -62,8 +63,9 @@ def causal_mask(length: int, kv_length: int | None = None, offset: int | jax.Arr
   return (key_pos <= query_pos)[None, None]
 
 
-def local_mask(length: int, radius: int, kv_length: int | None = None,
-               offset: int | jax.Array = 0) -> jax.Array:
+def local_mask(
+  length: int, radius: int, kv_length: int | None = None, offset: int | jax.Array = 0
+) -> jax.Array:
   """Restricted self-attention (paper §4): position i sees |i - j| <= radius.
 
   Compose with `causal_mask` for a decoder (then i sees i - radius .. i).
@@ -105,7 +107,7 @@ def segment_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
     Cross-attention is `segment_mask(tgt_segments, src_segments)`: target
     sentence k sees source sentence k only.
   """
-  same = q_segments[:, :, None] == k_segments[:, None, :]                      # [B, T, S]
+  same = q_segments[:, :, None] == k_segments[:, None, :]  # [B, T, S]
   return (same & (k_segments[:, None, :] != 0))[:, None]
 
 
@@ -118,6 +120,7 @@ class Packing:
   src_positions, tgt_positions: int32 `[B, S]`, `[B, T]`, each token's position
     within its own sentence, restarting at 0 in every segment (0 on PAD).
   """
+
   src_segments: jax.Array
   tgt_segments: jax.Array
   src_positions: jax.Array
@@ -137,6 +140,7 @@ class Band:
   offset: absolute position of the first query: 0 for a whole sequence, the
     decoding position for a cached step (then S is the cache length). May be traced.
   """
+
   key_padding: jax.Array | None = None
   offset: jax.Array | int = 0
   radius: int = flax.struct.field(pytree_node=False, default=0)
@@ -144,9 +148,11 @@ class Band:
 
   def dense(self, length: int, kv_length: int | None = None) -> jax.Array:
     """The mask as bool `[B or 1, 1, T, S]` for T = length queries and S = kv_length keys."""
-    return combine(local_mask(length, self.radius, kv_length, self.offset),
-                   causal_mask(length, kv_length, self.offset) if self.causal else None,
-                   None if self.key_padding is None else self.key_padding[:, None, None, :])
+    return combine(
+      local_mask(length, self.radius, kv_length, self.offset),
+      causal_mask(length, kv_length, self.offset) if self.causal else None,
+      None if self.key_padding is None else self.key_padding[:, None, None, :],
+    )
 
 
 @flax.struct.dataclass
@@ -160,6 +166,7 @@ class KeyLengths:
 
   lengths: int32 `[B]`, at least 1 (`of_visible` makes it so).
   """
+
   lengths: jax.Array
   causal: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -203,8 +210,8 @@ def beam_history_mask(history: jax.Array, position: jax.Array | int) -> jax.Arra
       k=1:  0 0 0 | 1 1 0
   """
   batch, beam_size, length = history.shape
-  in_block = history[:, :, None, :] == jnp.arange(beam_size)[None, None, :, None]    # [B, K, K, L]
-  written = jnp.arange(length) <= position                                        # [L]
+  in_block = history[:, :, None, :] == jnp.arange(beam_size)[None, None, :, None]  # [B, K, K, L]
+  written = jnp.arange(length) <= position  # [L]
   return (in_block & written).reshape(batch, 1, beam_size, beam_size * length)
 
 
@@ -219,8 +226,9 @@ def combine(*masks: jax.Array | None) -> jax.Array | None:
   return functools.reduce(jnp.logical_and, present)
 
 
-def _positions(length: int, kv_length: int | None, offset: int | jax.Array
-               ) -> tuple[jax.Array, jax.Array]:
+def _positions(
+  length: int, kv_length: int | None, offset: int | jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Query positions `[T, 1]` and key positions `[1, S]`, for broadcasting."""
   kv_length = length if kv_length is None else kv_length
   query_pos = jnp.arange(length)[:, None] + offset

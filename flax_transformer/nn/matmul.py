@@ -40,8 +40,9 @@ def dense_dot(x: jax.Array, kernel: jax.Array, kernel_axis: int = 0) -> jax.Arra
 
 def _dot(x, kernel, kernel_axis):
   # Contract x's last axis with the kernel's X axis: [..., X] -> [..., Y], float32.
-  return lax.dot_general(x, kernel, (((x.ndim - 1,), (kernel_axis,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+  return lax.dot_general(
+    x, kernel, (((x.ndim - 1,), (kernel_axis,)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
 def _dense_dot_fwd(x, kernel, kernel_axis):
@@ -52,15 +53,20 @@ def _dense_dot_fwd(x, kernel, kernel_axis):
 
 def _dense_dot_bwd(kernel_axis, residuals, grad):
   x, kernel, kernel_dtype = residuals
-  grad = grad.astype(x.dtype)                                              # [..., Y]
+  grad = grad.astype(x.dtype)  # [..., Y]
   # d x = grad kernel^T: contract Y, [..., Y] -> [..., X]
-  dx = lax.dot_general(grad, kernel, (((grad.ndim - 1,), (1 - kernel_axis,)), ((), ())),
-                       preferred_element_type=jnp.float32)
+  dx = lax.dot_general(
+    grad,
+    kernel,
+    (((grad.ndim - 1,), (1 - kernel_axis,)), ((), ())),
+    preferred_element_type=jnp.float32,
+  )
   # d kernel = x^T grad ([X, Y]) or grad^T x ([Y, X]), summed over all leading axes.
   leading = tuple(range(x.ndim - 1))
   pair = (x, grad) if kernel_axis == 0 else (grad, x)
-  dkernel = lax.dot_general(*pair, ((leading, leading), ((), ())),
-                            preferred_element_type=jnp.float32)
+  dkernel = lax.dot_general(
+    *pair, ((leading, leading), ((), ())), preferred_element_type=jnp.float32
+  )
   return dx.astype(x.dtype), dkernel.astype(kernel_dtype.dtype)
 
 
@@ -73,6 +79,7 @@ class Dense(nn.Module):
   The input is cast to `dtype`, the product and the bias are summed in
   float32, and the result is returned in `dtype`, as `nn.Dense(dtype=...)` does.
   """
+
   features: int
   dtype: jnp.dtype = jnp.float32
   use_bias: bool = True

@@ -49,6 +49,7 @@ class DecodeCache:
     `[B, N, S, H]`, computed once before the loop.
   src_mask: bool `[B, 1, 1, S]`, the source padding mask for cross-attention.
   """
+
   self_kv: tuple[KVCache, ...]
   cross_kv: tuple[KVCache, ...]
   src_mask: jax.Array
@@ -75,6 +76,7 @@ class BeamDecodeCache:
   keys and values at every step (a base model at batch 32, beam 4 and 32
   positions: 50 MB per step); moving `history` copies B * K * L integers.
   """
+
   self_kv: tuple[KVCache, ...]
   history: jax.Array
   cross_kv: tuple[KVCache, ...]
@@ -89,8 +91,13 @@ class BeamDecodeCache:
     return self.replace(history=jnp.take_along_axis(self.history, parent[:, :, None], axis=1))
 
 
-def empty_self_cache(config: ModelConfig, batch_size: int, max_len: int,
-                     dtype: jnp.dtype | None = None, beam_size: int = 1) -> tuple[KVCache, ...]:
+def empty_self_cache(
+  config: ModelConfig,
+  batch_size: int,
+  max_len: int,
+  dtype: jnp.dtype | None = None,
+  beam_size: int = 1,
+) -> tuple[KVCache, ...]:
   """Zero self-attention caches, one `[B, N, L, H]` pair per decoder layer.
 
   With beam_size=K, one pair per layer pooling the K beams of each of B sentences:
@@ -98,45 +105,64 @@ def empty_self_cache(config: ModelConfig, batch_size: int, max_len: int,
   from the config alone: no forward pass is traced to discover shapes.
   """
   if max_len > config.max_len:
-    raise ValueError(f'decoding length {max_len} exceeds model.max_len={config.max_len}, '
-                     'the length of the positional-encoding table')
+    raise ValueError(
+      f'decoding length {max_len} exceeds model.max_len={config.max_len}, '
+      'the length of the positional-encoding table'
+    )
   v_shape = (batch_size, config.num_heads, beam_size * max_len, config.head_dim)
   # A pooled cache holds its keys transposed, `[B, N, H, K * L]` (see KVCache).
   k_shape = v_shape if beam_size == 1 else (*v_shape[:2], v_shape[3], v_shape[2])
   dtype = config.compute_dtype if dtype is None else dtype
-  return tuple(KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype),
-                       beam_size=beam_size)
-               for _ in range(config.num_decoder_layers))
+  return tuple(
+    KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype), beam_size=beam_size)
+    for _ in range(config.num_decoder_layers)
+  )
 
 
 class Transformer(nn.Module):
   """Vaswani et al. (2017), with the paper's choices as `ModelConfig` defaults."""
+
   config: ModelConfig
 
   def setup(self):
     c = self.config
     embed = lambda name: nn.Embed(
-        c.vocab_size, c.d_model, dtype=c.compute_dtype, name=name,
-        # Unit variance after the sqrt(d_model) scaling of §3.4.
-        embedding_init=nn.initializers.normal(stddev=c.d_model ** -0.5))
+      c.vocab_size,
+      c.d_model,
+      dtype=c.compute_dtype,
+      name=name,
+      # Unit variance after the sqrt(d_model) scaling of §3.4.
+      embedding_init=nn.initializers.normal(stddev=c.d_model**-0.5),
+    )
     if c.share_embeddings:
       self.embedding = embed('embedding')
     else:
       self.source_embedding = embed('source_embedding')
       self.target_embedding = embed('target_embedding')
-      self.output_projection = Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
-                                     kernel_init=nn.initializers.xavier_uniform())
+      self.output_projection = Dense(
+        c.vocab_size,
+        use_bias=False,
+        dtype=c.compute_dtype,
+        kernel_init=nn.initializers.xavier_uniform(),
+      )
     if c.logits_bias:
-      self.logits_bias = self.param('logits_bias', nn.initializers.zeros_init(), (c.vocab_size,),
-                                    jnp.float32)
+      self.logits_bias = self.param(
+        'logits_bias', nn.initializers.zeros_init(), (c.vocab_size,), jnp.float32
+      )
     self.embedding_dropout = Dropout(c.dropout_rate)
     self.encoder = Encoder(c)
     self.decoder = Decoder(c)
 
   # --- pieces -------------------------------------------------------------
 
-  def _embed(self, tokens: jax.Array, side: str, offset: jax.Array | int, train: bool,
-             positions: jax.Array | None = None) -> jax.Array:
+  def _embed(
+    self,
+    tokens: jax.Array,
+    side: str,
+    offset: jax.Array | int,
+    train: bool,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """Token ids `[B, L]` -> embeddings * sqrt(D) + positions offset..offset+L-1, `[B, L, D]`.
 
     positions: int `[B, L]`, each token's own position instead (packed rows,
@@ -149,11 +175,11 @@ class Transformer(nn.Module):
     # Gather float32 rows, then cast: nn.Embed would cast the whole [V, D] table first.
     x = jnp.take(table.embedding, tokens, axis=0).astype(c.compute_dtype)
     x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
-    table = sinusoidal_positions(c.max_len, c.d_model, c.positions)                 # [max_len, D]
+    table = sinusoidal_positions(c.max_len, c.d_model, c.positions)  # [max_len, D]
     if positions is None:
-      encoding = jax.lax.dynamic_slice_in_dim(table, offset, tokens.shape[1])        # [L, D]
+      encoding = jax.lax.dynamic_slice_in_dim(table, offset, tokens.shape[1])  # [L, D]
     else:
-      encoding = jnp.take(table, positions, axis=0)                                # [B, L, D]
+      encoding = jnp.take(table, positions, axis=0)  # [B, L, D]
     return self.embedding_dropout(x + encoding.astype(x.dtype), deterministic=not train)
 
   def _logits(self, y: jax.Array) -> jax.Array:
@@ -169,11 +195,14 @@ class Transformer(nn.Module):
     if tokens.ndim != 2:
       raise ValueError(f'{what} token ids must be [batch, length], got shape {tokens.shape}')
     if tokens.shape[1] > self.config.max_len:
-      raise ValueError(f'{what} length {tokens.shape[1]} exceeds model.max_len='
-                       f'{self.config.max_len}; truncate the input or raise max_len')
+      raise ValueError(
+        f'{what} length {tokens.shape[1]} exceeds model.max_len='
+        f'{self.config.max_len}; truncate the input or raise max_len'
+      )
 
-  def _self_attention_mask(self, tokens: jax.Array, causal: bool,
-                           segments: jax.Array | None = None) -> jax.Array | masks.Band:
+  def _self_attention_mask(
+    self, tokens: jax.Array, causal: bool, segments: jax.Array | None = None
+  ) -> jax.Array | masks.Band:
     """The self-attention mask of ids `[B, L]`: PAD keys hidden, look-ahead too when causal.
 
     With `attention_radius` set, a `masks.Band` that adds the window (§4):
@@ -184,17 +213,22 @@ class Transformer(nn.Module):
     c = self.config
     if segments is not None:
       if c.attention_radius is not None:
-        raise ValueError(f'packed rows (segment ids) cannot be combined with '
-                         f'model.attention_radius={c.attention_radius}: the band has no segments')
-      return masks.combine(masks.segment_mask(segments, segments),
-                           masks.causal_mask(tokens.shape[1]) if causal else None)
-    visible = self._visible_keys(tokens, causal)                               # [B, L]
+        raise ValueError(
+          f'packed rows (segment ids) cannot be combined with '
+          f'model.attention_radius={c.attention_radius}: the band has no segments'
+        )
+      return masks.combine(
+        masks.segment_mask(segments, segments),
+        masks.causal_mask(tokens.shape[1]) if causal else None,
+      )
+    visible = self._visible_keys(tokens, causal)  # [B, L]
     if c.attention_radius is not None:
       return masks.Band(key_padding=visible, radius=c.attention_radius, causal=causal)
     if self._fused_kernel():
       return masks.KeyLengths.of_visible(visible, causal)
-    return masks.combine(visible[:, None, None, :],
-                         masks.causal_mask(tokens.shape[1]) if causal else None)
+    return masks.combine(
+      visible[:, None, None, :], masks.causal_mask(tokens.shape[1]) if causal else None
+    )
 
   def _fused_kernel(self, cached: bool = False) -> bool:
     """Whether attention takes a fused kernel here (`config.resolve_attention_kernel`): masks are
@@ -204,8 +238,9 @@ class Transformer(nn.Module):
       return False
     return not cached or self.config.attention_kernel != 'auto'
 
-  def _cross_mask(self, src_mask: jax.Array, packing: masks.Packing | None = None,
-                  cached: bool = False) -> jax.Array | masks.KeyLengths:
+  def _cross_mask(
+    self, src_mask: jax.Array, packing: masks.Packing | None = None, cached: bool = False
+  ) -> jax.Array | masks.KeyLengths:
     """The cross-attention mask the decoder takes: `source_mask`'s bool `[B, 1, 1, S]`, as
     `masks.KeyLengths` where a fused kernel runs (packed rows keep their segment mask)."""
     if packing is None and self._fused_kernel(cached):
@@ -225,13 +260,15 @@ class Transformer(nn.Module):
 
   # --- the public methods -------------------------------------------------
 
-  def encode(self, src: jax.Array, train: bool = False, packing: masks.Packing | None = None
-             ) -> jax.Array:
+  def encode(
+    self, src: jax.Array, train: bool = False, packing: masks.Packing | None = None
+  ) -> jax.Array:
     """Source ids `[B, S]` -> memory `[B, S, D]`; packed rows when `packing` is given."""
     self._check_length(src, 'source')
-    segments, positions = (None, None) if packing is None else (packing.src_segments,
-                                                                packing.src_positions)
-    mask = self._self_attention_mask(src, False, segments)           # [B, 1, 1 or S, S]
+    segments, positions = (
+      (None, None) if packing is None else (packing.src_segments, packing.src_positions)
+    )
+    mask = self._self_attention_mask(src, False, segments)  # [B, 1, 1 or S, S]
     return self.encoder(self._embed(src, 'source', 0, train, positions), mask, train)
 
   def source_mask(self, src: jax.Array, packing: masks.Packing | None = None) -> jax.Array:
@@ -241,8 +278,14 @@ class Transformer(nn.Module):
       return masks.padding_mask(src, self.config.pad_id)
     return masks.segment_mask(packing.tgt_segments, packing.src_segments)
 
-  def decode(self, tgt_in: jax.Array, memory: jax.Array, src_mask: jax.Array,
-             train: bool = False, packing: masks.Packing | None = None) -> jax.Array:
+  def decode(
+    self,
+    tgt_in: jax.Array,
+    memory: jax.Array,
+    src_mask: jax.Array,
+    train: bool = False,
+    packing: masks.Packing | None = None,
+  ) -> jax.Array:
     """Teacher-forced decoder: `<bos> y1 .. yn` `[B, T]` -> float32 logits `[B, T, V]`.
 
     Args:
@@ -254,20 +297,36 @@ class Transformer(nn.Module):
     """
     return self._logits(self._decoder_states(tgt_in, memory, src_mask, train, packing))
 
-  def _decoder_states(self, tgt_in: jax.Array, memory: jax.Array, src_mask: jax.Array,
-                      train: bool, packing: masks.Packing | None) -> jax.Array:
+  def _decoder_states(
+    self,
+    tgt_in: jax.Array,
+    memory: jax.Array,
+    src_mask: jax.Array,
+    train: bool,
+    packing: masks.Packing | None,
+  ) -> jax.Array:
     """`decode` up to the output projection: the decoder's last states `[B, T, D]`."""
     self._check_length(tgt_in, 'target')
-    segments, positions = (None, None) if packing is None else (packing.tgt_segments,
-                                                                packing.tgt_positions)
+    segments, positions = (
+      (None, None) if packing is None else (packing.tgt_segments, packing.tgt_positions)
+    )
     self_mask = self._self_attention_mask(tgt_in, True, segments)
-    y, _ = self.decoder(self._embed(tgt_in, 'target', 0, train, positions),
-                        self.decoder.cross_kv(memory), self_mask,
-                        self._cross_mask(src_mask, packing), train)
+    y, _ = self.decoder(
+      self._embed(tgt_in, 'target', 0, train, positions),
+      self.decoder.cross_kv(memory),
+      self_mask,
+      self._cross_mask(src_mask, packing),
+      train,
+    )
     return y
 
-  def __call__(self, src: jax.Array, tgt_in: jax.Array, train: bool = False,
-               packing: masks.Packing | None = None) -> jax.Array:
+  def __call__(
+    self,
+    src: jax.Array,
+    tgt_in: jax.Array,
+    train: bool = False,
+    packing: masks.Packing | None = None,
+  ) -> jax.Array:
     """Source `[B, S]` and shifted target `[B, T]` ids -> float32 logits `[B, T, V]`.
 
     packing: `batching.Batch.packing` of packed rows (several pairs per row).
@@ -275,8 +334,13 @@ class Transformer(nn.Module):
     memory = self.encode(src, train, packing)
     return self.decode(tgt_in, memory, self.source_mask(src, packing), train, packing)
 
-  def decoder_states(self, src: jax.Array, tgt_in: jax.Array, train: bool = False,
-                     packing: masks.Packing | None = None) -> jax.Array:
+  def decoder_states(
+    self,
+    src: jax.Array,
+    tgt_in: jax.Array,
+    train: bool = False,
+    packing: masks.Packing | None = None,
+  ) -> jax.Array:
     """`__call__` without the output projection: the decoder's last states `[B, T, D]`, which
     `logits` turns into `__call__`'s logits (a loss may project them a chunk at a time)."""
     memory = self.encode(src, train, packing)
@@ -290,12 +354,14 @@ class Transformer(nn.Module):
     """Runs the encoder once and returns the cache for up to `max_len` decode steps."""
     memory = self.encode(src)
     return DecodeCache(
-        self_kv=empty_self_cache(self.config, src.shape[0], max_len),
-        cross_kv=self.decoder.cross_kv(memory),
-        src_mask=masks.padding_mask(src, self.config.pad_id))
+      self_kv=empty_self_cache(self.config, src.shape[0], max_len),
+      cross_kv=self.decoder.cross_kv(memory),
+      src_mask=masks.padding_mask(src, self.config.pad_id),
+    )
 
-  def decode_step(self, tokens: jax.Array, cache: DecodeCache, position: jax.Array | int
-                  ) -> tuple[jax.Array, DecodeCache]:
+  def decode_step(
+    self, tokens: jax.Array, cache: DecodeCache, position: jax.Array | int
+  ) -> tuple[jax.Array, DecodeCache]:
     """Decodes `tokens` `[B, T]` at positions position..position+T-1 (usually T = 1).
 
     Returns float32 logits `[B, T, V]` and the cache with these tokens' keys and
@@ -313,9 +379,15 @@ class Transformer(nn.Module):
       self_mask = masks.KeyLengths(jnp.full((batch,), position + 1, jnp.int32))
     else:
       self_mask = masks.causal_mask(length, cache.max_len, position)
-    y, self_kv = self.decoder(self._embed(tokens, 'target', position, False), cache.cross_kv,
-                              self_mask, self._cross_mask(cache.src_mask, cached=True), False,
-                              cache.self_kv, position)
+    y, self_kv = self.decoder(
+      self._embed(tokens, 'target', position, False),
+      cache.cross_kv,
+      self_mask,
+      self._cross_mask(cache.src_mask, cached=True),
+      False,
+      cache.self_kv,
+      position,
+    )
     return self._logits(y), cache.replace(self_kv=self_kv)
 
   def start_beam_decoding(self, src: jax.Array, max_len: int, beam_size: int) -> BeamDecodeCache:
@@ -323,13 +395,15 @@ class Transformer(nn.Module):
     memory = self.encode(src)
     batch = src.shape[0]
     return BeamDecodeCache(
-        self_kv=empty_self_cache(self.config, batch, max_len, beam_size=beam_size),
-        history=jnp.zeros((batch, beam_size, max_len), jnp.int32),
-        cross_kv=self.decoder.cross_kv(memory),
-        src_mask=masks.padding_mask(src, self.config.pad_id))
+      self_kv=empty_self_cache(self.config, batch, max_len, beam_size=beam_size),
+      history=jnp.zeros((batch, beam_size, max_len), jnp.int32),
+      cross_kv=self.decoder.cross_kv(memory),
+      src_mask=masks.padding_mask(src, self.config.pad_id),
+    )
 
-  def decode_beam_step(self, tokens: jax.Array, cache: BeamDecodeCache, position: jax.Array | int
-                       ) -> tuple[jax.Array, BeamDecodeCache]:
+  def decode_beam_step(
+    self, tokens: jax.Array, cache: BeamDecodeCache, position: jax.Array | int
+  ) -> tuple[jax.Array, BeamDecodeCache]:
     """Decodes the K beams' tokens `[B, K]`, all at `position`.
 
     The K beams of a sentence pass through the decoder as K queries of one
@@ -347,17 +421,33 @@ class Transformer(nn.Module):
     own_block = jnp.broadcast_to(jnp.arange(beam_size, dtype=jnp.int32), (batch, beam_size))
     history = jax.lax.dynamic_update_index_in_dim(cache.history, own_block, position, axis=2)
     radius = self.config.attention_radius
-    window = None if radius is None else masks.local_mask(1, radius, max_len, position)  # [1, 1, 1, L]
-    self_mask = masks.combine(masks.beam_history_mask(history, position),
-                              None if window is None else jnp.tile(window, (1, 1, 1, beam_size)))
+    window = (
+      None if radius is None else masks.local_mask(1, radius, max_len, position)
+    )  # [1, 1, 1, L]
+    self_mask = masks.combine(
+      masks.beam_history_mask(history, position),
+      None if window is None else jnp.tile(window, (1, 1, 1, beam_size)),
+    )
     x = self._embed(tokens.reshape(batch * beam_size, 1), 'target', position, False)
-    y, self_kv = self.decoder(x.reshape(batch, beam_size, -1), cache.cross_kv, self_mask,
-                              cache.src_mask, False, cache.self_kv, position)
+    y, self_kv = self.decoder(
+      x.reshape(batch, beam_size, -1),
+      cache.cross_kv,
+      self_mask,
+      cache.src_mask,
+      False,
+      cache.self_kv,
+      position,
+    )
     return self._logits(y), cache.replace(self_kv=self_kv, history=history)
 
 
-def attention_weights(model: Transformer, variables, src: jax.Array, tgt_in: jax.Array,
-                      packing: masks.Packing | None = None) -> dict[str, jax.Array]:
+def attention_weights(
+  model: Transformer,
+  variables,
+  src: jax.Array,
+  tgt_in: jax.Array,
+  packing: masks.Packing | None = None,
+) -> dict[str, jax.Array]:
   """Every attention layer's weights for one forward pass, for plotting.
 
   Returns a dict from names like 'encoder/layer_0/self_attention' or
@@ -366,7 +456,7 @@ def attention_weights(model: Transformer, variables, src: jax.Array, tgt_in: jax
   _, state = model.apply(variables, src, tgt_in, packing=packing, mutable=['intermediates'])
   flat = flax.traverse_util.flatten_dict(state['intermediates'], sep='/')
   suffix = '/attention_weights'
-  return {name[:-len(suffix)]: value[0] for name, value in flat.items() if name.endswith(suffix)}
+  return {name[: -len(suffix)]: value[0] for name, value in flat.items() if name.endswith(suffix)}
 
 
 def count_params(params) -> int:

@@ -6,12 +6,26 @@ model as one, which transformers and CTranslate2 load (`fast_tokenizer` reads it
 tokenizer back).
 """
 
-from flax_transformer.pretrained.marian import (TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer,
-                                                PretrainedError, fine_tuning_config,
-                                                is_marian_directory, load_marian, marian_config,
-                                                read_marian_config)
+from flax_transformer.pretrained.marian import (
+  TOKENIZER_FILES,
+  WEIGHTS_FILE,
+  MarianTokenizer,
+  PretrainedError,
+  fine_tuning_config,
+  is_marian_directory,
+  load_marian,
+  marian_config,
+  read_marian_config,
+)
 
 __all__ = [
-    'MarianTokenizer', 'PretrainedError', 'TOKENIZER_FILES', 'WEIGHTS_FILE', 'fine_tuning_config',
-    'is_marian_directory', 'load_marian', 'marian_config', 'read_marian_config',
+  'MarianTokenizer',
+  'PretrainedError',
+  'TOKENIZER_FILES',
+  'WEIGHTS_FILE',
+  'fine_tuning_config',
+  'is_marian_directory',
+  'load_marian',
+  'marian_config',
+  'read_marian_config',
 ]

@@ -25,14 +25,18 @@ class ExportedTokenizer(Tokenizer):
 
   FILES = (FILE_NAME, CONFIG_FILE)
 
-  def __init__(self, backend: tokenizers.Tokenizer, memo_words: int = word_memo.MEMO_WORDS,
-               directory: Path | None = None):
+  def __init__(
+    self,
+    backend: tokenizers.Tokenizer,
+    memo_words: int = word_memo.MEMO_WORDS,
+    directory: Path | None = None,
+  ):
     ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
     missing = [token for token, token_id in ids.items() if token_id is None]
     if missing:
       raise TokenizerError(f'{directory or "the tokenizer"}: has no {", ".join(missing)}')
     pad, _, eos, unk = (ids[token] for token in SPECIAL_TOKENS)
-    self.pad_id = self.bos_id = pad   # the decoder starts from PAD (config.json's start)
+    self.pad_id = self.bos_id = pad  # the decoder starts from PAD (config.json's start)
     self.eos_id, self.unk_id = eos, unk
     self.directory = directory
     super().__init__(backend, memo_words)
@@ -49,22 +53,29 @@ class ExportedTokenizer(Tokenizer):
     directory = Path(directory)
     for name in cls.FILES:
       if not (directory / name).is_file():
-        raise TokenizerError(f'{directory / name}: no such file; an exported tokenizer has '
-                             f'{" and ".join(cls.FILES)}')
+        raise TokenizerError(
+          f'{directory / name}: no such file; an exported tokenizer has {" and ".join(cls.FILES)}'
+        )
     try:
       names = json.loads((directory / CONFIG_FILE).read_text(encoding='utf-8'))
       backend = tokenizers.Tokenizer.from_file(str(directory / FILE_NAME))
     except (OSError, ValueError) as error:
       raise TokenizerError(f'{directory}: not a readable exported tokenizer ({error})') from None
     except Exception as error:  # the Rust side raises a bare Exception
-      raise TokenizerError(f'{directory / FILE_NAME}: not a valid tokenizer file '
-                           f'({error})') from None
+      raise TokenizerError(
+        f'{directory / FILE_NAME}: not a valid tokenizer file ({error})'
+      ) from None
     expected = dict(zip(('pad_token', 'bos_token', 'eos_token', 'unk_token'), SPECIAL_TOKENS))
-    wrong = {key: names.get(key) for key, token in expected.items()
-             if isinstance(names, dict) and names.get(key) != token}
+    wrong = {
+      key: names.get(key)
+      for key, token in expected.items()
+      if isinstance(names, dict) and names.get(key) != token
+    }
     if not isinstance(names, dict) or wrong:
-      raise TokenizerError(f'{directory / CONFIG_FILE}: special tokens {wrong or names!r} are not '
-                           f'the ones flax_transformer exports ({expected})')
+      raise TokenizerError(
+        f'{directory / CONFIG_FILE}: special tokens {wrong or names!r} are not '
+        f'the ones flax_transformer exports ({expected})'
+      )
     return cls(backend, directory=directory)
 
   def save(self, directory: str | Path) -> Path:

@@ -8,16 +8,34 @@ estimates checked before allocating).
 """
 
 from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, RotatedCheckpoint
-from flax_transformer.run.directory import (CheckpointError, RunDirectory, WriteError,
-                                            load_tokenizer, read_config, write_config)
+from flax_transformer.run.directory import (
+  CheckpointError,
+  RunDirectory,
+  WriteError,
+  load_tokenizer,
+  read_config,
+  write_config,
+)
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.run.lock import RunDirectoryInUse, RunLock
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits, parameter_count
 
 __all__ = [
-    'CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'MetricsLog', 'RotatedCheckpoint',
-    'RunDirectory', 'RunDirectoryInUse', 'RunLock', 'WriteError', 'average_checkpoints',
-    'check_fits', 'load_for_inference', 'load_tokenizer', 'parameter_count', 'read_config',
-    'write_config',
+  'CheckpointError',
+  'Checkpoints',
+  'DamagedCheckpoint',
+  'MetricsLog',
+  'RotatedCheckpoint',
+  'RunDirectory',
+  'RunDirectoryInUse',
+  'RunLock',
+  'WriteError',
+  'average_checkpoints',
+  'check_fits',
+  'load_for_inference',
+  'load_tokenizer',
+  'parameter_count',
+  'read_config',
+  'write_config',
 ]

@@ -48,10 +48,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from flax_transformer.config import ModelConfig
-from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError, file_digest
+from flax_transformer.files import file_digest
+from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError
 
-__all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'RotatedCheckpoint',
-           'WriteError']
+__all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'RotatedCheckpoint', 'WriteError']
 
 # In each step's directory: {path relative to it: SHA-256} of the files orbax wrote.
 DIGESTS_FILE = 'sha256sums.json'
@@ -99,8 +99,13 @@ class Checkpoints:
   must not delete the save in progress of a live run.
   """
 
-  def __init__(self, workdir: str | Path, keep: int | None = None, read_only: bool = False,
-               on_unverified: Callable[[str], object] | None = None):
+  def __init__(
+    self,
+    workdir: str | Path,
+    keep: int | None = None,
+    read_only: bool = False,
+    on_unverified: Callable[[str], object] | None = None,
+  ):
     """on_unverified: None refuses a checkpoint without recorded digests as damaged (its
     files cannot be checked); a function loads it and is given the line saying so (the
     programs' --allow-unverified)."""
@@ -109,13 +114,15 @@ class Checkpoints:
     # The caller decides when to save: orbax's own interval policy also saves the
     # first step of every run, which would then count among the last K averaged.
     # Not orbax's own read_only option, which logs three warnings on every use.
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           cleanup_tmp_directories=not read_only)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=not read_only, cleanup_tmp_directories=not read_only
+    )
     try:
       self._manager = ocp.CheckpointManager(self.directory, options=options)
     except OSError as error:
-      raise WriteError(f'{self.directory}: cannot create the checkpoint directory '
-                       f'({error.strerror or error})') from error
+      raise WriteError(
+        f'{self.directory}: cannot create the checkpoint directory ({error.strerror or error})'
+      ) from error
     self._unconfirmed_step: int | None = None  # a save not yet known to have succeeded
     self._closed = False
     # Steps whose files matched their digests: a complete checkpoint does not change under
@@ -138,9 +145,13 @@ class Checkpoints:
 
     Raises WriteError if this save cannot start or an earlier one failed.
     """
-    self._save(int(state.step), ocp.args.Composite(
+    self._save(
+      int(state.step),
+      ocp.args.Composite(
         params=ocp.args.StandardSave(state.params),
-        train=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state})))
+        train=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state}),
+      ),
+    )
 
   def _save(self, step: int, args: ocp.args.Composite) -> None:
     self._wait()  # an earlier save's failure surfaces here rather than inside orbax's save
@@ -176,19 +187,27 @@ class Checkpoints:
     directory = self.directory / str(step)
     if not directory.is_dir():  # already deleted by max_to_keep
       return
-    digests = {str(path.relative_to(directory)): file_digest(path)
-               for path in sorted(directory.rglob('*')) if path.is_file()}
+    digests = {
+      str(path.relative_to(directory)): file_digest(path)
+      for path in sorted(directory.rglob('*'))
+      if path.is_file()
+    }
     temporary = directory / f'.{DIGESTS_FILE}.tmp'
     temporary.write_text(json.dumps(digests, indent=0))
     temporary.replace(directory / DIGESTS_FILE)
 
   def _write_error(self, step: int, error: Exception) -> WriteError:
     kept = [s for s in self._manager.all_steps() if s != step]
-    previous = (f'the previous checkpoint, {self.directory / str(max(kept))}, is intact' if kept
-                else 'no earlier checkpoint exists')
-    return WriteError(f'{self.directory / str(step)}: the checkpoint could not be written '
-                      f'({type(error).__name__}: {_short(error)}); {previous}. Free disk space or '
-                      'fix the permissions, then run again to resume')
+    previous = (
+      f'the previous checkpoint, {self.directory / str(max(kept))}, is intact'
+      if kept
+      else 'no earlier checkpoint exists'
+    )
+    return WriteError(
+      f'{self.directory / str(step)}: the checkpoint could not be written '
+      f'({type(error).__name__}: {_short(error)}); {previous}. Free disk space or '
+      'fix the permissions, then run again to resume'
+    )
 
   def restore(self, step: int, abstract_state):
     """The TrainState saved at `step`, as numpy arrays shaped like `abstract_state`.
@@ -196,11 +215,16 @@ class Checkpoints:
     `abstract_state` has `jax.ShapeDtypeStruct` leaves, e.g. from
     `jax.eval_shape(create_train_state, ...)`.
     """
-    items = {'params': abstract_state.params,
-             'train': {'step': abstract_state.step, 'opt_state': abstract_state.opt_state}}
+    items = {
+      'params': abstract_state.params,
+      'train': {'step': abstract_state.step, 'opt_state': abstract_state.opt_state},
+    }
     restored = self._restore(step, items, 'a training state of this model and optimizer')
-    return abstract_state.replace(step=restored['train']['step'], params=restored['params'],
-                                  opt_state=restored['train']['opt_state'])
+    return abstract_state.replace(
+      step=restored['train']['step'],
+      params=restored['params'],
+      opt_state=restored['train']['opt_state'],
+    )
 
   def restore_params(self, step: int, abstract_params) -> Any:
     """The parameters saved at `step`, as numpy arrays shaped like `abstract_params`."""
@@ -218,10 +242,11 @@ class Checkpoints:
         raise
       newer = [s for s in self._steps_on_disk() if s > step]
       raise RotatedCheckpoint(
-          f'{self.directory / str(step)}: checkpoint {step} was deleted while it was read '
-          f'(rotated away by the training run writing there, which keeps its last '
-          f'train.keep_checkpoints; not damaged); newer: {", ".join(map(str, newer)) or "none"}',
-          step) from error
+        f'{self.directory / str(step)}: checkpoint {step} was deleted while it was read '
+        f'(rotated away by the training run writing there, which keeps its last '
+        f'train.keep_checkpoints; not damaged); newer: {", ".join(map(str, newer)) or "none"}',
+        step,
+      ) from error
 
   def _rotated_away(self, step: int) -> bool:
     """Whether `step`'s directory is gone, or goes within _ROTATION_WAIT_S while a newer step
@@ -248,8 +273,9 @@ class Checkpoints:
       self.check_digests(step)
       for name, tree in abstract_items.items():
         _check_layout(_item_metadata(where, name, step), tree, where, what)
-      args = {name: ocp.args.StandardRestore(_host_target(tree))
-              for name, tree in abstract_items.items()}
+      args = {
+        name: ocp.args.StandardRestore(_host_target(tree)) for name, tree in abstract_items.items()
+      }
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
       except (ValueError, KeyError, OSError, RuntimeError) as error:
@@ -277,39 +303,61 @@ class Checkpoints:
       self._unverified(step, where)
       return
     except (OSError, ValueError) as error:
-      raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} cannot '
-                              f'be read ({error})', step, where / DIGESTS_FILE) from error
+      raise DamagedCheckpoint(
+        f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} cannot be read ({error})',
+        step,
+        where / DIGESTS_FILE,
+      ) from error
     if not isinstance(digests, dict):
-      raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} is not '
-                              'a JSON object of file names and SHA-256s', step,
-                              where / DIGESTS_FILE)
-    unlisted = sorted(str(path.relative_to(where)) for path in where.rglob('*')
-                      if path.is_file() and path.name not in (DIGESTS_FILE, f'.{DIGESTS_FILE}.tmp')
-                      and str(path.relative_to(where)) not in digests)
+      raise DamagedCheckpoint(
+        f'{where}: damaged checkpoint (step {step}): {DIGESTS_FILE} is not '
+        'a JSON object of file names and SHA-256s',
+        step,
+        where / DIGESTS_FILE,
+      )
+    unlisted = sorted(
+      str(path.relative_to(where))
+      for path in where.rglob('*')
+      if path.is_file()
+      and path.name not in (DIGESTS_FILE, f'.{DIGESTS_FILE}.tmp')
+      and str(path.relative_to(where)) not in digests
+    )
     if unlisted:
-      raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {unlisted[0]} is not '
-                              f'among the files written (not listed in {DIGESTS_FILE})', step,
-                              where / unlisted[0])
+      raise DamagedCheckpoint(
+        f'{where}: damaged checkpoint (step {step}): {unlisted[0]} is not '
+        f'among the files written (not listed in {DIGESTS_FILE})',
+        step,
+        where / unlisted[0],
+      )
     for name, digest in digests.items():
       path = where / name
       if not path.is_file():
-        raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} is missing',
-                                step, path)
+        raise DamagedCheckpoint(
+          f'{where}: damaged checkpoint (step {step}): {name} is missing', step, path
+        )
       if file_digest(path) != digest:
-        raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} is not the '
-                                'file written (its SHA-256 differs from the one recorded in '
-                                f'{DIGESTS_FILE})', step, path)
+        raise DamagedCheckpoint(
+          f'{where}: damaged checkpoint (step {step}): {name} is not the '
+          'file written (its SHA-256 differs from the one recorded in '
+          f'{DIGESTS_FILE})',
+          step,
+          path,
+        )
     self._verified.add(step)
 
   def _unverified(self, step: int, where: Path) -> None:
     """A checkpoint without digests: DamagedCheckpoint, or loaded and reported."""
     if self._on_unverified is None:
       raise DamagedCheckpoint(
-          f'{where}: unverified checkpoint (step {step}): it has no {DIGESTS_FILE}, so its files '
-          'cannot be checked against what was written; --allow-unverified loads it anyway',
-          step, where / DIGESTS_FILE)
-    self._on_unverified(f'{where}: checkpoint {step} NOT VERIFIED (no {DIGESTS_FILE}); loaded '
-                        'as --allow-unverified asks')
+        f'{where}: unverified checkpoint (step {step}): it has no {DIGESTS_FILE}, so its files '
+        'cannot be checked against what was written; --allow-unverified loads it anyway',
+        step,
+        where / DIGESTS_FILE,
+      )
+    self._on_unverified(
+      f'{where}: checkpoint {step} NOT VERIFIED (no {DIGESTS_FILE}); loaded '
+      'as --allow-unverified asks'
+    )
     self._verified.add(step)
 
   def check_layers(self, step: int, config: ModelConfig, what: str) -> None:
@@ -381,9 +429,12 @@ def _item_metadata(where: Path, item: str, step: int):
   try:
     return ocp.StandardCheckpointHandler().metadata(where / item)
   except (ValueError, KeyError, OSError, TypeError) as error:
-    raise DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {item}/_METADATA cannot '
-                            f'be read ({_short(error)})', step, where / item / '_METADATA'
-                            ) from error
+    raise DamagedCheckpoint(
+      f'{where}: damaged checkpoint (step {step}): {item}/_METADATA cannot '
+      f'be read ({_short(error)})',
+      step,
+      where / item / '_METADATA',
+    ) from error
 
 
 def _key_name(entry) -> str:
@@ -395,8 +446,10 @@ def _key_name(entry) -> str:
 
 def _shapes_by_name(tree) -> dict[str, tuple[int, ...]]:
   """{'encoder/layer_0/.../kernel': shape}; namedtuples and dicts alike (orbax saves dicts)."""
-  return {'/'.join(map(_key_name, path)): tuple(leaf.shape)
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    '/'.join(map(_key_name, path)): tuple(leaf.shape)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def _check_layout(metadata, abstract, where: Path, what: str, shaped: bool = True) -> None:
@@ -404,8 +457,9 @@ def _check_layout(metadata, abstract, where: Path, what: str, shaped: bool = Tru
 
   `metadata` and `abstract` are trees of arrays, or (shaped=False) their `_shapes_by_name`.
   """
-  saved, needed = ((_shapes_by_name(metadata), _shapes_by_name(abstract)) if shaped
-                   else (metadata, abstract))
+  saved, needed = (
+    (_shapes_by_name(metadata), _shapes_by_name(abstract)) if shaped else (metadata, abstract)
+  )
   differences = []
   for name in sorted(set(saved) | set(needed)):
     if name not in saved:
@@ -416,11 +470,16 @@ def _check_layout(metadata, abstract, where: Path, what: str, shaped: bool = Tru
       differences.append(f'{name} is saved as {saved[name]}, the model needs {needed[name]}')
   if differences:
     shown = '; '.join(differences[:_SHOWN_DIFFERENCES])
-    more = (f' (and {len(differences) - _SHOWN_DIFFERENCES} more)'
-            if len(differences) > _SHOWN_DIFFERENCES else '')
-    raise CheckpointError(f'{where} does not hold {what}: {len(differences)} arrays differ, '
-                          f'{shown}{more}. The checkpoint belongs to another model: use the '
-                          'config.json it was written with')
+    more = (
+      f' (and {len(differences) - _SHOWN_DIFFERENCES} more)'
+      if len(differences) > _SHOWN_DIFFERENCES
+      else ''
+    )
+    raise CheckpointError(
+      f'{where} does not hold {what}: {len(differences)} arrays differ, '
+      f'{shown}{more}. The checkpoint belongs to another model: use the '
+      'config.json it was written with'
+    )
 
 
 def _damaged(where: Path, step: int, error: Exception) -> DamagedCheckpoint:
@@ -430,8 +489,11 @@ def _damaged(where: Path, step: int, error: Exception) -> DamagedCheckpoint:
   item = re.search(r'local file "([^"]+)"', text)
   file = Path(item.group(1)) if item else where
   name = f'the array {array.group(1)} in {file}' if array else str(file)
-  return DamagedCheckpoint(f'{where}: damaged checkpoint (step {step}): {name} cannot be read '
-                           f'({_short(error)})', step, file)
+  return DamagedCheckpoint(
+    f'{where}: damaged checkpoint (step {step}): {name} cannot be read ({_short(error)})',
+    step,
+    file,
+  )
 
 
 def _short(error: Exception) -> str:
@@ -447,9 +509,11 @@ def _check_shapes(restored, abstract, where: Path) -> None:
   for path, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
     want = expected[path].shape
     if np.shape(value) != want:
-      raise CheckpointError(f'{where}: {jax.tree_util.keystr(path)} has shape {np.shape(value)}, '
-                            f'the model of config.json needs {want}; the checkpoint belongs to '
-                            'another model')
+      raise CheckpointError(
+        f'{where}: {jax.tree_util.keystr(path)} has shape {np.shape(value)}, '
+        f'the model of config.json needs {want}; the checkpoint belongs to '
+        'another model'
+      )
 
 
 def _host_target(tree):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -46,11 +45,17 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from flax_transformer.config import (RENAMED, SECTIONS, ConfigError, DataConfig, ModelConfig,
-                                     TrainConfig)
-from flax_transformer.data.cache import tokenizer_files_digest
+from flax_transformer.config import (
+  RENAMED,
+  SECTIONS,
+  ConfigError,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+)
 from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
+from flax_transformer.files import file_digest, files_digest, write_atomically
 from flax_transformer.pretrained.marian import MarianTokenizer, is_export
 from flax_transformer.run.lock import LOCK_FILE, RunLock
 from flax_transformer.run.outputs import Protected, check_output
@@ -84,8 +89,18 @@ AVERAGED_KEY = 'averaged_from'
 AVERAGE_PREFIX = 'average-last'
 # What a run holds besides config.json and its tokenizer's files; their temporary files
 # (.NAME.tmp) and check_writable's probes (.write-test-*) are its own too.
-_RUN_ENTRIES = frozenset({TOKENIZER_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR,
-                          ENCODED_DIR, PROFILE_DIR, LOCK_FILE, BEST_DIR})
+_RUN_ENTRIES = frozenset(
+  {
+    TOKENIZER_FILE,
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    ENCODED_DIR,
+    PROFILE_DIR,
+    LOCK_FILE,
+    BEST_DIR,
+  }
+)
 
 
 class CheckpointError(ValueError):
@@ -117,24 +132,19 @@ def check_writable(workdir: str | Path) -> None:
     probe.write_bytes(b'')
     probe.unlink()
   except OSError as error:
-    raise WriteError(f'{workdir}: cannot write the run directory ({error.strerror or error}); '
-                     'choose another --workdir or make this one writable') from error
+    raise WriteError(
+      f'{workdir}: cannot write the run directory ({error.strerror or error}); '
+      'choose another --workdir or make this one writable'
+    ) from error
 
 
-def _write_atomically(path: Path, text: str) -> None:
-  """Writes `path` through a temporary file and a rename: a crash leaves the old or the new file."""
-  temporary = path.with_name(f'.{path.name}.tmp')
-  temporary.write_text(text)
-  os.replace(temporary, path)
-
-
-def file_digest(path: str | Path) -> str:
-  """SHA-256 of a file's bytes, in hex."""
-  return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def write_config(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
-                 data_config: DataConfig, packing_plan: str = PACKING_PLAN) -> Path:
+def write_config(
+  workdir: str | Path,
+  model_config: ModelConfig,
+  train_config: TrainConfig,
+  data_config: DataConfig,
+  packing_plan: str = PACKING_PLAN,
+) -> Path:
   """Writes WORKDIR/config.json (creating WORKDIR) and returns its path.
 
   When WORKDIR/tokenizer.json exists, its digest is recorded too, so that
@@ -143,25 +153,31 @@ def write_config(workdir: str | Path, model_config: ModelConfig, train_config: T
   workdir = Path(workdir)
   path = workdir / CONFIG_FILE
   path.parent.mkdir(parents=True, exist_ok=True)
-  content = {'written_by': WRITTEN_BY, 'run_format': RUN_FORMAT,
-             'model': dataclasses.asdict(model_config), 'train': dataclasses.asdict(train_config),
-             'data': dataclasses.asdict(data_config), PACKING_PLAN_KEY: packing_plan,
-             TOKENIZER_FILES_KEY: list(saved_tokenizer_class(workdir).FILES)}
+  content = {
+    'written_by': WRITTEN_BY,
+    'run_format': RUN_FORMAT,
+    'model': dataclasses.asdict(model_config),
+    'train': dataclasses.asdict(train_config),
+    'data': dataclasses.asdict(data_config),
+    PACKING_PLAN_KEY: packing_plan,
+    TOKENIZER_FILES_KEY: list(saved_tokenizer_class(workdir).FILES),
+  }
   if (workdir / TOKENIZER_FILE).is_file():
     content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
-  _write_atomically(path, json.dumps(content, indent=2) + '\n')
+  write_atomically(path, json.dumps(content, indent=2) + '\n')
   return path
 
 
-def write_averaged_config(workdir: Path, output: Path, steps: Sequence[int],
-                          extra: dict | None = None) -> None:
+def write_averaged_config(
+  workdir: Path, output: Path, steps: Sequence[int], extra: dict | None = None
+) -> None:
   """OUTPUT/config.json: WORKDIR's, marked as the average of its checkpoints `steps` (plus
   `extra`'s keys, e.g. the best checkpoint's score), so that OUTPUT is never taken for a run
   (`averaged_run`)."""
   content = json.loads((workdir / CONFIG_FILE).read_text())
   content[AVERAGED_KEY] = {'run': str(workdir.resolve()), 'steps': [int(s) for s in steps]}
   content.update(extra or {})
-  _write_atomically(output / CONFIG_FILE, json.dumps(content, indent=2) + '\n')
+  write_atomically(output / CONFIG_FILE, json.dumps(content, indent=2) + '\n')
 
 
 def check_tokenizer(workdir: str | Path) -> None:
@@ -180,10 +196,11 @@ def check_tokenizer(workdir: str | Path) -> None:
   actual = file_digest(tokenizer_path)
   if actual != recorded:
     raise CheckpointError(
-        f'{tokenizer_path} is not the tokenizer this run was trained with: its SHA-256 is '
-        f'{actual[:12]}..., {config_path} records {recorded[:12]}...; the token ids in the '
-        'checkpoints belong to that one. Put the run\'s own tokenizer.json back, or start a new '
-        'run in another --workdir (or with --no-resume)')
+      f'{tokenizer_path} is not the tokenizer this run was trained with: its SHA-256 is '
+      f'{actual[:12]}..., {config_path} records {recorded[:12]}...; the token ids in the '
+      "checkpoints belong to that one. Put the run's own tokenizer.json back, or start a new "
+      'run in another --workdir (or with --no-resume)'
+    )
 
 
 def saved_tokenizer_class(directory: str | Path) -> type[TextTokenizer]:
@@ -211,14 +228,16 @@ def check_tokenizer_fits(workdir: str | Path, tokenizer: TextTokenizer) -> None:
     if _is_recorded_tokenizer(workdir):
       # The digest config.json recorded is this tokenizer.json's: config.json is what changed.
       raise CheckpointError(
-          f'{workdir / CONFIG_FILE}: model.{name}={saved} is not what this run was trained with: '
-          f'its tokenizer.json, the file config.json records (same SHA-256), has {name} '
-          f'{actual}; config.json was edited: set model.{name} back to {actual}')
+        f'{workdir / CONFIG_FILE}: model.{name}={saved} is not what this run was trained with: '
+        f'its tokenizer.json, the file config.json records (same SHA-256), has {name} '
+        f'{actual}; config.json was edited: set model.{name} back to {actual}'
+      )
     raise CheckpointError(
-        f'{workdir / TOKENIZER_FILE} does not belong to this run: it has {name} {actual}, '
-        f'the model in {workdir / CONFIG_FILE} and its checkpoints were trained with '
-        f'{saved}. Put the run\'s own tokenizer.json back, or start a new run in another '
-        '--workdir (or with --no-resume)')
+      f'{workdir / TOKENIZER_FILE} does not belong to this run: it has {name} {actual}, '
+      f'the model in {workdir / CONFIG_FILE} and its checkpoints were trained with '
+      f"{saved}. Put the run's own tokenizer.json back, or start a new run in another "
+      '--workdir (or with --no-resume)'
+    )
 
 
 def _recorded_tokenizer_digest(workdir: Path) -> str | None:
@@ -239,25 +258,37 @@ def _is_recorded_tokenizer(workdir: Path) -> bool:
     return False
 
 
+# Settings whose default has changed, at the default of the config.json files written before
+# they were recorded (a run read back means what it meant when trained): LayerNorm epsilon was
+# 1e-6 (tensor2tensor's) until it became a setting; its default is 1e-5 now.
+FORMER_DEFAULTS = {'model': {'layer_norm_epsilon': 1e-6}}
+
+
 def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
   """Reads WORKDIR/config.json back into the three configs."""
   path = Path(workdir) / CONFIG_FILE
   if not path.is_file():
-    raise CheckpointError(f'{path}: no such file; {workdir} is not a run directory written by '
-                          'train.py (it needs config.json, tokenizer.json and checkpoints/)')
+    raise CheckpointError(
+      f'{path}: no such file; {workdir} is not a run directory written by '
+      'train.py (it needs config.json, tokenizer.json and checkpoints/)'
+    )
   try:
     content = json.loads(path.read_text())
     for old, new in RENAMED.items():  # config.json keys of earlier versions, read as the new
       section, key = old.split('.', 1)
       if section in SECTIONS and key in content[section]:
         content[section][new.split('.', 1)[1]] = content[section].pop(key)
+    for section, fields in FORMER_DEFAULTS.items():  # what a config.json without them meant
+      for key, value in fields.items():
+        content[section].setdefault(key, value)
     return tuple(cls(**content[section]) for section, cls in SECTIONS.items())
   except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as error:
     raise CheckpointError(f'{path}: not a valid run configuration ({error})') from error
 
 
-def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
-                    data_config: DataConfig) -> None:
+def check_resumable(
+  workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig
+) -> None:
   """Raises CheckpointError unless WORKDIR's run can continue with these configs.
 
   Only ModelConfig.RESUMABLE_CHANGES (rematerialisation), TrainConfig.RESUMABLE_CHANGES (how
@@ -270,18 +301,20 @@ def check_resumable(workdir: str | Path, model_config: ModelConfig, train_config
   differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
   if differences:
     raise CheckpointError(
-        f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '
-        + '; '.join(differences) + '. Resume with the saved settings, or start a new run in '
-        'another --workdir (or pass --no-resume to overwrite this one).')
+      f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '
+      + '; '.join(differences)
+      + '. Resume with the saved settings, or start a new run in '
+      'another --workdir (or pass --no-resume to overwrite this one).'
+    )
 
 
 def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> list[str]:
-  return [f'{section}.{f.name}: saved {getattr(saved, f.name)!r}, '
-          f'requested {getattr(requested, f.name)!r}'
-          for f in dataclasses.fields(saved)
-          if f.name not in allowed and getattr(saved, f.name) != getattr(requested, f.name)]
-
-
+  return [
+    f'{section}.{f.name}: saved {getattr(saved, f.name)!r}, '
+    f'requested {getattr(requested, f.name)!r}'
+    for f in dataclasses.fields(saved)
+    if f.name not in allowed and getattr(saved, f.name) != getattr(requested, f.name)
+  ]
 
 
 def read_marker(directory: str | Path) -> dict | None:
@@ -294,7 +327,8 @@ def read_marker(directory: str | Path) -> dict | None:
   if not isinstance(content, dict):
     return None
   if content.get('written_by') == WRITTEN_BY or (
-      'written_by' not in content and all(isinstance(content.get(s), dict) for s in SECTIONS)):
+    'written_by' not in content and all(isinstance(content.get(s), dict) for s in SECTIONS)
+  ):
     return content
   return None
 
@@ -338,14 +372,18 @@ def foreign_entries(workdir: str | Path, init_from: str | Path | None = None) ->
     listed = content.get(TOKENIZER_FILES_KEY)
     own.update({CONFIG_FILE}, listed if isinstance(listed, list) else MarianTokenizer.FILES)
   elif init_from is not None:
-    own.update(name for name in MarianTokenizer.FILES
-               if _same_file(workdir / name, Path(init_from) / name))
+    own.update(
+      name for name in MarianTokenizer.FILES if _same_file(workdir / name, Path(init_from) / name)
+    )
   own_temporary = {f'.{name}.tmp' for name in own | {CONFIG_FILE}}
-  return sorted(entry.name for entry in workdir.iterdir()
-                if entry.name not in own | own_temporary
-                and not entry.name.startswith('.write-test-')
-                and not (entry.name.startswith(AVERAGE_PREFIX) and _is_average(entry))
-                and not _is_own_export(entry))
+  return sorted(
+    entry.name
+    for entry in workdir.iterdir()
+    if entry.name not in own | own_temporary
+    and not entry.name.startswith('.write-test-')
+    and not (entry.name.startswith(AVERAGE_PREFIX) and _is_average(entry))
+    and not _is_own_export(entry)
+  )
 
 
 def _is_own_export(directory: Path) -> bool:
@@ -356,17 +394,22 @@ def _is_own_export(directory: Path) -> bool:
 
 def _is_average(directory: Path) -> bool:
   """Whether DIRECTORY is an averaging output holding only what averaging writes."""
-  return (directory.is_dir() and not directory.is_symlink() and averaged_run(directory) is not None
-          and {e.name for e in directory.iterdir()} <= {CONFIG_FILE, CHECKPOINT_DIR,
-                                                         *Tokenizer.FILES, *MarianTokenizer.FILES})
+  return (
+    directory.is_dir()
+    and not directory.is_symlink()
+    and averaged_run(directory) is not None
+    and {e.name for e in directory.iterdir()}
+    <= {CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES}
+  )
 
 
 def _same_file(path: Path, original: Path) -> bool:
   return path.is_file() and original.is_file() and file_digest(path) == file_digest(original)
 
 
-def check_workdir(workdir: str | Path, init_from: str | Path | None = None,
-                  inputs: Sequence[Protected] = ()) -> None:
+def check_workdir(
+  workdir: str | Path, init_from: str | Path | None = None, inputs: Sequence[Protected] = ()
+) -> None:
   """Raises NotARun unless WORKDIR may be a run directory of train.py: new, empty, or a run of
   its own (symlinks followed); never the current directory unless it is a run already, an
   averaged output, nor one of `inputs` (the data, --init-from's model), one holding them
@@ -374,25 +417,36 @@ def check_workdir(workdir: str | Path, init_from: str | Path | None = None,
 
   Checked before anything is written in it: a directory this refuses is left untouched.
   """
-  check_output(Path(workdir), [*inputs] + ([Protected(Path(init_from), f'--init-from {init_from}')]
-                                           if init_from is not None else []),
-               '--workdir', NotARun, advice='choose a new --workdir')
+  check_output(
+    Path(workdir),
+    [*inputs]
+    + ([Protected(Path(init_from), f'--init-from {init_from}')] if init_from is not None else []),
+    '--workdir',
+    NotARun,
+    advice='choose a new --workdir',
+  )
   resolved = Path(workdir).resolve()
   averaged = averaged_run(resolved) if resolved.is_dir() else None
   if averaged is not None:
-    raise NotARun(f'--workdir {workdir} is an averaged output of the run {averaged} (its '
-                  'checkpoint holds parameters only, no training state), not a run; resume '
-                  f'{averaged} itself, or train in a new --workdir')
+    raise NotARun(
+      f'--workdir {workdir} is an averaged output of the run {averaged} (its '
+      'checkpoint holds parameters only, no training state), not a run; resume '
+      f'{averaged} itself, or train in a new --workdir'
+    )
   if resolved == Path.cwd().resolve() and run_format(resolved) is None:
-    raise NotARun(f'--workdir {str(workdir)!r} is the current directory, not a run directory of '
-                  'train.py; name a new directory (default: runs/PRESET)')
+    raise NotARun(
+      f'--workdir {str(workdir)!r} is the current directory, not a run directory of '
+      'train.py; name a new directory (default: runs/PRESET)'
+    )
   foreign = foreign_entries(resolved, init_from)
   if foreign:
     shown = ', '.join(foreign[:5]) + (f' and {len(foreign) - 5} more' if len(foreign) > 5 else '')
     config = " (config.json is not train.py's)" if CONFIG_FILE in foreign else ''
-    raise NotARun(f'--workdir {workdir} holds what no run of train.py wrote: {shown}{config}; '
-                  'train.py writes (and --no-resume deletes) only its own run directories: '
-                  'choose a new --workdir')
+    raise NotARun(
+      f'--workdir {workdir} holds what no run of train.py wrote: {shown}{config}; '
+      'train.py writes (and --no-resume deletes) only its own run directories: '
+      'choose a new --workdir'
+    )
 
 
 def saved_steps(workdir: str | Path) -> list[int]:
@@ -414,8 +468,13 @@ def clear_run(workdir: str | Path, init_from: str | Path | None = None) -> None:
   workdir = Path(workdir).resolve()
   for name in (CONFIG_FILE, METRICS_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES):
     (workdir / name).unlink(missing_ok=True)
-  for directory in [workdir / CHECKPOINT_DIR, workdir / TENSORBOARD_DIR, workdir / BEST_DIR,
-                    workdir / f'.{BEST_DIR}.tmp', *workdir.glob(f'{AVERAGE_PREFIX}*')]:
+  for directory in [
+    workdir / CHECKPOINT_DIR,
+    workdir / TENSORBOARD_DIR,
+    workdir / BEST_DIR,
+    workdir / f'.{BEST_DIR}.tmp',
+    *workdir.glob(f'{AVERAGE_PREFIX}*'),
+  ]:
     if directory.is_dir():
       shutil.rmtree(directory)
 
@@ -424,7 +483,8 @@ def _remove_if_unused(workdir: Path) -> None:
   """Removes WORKDIR if it holds nothing but the lock file and an empty checkpoints/."""
   checkpoints = workdir / CHECKPOINT_DIR
   if set(os.listdir(workdir)) <= {LOCK_FILE, CHECKPOINT_DIR} and (
-      not checkpoints.exists() or (checkpoints.is_dir() and not any(checkpoints.iterdir()))):
+    not checkpoints.exists() or (checkpoints.is_dir() and not any(checkpoints.iterdir()))
+  ):
     if checkpoints.exists():
       checkpoints.rmdir()
     (workdir / LOCK_FILE).unlink(missing_ok=True)
@@ -438,16 +498,18 @@ class RunDirectory:
   run; the other processes wait at a barrier, then read what it wrote.
   """
 
-  def __init__(self, workdir: str | Path, init_from: str | Path | None = None,
-               data: str | None = None):
+  def __init__(
+    self, workdir: str | Path, init_from: str | Path | None = None, data: str | None = None
+  ):
     """init_from: --init-from's Marian directory; data: data.source, which WORKDIR must neither
     be, hold nor lie inside when it is a path (`check_workdir`)."""
     self.path = Path(workdir)
     self.is_main = jax.process_index() == 0
     self.init_from = init_from
     source = Path(data).expanduser() if data else None
-    self.inputs = ((Protected(source, f'--data {source}'),)
-                   if source is not None and source.exists() else ())
+    self.inputs = (
+      (Protected(source, f'--data {source}'),) if source is not None and source.exists() else ()
+    )
 
   @property
   def metrics_file(self) -> Path:
@@ -500,8 +562,13 @@ class RunDirectory:
       clear_run(self.path, self.init_from)
     multihost_utils.sync_global_devices('run directory ready')
 
-  def tokenizer(self, texts: Callable[[], list[str]], data_config: DataConfig,
-                has_checkpoints: bool, say: Callable[[str], None]) -> Tokenizer:
+  def tokenizer(
+    self,
+    texts: Callable[[], list[str]],
+    data_config: DataConfig,
+    has_checkpoints: bool,
+    say: Callable[[str], None],
+  ) -> Tokenizer:
     """WORKDIR/tokenizer.json, trained on `texts()` (training text, source and target) if absent.
 
     With checkpoints on disk the file must be there and be the one config.json
@@ -516,8 +583,10 @@ class RunDirectory:
       say(f'tokenizer: {self.path} (Marian, {tokenizer.vocab_size:,} tokens)')
       return tokenizer
     if has_checkpoints and not path.is_file():
-      raise CheckpointError(f'{self.path} has checkpoints but no {TOKENIZER_FILE}; the token ids '
-                            'in them mean nothing without it')
+      raise CheckpointError(
+        f'{self.path} has checkpoints but no {TOKENIZER_FILE}; the token ids '
+        'in them mean nothing without it'
+      )
     if has_checkpoints:
       check_tokenizer(self.path)
     trained = self.is_main and not path.is_file()
@@ -525,12 +594,15 @@ class RunDirectory:
       sample = texts()
       say(f'tokenizer: training {data_config.tokenizer} on {len(sample):,} sentences')
       # The trainer's bars draw on a terminal only; in a log they would be blank lines.
-      tokenizer = Tokenizer.train(sample, data_config.vocab_size, data_config.tokenizer,
-                                  progress=sys.stderr.isatty())
+      tokenizer = Tokenizer.train(
+        sample, data_config.vocab_size, data_config.tokenizer, progress=sys.stderr.isatty()
+      )
       tokenizer.save(self.path)
-      say(f'tokenizer: trained {data_config.tokenizer} on {len(sample):,} sentences, '
-          f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
-          f'{path}')
+      say(
+        f'tokenizer: trained {data_config.tokenizer} on {len(sample):,} sentences, '
+        f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
+        f'{path}'
+      )
     multihost_utils.sync_global_devices('tokenizer ready')
     tokenizer = Tokenizer.load(self.path)
     if has_checkpoints and (self.path / CONFIG_FILE).is_file():
@@ -539,8 +611,9 @@ class RunDirectory:
       say(f'tokenizer: {path} ({tokenizer.vocab_size:,} tokens)')
     return tokenizer
 
-  def check_settings(self, model_config: ModelConfig, train_config: TrainConfig,
-                     data_config: DataConfig) -> None:
+  def check_settings(
+    self, model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig
+  ) -> None:
     """Refuses settings that differ from the saved run's (CheckpointError).
 
     Checked also before the first checkpoint: the saved tokenizer belongs to the
@@ -560,8 +633,13 @@ class RunDirectory:
       return model_config  # check_settings names what is wrong with config.json
     return model_config.replace(dtype=saved)
 
-  def write_settings(self, model_config: ModelConfig, train_config: TrainConfig,
-                     data_config: DataConfig, packing_plan: str = PACKING_PLAN) -> None:
+  def write_settings(
+    self,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    data_config: DataConfig,
+    packing_plan: str = PACKING_PLAN,
+  ) -> None:
     """Writes config.json (process 0); called once the checkpoint to resume is restored."""
     if self.is_main:
       write_config(self.path, model_config, train_config, data_config, packing_plan)
@@ -580,5 +658,4 @@ class RunDirectory:
   def tokenizer_digest(self) -> str:
     """The SHA-256 of the run's tokenizer file(s), whichever its kind: part of the key of
     the encoded-corpus cache."""
-    return tokenizer_files_digest([self.path / name
-                                   for name in saved_tokenizer_class(self.path).FILES])
+    return files_digest([self.path / name for name in saved_tokenizer_class(self.path).FILES])

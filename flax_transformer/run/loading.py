@@ -1,7 +1,7 @@
 """A finished run read back: its parameters for decoding, or the mean of its last checkpoints.
 
-    model_config, params, tokenizer = load_for_inference('runs/multi30k', average_last=5)
-    average_checkpoints('runs/multi30k', 5)       # -> runs/multi30k/average-last5, decodable
+model_config, params, tokenizer = load_for_inference('runs/multi30k', average_last=5)
+average_checkpoints('runs/multi30k', 5)       # -> runs/multi30k/average-last5, decodable
 """
 
 from __future__ import annotations
@@ -22,11 +22,21 @@ from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
 from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints, RotatedCheckpoint
-from flax_transformer.run.directory import (CHECKPOINT_DIR, CONFIG_FILE, ENCODED_DIR, METRICS_FILE,
-                                            TENSORBOARD_DIR, CheckpointError, check_tokenizer,
-                                            check_tokenizer_fits, load_tokenizer, read_config,
-                                            read_marker, saved_tokenizer_class,
-                                            write_averaged_config)
+from flax_transformer.run.directory import (
+  CHECKPOINT_DIR,
+  CONFIG_FILE,
+  ENCODED_DIR,
+  METRICS_FILE,
+  TENSORBOARD_DIR,
+  CheckpointError,
+  check_tokenizer,
+  check_tokenizer_fits,
+  load_tokenizer,
+  read_config,
+  read_marker,
+  saved_tokenizer_class,
+  write_averaged_config,
+)
 from flax_transformer.run.lock import LOCK_FILE
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.run.sizes import check_fits
@@ -34,15 +44,34 @@ from flax_transformer.run.sizes import check_fits
 # Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
 _ROTATION_TRIES = 10
 # A run directory's own entries, which an output inside it must not replace.
-_RUN_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR, ENCODED_DIR,
-                          LOCK_FILE, *Tokenizer.FILES, *MarianTokenizer.FILES})
+_RUN_ENTRIES = frozenset(
+  {
+    CONFIG_FILE,
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    ENCODED_DIR,
+    LOCK_FILE,
+    *Tokenizer.FILES,
+    *MarianTokenizer.FILES,
+  }
+)
 # What averaging writes: an existing output holding only these is an earlier average.
-_AVERAGE_ENTRIES = frozenset({CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES})
+_AVERAGE_ENTRIES = frozenset(
+  {CONFIG_FILE, CHECKPOINT_DIR, *Tokenizer.FILES, *MarianTokenizer.FILES}
+)
 
 
-def check_run_output(workdir: Path, output: Path, label: str, replaceable: Collection[str],
-                     occupied: str, advice: str, ours: Callable[[Path], bool],
-                     not_ours: str) -> None:
+def check_run_output(
+  workdir: Path,
+  output: Path,
+  label: str,
+  replaceable: Collection[str],
+  occupied: str,
+  advice: str,
+  ours: Callable[[Path], bool],
+  not_ours: str,
+) -> None:
   """Refuses an output made from WORKDIR whose replacement would delete the run or anything
   else (`outputs.check_output`): WORKDIR/average-last5 or WORKDIR/export is fine; WORKDIR
   itself, a directory above it, or WORKDIR/checkpoints/... are not, whatever their names.
@@ -50,28 +79,44 @@ def check_run_output(workdir: Path, output: Path, label: str, replaceable: Colle
   if any, is the writer's own (`ours(output)`; else '... holds a config.json that
   {not_ours}')."""
   run = Protected(workdir, f'the run directory {workdir}', may_hold=True)
-  parts = [Protected(workdir / name, f'{workdir / name}, part of the run {workdir}')
-           for name in sorted(_RUN_ENTRIES)]
-  check_output(output, [run, *parts], label, CheckpointError, replaceable=replaceable,
-               occupied=occupied, advice=advice)
+  parts = [
+    Protected(workdir / name, f'{workdir / name}, part of the run {workdir}')
+    for name in sorted(_RUN_ENTRIES)
+  ]
+  check_output(
+    output,
+    [run, *parts],
+    label,
+    CheckpointError,
+    replaceable=replaceable,
+    occupied=occupied,
+    advice=advice,
+  )
   if (output / CONFIG_FILE).exists() and not ours(output):
     # Only what the writer wrote may go: a config.json of another program is not its output.
-    raise CheckpointError(f'{label} {output} holds a config.json that {not_ours}; choose '
-                          'another directory')
+    raise CheckpointError(
+      f'{label} {output} holds a config.json that {not_ours}; choose another directory'
+    )
 
 
 def _check_output(workdir: Path, output: Path, last_k: int) -> None:
   """`check_run_output` for an average of WORKDIR's last `last_k` checkpoints."""
-  check_run_output(workdir, output, 'averaging output', _AVERAGE_ENTRIES,
-                   occupied='holds other files than an earlier average (config.json, the '
-                            'tokenizer, checkpoints/); choose another directory',
-                   advice=f'choose another directory (default: {workdir}/average-last{last_k})',
-                   ours=lambda directory: read_marker(directory) is not None,
-                   not_ours='train.py did not write: it is not an earlier average')
+  check_run_output(
+    workdir,
+    output,
+    'averaging output',
+    _AVERAGE_ENTRIES,
+    occupied='holds other files than an earlier average (config.json, the '
+    'tokenizer, checkpoints/); choose another directory',
+    advice=f'choose another directory (default: {workdir}/average-last{last_k})',
+    ours=lambda directory: read_marker(directory) is not None,
+    not_ours='train.py did not write: it is not an earlier average',
+  )
 
 
-def _open_checkpoints(workdir: str | Path, on_unverified: Callable[[str], object] | None = None
-                      ) -> tuple[ModelConfig, Checkpoints, list[int]]:
+def _open_checkpoints(
+  workdir: str | Path, on_unverified: Callable[[str], object] | None = None
+) -> tuple[ModelConfig, Checkpoints, list[int]]:
   """A finished run's model config, its checkpoints opened read-only, and their steps."""
   workdir = Path(workdir)
   if not workdir.is_dir():
@@ -79,8 +124,9 @@ def _open_checkpoints(workdir: str | Path, on_unverified: Callable[[str], object
   model_config, _, _ = read_config(workdir)
   check_fits(model_config, training=False)
   if not (workdir / CHECKPOINT_DIR).is_dir():
-    raise CheckpointError(f'{workdir / CHECKPOINT_DIR}: no such directory; the run saved no '
-                          'checkpoint yet')
+    raise CheckpointError(
+      f'{workdir / CHECKPOINT_DIR}: no such directory; the run saved no checkpoint yet'
+    )
   checkpoints = Checkpoints(workdir, read_only=True, on_unverified=on_unverified)
   steps = checkpoints.steps()
   if not steps:
@@ -93,13 +139,16 @@ def _select_steps(steps: Sequence[int], step: int | None, last: int, where: Path
   if step is None:
     step = steps[-1]
   elif step not in steps:
-    raise CheckpointError(f'{where}: no checkpoint at step {step} (have: '
-                          f'{", ".join(map(str, steps))})')
+    raise CheckpointError(
+      f'{where}: no checkpoint at step {step} (have: {", ".join(map(str, steps))})'
+    )
   eligible = [s for s in steps if s <= step]
   if len(eligible) < last:
-    raise CheckpointError(f'{where}: cannot average the last {last} checkpoints up to step {step}, '
-                          f'only {len(eligible)} exist ({", ".join(map(str, eligible))}); keep '
-                          'more with --train.keep_checkpoints or average fewer')
+    raise CheckpointError(
+      f'{where}: cannot average the last {last} checkpoints up to step {step}, '
+      f'only {len(eligible)} exist ({", ".join(map(str, eligible))}); keep '
+      'more with --train.keep_checkpoints or average fewer'
+    )
   return eligible[-last:]
 
 
@@ -113,9 +162,12 @@ def _mean_params(checkpoints: Checkpoints, steps: Sequence[int], target):
   return jax.tree.map(lambda t, x: (t / len(steps)).astype(x.dtype), total, target)
 
 
-def load_for_inference(workdir: str | Path, step: int | None = None, average_last: int = 0,
-                       on_unverified: Callable[[str], object] | None = None
-                       ) -> tuple[ModelConfig, Any, TextTokenizer]:
+def load_for_inference(
+  workdir: str | Path,
+  step: int | None = None,
+  average_last: int = 0,
+  on_unverified: Callable[[str], object] | None = None,
+) -> tuple[ModelConfig, Any, TextTokenizer]:
   """(ModelConfig, params, Tokenizer) of a run directory, ready for decoding.
 
   Args:
@@ -150,17 +202,24 @@ def load_for_inference(workdir: str | Path, step: int | None = None, average_las
           raise
         if attempt == _ROTATION_TRIES:
           raise CheckpointError(
-              f'{checkpoints.directory}: the newest checkpoint was rotated away (deleted by the '
-              f'training run writing there) while being read, {attempt} times in a row; run '
-              'again, or decode once that run has stopped') from error
+            f'{checkpoints.directory}: the newest checkpoint was rotated away (deleted by the '
+            f'training run writing there) while being read, {attempt} times in a row; run '
+            'again, or decode once that run has stopped'
+          ) from error
         steps = checkpoints.reload()
   finally:
     checkpoints.close()
   return model_config, jax.device_put(params), tokenizer
 
 
-def _read_params(checkpoints: Checkpoints, steps: Sequence[int], step: int | None,
-                 average_last: int, model_config: ModelConfig, target: Callable[[], Any]):
+def _read_params(
+  checkpoints: Checkpoints,
+  steps: Sequence[int],
+  step: int | None,
+  average_last: int,
+  model_config: ModelConfig,
+  target: Callable[[], Any],
+):
   """The parameters of `step` (None: the latest of `steps`), or the mean of the last
   `average_last` up to it; `target()`: the model's abstract parameters."""
   if not steps:
@@ -173,8 +232,7 @@ def _read_params(checkpoints: Checkpoints, steps: Sequence[int], step: int | Non
   return checkpoints.restore_params(selected[-1], target())
 
 
-def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | None = None
-                        ) -> Path:
+def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | None = None) -> Path:
   """Writes the mean parameters of WORKDIR's last `last_k` checkpoints as a run directory.
 
   The output (default WORKDIR/average-last{K}) gets WORKDIR's config.json and
@@ -200,8 +258,9 @@ def average_checkpoints(workdir: str | Path, last_k: int, output: str | Path | N
   return output
 
 
-def write_params_run(workdir: Path, output: Path, steps: Sequence[int], params,
-                     extra: dict | None = None) -> None:
+def write_params_run(
+  workdir: Path, output: Path, steps: Sequence[int], params, extra: dict | None = None
+) -> None:
   """OUTPUT as a decodable copy of WORKDIR holding `params` alone: its tokenizer, its
   config.json marked as made from `steps` (plus `extra`'s keys), one params-only checkpoint
   numbered as the last of `steps`. An existing OUTPUT is replaced (the caller checked it)."""

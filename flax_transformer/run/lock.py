@@ -47,14 +47,24 @@ class RunLock:
       holder = _read_holder(fd)
       os.close(fd)
       raise RunDirectoryInUse(
-          f'{self.path.parent}: another training run is writing this run directory ({holder}); '
-          'wait for it to end or stop it, or choose another --workdir') from None
+        f'{self.path.parent}: another training run is writing this run directory ({holder}); '
+        'wait for it to end or stop it, or choose another --workdir'
+      ) from None
     except BaseException:
       os.close(fd)
       raise
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(),
-                              'started': time.strftime('%Y-%m-%dT%H:%M:%S%z')}).encode(), 0)
+    os.pwrite(
+      fd,
+      json.dumps(
+        {
+          'pid': os.getpid(),
+          'host': socket.gethostname(),
+          'started': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
+        }
+      ).encode(),
+      0,
+    )
     self._fd = fd
     return self
 

@@ -12,9 +12,10 @@ only the JSON lines are written. The project does not depend on it.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
+
+from flax_transformer.files import write_lines_atomically
 
 
 class MetricsLog:
@@ -27,15 +28,14 @@ class MetricsLog:
   0 for a new run), so a resumed run's clock carries on from it.
   """
 
-  def __init__(self, path: str | Path, resume_step: int = 0, tensorboard_dir: str | Path | None = None):
+  def __init__(
+    self, path: str | Path, resume_step: int = 0, tensorboard_dir: str | Path | None = None
+  ):
     self.path = Path(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
     kept = [line for line in self.read(self.path) if line['step'] <= resume_step]
     self.elapsed_s = max((line['elapsed_s'] for line in kept if 'elapsed_s' in line), default=0.0)
-    temporary = self.path.with_name(f'.{self.path.name}.tmp')
-    with temporary.open('w') as f:
-      f.writelines(json.dumps(line) + '\n' for line in kept)
-    os.replace(temporary, self.path)
+    write_lines_atomically(self.path, (json.dumps(line) + '\n' for line in kept))
     self._file = self.path.open('a')
     self._tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
 
@@ -59,13 +59,15 @@ class MetricsLog:
         try:
           records.append(json.loads(line))
         except json.JSONDecodeError as error:
-          raise ValueError(f'{path}, line {number}: not a JSON object ({error}); '
-                           'delete the line') from None
+          raise ValueError(
+            f'{path}, line {number}: not a JSON object ({error}); delete the line'
+          ) from None
     return records
 
   def write(self, step: int, values: Mapping[str, float]) -> None:
-    self._file.write(json.dumps({'step': int(step), **{k: float(v) for k, v in values.items()}})
-                     + '\n')
+    self._file.write(
+      json.dumps({'step': int(step), **{k: float(v) for k, v in values.items()}}) + '\n'
+    )
     self._file.flush()
     if self._tensorboard is not None:
       for name, value in values.items():

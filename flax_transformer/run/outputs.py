@@ -32,6 +32,7 @@ class Protected:
   may_hold: whether an output may lie inside it, in an entry of its own
     (WORKDIR/average-last5); else an output inside it is refused too.
   """
+
   path: Path
   described: str
   may_hold: bool = False
@@ -48,10 +49,16 @@ def same_file(a: Path, b: Path) -> bool:
     return False
 
 
-def check_output(output: Path, protected: Sequence[Protected], label: str,
-                 error: type[Exception], replaceable: Collection[str] | None = None,
-                 occupied: str = '', advice: str = 'choose another directory',
-                 is_file: bool = False) -> None:
+def check_output(
+  output: Path,
+  protected: Sequence[Protected],
+  label: str,
+  error: type[Exception],
+  replaceable: Collection[str] | None = None,
+  occupied: str = '',
+  advice: str = 'choose another directory',
+  is_file: bool = False,
+) -> None:
   """Raises `error`, in one line starting '{label} {output}', for an output that the
   program must not (re)write.
 
@@ -72,6 +79,9 @@ def check_output(output: Path, protected: Sequence[Protected], label: str,
     return
   if target.exists() and not target.is_dir():
     raise error(f'{label} {output} is a file; give a directory')
-  if (replaceable is not None and target.is_dir()
-      and not {entry.name for entry in target.iterdir()} <= set(replaceable)):
+  if (
+    replaceable is not None
+    and target.is_dir()
+    and not {entry.name for entry in target.iterdir()} <= set(replaceable)
+  ):
     raise error(f'{label} {output} {occupied}')

@@ -24,7 +24,7 @@ FLOAT_BYTES = 4
 # float32 copies per parameter in training: the parameters, a gradient, Adam's mu and nu.
 TRAINING_COPIES = 4
 # Without os.sysconf's page counts (not POSIX): a bound no single machine exceeds today.
-FALLBACK_MEMORY = 2 ** 44
+FALLBACK_MEMORY = 2**44
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -51,8 +51,12 @@ def physical_memory() -> int:
     return FALLBACK_MEMORY
 
 
-def check_fits(config: ModelConfig, max_tokens: int | None = None, training: bool = True,
-               memory: int | None = None) -> None:
+def check_fits(
+  config: ModelConfig,
+  max_tokens: int | None = None,
+  training: bool = True,
+  memory: int | None = None,
+) -> None:
   """Raises ConfigError, with the numbers, when the config cannot fit in `memory`.
 
   Args:
@@ -70,17 +74,18 @@ def check_fits(config: ModelConfig, max_tokens: int | None = None, training: boo
     return
   what = 'parameters, gradients and Adam state' if training else 'parameters'
   raise ConfigError(
-      f'the model is too large for this machine: about {params:,} parameters ({_gib(needed[0])} '
-      f'for {what}) and {_gib(needed[1])} of activations for one batch of {tokens:,} tokens and '
-      f'the positional table of max_len rows, '
-      f'{_gib(sum(needed))} in all, more than its {_gib(memory)} of memory (model.d_model='
-      f'{config.d_model}, d_ff={config.d_ff}, num_encoder_layers={config.num_encoder_layers}, '
-      f'num_decoder_layers={config.num_decoder_layers}, max_len={config.max_len}, vocab_size='
-      f'{config.vocab_size})')
+    f'the model is too large for this machine: about {params:,} parameters ({_gib(needed[0])} '
+    f'for {what}) and {_gib(needed[1])} of activations for one batch of {tokens:,} tokens and '
+    f'the positional table of max_len rows, '
+    f'{_gib(sum(needed))} in all, more than its {_gib(memory)} of memory (model.d_model='
+    f'{config.d_model}, d_ff={config.d_ff}, num_encoder_layers={config.num_encoder_layers}, '
+    f'num_decoder_layers={config.num_decoder_layers}, max_len={config.max_len}, vocab_size='
+    f'{config.vocab_size})'
+  )
 
 
 def _gib(count: int) -> str:
-  return f'{count / 2 ** 30:,.1f} GiB'
+  return f'{count / 2**30:,.1f} GiB'
 
 
 def decoding_bytes(config: ModelConfig, rows: int, beams: int, length: int) -> int:
@@ -93,8 +98,14 @@ def decoding_bytes(config: ModelConfig, rows: int, beams: int, length: int) -> i
   return FLOAT_BYTES * rows * beams * (length * (cache + scores) + config.vocab_size)
 
 
-def check_decoding_fits(config: ModelConfig, rows: int, beams: int, option: str,
-                        length: int | None = None, memory: int | None = None) -> None:
+def check_decoding_fits(
+  config: ModelConfig,
+  rows: int,
+  beams: int,
+  option: str,
+  length: int | None = None,
+  memory: int | None = None,
+) -> None:
   """Raises ConfigError naming `option` (the beam count's) when decoding `rows` sentences of
   `beams` beams at once cannot fit in `memory` (`decoding_bytes`; length: the output
   positions, at most the model's max_len)."""
@@ -103,7 +114,8 @@ def check_decoding_fits(config: ModelConfig, rows: int, beams: int, option: str,
   needed = decoding_bytes(config, rows, beams, length) + parameter_count(config) * FLOAT_BYTES
   if needed > memory:
     raise ConfigError(
-        f'{option}={beams} is too large for this machine: decoding {rows:,} '
-        f'sentence{"s" * (rows != 1)} of {beams:,} beams and {length:,} positions needs at least '
-        f'{_gib(needed)}, more than its {_gib(memory)} of memory; use fewer beams (or a smaller '
-        '--batch-size)')
+      f'{option}={beams} is too large for this machine: decoding {rows:,} '
+      f'sentence{"s" * (rows != 1)} of {beams:,} beams and {length:,} positions needs at least '
+      f'{_gib(needed)}, more than its {_gib(memory)} of memory; use fewer beams (or a smaller '
+      '--batch-size)'
+    )

@@ -15,14 +15,22 @@ import importlib
 # JAX's processes (and silence progress bars off process 0) before anything imports tqdm or
 # `datasets`, which read their settings when imported.
 _EXPORTS = {
-    'label_smoothed_cross_entropy': 'losses', 'loss_sums': 'losses', 'token_losses': 'losses',
-    'length_metrics': 'metrics', 'token_metrics': 'metrics',
-    'make_optimizer': 'optimizer', 'make_schedule': 'optimizer',
-    'transformer_schedule': 'optimizer',
-    'DataParallel': 'parallel',
-    'TrainState': 'step', 'create_train_state': 'step', 'eval_step': 'step',
-    'make_parallel_eval': 'step', 'make_parallel_step': 'step', 'train_step': 'step',
-    'train': 'loop',
+  'label_smoothed_cross_entropy': 'losses',
+  'loss_sums': 'losses',
+  'token_losses': 'losses',
+  'length_metrics': 'metrics',
+  'token_metrics': 'metrics',
+  'make_optimizer': 'optimizer',
+  'make_schedule': 'optimizer',
+  'transformer_schedule': 'optimizer',
+  'DataParallel': 'parallel',
+  'TrainState': 'step',
+  'create_train_state': 'step',
+  'eval_step': 'step',
+  'make_parallel_eval': 'step',
+  'make_parallel_step': 'step',
+  'train_step': 'step',
+  'train': 'loop',
 }
 
 

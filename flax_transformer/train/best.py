@@ -30,6 +30,7 @@ from flax_transformer.run.loading import write_params_run
 @dataclasses.dataclass(frozen=True)
 class BestScore:
   """The best validation score of a run: its metric ('loss' or 'bleu'), value and step."""
+
   metric: str
   value: float
   step: int
@@ -46,8 +47,9 @@ def read_best(workdir: str | Path) -> BestScore | None:
   record = (content or {}).get(BEST_KEY)
   if not isinstance(record, dict):
     return None
-  return BestScore(metric=str(record['metric']), value=float(record['value']),
-                   step=int(record['step']))
+  return BestScore(
+    metric=str(record['metric']), value=float(record['value']), step=int(record['step'])
+  )
 
 
 def _finish_interrupted_move(workdir: Path) -> None:
@@ -55,8 +57,12 @@ def _finish_interrupted_move(workdir: Path) -> None:
   in .best.tmp, complete (its checkpoint finished: orbax names it by its step only then):
   move it into place."""
   staged, best = workdir / f'.{BEST_DIR}.tmp', workdir / BEST_DIR
-  if (jax.process_index() == 0 and not best.exists() and read_marker(staged) is not None
-      and saved_steps(staged)):
+  if (
+    jax.process_index() == 0
+    and not best.exists()
+    and read_marker(staged) is not None
+    and saved_steps(staged)
+  ):
     os.replace(staged, best)
 
 
@@ -90,8 +96,9 @@ class BestCheckpoint:
     self.best = BestScore(self.config.best_metric, float(value), step)
     staged = self.workdir / f'.{BEST_DIR}.tmp'
     # The old best is removed only once the new one is complete beside it.
-    write_params_run(self.workdir, staged, [step], params,
-                     extra={BEST_KEY: dataclasses.asdict(self.best)})
+    write_params_run(
+      self.workdir, staged, [step], params, extra={BEST_KEY: dataclasses.asdict(self.best)}
+    )
     if jax.process_index() == 0:
       shutil.rmtree(self.workdir / BEST_DIR, ignore_errors=True)
       os.replace(staged, self.workdir / BEST_DIR)
@@ -100,6 +107,7 @@ class BestCheckpoint:
   def describe(self) -> str:
     if self.best is None:
       return 'no best checkpoint yet'
-    return (f'best validation {self.best.metric} {self.best.value:.4g} at step {self.best.step} '
-            f'({self.workdir / BEST_DIR})')
-
+    return (
+      f'best validation {self.best.metric} {self.best.value:.4g} at step {self.best.step} '
+      f'({self.workdir / BEST_DIR})'
+    )

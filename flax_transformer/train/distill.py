@@ -46,8 +46,11 @@ from flax_transformer.train.loop import load_data
 
 # config.json fields a student's train.py command does not repeat: the tokenizer decides the
 # vocabulary and special ids, --objective the kind, --data/--src/--tgt the data.
-_NOT_REPEATED = {'model': {'vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id', 'kind'},
-                 'train': set(), 'data': {'source', 'src_lang', 'tgt_lang'}}
+_NOT_REPEATED = {
+  'model': {'vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id', 'kind'},
+  'train': set(),
+  'data': {'source', 'src_lang', 'tgt_lang'},
+}
 
 
 # The file that marks OUTPUT as distill.py's, so that --overwrite replaces nothing else (no
@@ -71,6 +74,7 @@ class DistillResult:
   command: a train.py command that trains a cmlm student on `output` with the
     teacher's settings.
   """
+
   output: Path
   sentences: int
   empty: int
@@ -78,10 +82,17 @@ class DistillResult:
   command: str
 
 
-def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None = None,
-            method: DecodingMethod = BeamSearch(), batch_size: int = 64,
-            overwrite: bool = False, progress: bool = True,
-            on_unverified: Callable[[str], object] | None = None) -> DistillResult:
+def distill(
+  checkpoint_dir: str | Path,
+  output: str | Path,
+  *,
+  data: str | None = None,
+  method: DecodingMethod = BeamSearch(),
+  batch_size: int = 64,
+  overwrite: bool = False,
+  progress: bool = True,
+  on_unverified: Callable[[str], object] | None = None,
+) -> DistillResult:
   """Writes OUTPUT: the training split with the checkpoint's beam translations as targets.
 
   Args:
@@ -114,25 +125,32 @@ def distill(checkpoint_dir: str | Path, output: str | Path, *, data: str | None 
   if 'train' not in dataset:
     raise DataError(f'{data_config.source} has no train split (splits: {", ".join(dataset)})')
   sources = list(dataset['train']['source'])
-  translations, truncated = _teacher_translations(checkpoint_dir, sources, method, batch_size,
-                                                  progress, on_unverified)
-  _write_output(output, checkpoint_dir, method, source, dataset, sources, translations,
-                data_config)
+  translations, truncated = _teacher_translations(
+    checkpoint_dir, sources, method, batch_size, progress, on_unverified
+  )
+  _write_output(output, checkpoint_dir, method, source, dataset, sources, translations, data_config)
 
   command = student_command(output, model_config, train_config, data_config, checkpoint_dir)
-  return DistillResult(output=output, sentences=len(sources),
-                       empty=sum(not text for text in translations),
-                       truncated=truncated, command=command)
+  return DistillResult(
+    output=output,
+    sentences=len(sources),
+    empty=sum(not text for text in translations),
+    truncated=truncated,
+    command=command,
+  )
 
 
-def _check_teacher(checkpoint_dir: Path, model_config, method: DecodingMethod,
-                   batch_size: int) -> None:
+def _check_teacher(
+  checkpoint_dir: Path, model_config, method: DecodingMethod, batch_size: int
+) -> None:
   """Refuses a teacher that cannot decode as asked: a cmlm model, a bad batch size, a beam
   too large for the memory."""
   if model_config.kind != 'autoregressive':
-    raise DistillError(f'{checkpoint_dir} holds a {model_config.kind} model '
-                       f'(model.kind={model_config.kind!r}); the teacher must be autoregressive, '
-                       'decoded with beam search')
+    raise DistillError(
+      f'{checkpoint_dir} holds a {model_config.kind} model '
+      f'(model.kind={model_config.kind!r}); the teacher must be autoregressive, '
+      'decoded with beam search'
+    )
   method.check_model(model_config)
   if not isinstance(batch_size, int) or batch_size < 1:
     raise DistillError(f'--batch-size must be a positive integer, got {batch_size!r}')
@@ -143,51 +161,87 @@ def _check_output(checkpoint_dir: Path, output: Path, source: Path, overwrite: b
   """Refuses an output over an input (the checkpoint, an averaged checkpoint's run, the
   data), or, with `overwrite`, a directory distill did not write."""
   teacher_run = averaged_run(checkpoint_dir)  # an average-lastK's own run is an input too
-  inputs = [checkpoint_dir] + [path for path in (teacher_run, source)
-                               if path is not None and path.exists()]
-  check_output(output, [Protected(path, f'{path}, an input of the distillation')
-                        for path in inputs],
-               '--output', DistillError, replaceable=None if overwrite else (),
-               occupied='exists and is not empty; choose another directory or pass '
-                        '--overwrite to replace it')
+  inputs = [checkpoint_dir] + [
+    path for path in (teacher_run, source) if path is not None and path.exists()
+  ]
+  check_output(
+    output,
+    [Protected(path, f'{path}, an input of the distillation') for path in inputs],
+    '--output',
+    DistillError,
+    replaceable=None if overwrite else (),
+    occupied='exists and is not empty; choose another directory or pass --overwrite to replace it',
+  )
   if overwrite and output.is_dir() and any(output.iterdir()) and not (output / MARKER).is_file():
-    raise DistillError(f'--output {output} was not written by distill.py (it has no {MARKER}): '
-                       '--overwrite replaces only an earlier output of distill.py; choose '
-                       'another directory')
+    raise DistillError(
+      f'--output {output} was not written by distill.py (it has no {MARKER}): '
+      '--overwrite replaces only an earlier output of distill.py; choose '
+      'another directory'
+    )
 
 
-def _teacher_translations(checkpoint_dir: Path, sources: list[str], method: DecodingMethod,
-                          batch_size: int, progress: bool,
-                          on_unverified: Callable[[str], object] | None = None
-                          ) -> tuple[list[str], int]:
+def _teacher_translations(
+  checkpoint_dir: Path,
+  sources: list[str],
+  method: DecodingMethod,
+  batch_size: int,
+  progress: bool,
+  on_unverified: Callable[[str], object] | None = None,
+) -> tuple[list[str], int]:
   """The teacher's translation of each source, under a progress bar, and how many sources were
   cut to the model's max_len; refuses all-empty translations."""
   translator = Translator.from_checkpoint(checkpoint_dir, on_unverified=on_unverified)
   encoded = translator.encode(sources)
   total = sum(ids is not None for ids in encoded.ids)
-  with tqdm(total=total, unit='sent', desc='distill', disable=not progress, file=sys.stderr,
-            dynamic_ncols=True) as bar, warnings.catch_warnings():
+  with (
+    tqdm(
+      total=total,
+      unit='sent',
+      desc='distill',
+      disable=not progress,
+      file=sys.stderr,
+      dynamic_ncols=True,
+    ) as bar,
+    warnings.catch_warnings(),
+  ):
     # "source length + 50 exceeds max_len: output capped", once per batch of long sources,
     # would bury the bar; the cap is the model's own limit, as in training's BLEU decoding.
     warnings.filterwarnings('ignore', message='source length .* output capped')
     translations = translator.translate_sources(encoded, method, batch_size, on_batch=bar.update)
   if not any(translations):
-    raise DistillError(f'every translation by {checkpoint_dir} is empty (it ends each sentence at '
-                       'once), which would leave no training pairs; distil from a trained model')
+    raise DistillError(
+      f'every translation by {checkpoint_dir} is empty (it ends each sentence at '
+      'once), which would leave no training pairs; distil from a trained model'
+    )
   return translations, len(encoded.truncated)
 
 
-def _write_output(output: Path, checkpoint_dir: Path, method: DecodingMethod, source: Path,
-                  dataset, sources: list[str], translations: list[str], data_config) -> None:
+def _write_output(
+  output: Path,
+  checkpoint_dir: Path,
+  method: DecodingMethod,
+  source: Path,
+  dataset,
+  sources: list[str],
+  translations: list[str],
+  data_config,
+) -> None:
   """Writes the splits and the MARKER beside OUTPUT and renames them into place: OUTPUT is
   either complete or untouched."""
   partial = output.with_name(f'.{output.name}.partial-{os.getpid()}')
   try:
     partial.mkdir(parents=True)
     _write_splits(partial, source, dataset, sources, translations, data_config)
-    (partial / MARKER).write_text(json.dumps({'written_by': 'flax_transformer distill.py',
-                                              'teacher': str(checkpoint_dir.resolve()),
-                                              'method': method.describe()}) + '\n')
+    (partial / MARKER).write_text(
+      json.dumps(
+        {
+          'written_by': 'flax_transformer distill.py',
+          'teacher': str(checkpoint_dir.resolve()),
+          'method': method.describe(),
+        }
+      )
+      + '\n'
+    )
     if output.exists():
       shutil.rmtree(output)
     partial.rename(output)
@@ -195,8 +249,15 @@ def _write_output(output: Path, checkpoint_dir: Path, method: DecodingMethod, so
     if partial.exists():
       shutil.rmtree(partial)
 
-def _write_splits(directory: Path, source: Path, dataset, sources: Sequence[str],
-                  translations: Sequence[str], data_config) -> None:
+
+def _write_splits(
+  directory: Path,
+  source: Path,
+  dataset,
+  sources: Sequence[str],
+  translations: Sequence[str],
+  data_config,
+) -> None:
   """train.<src> and train.<tgt> (the translations), and the other splits as they were."""
   src, tgt = data_config.src_lang, data_config.tgt_lang
   _write_lines(directory / f'train.{src}', sources)
@@ -221,18 +282,22 @@ def _write_lines(path: Path, lines: Sequence[str]) -> None:
   path.write_text(text, encoding='utf-8')
 
 
-def student_command(output: Path, model_config, train_config, data_config,
-                    checkpoint_dir: Path) -> str:
+def student_command(
+  output: Path, model_config, train_config, data_config, checkpoint_dir: Path
+) -> str:
   """`python train.py --objective cmlm --data OUTPUT ...` with the teacher's settings: the
   named preset closest to them and an option for each setting that differs from it."""
   teacher = {'model': model_config, 'train': train_config, 'data': data_config}
 
   def differences(preset: str) -> list[str]:
     configs = dict(zip(('model', 'train', 'data'), run_preset(preset)))
-    return [f'--{section}.{f.name}={getattr(config, f.name)}'
-            for section, config in teacher.items() for f in dataclasses.fields(config)
-            if f.name not in _NOT_REPEATED[section]
-            and getattr(config, f.name) != getattr(configs[section], f.name)]
+    return [
+      f'--{section}.{f.name}={getattr(config, f.name)}'
+      for section, config in teacher.items()
+      for f in dataclasses.fields(config)
+      if f.name not in _NOT_REPEATED[section]
+      and getattr(config, f.name) != getattr(configs[section], f.name)
+    ]
 
   preset = min(RUN_PRESETS, key=lambda name: len(differences(name)))
   options = differences(preset)
@@ -244,7 +309,21 @@ def student_command(output: Path, model_config, train_config, data_config,
   if run.name.startswith('average-last'):
     run = run.parent  # the averaged checkpoints' own run
   workdir = run.parent / f'{run.name}-cmlm-distilled'
-  words = ['python', 'train.py', '--preset', preset, '--objective', 'cmlm', '--data', str(output),
-           '--src', data_config.src_lang, '--tgt', data_config.tgt_lang, *options,
-           '--workdir', str(workdir)]
+  words = [
+    'python',
+    'train.py',
+    '--preset',
+    preset,
+    '--objective',
+    'cmlm',
+    '--data',
+    str(output),
+    '--src',
+    data_config.src_lang,
+    '--tgt',
+    data_config.tgt_lang,
+    *options,
+    '--workdir',
+    str(workdir),
+  ]
   return shlex.join(words)

@@ -39,9 +39,13 @@ NUM_SAMPLES = 5
 BLEU_MAX_ORDER = 4
 
 
-def translation_scores(translator: Translator, split: datasets.Dataset, method: DecodingMethod,
-                       progress: str | None = None, lang: str | None = None
-                       ) -> tuple[dict[str, float], dict[str, str]]:
+def translation_scores(
+  translator: Translator,
+  split: datasets.Dataset,
+  method: DecodingMethod,
+  progress: str | None = None,
+  lang: str | None = None,
+) -> tuple[dict[str, float], dict[str, str]]:
   """Decodes a split's sources with `method`: ({'bleu', 'bleu_lc', 'chrf', 'exact_match'},
   {'signature', 'samples'}), with 'bleu_tok' (`tokenized_bleu`) when `lang`, the target
   language, is given.
@@ -54,29 +58,44 @@ def translation_scores(translator: Translator, split: datasets.Dataset, method: 
   """
   sources, references = list(split['source']), list(split['target'])
   index, count = jax.process_index(), jax.process_count()
-  with tqdm(total=len(sources[index::count]), desc=progress, unit='sentences', leave=False,
-            disable=progress is None, dynamic_ncols=True) as bar:
-    hypotheses = translate_across_processes(translator, sources, method=method,
-                                            on_batch=bar.update)
+  with tqdm(
+    total=len(sources[index::count]),
+    desc=progress,
+    unit='sentences',
+    leave=False,
+    disable=progress is None,
+    dynamic_ncols=True,
+  ) as bar:
+    hypotheses = translate_across_processes(translator, sources, method=method, on_batch=bar.update)
   values, signatures = corpus_scores(hypotheses, references, lang)
-  samples = '\n'.join(f'  source:    {s}\n  reference: {r}\n  output:    {h}'
-                      for s, r, h in list(zip(sources, references, hypotheses))[:NUM_SAMPLES])
-  return values, {'signature': signatures, 'samples': samples,
-                  'bleu_left_out': bleu_left_out(references, sacrebleu.metrics.BLEU().tokenizer)}
+  samples = '\n'.join(
+    f'  source:    {s}\n  reference: {r}\n  output:    {h}'
+    for s, r, h in list(zip(sources, references, hypotheses))[:NUM_SAMPLES]
+  )
+  return values, {
+    'signature': signatures,
+    'samples': samples,
+    'bleu_left_out': bleu_left_out(references, sacrebleu.metrics.BLEU().tokenizer),
+  }
 
 
-def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], lang: str | None = None
-                  ) -> tuple[dict[str, float], str]:
+def corpus_scores(
+  hypotheses: Sequence[str], references: Sequence[str], lang: str | None = None
+) -> tuple[dict[str, float], str]:
   """({'bleu', 'bleu_lc', 'chrf', 'exact_match'} and 'bleu_tok' when `lang` is given, the
   signatures in one line): sacreBLEU cased and lowercased (13a) and chrF on the text as
   given, and `tokenized_bleu` in the target language `lang`."""
   bleu, bleu_lc, chrf = sacrebleu_metrics()
-  values = {'bleu': bleu.corpus_score(hypotheses, [references]).score,
-            'bleu_lc': bleu_lc.corpus_score(hypotheses, [references]).score,
-            'chrf': chrf.corpus_score(hypotheses, [references]).score,
-            'exact_match': float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
-  signature = (f'BLEU {bleu.get_signature()}, BLEU lowercased {bleu_lc.get_signature()}, '
-               f'chrF {chrf.get_signature()}')
+  values = {
+    'bleu': bleu.corpus_score(hypotheses, [references]).score,
+    'bleu_lc': bleu_lc.corpus_score(hypotheses, [references]).score,
+    'chrf': chrf.corpus_score(hypotheses, [references]).score,
+    'exact_match': float(np.mean([h == r for h, r in zip(hypotheses, references)])),
+  }
+  signature = (
+    f'BLEU {bleu.get_signature()}, BLEU lowercased {bleu_lc.get_signature()}, '
+    f'chrF {chrf.get_signature()}'
+  )
   if lang is not None:
     score, tokenized_signature = tokenized_bleu(hypotheses, references, lang)
     values['bleu_tok'] = score.score
@@ -84,25 +103,31 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], lang: st
   return values, signature
 
 
-def sacrebleu_metrics() -> tuple[sacrebleu.metrics.BLEU, sacrebleu.metrics.BLEU,
-                                   sacrebleu.metrics.CHRF]:
+def sacrebleu_metrics() -> tuple[
+  sacrebleu.metrics.BLEU, sacrebleu.metrics.BLEU, sacrebleu.metrics.CHRF
+]:
   """The text-as-given scores every report gives: BLEU cased and lowercased (13a), chrF."""
-  return (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
-          sacrebleu.metrics.CHRF())
+  return (
+    sacrebleu.metrics.BLEU(),
+    sacrebleu.metrics.BLEU(lowercase=True),
+    sacrebleu.metrics.CHRF(),
+  )
 
 
-def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: str
-                   ) -> tuple[sacrebleu.metrics.bleu.BLEUScore, str]:
+def tokenized_bleu(
+  hypotheses: Sequence[str], references: Sequence[str], lang: str
+) -> tuple[sacrebleu.metrics.bleu.BLEUScore, str]:
   """BLEU as fairseq-era papers report it on Multi30k ("tokenized BLEU"): hypotheses and
   references punctuation-normalised, lowercased and Moses-tokenized in `lang` (sacremoses,
   escape off), scored by sacreBLEU with no tokenizer of its own. Returns the score and its
   signature, which names that preprocessing."""
   bleu = sacrebleu.metrics.BLEU(tokenize='none', force=True)
-  score = bleu.corpus_score(moses_tokenized(hypotheses, lang),
-                            [moses_tokenized(references, lang)])
+  score = bleu.corpus_score(moses_tokenized(hypotheses, lang), [moses_tokenized(references, lang)])
   import sacremoses
-  return score, (f'{bleu.get_signature()}|pre:moses-norm+lc+tok-{lang}|'
-                 f'sacremoses:{sacremoses.__version__}')
+
+  return score, (
+    f'{bleu.get_signature()}|pre:moses-norm+lc+tok-{lang}|sacremoses:{sacremoses.__version__}'
+  )
 
 
 def bleu_left_out(references: Sequence[str], tokenize: Callable[[str], str]) -> str:
@@ -112,12 +137,15 @@ def bleu_left_out(references: Sequence[str], tokenize: Callable[[str], str]) -> 
   if longest >= BLEU_MAX_ORDER:
     return ''
   words = 'single words' if longest <= 1 else f'at most {longest} words'
-  return (f'BLEU left out: the references are {words}, with no {BLEU_MAX_ORDER}-grams, so BLEU '
-          'is 0 whatever the output')
+  return (
+    f'BLEU left out: the references are {words}, with no {BLEU_MAX_ORDER}-grams, so BLEU '
+    'is 0 whatever the output'
+  )
 
 
-def score_lines(hypotheses: Sequence[str], references: Sequence[str], lang: str | None
-                ) -> list[str]:
+def score_lines(
+  hypotheses: Sequence[str], references: Sequence[str], lang: str | None
+) -> list[str]:
   """decode.py --reference's report: sacreBLEU's BLEU cased and lowercased and chrF, then the
   tokenized BLEU in the target language `lang` (or why it is missing), each with its signature."""
   lines = []
@@ -140,11 +168,13 @@ def describe_scores(values: dict[str, float], report: dict[str, str]) -> str:
   return f'BLEU {values["bleu"]:.2f}{lowercased}{tokenized}, {scores}'
 
 
-
-def translate_across_processes(translator: Translator, sentences: Sequence[str],
-                               batch_size: int = DECODE_BATCH,
-                               method: DecodingMethod = Greedy(),
-                               on_batch: Callable[[int], object] | None = None) -> list[str]:
+def translate_across_processes(
+  translator: Translator,
+  sentences: Sequence[str],
+  batch_size: int = DECODE_BATCH,
+  method: DecodingMethod = Greedy(),
+  on_batch: Callable[[int], object] | None = None,
+) -> list[str]:
   """Translations of `sentences` (greedy by default) in their order, on every process.
 
   Call it on every process (it gathers across them); with one process it is
@@ -152,8 +182,9 @@ def translate_across_processes(translator: Translator, sentences: Sequence[str],
   this process's share.
   """
   index, count = jax.process_index(), jax.process_count()
-  share = translator.translate(list(sentences[index::count]), method, batch_size=batch_size,
-                               on_batch=on_batch)
+  share = translator.translate(
+    list(sentences[index::count]), method, batch_size=batch_size, on_batch=on_batch
+  )
   translations = [''] * len(sentences)
   for process, texts in enumerate(_allgather_texts(share)):
     translations[process::count] = texts
@@ -172,12 +203,15 @@ def _allgather_texts(texts: list[str]) -> list[list[str]]:
     return [list(texts)]
   encoded = [text.encode() for text in texts]
   sizes = multihost_utils.process_allgather(
-      np.array([len(encoded), max(map(len, encoded), default=0)], np.int32))     # [P, 2]
+    np.array([len(encoded), max(map(len, encoded), default=0)], np.int32)
+  )  # [P, 2]
   rows, width = max(int(sizes[:, 0].max()), 1), max(int(sizes[:, 1].max()), 1)
   data, lengths = np.zeros((rows, width), np.uint8), np.zeros(rows, np.int32)
   for row, raw in enumerate(encoded):
-    data[row, :len(raw)] = np.frombuffer(raw, np.uint8)
+    data[row, : len(raw)] = np.frombuffer(raw, np.uint8)
     lengths[row] = len(raw)
-  data, lengths = multihost_utils.process_allgather((data, lengths))   # [P, rows, bytes], [P, rows]
-  return [[data[p, r, :lengths[p, r]].tobytes().decode() for r in range(sizes[p, 0])]
-          for p in range(len(sizes))]
+  data, lengths = multihost_utils.process_allgather((data, lengths))  # [P, rows, bytes], [P, rows]
+  return [
+    [data[p, r, : lengths[p, r]].tobytes().decode() for r in range(sizes[p, 0])]
+    for p in range(len(sizes))
+  ]

@@ -63,10 +63,12 @@ class Interrupted(Exception):
     self.checkpoint = checkpoint
     name = signal.Signals(signal_number).name
     super().__init__(
-        f'stopped by {name} in the final evaluation of step {step}, saved in {checkpoint}. Run '
-        'the same command again to evaluate it.' if evaluating else
-        f'stopped by {name} after step {step}; saved {checkpoint}. Run the same command again '
-        'to resume from there.')
+      f'stopped by {name} in the final evaluation of step {step}, saved in {checkpoint}. Run '
+      'the same command again to evaluate it.'
+      if evaluating
+      else f'stopped by {name} after step {step}; saved {checkpoint}. Run the same command again '
+      'to resume from there.'
+    )
 
   @property
   def exit_code(self) -> int:

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 
-def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float
-                 ) -> tuple[jax.Array, jax.Array]:
+def token_losses(
+  logits: jax.Array, targets: jax.Array, smoothing: float
+) -> tuple[jax.Array, jax.Array]:
   """Per-token label-smoothed cross-entropy and plain negative log-likelihood.
 
   The smoothed target puts 1 - eps on the reference token and eps spread
@@ -34,15 +35,16 @@ def token_losses(logits: jax.Array, targets: jax.Array, smoothing: float
     (smoothed, nll), both float32 `[B, T]`, not masked.
   """
   logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)                                    # [B, T]
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   nll = log_z - target_logit
-  uniform = log_z - jnp.mean(logits, axis=-1)                                  # mean_v(-log p_v)
+  uniform = log_z - jnp.mean(logits, axis=-1)  # mean_v(-log p_v)
   return (1.0 - smoothing) * nll + smoothing * uniform, nll
 
 
-def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float,
-                                 pad_id: int) -> tuple[jax.Array, jax.Array]:
+def label_smoothed_cross_entropy(
+  logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: int
+) -> tuple[jax.Array, jax.Array]:
   """Sum of label-smoothed cross-entropy over non-PAD targets, and their count.
 
   Returns float32 scalars (loss_sum, weight_sum); loss per token is their ratio.
@@ -53,8 +55,9 @@ def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothin
   return jnp.sum(smoothed * weights), jnp.sum(weights)
 
 
-def loss_sums(logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: int
-               ) -> dict[str, jax.Array]:
+def loss_sums(
+  logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: int
+) -> dict[str, jax.Array]:
   """The additive statistics behind every reported metric, over non-PAD targets."""
   smoothed, nll = token_losses(logits, targets, smoothing)
   weights = (targets != pad_id).astype(jnp.float32)
@@ -63,13 +66,22 @@ def loss_sums(logits: jax.Array, targets: jax.Array, smoothing: float, pad_id: i
   # reduction over [B, T, V] cost more on CPU than the whole loss.
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
-  return {'loss_sum': jnp.sum(smoothed * weights), 'nll_sum': jnp.sum(nll * weights),
-          'correct': jnp.sum(correct * weights), 'tokens': jnp.sum(weights)}
+  return {
+    'loss_sum': jnp.sum(smoothed * weights),
+    'nll_sum': jnp.sum(nll * weights),
+    'correct': jnp.sum(correct * weights),
+    'tokens': jnp.sum(weights),
+  }
 
 
-def chunked_loss_sums(logits_fn: Callable[[jax.Array], jax.Array], states: jax.Array,
-                      targets: jax.Array, smoothing: float, pad_id: int,
-                      chunk: int = 2048) -> dict[str, jax.Array]:
+def chunked_loss_sums(
+  logits_fn: Callable[[jax.Array], jax.Array],
+  states: jax.Array,
+  targets: jax.Array,
+  smoothing: float,
+  pad_id: int,
+  chunk: int = 2048,
+) -> dict[str, jax.Array]:
   """`loss_sums(logits_fn(states), ...)` with never more than `chunk` tokens' logits at once.
 
   states `[B, T, D]` and targets `[B, T]` are flattened and cut into chunks of `chunk`
@@ -79,7 +91,7 @@ def chunked_loss_sums(logits_fn: Callable[[jax.Array], jax.Array], states: jax.A
   tokens and 37,000 pieces, 3.4 GiB a copy). The same sums, added in another order.
   """
   width = states.shape[-1]
-  states, targets = states.reshape(-1, width), targets.reshape(-1)               # [N, D], [N]
+  states, targets = states.reshape(-1, width), targets.reshape(-1)  # [N, D], [N]
   chunks = -(-targets.shape[0] // chunk)
   padding = chunks * chunk - targets.shape[0]
   states = jnp.pad(states, ((0, padding), (0, 0))).reshape(chunks, chunk, width)

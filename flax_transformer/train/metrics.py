@@ -19,14 +19,18 @@ def token_metrics(sums: Mapping[str, float]) -> dict[str, float]:
   For a cmlm model the tokens are the masked target positions.
   """
   tokens = max(float(sums['tokens']), 1.0)
-  return {'loss': float(sums['loss_sum']) / tokens,
-          'ppl': float(np.exp(min(float(sums['nll_sum']) / tokens, 100.0))),
-          'accuracy': float(sums['correct']) / tokens}
+  return {
+    'loss': float(sums['loss_sum']) / tokens,
+    'ppl': float(np.exp(min(float(sums['nll_sum']) / tokens, 100.0))),
+    'accuracy': float(sums['correct']) / tokens,
+  }
 
 
 def length_metrics(sums: Mapping[str, float]) -> dict[str, float]:
   """A cmlm model's sums -> length_loss (NLL of the true length class per sentence) and
   length_accuracy (the fraction of sentences whose length class is the classifier's argmax)."""
   sentences = max(float(sums['sentences']), 1.0)
-  return {'length_loss': float(sums['length_loss_sum']) / sentences,
-          'length_accuracy': float(sums['length_correct']) / sentences}
+  return {
+    'length_loss': float(sums['length_loss_sum']) / sentences,
+    'length_accuracy': float(sums['length_correct']) / sentences,
+  }

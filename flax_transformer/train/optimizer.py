@@ -24,7 +24,7 @@ def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) ->
 
   def schedule(count):
     n = jnp.asarray(count, jnp.float32) + 1.0
-    return scale * d_model ** -0.5 * jnp.minimum(lax.rsqrt(n), n * warmup_steps ** -1.5)
+    return scale * d_model**-0.5 * jnp.minimum(lax.rsqrt(n), n * warmup_steps**-1.5)
 
   return schedule
 
@@ -42,8 +42,9 @@ def make_schedule(train_config: TrainConfig, model_config: ModelConfig) -> optax
   return transformer_schedule(model_config.d_model, train_config.warmup_steps, scale)
 
 
-def make_optimizer(train_config: TrainConfig, model_config: ModelConfig
-                   ) -> optax.GradientTransformation:
+def make_optimizer(
+  train_config: TrainConfig, model_config: ModelConfig
+) -> optax.GradientTransformation:
   """Adam(b1, b2, eps) on the paper's schedule, with the optional extras of TrainConfig.
 
   - max_grad_norm: clip the global gradient norm first.
@@ -59,9 +60,16 @@ def make_optimizer(train_config: TrainConfig, model_config: ModelConfig
   if c.max_grad_norm is not None:
     transforms.append(optax.clip_by_global_norm(c.max_grad_norm))
   if c.weight_decay > 0:
-    transforms.append(optax.adamw(schedule, c.adam_b1, c.adam_b2, c.adam_eps,
-                                  weight_decay=c.weight_decay,
-                                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+    transforms.append(
+      optax.adamw(
+        schedule,
+        c.adam_b1,
+        c.adam_b2,
+        c.adam_eps,
+        weight_decay=c.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+      )
+    )
   else:
     transforms.append(optax.adam(schedule, c.adam_b1, c.adam_b2, c.adam_eps))
   optimizer = optax.chain(*transforms)
@@ -74,6 +82,9 @@ def schedule_count(opt_state) -> jax.Array:
   """The update count the optimizer's schedule reads for its next update: updates applied,
   not steps taken (a skipped non-finite step applies none; with grad_accum_steps K, one
   per K steps), so learning_rate is the rate the update used."""
-  (count,) = [value for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, 'count')
-              if path[-1].tuple_name == 'ScaleByScheduleState']
+  (count,) = [
+    value
+    for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, 'count')
+    if path[-1].tuple_name == 'ScaleByScheduleState'
+  ]
   return count

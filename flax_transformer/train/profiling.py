@@ -24,8 +24,7 @@ import jax
 class StepTrace:
   """Starts and stops the trace around steps START+1..STOP (`TrainConfig.profile_steps`)."""
 
-  def __init__(self, steps: tuple[int, int] | None, directory: Path,
-               say: Callable[[str], None]):
+  def __init__(self, steps: tuple[int, int] | None, directory: Path, say: Callable[[str], None]):
     self.steps = steps
     self.directory = directory
     self.say = say
@@ -44,9 +43,11 @@ class StepTrace:
     if self.tracing and done >= self.steps[1]:
       jax.block_until_ready(state)
       self.close()
-      self.say(f'profile: steps {self.steps[0] + 1} to {self.steps[1]} traced into '
-               f'{self.directory} (tensorboard --logdir {self.directory}, or '
-               '*.trace.json.gz in ui.perfetto.dev)')
+      self.say(
+        f'profile: steps {self.steps[0] + 1} to {self.steps[1]} traced into '
+        f'{self.directory} (tensorboard --logdir {self.directory}, or '
+        '*.trace.json.gz in ui.perfetto.dev)'
+      )
 
   def close(self) -> None:
     """Stops a trace under way, writing it (also when the steps stop early)."""

@@ -71,15 +71,20 @@ def predict(logits: jax.Array, keys: jax.Array, choice: str) -> jax.Array:
   if choice == 'argmax':
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-  def sample(key, row_logits):                                      # [T, V] -> [T]
+  def sample(key, row_logits):  # [T, V] -> [T]
     return jax.random.categorical(jax.random.fold_in(key, _SAMPLE), row_logits)
 
   return jax.vmap(sample)(keys, logits.astype(jnp.float32)).astype(jnp.int32)
 
 
-def mix_decoder_inputs(gold_in: jax.Array, predictions: jax.Array,
-                       use_prediction_prob: jax.Array | float, keys: jax.Array,
-                       pad_id: int, positions: jax.Array | None = None) -> jax.Array:
+def mix_decoder_inputs(
+  gold_in: jax.Array,
+  predictions: jax.Array,
+  use_prediction_prob: jax.Array | float,
+  keys: jax.Array,
+  pad_id: int,
+  positions: jax.Array | None = None,
+) -> jax.Array:
   """The second pass's decoder input, int32 [B, T].
 
   gold_in: [B, T] `<s> y1 .. yn PAD..`; predictions: [B, T], predictions[:, t]
@@ -89,21 +94,30 @@ def mix_decoder_inputs(gold_in: jax.Array, predictions: jax.Array,
   In packed rows, `positions` int [B, T] (`masks.Packing.tgt_positions`): every
   sentence's position 0 (its BOS) stays gold, as position 0 of a row does.
   """
-  shifted = jnp.concatenate([gold_in[:, :1], predictions[:, :-1]], axis=1)   # [B, T]
+  shifted = jnp.concatenate([gold_in[:, :1], predictions[:, :-1]], axis=1)  # [B, T]
 
-  def coins(key):                                                             # -> bool [T]
-    return jax.random.bernoulli(jax.random.fold_in(key, _COIN), use_prediction_prob,
-                                gold_in.shape[1:])
+  def coins(key):  # -> bool [T]
+    return jax.random.bernoulli(
+      jax.random.fold_in(key, _COIN), use_prediction_prob, gold_in.shape[1:]
+    )
 
-  use = jax.vmap(coins)(keys)                                                 # [B, T]
+  use = jax.vmap(coins)(keys)  # [B, T]
   position = jnp.arange(gold_in.shape[1]) if positions is None else positions  # [T] or [B, T]
   use = use & (gold_in != pad_id) & (position > 0)
   return jnp.where(use, shifted, gold_in)
 
 
-def scheduled_inputs(model: Transformer, params, src: jax.Array, gold_in: jax.Array, step: jax.Array,
-                     key: jax.Array, first_row: jax.Array | int, train_config: TrainConfig,
-                     packing: masks.Packing | None = None) -> jax.Array:
+def scheduled_inputs(
+  model: Transformer,
+  params,
+  src: jax.Array,
+  gold_in: jax.Array,
+  step: jax.Array,
+  key: jax.Array,
+  first_row: jax.Array | int,
+  train_config: TrainConfig,
+  packing: masks.Packing | None = None,
+) -> jax.Array:
   """The mixed decoder input [B, T] of one step's rows (src [B, S], gold_in [B, T]).
 
   packing: the rows' segment ids and positions when they are packed (both passes read them).
@@ -113,18 +127,27 @@ def scheduled_inputs(model: Transformer, params, src: jax.Array, gold_in: jax.Ar
   recover from. No gradient flows through it (the tokens are integers, and
   stop_gradient says so for the parameters).
   """
-  logits = model.apply({'params': jax.lax.stop_gradient(params)}, src, gold_in,
-                       packing=packing)                                         # [B, T, V]
+  logits = model.apply(
+    {'params': jax.lax.stop_gradient(params)}, src, gold_in, packing=packing
+  )  # [B, T, V]
   keys = row_keys(key, first_row, gold_in.shape[0])
   predictions = predict(logits, keys, train_config.scheduled_sampling_choice)
   use_prediction_prob = 1.0 - gold_probability(step, train_config)
-  return mix_decoder_inputs(gold_in, predictions, use_prediction_prob, keys, model.config.pad_id,
-                            None if packing is None else packing.tgt_positions)
+  return mix_decoder_inputs(
+    gold_in,
+    predictions,
+    use_prediction_prob,
+    keys,
+    model.config.pad_id,
+    None if packing is None else packing.tgt_positions,
+  )
 
 
 def check_model(model_config: ModelConfig, train_config: TrainConfig) -> None:
   """Raises ConfigError when scheduled sampling is asked of a model that has no first pass."""
   if train_config.scheduled_sampling != 'off' and model_config.kind != 'autoregressive':
-    raise ConfigError(f'train.scheduled_sampling={train_config.scheduled_sampling!r} needs '
-                      f"model.kind='autoregressive'; a {model_config.kind} decoder does not read "
-                      'its own previous outputs')
+    raise ConfigError(
+      f'train.scheduled_sampling={train_config.scheduled_sampling!r} needs '
+      f"model.kind='autoregressive'; a {model_config.kind} decoder does not read "
+      'its own previous outputs'
+    )

@@ -57,13 +57,15 @@ class TrainState:
   opt_state: the optimizer state (Adam moments, update count, and the
     gradient accumulator when `grad_accum_steps` > 1).
   """
+
   step: jax.Array
   params: Any
   opt_state: optax.OptState
 
 
-def create_train_state(model: Transformer, optimizer: optax.GradientTransformation, seed: int
-                       ) -> TrainState:
+def create_train_state(
+  model: Transformer, optimizer: optax.GradientTransformation, seed: int
+) -> TrainState:
   """Fresh parameters from `seed` (Flax initialisers) and the optimizer's initial state.
 
   `model` is a `Transformer` or a `cmlm.CMLMTransformer`: both are called as
@@ -75,17 +77,24 @@ def create_train_state(model: Transformer, optimizer: optax.GradientTransformati
   def init():
     tokens = jnp.ones((1, 1), jnp.int32)
     params = model.init(key, tokens, tokens)['params']
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
+    return TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+    )
 
   return init()
 
 
 # --- the per-device step --------------------------------------------------------
 
-def train_step(state: TrainState, batch: Batch, *, model: Transformer,
-               optimizer: optax.GradientTransformation, train_config: TrainConfig
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+
+def train_step(
+  state: TrainState,
+  batch: Batch,
+  *,
+  model: Transformer,
+  optimizer: optax.GradientTransformation,
+  train_config: TrainConfig,
+) -> tuple[TrainState, dict[str, jax.Array]]:
   """One update on this device's rows of the global batch; call it mapped over AXIS.
 
   The loss is normalised by the number of target tokens in the *global* batch,
@@ -125,8 +134,9 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
   packing.check_settings(config, train_config)
   seed_key = jax.random.key(train_config.seed)
   dropout_key = jax.random.fold_in(seed_key, _DROPOUT_STREAM)
-  dropout_key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step),
-                                   lax.axis_index(AXIS))
+  dropout_key = jax.random.fold_in(
+    jax.random.fold_in(dropout_key, state.step), lax.axis_index(AXIS)
+  )
   if config.kind == 'cmlm':
     mask_key = jax.random.fold_in(jax.random.fold_in(seed_key, _MASK_STREAM), state.step)
     loss_fn = _cmlm_loss_fn(model, batch, mask_key, dropout_key, train_config)
@@ -149,53 +159,92 @@ def train_step(state: TrainState, batch: Batch, *, model: Transformer,
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  params, opt_state = lax.cond(finite, apply_update, lambda params, opt_state: (params, opt_state),
-                               state.params, state.opt_state)
-  metrics = {**sums, 'grad_norm': grad_norm,
-             'learning_rate': make_schedule(train_config, config)(schedule_count(state.opt_state)),
-             'nonfinite': 1.0 - finite.astype(jnp.float32)}
+  params, opt_state = lax.cond(
+    finite,
+    apply_update,
+    lambda params, opt_state: (params, opt_state),
+    state.params,
+    state.opt_state,
+  )
+  metrics = {
+    **sums,
+    'grad_norm': grad_norm,
+    'learning_rate': make_schedule(train_config, config)(schedule_count(state.opt_state)),
+    'nonfinite': 1.0 - finite.astype(jnp.float32),
+  }
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics
 
 
-def _autoregressive_loss_fn(model: Transformer, batch: Batch, dropout_key: jax.Array,
-                            train_config: TrainConfig) -> Callable:
+def _autoregressive_loss_fn(
+  model: Transformer, batch: Batch, dropout_key: jax.Array, train_config: TrainConfig
+) -> Callable:
   """params -> (label-smoothed loss per target token of the global batch, this device's sums)."""
   config = model.config
   global_tokens = lax.psum(jnp.sum(batch.tgt_out != config.pad_id), AXIS)
 
   def loss_fn(params):
     if config.remat == 'none':
-      logits = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
-                           rngs={'dropout': dropout_key}, packing=batch.packing)  # [B, T, V]
+      logits = model.apply(
+        {'params': params},
+        batch.src,
+        batch.tgt_in,
+        train=True,
+        rngs={'dropout': dropout_key},
+        packing=batch.packing,
+      )  # [B, T, V]
       sums = loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
     else:
       # Remat trades time for memory in the loss too: the logits a chunk at a time.
-      states = model.apply({'params': params}, batch.src, batch.tgt_in, train=True,
-                           rngs={'dropout': dropout_key}, packing=batch.packing,
-                           method=Transformer.decoder_states)                   # [B, T, D]
+      states = model.apply(
+        {'params': params},
+        batch.src,
+        batch.tgt_in,
+        train=True,
+        rngs={'dropout': dropout_key},
+        packing=batch.packing,
+        method=Transformer.decoder_states,
+      )  # [B, T, D]
       sums = chunked_loss_sums(
-          lambda h: model.apply({'params': params}, h, method=Transformer.logits), states,
-          batch.tgt_out, train_config.label_smoothing, config.pad_id)
+        lambda h: model.apply({'params': params}, h, method=Transformer.logits),
+        states,
+        batch.tgt_out,
+        train_config.label_smoothing,
+        config.pad_id,
+      )
     return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
 
   return loss_fn
 
 
-def _with_scheduled_sampling(model: Transformer, state: TrainState, batch: Batch,
-                             seed_key: jax.Array, train_config: TrainConfig) -> Batch:
+def _with_scheduled_sampling(
+  model: Transformer,
+  state: TrainState,
+  batch: Batch,
+  seed_key: jax.Array,
+  train_config: TrainConfig,
+) -> Batch:
   """`batch` whose tgt_in [B, T] is the scheduled-sampling mix of gold and first-pass tokens;
   tgt_out stays gold. Row keys: seed -> stream -> step -> the row's index in the global batch."""
   key = jax.random.fold_in(jax.random.fold_in(seed_key, _SCHEDULED_SAMPLING_STREAM), state.step)
   first_row = lax.axis_index(AXIS) * batch.src.shape[0]
-  mixed = scheduled_sampling.scheduled_inputs(model, state.params, batch.src, batch.tgt_in,
-                                              state.step, key, first_row, train_config,
-                                              batch.packing)
+  mixed = scheduled_sampling.scheduled_inputs(
+    model,
+    state.params,
+    batch.src,
+    batch.tgt_in,
+    state.step,
+    key,
+    first_row,
+    train_config,
+    batch.packing,
+  )
   return batch.replace(tgt_in=mixed)
 
 
-def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Array,
-                  train_config: TrainConfig) -> Callable:
+def _cmlm_loss_fn(
+  model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Array, train_config: TrainConfig
+) -> Callable:
   """params -> (`cmlm_objective` of this device's rows, this device's sums)."""
   config = model.config
   inputs = _cmlm_inputs(mask_key, batch, config, train_config.eos_fill_rate)
@@ -205,11 +254,19 @@ def _cmlm_loss_fn(model, batch: Batch, mask_key: jax.Array, dropout_key: jax.Arr
 
   def loss_fn(params):
     token_logits, length_logits = model.apply(
-        {'params': params}, inputs.src, inputs.tokens, train=True,
-        rngs={'dropout': dropout_key}, packing=inputs.packing)      # [B, T, V], [B(, Z), 2R + 1]
-    sums = cmlm_objective.cmlm_loss_sums(token_logits, length_logits, inputs, config,
-                               train_config.label_smoothing)
-    loss = cmlm_objective.cmlm_objective(sums, global_tokens, global_sentences, train_config.length_loss_weight)
+      {'params': params},
+      inputs.src,
+      inputs.tokens,
+      train=True,
+      rngs={'dropout': dropout_key},
+      packing=inputs.packing,
+    )  # [B, T, V], [B(, Z), 2R + 1]
+    sums = cmlm_objective.cmlm_loss_sums(
+      token_logits, length_logits, inputs, config, train_config.label_smoothing
+    )
+    loss = cmlm_objective.cmlm_objective(
+      sums, global_tokens, global_sentences, train_config.length_loss_weight
+    )
     return loss, {**sums, 'target_tokens': target_tokens}
 
   return loss_fn
@@ -222,13 +279,16 @@ def _cmlm_inputs(key: jax.Array, batch: Batch, config: ModelConfig, eos_fill_rat
   rows = batch.src.shape[0]
   first = lax.axis_index(AXIS) * rows
   keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(first + jnp.arange(rows))
-  one_row = jax.tree.map(lambda x: x[:, None], batch)                   # leaves [B, 1, ...]
-  inputs = jax.vmap(lambda k, b: cmlm_objective.cmlm_inputs(k, b, config, eos_fill_rate))(keys, one_row)
+  one_row = jax.tree.map(lambda x: x[:, None], batch)  # leaves [B, 1, ...]
+  inputs = jax.vmap(lambda k, b: cmlm_objective.cmlm_inputs(k, b, config, eos_fill_rate))(
+    keys, one_row
+  )
   return jax.tree.map(lambda x: x[:, 0], inputs)
 
 
-def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: float
-              ) -> dict[str, jax.Array]:
+def eval_step(
+  params, batch: Batch, *, model: Transformer, label_smoothing: float
+) -> dict[str, jax.Array]:
   """Teacher-forced loss sums of this device's rows, summed over AXIS (no dropout).
 
   A cmlm model is scored on masks drawn from a fixed key (and no EOS-filled
@@ -238,18 +298,24 @@ def eval_step(params, batch: Batch, *, model: Transformer, label_smoothing: floa
   if config.kind == 'cmlm':
     key = jax.random.fold_in(jax.random.key(_EVAL_MASK_SEED), _MASK_STREAM)
     inputs = _cmlm_inputs(key, batch, config, eos_fill_rate=0.0)
-    token_logits, length_logits = model.apply({'params': params}, inputs.src, inputs.tokens,
-                                              packing=inputs.packing)
-    sums = cmlm_objective.cmlm_loss_sums(token_logits, length_logits, inputs, config, label_smoothing)
+    token_logits, length_logits = model.apply(
+      {'params': params}, inputs.src, inputs.tokens, packing=inputs.packing
+    )
+    sums = cmlm_objective.cmlm_loss_sums(
+      token_logits, length_logits, inputs, config, label_smoothing
+    )
   else:
     logits = model.apply({'params': params}, batch.src, batch.tgt_in, packing=batch.packing)
     sums = loss_sums(logits, batch.tgt_out, label_smoothing, config.pad_id)
   return lax.psum(sums, AXIS)
 
 
-def make_parallel_step(model: Transformer, optimizer: optax.GradientTransformation,
-                       train_config: TrainConfig, parallel: DataParallel
-                       ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+def make_parallel_step(
+  model: Transformer,
+  optimizer: optax.GradientTransformation,
+  train_config: TrainConfig,
+  parallel: DataParallel,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
   """`train_step` jitted over `parallel`'s devices, donating the state's buffers.
 
   Takes the state from `parallel.replicate` (or a previous step) and a batch
@@ -259,8 +325,7 @@ def make_parallel_step(model: Transformer, optimizer: optax.GradientTransformati
   return parallel.map(step, donate_first=True)
 
 
-def compiled_training(model_config: ModelConfig, train_config: TrainConfig,
-                      parallel: DataParallel):
+def compiled_training(model_config: ModelConfig, train_config: TrainConfig, parallel: DataParallel):
   """(model, optimizer, step): the model, the optimizer and the mapped training step exactly
   as train.py builds them for these settings; `flax_transformer.bench` times the same."""
   model = build_model(model_config)
@@ -268,8 +333,9 @@ def compiled_training(model_config: ModelConfig, train_config: TrainConfig,
   return model, optimizer, make_parallel_step(model, optimizer, train_config, parallel)
 
 
-def make_parallel_eval(model: Transformer, train_config: TrainConfig, parallel: DataParallel
-                       ) -> Callable[[Any, Batch], dict[str, jax.Array]]:
+def make_parallel_eval(
+  model: Transformer, train_config: TrainConfig, parallel: DataParallel
+) -> Callable[[Any, Batch], dict[str, jax.Array]]:
   """`eval_step(params, batch)` over `parallel`'s devices; params as in the replicated state."""
   step = functools.partial(eval_step, model=model, label_smoothing=train_config.label_smoothing)
   return parallel.map(step)

@@ -17,8 +17,14 @@ from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
 from flax_transformer.train import create_train_state, make_optimizer
 
-TEXTS = ['ein kleiner Hund läuft', 'a small dog runs', 'zwei Männer spielen Fußball',
-         'two men play football', 'eine Frau liest ein Buch', 'a woman reads a book']
+TEXTS = [
+  'ein kleiner Hund läuft',
+  'a small dog runs',
+  'zwei Männer spielen Fußball',
+  'two men play football',
+  'eine Frau liest ein Buch',
+  'a woman reads a book',
+]
 # Accumulation and clipping give the optimizer state nested named tuples to restore.
 TRAIN_CONFIG = TrainConfig(steps=10, grad_accum_steps=2, max_grad_norm=1.0, keep_checkpoints=3)
 
@@ -39,8 +45,9 @@ class CheckpointedRun:
 def build(workdir: Path) -> CheckpointedRun:
   tokenizer = Tokenizer.train(TEXTS, 64)
 
-  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=1,
-                            num_decoder_layers=1)
+  config = ModelConfig.tiny(
+    vocab_size=tokenizer.vocab_size, num_encoder_layers=1, num_decoder_layers=1
+  )
   model = Transformer(config)
   optimizer = make_optimizer(TRAIN_CONFIG, config)
   abstract = jax.eval_shape(lambda: create_train_state(model, optimizer, seed=0))

@@ -12,9 +12,9 @@ def copy_batch(rng, rows, length, vocab):
   src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
   for row in range(rows - 1):
     words = rng.integers(4, vocab, max(1, length - 1 - 2 * row))
-    src[row, :len(words) + 1] = [*words, EOS]
-    tgt_in[row, :len(words) + 1] = [BOS, *words]
-    tgt_out[row, :len(words) + 1] = [*words, EOS]
+    src[row, : len(words) + 1] = [*words, EOS]
+    tgt_in[row, : len(words) + 1] = [BOS, *words]
+    tgt_out[row, : len(words) + 1] = [*words, EOS]
   example_ids = np.arange(rows, dtype=np.int32)
   example_ids[-1] = -1
   return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids)
@@ -25,7 +25,7 @@ def random_copy_batch(rng, rows, length, vocab, min_words=1):
   src, tgt_in, tgt_out = (np.zeros((rows, length), np.int32) for _ in range(3))
   for row in range(rows):
     words = rng.integers(4, vocab, rng.integers(min_words, length))
-    src[row, :len(words) + 1] = [*words, EOS]
-    tgt_in[row, :len(words) + 1] = [BOS, *words]
-    tgt_out[row, :len(words) + 1] = [*words, EOS]
+    src[row, : len(words) + 1] = [*words, EOS]
+    tgt_in[row, : len(words) + 1] = [BOS, *words]
+    tgt_out[row, : len(words) + 1] = [*words, EOS]
   return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=np.arange(rows, dtype=np.int32))

@@ -17,6 +17,7 @@ def xla_flags(*flags: str) -> str:
   -> '--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=2'
   """
   names = {flag.split('=', 1)[0] for flag in flags}
-  inherited = [flag for flag in os.environ.get('XLA_FLAGS', '').split()
-               if flag.split('=', 1)[0] not in names]
+  inherited = [
+    flag for flag in os.environ.get('XLA_FLAGS', '').split() if flag.split('=', 1)[0] not in names
+  ]
   return ' '.join([*inherited, *flags])

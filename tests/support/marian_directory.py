@@ -17,31 +17,32 @@ from pathlib import Path
 
 # Text for the sentencepiece models: enough for a few hundred pieces.
 SAMPLE_TEXT = (
-    'The animal did not cross the street because it was too tired.',
-    'A man rides a bicycle down the hill while two children watch.',
-    'Das Tier überquerte die Straße nicht, weil es zu müde war.',
-    'Ein Mann fährt mit dem Fahrrad den Hügel hinunter, zwei Kinder schauen zu.',
-    'The quick brown fox jumps over the lazy dog near the river bank.',
-    'Der schnelle braune Fuchs springt über den faulen Hund am Flussufer.',
-    'Several people are sitting on a bench in the park, reading newspapers.',
-    'Mehrere Leute sitzen auf einer Bank im Park und lesen Zeitungen.',
-    'She sings a song about the sea, the wind and the stars at night.',
-    'Sie singt ein Lied über das Meer, den Wind und die Sterne in der Nacht.',
+  'The animal did not cross the street because it was too tired.',
+  'A man rides a bicycle down the hill while two children watch.',
+  'Das Tier überquerte die Straße nicht, weil es zu müde war.',
+  'Ein Mann fährt mit dem Fahrrad den Hügel hinunter, zwei Kinder schauen zu.',
+  'The quick brown fox jumps over the lazy dog near the river bank.',
+  'Der schnelle braune Fuchs springt über den faulen Hund am Flussufer.',
+  'Several people are sitting on a bench in the park, reading newspapers.',
+  'Mehrere Leute sitzen auf einer Bank im Park und lesen Zeitungen.',
+  'She sings a song about the sea, the wind and the stars at night.',
+  'Sie singt ein Lied über das Meer, den Wind und die Sterne in der Nacht.',
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class MarianShape:
   """The dimensions of a random Marian model (MarianConfig's names)."""
+
   d_model: int = 32
   layers: int = 2
   heads: int = 4
   ffn_dim: int = 64
-  vocab_size: int = 300        # filler pieces pad the sentencepiece ones up to this
+  vocab_size: int = 300  # filler pieces pad the sentencepiece ones up to this
   max_position_embeddings: int = 64
   share_encoder_decoder_embeddings: bool = True
   activation_function: str = 'swish'
-  init_std: float = 0.3        # transformers' 0.02 leaves a tiny model's logits to the bias
+  init_std: float = 0.3  # transformers' 0.02 leaves a tiny model's logits to the bias
 
 
 def _train_spm(texts, vocab_size: int):
@@ -49,9 +50,15 @@ def _train_spm(texts, vocab_size: int):
   import sentencepiece as spm
 
   model = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model,
-                                 vocab_size=vocab_size, hard_vocab_limit=False,
-                                 character_coverage=1.0, num_threads=1, minloglevel=2)
+  spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(texts),
+    model_writer=model,
+    vocab_size=vocab_size,
+    hard_vocab_limit=False,
+    character_coverage=1.0,
+    num_threads=1,
+    minloglevel=2,
+  )
   return model.getvalue()
 
 
@@ -71,8 +78,9 @@ def _vocab(spm_models: list[bytes], size: int) -> dict[str, int]:
   return vocab
 
 
-def make_marian_directory(directory: str | Path, shape: MarianShape = MarianShape(),
-                          seed: int = 0) -> Path:
+def make_marian_directory(
+  directory: str | Path, shape: MarianShape = MarianShape(), seed: int = 0
+) -> Path:
   """Writes a random Marian model and its tokenizer files into `directory`; returns it."""
   import torch
   from transformers import MarianConfig, MarianMTModel
@@ -88,16 +96,30 @@ def make_marian_directory(directory: str | Path, shape: MarianShape = MarianShap
   (directory / 'vocab.json').write_text(json.dumps(vocab, ensure_ascii=False, indent=1))
   pad = vocab['<pad>']
   config = MarianConfig(
-      vocab_size=len(vocab), decoder_vocab_size=len(vocab), d_model=shape.d_model,
-      encoder_layers=shape.layers, decoder_layers=shape.layers,
-      encoder_attention_heads=shape.heads, decoder_attention_heads=shape.heads,
-      encoder_ffn_dim=shape.ffn_dim, decoder_ffn_dim=shape.ffn_dim,
-      activation_function=shape.activation_function,
-      max_position_embeddings=shape.max_position_embeddings, scale_embedding=True,
-      share_encoder_decoder_embeddings=shape.share_encoder_decoder_embeddings,
-      tie_word_embeddings=True, pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0,
-      forced_eos_token_id=0, bos_token_id=0, dropout=0.1, attention_dropout=0.0,
-      activation_dropout=0.0, init_std=shape.init_std)
+    vocab_size=len(vocab),
+    decoder_vocab_size=len(vocab),
+    d_model=shape.d_model,
+    encoder_layers=shape.layers,
+    decoder_layers=shape.layers,
+    encoder_attention_heads=shape.heads,
+    decoder_attention_heads=shape.heads,
+    encoder_ffn_dim=shape.ffn_dim,
+    decoder_ffn_dim=shape.ffn_dim,
+    activation_function=shape.activation_function,
+    max_position_embeddings=shape.max_position_embeddings,
+    scale_embedding=True,
+    share_encoder_decoder_embeddings=shape.share_encoder_decoder_embeddings,
+    tie_word_embeddings=True,
+    pad_token_id=pad,
+    decoder_start_token_id=pad,
+    eos_token_id=0,
+    forced_eos_token_id=0,
+    bos_token_id=0,
+    dropout=0.1,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    init_std=shape.init_std,
+  )
   torch.manual_seed(seed)
   model = MarianMTModel(config)
   with torch.no_grad():
@@ -108,6 +130,9 @@ def make_marian_directory(directory: str | Path, shape: MarianShape = MarianShap
       if 'layer_norm' in name or name.endswith('.bias'):
         parameter.normal_(1.0 if name.endswith('weight') else 0.0, 0.2)
   model.save_pretrained(directory, safe_serialization=True)
-  (directory / 'tokenizer_config.json').write_text(json.dumps(
-      {'tokenizer_class': 'MarianTokenizer', 'separate_vocabs': False, 'model_max_length': 512}))
+  (directory / 'tokenizer_config.json').write_text(
+    json.dumps(
+      {'tokenizer_class': 'MarianTokenizer', 'separate_vocabs': False, 'model_max_length': 512}
+    )
+  )
   return directory

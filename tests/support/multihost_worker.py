@@ -29,9 +29,13 @@ from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import Transformer
+from flax_transformer.train import (
+  DataParallel,
+  create_train_state,
+  make_optimizer,
+  make_parallel_step,
+)
 from flax_transformer.train.evaluation import translate_across_processes
-from flax_transformer.train import (DataParallel, create_train_state, make_optimizer,
-                                   make_parallel_step)
 
 STEPS = 2
 # Eight sentences and an empty one last, which translates to '' without decoding:
@@ -50,22 +54,29 @@ def main(coordinator: str, process_id: int, out_dir: str) -> None:
   # Nothing above has touched a JAX backend: initialize must come first.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # Bound to the loopback address itself: JAX's coordinator would listen on every interface.
-  jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id,
-                             coordinator_bind_address=coordinator)
+  jax.distributed.initialize(
+    coordinator, num_processes=2, process_id=process_id, coordinator_bind_address=coordinator
+  )
   assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
   numbers = number_translation(num_train=256, num_validation=NUM_SENTENCES - 1, num_test=1)
-  tokenizer = Tokenizer.train(list(numbers['train']['source']) + list(numbers['train']['target']),
-                              vocab_size=256)
+  tokenizer = Tokenizer.train(
+    list(numbers['train']['source']) + list(numbers['train']['target']), vocab_size=256
+  )
   # Dropout stays on: both modes give row block i to device i, so their masks agree.
   # adam_eps=1: see tests/test_multihost.py's docstring.
-  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_encoder_layers=1,
-                            num_decoder_layers=1, max_len=16)
+  config = ModelConfig.tiny(
+    vocab_size=tokenizer.vocab_size, num_encoder_layers=1, num_decoder_layers=1, max_len=16
+  )
   train_config = TrainConfig(warmup_steps=4, lr_scale=4.0, adam_eps=1.0)
   model = Transformer(config)
   optimizer = make_optimizer(train_config, config)
   initial = jax.device_get(create_train_state(model, optimizer, seed=0))
-  batcher = Batcher(encode_corpus(numbers['train'], tokenizer, config.max_len), max_tokens=128,
-                    seed=0, row_multiple=jax.device_count())
+  batcher = Batcher(
+    encode_corpus(numbers['train'], tokenizer, config.max_len),
+    max_tokens=128,
+    seed=0,
+    row_multiple=jax.device_count(),
+  )
 
   results = {}
   for mode in ('pmap', 'shard_map'):
@@ -83,10 +94,12 @@ def main(coordinator: str, process_id: int, out_dir: str) -> None:
   scaled = jax.tree.map(lambda p: p * PARAMS_SCALE, initial.params)
   translator = Translator(config, scaled, tokenizer)
   sentences = list(numbers['validation']['source']) + ['']
-  results['translations'] = np.array(translate_across_processes(translator, sentences,
-                                                                batch_size=DECODE_BATCH))
-  results['reference'] = np.array(translator.translate(sentences, Greedy(),
-                                                       batch_size=DECODE_BATCH))
+  results['translations'] = np.array(
+    translate_across_processes(translator, sentences, batch_size=DECODE_BATCH)
+  )
+  results['reference'] = np.array(
+    translator.translate(sentences, Greedy(), batch_size=DECODE_BATCH)
+  )
   np.savez(f'{out_dir}/process_{process_id}.npz', **results)
 
 

@@ -18,12 +18,24 @@ from flax_transformer.decode.translator import Translator
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
 
-CORPUS = ['Ein Mann fährt Fahrrad.', 'Zwei Hunde spielen im Schnee.', 'Eine Frau liest ein Buch.',
-          'Kinder spielen am Strand.', 'Ein Hund läuft über die Wiese.',
-          'A man rides a bike.', 'Two dogs play in the snow.', 'A woman reads a book.']
+CORPUS = [
+  'Ein Mann fährt Fahrrad.',
+  'Zwei Hunde spielen im Schnee.',
+  'Eine Frau liest ein Buch.',
+  'Kinder spielen am Strand.',
+  'Ein Hund läuft über die Wiese.',
+  'A man rides a bike.',
+  'Two dogs play in the snow.',
+  'A woman reads a book.',
+]
 # Lengths that need several source widths, and an empty line.
-SENTENCES = ['Ein Hund spielt.', 'Zwei Männer fahren Fahrrad im Schnee am Strand und die Frau '
-             'liest.', '', 'Kinder.', 'Eine Frau läuft über die Wiese im Schnee.']
+SENTENCES = [
+  'Ein Hund spielt.',
+  'Zwei Männer fahren Fahrrad im Schnee am Strand und die Frau liest.',
+  '',
+  'Kinder.',
+  'Eine Frau läuft über die Wiese im Schnee.',
+]
 MAX_LEN = 64
 
 
@@ -50,7 +62,11 @@ def build(workdir: Path) -> RandomRun:
   checkpoints = Checkpoints(workdir)
   checkpoints.save_params(7, jax.device_get(params))
   checkpoints.close()
-  return RandomRun(tokenizer=tokenizer, config=config, params=params, translator=translator,
-                   run_dir=workdir,
-                   greedy_translations=translator.translate(SENTENCES, Greedy(),
-                                                            batch_size=2))
+  return RandomRun(
+    tokenizer=tokenizer,
+    config=config,
+    params=params,
+    translator=translator,
+    run_dir=workdir,
+    greedy_translations=translator.translate(SENTENCES, Greedy(), batch_size=2),
+  )

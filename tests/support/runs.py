@@ -24,8 +24,9 @@ def train_state(workdir: Path, step: int):
   """The TrainState saved at `step`, for the model and optimizer of WORKDIR/config.json."""
   model_config, train_config, _ = read_config(workdir)
   model = Transformer(model_config)
-  abstract = jax.eval_shape(lambda: create_train_state(
-      model, make_optimizer(train_config, model_config), train_config.seed))
+  abstract = jax.eval_shape(
+    lambda: create_train_state(model, make_optimizer(train_config, model_config), train_config.seed)
+  )
   checkpoints = Checkpoints(workdir, read_only=True)
   try:
     return checkpoints.restore(step, abstract)
