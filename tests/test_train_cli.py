@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
+from flax_transformer.cli import options
 from flax_transformer.cli import train as train_cli
 from flax_transformer.config import SECTIONS, ModelConfig, TrainConfig
 from flax_transformer.data.tokenizer import Tokenizer
@@ -164,7 +165,7 @@ def test_cli_presets_and_overrides():
       'en',
     ]
   )
-  model, training, data = train_cli.configs_from_args(args)
+  model, training, data = options.configs_from_args(args)
   assert (model.d_model, model.num_encoder_layers, model.dtype) == (512, 4, 'bfloat16')
   assert (training.steps, training.warmup_steps) == (10, TrainConfig.multi30k().warmup_steps)
   assert (data.source, data.src_lang, data.tgt_lang) == ('bentrevett/multi30k', 'de', 'en')
@@ -215,7 +216,7 @@ def test_data_split_options_pick_one_of_several_test_sets(tmp_path):
   args = train_cli.build_parser().parse_args(
     ['--data', str(data), '--data.valid_split=dev', '--data.test_split=test_2017_mscoco']
   )
-  dataset = load_data(train_cli.configs_from_args(args)[2])
+  dataset = load_data(options.configs_from_args(args)[2])
   assert dataset['validation']['source'][:] == ['dev en']
   assert dataset['test']['source'][:] == ['test_2017_mscoco en']
 
