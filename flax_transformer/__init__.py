@@ -48,10 +48,10 @@ __version__ = '0.1.0'
 # Public names defined in modules that import more (orbax, sacreBLEU): name -> module.
 _LAZY = {
   'Translator': 'decode.translator',
-  'BeamSearch': 'decode.methods',
-  'Greedy': 'decode.methods',
-  'MaskPredict': 'decode.methods',
-  'Sampling': 'decode.methods',
+  'BeamSearch': 'decode.autoregressive',
+  'Greedy': 'decode.autoregressive',
+  'MaskPredict': 'decode.non_autoregressive',
+  'Sampling': 'decode.autoregressive',
   'DecodingMethod': 'decode.methods',
   'default_method': 'decode.methods',
   'build_model': 'nn.build',

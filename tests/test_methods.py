@@ -135,3 +135,32 @@ def test_every_setting_is_a_documented_option_of_decode_py():
       value = {str: field.default}.get(type(field.default), 1)
       args = parse_args(['--checkpoint', 'run', '--method', cls.name, option, str(value)])
       assert args.method_settings[field.name] == value, option
+
+
+def test_a_method_class_lists_itself_under_its_name_and_a_taken_name_is_refused():
+  """DecodingMethod's subclasses enter METHODS as they are defined, in that order; the
+  classes live beside the code that runs them and methods.py still answers their names."""
+  from flax_transformer.decode import methods, non_autoregressive
+
+  assert list(METHODS) == ['beam', 'greedy', 'sample', 'mask_predict']
+  assert METHODS['beam'] is autoregressive.BeamSearch is methods.BeamSearch
+  assert METHODS['mask_predict'] is non_autoregressive.MaskPredict is methods.MaskPredict
+  with pytest.raises(AttributeError, match="has no attribute 'Beam'"):
+    methods.Beam  # noqa: B018
+  with pytest.raises(TypeError, match="name 'greedy' of .*Impostor is taken by .*Greedy"):
+
+    class Impostor(methods.DecodingMethod):
+      name = 'greedy'
+
+  assert METHODS['greedy'] is Greedy
+
+  class Lookahead(methods.DecodingMethod):
+    name = 'lookahead'
+
+  try:
+    assert METHODS['lookahead'] is Lookahead
+    # check_model names every method of the model's kind, the new one among them.
+    with pytest.raises(ConfigError, match="use method 'beam', 'greedy', 'sample' or 'lookahead'"):
+      MaskPredict().check_model(ModelConfig.tiny())
+  finally:
+    del METHODS['lookahead']

@@ -4,24 +4,24 @@ Layer 5 (above `run`, whose checkpoints `Translator` loads). Modules:
 `autoregressive` (greedy, sampling and beam search as one `lax.scan`-style loop
 over steps), `non_autoregressive` (mask-predict, a cmlm model's iterative refinement),
 each with its methods' classes (one frozen class per method: its settings, checked, and
-how it runs), `methods` (the list of methods, decode.py's names, the default),
+how it runs), `methods` (what a method is, the methods by decode.py's names, the default),
 `translator` (`Translator`: text in, text out, for either model kind).
 
     tokens = decode.greedy(model, variables, src)                           # [B, L]
     tokens, scores = decode.beam_search(model, variables, src, beam_size=4, alpha=0.6)
 """
 
-from flax_transformer.decode.autoregressive import beam_search, greedy, length_penalty, sample
-from flax_transformer.decode.methods import (
-  METHODS,
+from flax_transformer.decode.autoregressive import (
   BeamSearch,
-  DecodingMethod,
   Greedy,
-  MaskPredict,
   Sampling,
-  default_method,
+  beam_search,
+  greedy,
+  length_penalty,
+  sample,
 )
-from flax_transformer.decode.non_autoregressive import mask_predict
+from flax_transformer.decode.methods import METHODS, DecodingMethod, default_method
+from flax_transformer.decode.non_autoregressive import MaskPredict, mask_predict
 from flax_transformer.decode.translator import Translator
 
 __all__ = [

@@ -14,7 +14,7 @@ Two levels:
       tokens, scores = beam_search(model, params, src, beam_size=4, alpha=0.6)
 
   Their keyword settings are the fields of the methods defined here, `BeamSearch`,
-  `Greedy` and `Sampling` (decode/methods.py lists every method), which hold
+  `Greedy` and `Sampling` (subclasses of decode/methods.py's `DecodingMethod`), which hold
   each setting's default, help and range once; `method.run(model, params, src)`
   decodes with a method value.
 
@@ -57,9 +57,9 @@ from flax_transformer.config import (
   Bounds,
   ConfigError,
   ModelConfig,
-  check_fields,
   setting,
 )
+from flax_transformer.decode.methods import DecodingMethod
 from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
 from flax_transformer.run.sizes import check_decoding_fits
 
@@ -124,63 +124,6 @@ class LoopConfig:
 
 
 # --- the methods: each one's settings, checked, and how it runs ---------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodingMethod:
-  """What every decoding method has: a `name` (decode.py's --method), the model kind it decodes.
-
-  A method is a frozen dataclass whose fields are its settings, each a
-  `config.setting(default, help, bounds=...)`: the default and the range are
-  written there once, checked when the value is made (`check_fields`, errors
-  naming 'NAME.field'), and decode.py's and distill.py's options are generated
-  from them (cli/options.py). The functional API (`beam_search(..., beam_size=8)`)
-  builds the method value from its keyword arguments.
-  """
-
-  name: ClassVar[str]
-  model_kind: ClassVar[str] = 'autoregressive'
-
-  def __post_init__(self):
-    check_fields(self, self.name)
-
-  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    """Output ids `[B, L]` for source ids `[B, S]`; batch_index seeds per-batch randomness."""
-    raise NotImplementedError
-
-  def describe(self) -> str:
-    """The method and its settings in words, for reports."""
-    raise NotImplementedError
-
-  def check_model(self, config: ModelConfig) -> None:
-    """Raises ConfigError unless this method and its settings can decode a model of `config`."""
-    if config.kind != self.model_kind:
-      names = [repr(cls.name) for cls in _method_classes() if cls.model_kind == config.kind]
-      usable = ', '.join(names[:-1]) + ' or ' * (len(names) > 1) + names[-1]
-      raise ConfigError(
-        f'method {self.name!r} decodes {self.model_kind} models, but this model '
-        f'is model.kind={config.kind!r}; use method {usable}'
-      )
-    max_len = getattr(self, 'max_len', None)
-    if max_len is not None and max_len > config.max_len:
-      raise ConfigError(
-        f"max_len must be in [1, {config.max_len}] (the model's max_len, the "
-        f'length of its positional table), got {max_len}'
-      )
-
-  def check_fits(self, config: ModelConfig, rows: int) -> None:
-    """Raises ConfigError when decoding `rows` sentences at once cannot fit in this machine's
-    memory; a method whose memory grows with a setting (beams) checks it."""
-
-
-def _method_classes() -> list[type[DecodingMethod]]:
-  """Every method class defined (here and in non_autoregressive), in the order defined."""
-  found, pending = [], list(DecodingMethod.__subclasses__())
-  while pending:
-    cls = pending.pop(0)
-    found.append(cls)
-    pending.extend(cls.__subclasses__())
-  return [cls for cls in found if 'name' in vars(cls)]
 
 
 # An autoregressive method's output budget, one field shared by all three.

@@ -4,9 +4,11 @@
     method = default_method(model_config)     # BeamSearch() or, for cmlm, MaskPredict()
     tokens = method.run(model, params, src)   # [B, L] int32, as the functional API returns
 
-Each class is defined beside the functional API that runs it (`BeamSearch`,
-`Greedy`, `Sampling` in `autoregressive`, `MaskPredict` in `non_autoregressive`);
-this module lists them (`METHODS`, decode.py's --method names) and picks one.
+This module defines what a method is (`DecodingMethod`), lists the methods
+(`METHODS`, decode.py's --method names: every subclass with a `name` enters
+itself) and picks one. Each class is defined beside the functional API that runs
+it (`BeamSearch`, `Greedy`, `Sampling` in `autoregressive`, `MaskPredict` in
+`non_autoregressive`), and reachable from here as before (`methods.BeamSearch`).
 A method's fields are its settings, each a `config.setting(default, help,
 bounds=...)`: the default, the one-line help and the range are written there
 once (the paper's beam 4 and alpha 0.6 on `BeamSearch`), checked when the value
@@ -15,7 +17,7 @@ defaults by the functional API's keyword arguments (`beam_search(..., beam_size=
 and turned into decode.py's and distill.py's options (cli/options.py). Each class
 also says in words what it does (`describe`), refuses a model it cannot decode
 (`check_model`), and decodes a batch of source ids (`run`). Adding a setting is
-adding a field and reading it; adding a method is adding a class and listing it here.
+adding a field and reading it; adding a method is adding a subclass with a `name`.
 
 Autoregressive methods take `max_len`, the output tokens per sentence (None:
 source length + 50, capped at model.max_len); mask-predict's output length is
@@ -26,28 +28,104 @@ the one its length classifier predicts, scaled by `length_ratio` and shifted by
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from typing import ClassVar
 
-from flax_transformer.config import RENAMED, ConfigError, ModelConfig
-from flax_transformer.decode.autoregressive import BeamSearch, DecodingMethod, Greedy, Sampling
-from flax_transformer.decode.non_autoregressive import MaskPredict
+import numpy as np
+
+from flax_transformer.config import RENAMED, ConfigError, ModelConfig, check_fields
 from flax_transformer.nn import cmlm
 
 __all__ = [
   'METHODS',
-  'BeamSearch',
   'DecodingMethod',
-  'Greedy',
-  'MaskPredict',
-  'Sampling',
   'default_method',
   'method_from_name',
   'renamed_methods',
 ]
 
-# decode.py's --method names.
-METHODS: dict[str, type[DecodingMethod]] = {
-  cls.name: cls for cls in (BeamSearch, Greedy, Sampling, MaskPredict)
+# decode.py's --method names -> their classes, in the order defined. Each subclass of
+# DecodingMethod with a `name` enters itself when its module is imported (the decode
+# package imports `autoregressive` and `non_autoregressive`, so any import of this module
+# sees all four).
+METHODS: dict[str, type[DecodingMethod]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingMethod:
+  """What every decoding method has: a `name` (decode.py's --method), the model kind it decodes.
+
+  A method is a frozen dataclass whose fields are its settings, each a
+  `config.setting(default, help, bounds=...)`: the default and the range are
+  written there once, checked when the value is made (`check_fields`, errors
+  naming 'NAME.field'), and decode.py's and distill.py's options are generated
+  from them (cli/options.py). The functional API (`beam_search(..., beam_size=8)`)
+  builds the method value from its keyword arguments. A subclass that sets `name`
+  is listed in METHODS under it; a name already taken is refused.
+  """
+
+  name: ClassVar[str]
+  model_kind: ClassVar[str] = 'autoregressive'
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if 'name' not in vars(cls):
+      return  # an intermediate class, not a method of its own
+    taken = METHODS.get(cls.name)
+    if taken is not None and taken.__qualname__ != cls.__qualname__:
+      raise TypeError(
+        f'decoding method name {cls.name!r} of {cls.__module__}.{cls.__qualname__} is '
+        f'taken by {taken.__module__}.{taken.__qualname__}'
+      )
+    METHODS[cls.name] = cls
+
+  def __post_init__(self):
+    check_fields(self, self.name)
+
+  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
+    """Output ids `[B, L]` for source ids `[B, S]`; batch_index seeds per-batch randomness."""
+    raise NotImplementedError
+
+  def describe(self) -> str:
+    """The method and its settings in words, for reports."""
+    raise NotImplementedError
+
+  def check_model(self, config: ModelConfig) -> None:
+    """Raises ConfigError unless this method and its settings can decode a model of `config`."""
+    if config.kind != self.model_kind:
+      names = [repr(name) for name, cls in METHODS.items() if cls.model_kind == config.kind]
+      usable = ', '.join(names[:-1]) + ' or ' * (len(names) > 1) + names[-1]
+      raise ConfigError(
+        f'method {self.name!r} decodes {self.model_kind} models, but this model '
+        f'is model.kind={config.kind!r}; use method {usable}'
+      )
+    max_len = getattr(self, 'max_len', None)
+    if max_len is not None and max_len > config.max_len:
+      raise ConfigError(
+        f"max_len must be in [1, {config.max_len}] (the model's max_len, the "
+        f'length of its positional table), got {max_len}'
+      )
+
+  def check_fits(self, config: ModelConfig, rows: int) -> None:
+    """Raises ConfigError when decoding `rows` sentences at once cannot fit in this machine's
+    memory; a method whose memory grows with a setting (beams) checks it."""
+
+
+# The concrete classes live beside the functional API that runs them; this module still
+# answers `methods.BeamSearch` etc., as it did when it imported them (a lazy import: the
+# defining modules import this one).
+_DEFINED_IN = {
+  'BeamSearch': 'flax_transformer.decode.autoregressive',
+  'Greedy': 'flax_transformer.decode.autoregressive',
+  'Sampling': 'flax_transformer.decode.autoregressive',
+  'MaskPredict': 'flax_transformer.decode.non_autoregressive',
 }
+
+
+def __getattr__(name: str):
+  if name in _DEFINED_IN:
+    return getattr(importlib.import_module(_DEFINED_IN[name]), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def renamed_methods() -> dict[str, str]:
@@ -60,17 +138,20 @@ def renamed_methods() -> dict[str, str]:
 
 
 def default_method(
-  config: ModelConfig, autoregressive: DecodingMethod = BeamSearch(), **settings
+  config: ModelConfig, autoregressive: DecodingMethod | None = None, **settings
 ) -> DecodingMethod:
   """How a model decodes unless told otherwise: a cmlm model with mask-predict (its length
   beam at most the model's length classes), an autoregressive one with `autoregressive`
-  (the paper's beam search; training's quick BLEU passes Greedy()). `settings` (decode.py's
-  options given without --method) replace the method's own, refused if another method's.
+  (default: the paper's beam search, BeamSearch(); training's quick BLEU passes Greedy()).
+  `settings` (decode.py's options given without --method) replace the method's own, refused
+  if another method's.
   """
   if config.kind == 'cmlm':
-    method = MaskPredict(length_beam=min(MaskPredict.length_beam, cmlm.num_length_classes(config)))
+    mask_predict = METHODS['mask_predict']
+    length_beam = min(mask_predict.length_beam, cmlm.num_length_classes(config))
+    method = mask_predict(length_beam=length_beam)
   else:
-    method = autoregressive
+    method = autoregressive if autoregressive is not None else METHODS['beam']()
   _refuse_foreign_settings(type(method), settings)
   return dataclasses.replace(method, **settings) if settings else method
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from flax_transformer.config import POSITIVE_INT, Bounds, ConfigError, ModelConfig, setting
 from flax_transformer.decode import autoregressive
+from flax_transformer.decode.methods import DecodingMethod
 from flax_transformer.nn import masks
 from flax_transformer.nn.cmlm import (
   CMLMTransformer,
@@ -65,7 +66,7 @@ LENGTH_LIMIT = 2**16
 
 
 @dataclasses.dataclass(frozen=True)
-class MaskPredict(autoregressive.DecodingMethod):
+class MaskPredict(DecodingMethod):
   """Mask-predict decoding of a cmlm model (Ghazvininejad et al. 2019); its settings are static
   under jit.
 

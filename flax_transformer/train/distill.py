@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 
 from flax_transformer.config import RUN_PRESETS, run_preset
 from flax_transformer.data.corpus import DataError
-from flax_transformer.decode.methods import BeamSearch, DecodingMethod
+from flax_transformer.decode.autoregressive import BeamSearch
+from flax_transformer.decode.methods import DecodingMethod
 from flax_transformer.decode.translator import Translator
 from flax_transformer.run.directory import averaged_run, read_config
 from flax_transformer.run.outputs import Protected, check_output

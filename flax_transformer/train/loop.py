@@ -81,7 +81,8 @@ from flax_transformer.data.pipeline import (
 )
 from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.data.toy_task import number_translation
-from flax_transformer.decode.methods import Greedy, default_method
+from flax_transformer.decode.autoregressive import Greedy
+from flax_transformer.decode.methods import default_method
 from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import count_params
 from flax_transformer.pretrained.marian import load_marian
