@@ -19,9 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-class ConfigError(ValueError):
-  """A configuration value is invalid; the message names the option."""
+from flax_transformer.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

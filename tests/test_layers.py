@@ -15,6 +15,7 @@ from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'flax_transformer'
 LAYERS = (
+  'errors',
   'config',
   'signals',
   'files',

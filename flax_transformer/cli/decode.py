@@ -24,7 +24,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flax_transformer.cli.failures import Failure, add_debug_option, run_program
+from flax_transformer import errors
+from flax_transformer.cli.failures import REFUSED, Failure, add_debug_option, run_program
 from flax_transformer.cli.options import (
   add_method_options,
   add_unverified_option,
@@ -95,11 +96,8 @@ def _main(argv: Sequence[str] | None) -> int:
   args = parse_args(argv)
   # Imported here so that --help and argument errors answer at once.
   from flax_transformer.cli import text_io
-  from flax_transformer.config import ConfigError
-  from flax_transformer.data.tokenizer import TokenizerError
   from flax_transformer.decode.methods import default_method, method_from_name
   from flax_transformer.decode.translator import Translator
-  from flax_transformer.run.checkpoints import CheckpointError
 
   settings = args.method_settings
   try:
@@ -123,8 +121,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args.target_lang = args.target_lang or text_io.target_language(args.checkpoint)
     translator.check_method(method, len(sentences), args.batch_size)
     output = text_io.open_output(args.output)
-  except (text_io.InputError, CheckpointError, ConfigError, TokenizerError) as error:
-    raise Failure(str(error), 2) from error  # one line; its traceback with --debug
+  except errors.Error as error:
+    raise Failure(str(error), REFUSED) from error  # one line; its traceback with --debug
   status, translations = text_io.translate_into(
     output,
     args.output or 'standard output',

@@ -14,7 +14,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from flax_transformer.cli.failures import Failure, add_debug_option, run_program
+from flax_transformer import errors
+from flax_transformer.cli.failures import REFUSED, Failure, add_debug_option, run_program
 from flax_transformer.cli.options import (
   add_method_options,
   add_unverified_option,
@@ -69,11 +70,7 @@ def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = pr
 
 def _main(argv: Sequence[str] | None, print_fn: Callable[[str], None]) -> int:
   args = parse_args(argv)
-  from flax_transformer.config import ConfigError
-  from flax_transformer.data.corpus import DataError
-  from flax_transformer.data.tokenizer import TokenizerError
-  from flax_transformer.run.checkpoints import CheckpointError
-  from flax_transformer.train.distill import DistillError, distill
+  from flax_transformer.train.distill import distill
 
   try:
     method = TEACHER_METHOD(**args.method_settings)
@@ -86,8 +83,8 @@ def _main(argv: Sequence[str] | None, print_fn: Callable[[str], None]) -> int:
       overwrite=args.overwrite,
       on_unverified=unverified_reporter(args, 'distill.py'),
     )
-  except (DistillError, CheckpointError, ConfigError, DataError, TokenizerError) as error:
-    raise Failure(str(error), 2) from error  # one line; its traceback with --debug
+  except errors.Error as error:
+    raise Failure(str(error), REFUSED) from error  # one line; its traceback with --debug
   except OSError as error:
     raise Failure(f'writing {args.output} failed ({error.strerror or error})', 1) from error
   notes = [f'{result.empty:,} empty (their pairs are dropped when loaded)'] if result.empty else []

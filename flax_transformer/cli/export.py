@@ -19,7 +19,8 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from flax_transformer.cli.failures import Failure, add_debug_option, run_program
+from flax_transformer import errors
+from flax_transformer.cli.failures import REFUSED, Failure, add_debug_option, run_program
 from flax_transformer.cli.options import add_unverified_option, unverified_reporter
 
 
@@ -67,9 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
   args = parse_args(argv)
   # Imported here so that --help and argument errors answer at once.
-  from flax_transformer.config import ConfigError
-  from flax_transformer.data.tokenizer import TokenizerError
-  from flax_transformer.run.checkpoints import CheckpointError
   from flax_transformer.run.export import export_run
 
   try:
@@ -82,8 +80,8 @@ def _main(argv: Sequence[str] | None) -> int:
     )
   except ModuleNotFoundError as error:
     raise Failure(f'export needs {error.name}: pip install -e .[pretrained]', 2) from error
-  except (CheckpointError, ConfigError, TokenizerError) as error:
-    raise Failure(str(error), 2) from error
+  except errors.Error as error:
+    raise Failure(str(error), REFUSED) from error
   print(
     f'export.py: wrote {output} (transformers: MarianMTModel.from_pretrained({str(output)!r});'
     f' CTranslate2: ct2-transformers-converter --model {output} --output_dir ...)'

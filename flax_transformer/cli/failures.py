@@ -74,11 +74,25 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
-from flax_transformer import signals
+from flax_transformer import errors, signals
 
 DEBUG_ENVIRONMENT = 'FLAX_TRANSFORMER_DEBUG'
 # Characters of an unexpected error's message shown in its one line.
 _MESSAGE_CHARS = 300
+
+
+# train.py's status of the library's errors, by base class, the first that matches (the table
+# above); each reported as 'error: MESSAGE'.
+TRAIN_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+  (errors.ConfigError, 2),  # a setting; --init-from's directory (PretrainedError)
+  (errors.NotARun, 2),  # a --workdir that no run of train.py wrote
+  (errors.NonFiniteError, 3),
+  (errors.Error, 1),  # the data, the run directory, its lock, a checkpoint, the tokenizer
+  (OSError, 1),  # a write (WriteError), a full disk
+)
+# decode.py, distill.py and export.py before their work: every error of the library (it names
+# its problem) is a refusal.
+REFUSED = 2
 
 
 class Failure(Exception):
@@ -163,16 +177,10 @@ def one_line(error: BaseException) -> str:
 
 def train_failure(error: BaseException) -> tuple[str, int] | None:
   """train.py's wording and status of a failure (see the table in the module docstring)."""
-  from flax_transformer.pretrained.marian import PretrainedError
   from flax_transformer.train.interruption import Interrupted
-  from flax_transformer.train.loop import NonFiniteError
 
   if isinstance(error, Interrupted):
     return str(error), error.exit_code
-  if isinstance(error, PretrainedError):  # --init-from's directory, read before training
-    return f'error: {error}', 2
-  if isinstance(error, NonFiniteError):
-    return f'error: {error}', 3
   if isinstance(error, KeyboardInterrupt):
     return (
       'interrupted by SIGINT, nothing more saved; the checkpoints on disk are complete: '
@@ -194,10 +202,9 @@ def train_failure(error: BaseException) -> tuple[str, int] | None:
       '--train.max_tokens (tokens per batch) or the model size; the checkpoints on disk '
       'are complete: run again to resume'
     ), 1
-  if isinstance(error, _refusals()):
-    return f'error: {error}', 2
-  if isinstance(error, _run_errors()):
-    return f'error: {error}', 1
+  for base, status in TRAIN_STATUS:
+    if isinstance(error, base):
+      return f'error: {error}', status
   return None
 
 
@@ -206,24 +213,6 @@ def _device_out_of_memory(error: BaseException) -> bool:
   import jax
 
   return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
-
-
-def _refusals() -> tuple[type[Exception], ...]:
-  """train.py's errors that refuse the request before any work: a setting, the --workdir."""
-  from flax_transformer.config import ConfigError
-  from flax_transformer.run.directory import NotARun
-
-  return ConfigError, NotARun
-
-
-def _run_errors() -> tuple[type[Exception], ...]:
-  """The errors train.py reports with their own message (they name the problem)."""
-  from flax_transformer.data.corpus import DataError
-  from flax_transformer.data.tokenizer import TokenizerError
-  from flax_transformer.run.checkpoints import CheckpointError, WriteError
-  from flax_transformer.run.lock import RunDirectoryInUse
-
-  return (CheckpointError, WriteError, DataError, TokenizerError, RunDirectoryInUse, OSError)
 
 
 @contextlib.contextmanager

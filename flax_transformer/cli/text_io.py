@@ -13,15 +13,12 @@ from tqdm import tqdm
 
 from flax_transformer.cli.failures import Failure, one_line
 from flax_transformer.data.corpus import DataError, split_lines
+from flax_transformer.errors import InputError
 from flax_transformer.signals import Stopped
 
 # Sentences read, sorted and decoded together; their translations are written before the next
 # block is read. Large enough for length-sorted batches, small enough to see output soon.
 BATCHES_PER_BLOCK = 8
-
-
-class InputError(Exception):
-  """Bad command-line input: the message is shown as is."""
 
 
 def lines_of(data: bytes, where: str) -> list[str]:

@@ -91,6 +91,7 @@ from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
 from flax_transformer.data.corpus import DataError, invalid_utf8
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.data.word_memo import flat_rows
+from flax_transformer.errors import CacheError
 from flax_transformer.files import file_digest, write_atomically
 
 FORMAT_VERSION = 1
@@ -115,10 +116,6 @@ POOL_MIN_LINES = 100_000
 _HASH_BLOCK = 8 << 20
 # Names a partial build's directory, so that only this host's dead builders' are removed.
 _HOST = socket.gethostname().replace('-', '_').replace('/', '_') or 'host'
-
-
-class CacheError(DataError):
-  """The cache cannot be used or written; the message names the directory and what to do."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import datasets
 
+from flax_transformer.errors import DataError
+
 # File extensions `load_parallel` reads as tables, mapped to the `datasets` builder.
 TABLE_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet'}
 # Stems recognised as the validation split, in order of preference.
@@ -35,10 +37,6 @@ _TEXT_PAIR = datasets.Features(
   {'source': datasets.Value('string'), 'target': datasets.Value('string')}
 )
 _HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$')
-
-
-class DataError(ValueError):
-  """The data cannot be loaded; the message names the file, line or option at fault."""
 
 
 def load_parallel(

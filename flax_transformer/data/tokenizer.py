@@ -36,14 +36,11 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.data import word_memo
+from flax_transformer.errors import TokenizerError
 from flax_transformer.files import write_atomically
 
 FILE_NAME = 'tokenizer.json'
 SPECIAL_TOKENS = ('<pad>', '<s>', '</s>', '<unk>')  # index = id
-
-
-class TokenizerError(ValueError):
-  """A tokenizer cannot be trained, loaded or used; the message says which and why."""
 
 
 @runtime_checkable

@@ -50,13 +50,14 @@ from pathlib import Path
 
 import numpy as np
 
-from flax_transformer.config import ConfigError, ModelConfig
+from flax_transformer.config import ModelConfig
 from flax_transformer.data.tokenizer import (
   SPECIAL_TOKENS,
   TextTokenizer,
   Tokenizer,
   special_tokens_as_text,
 )
+from flax_transformer.errors import ExportError
 from flax_transformer.pretrained.marian import TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer
 
 # Our activation names -> transformers' (our 'gelu' is the tanh form: transformers' gelu_new).
@@ -71,10 +72,6 @@ FAST_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json')
 MARIAN_TOKENIZER_FILES = (*TOKENIZER_FILES, 'tokenizer_config.json')
 # Every name an export may hold (an output holding only these is an earlier export).
 FILES = tuple(dict.fromkeys(MODEL_FILES + FAST_TOKENIZER_FILES + MARIAN_TOKENIZER_FILES))
-
-
-class ExportError(ConfigError):
-  """The model cannot be written as a Marian model; the message names the setting."""
 
 
 def check_exportable(config: ModelConfig) -> None:

@@ -42,6 +42,7 @@ from flax_transformer.config import (
   check_bounds,
 )
 from flax_transformer.data.tokenizer import TokenizerError, check_compatible
+from flax_transformer.errors import PretrainedError
 from flax_transformer.pretrained.fast_tokenizer import ExportedTokenizer
 
 TOKENIZER_FILES = ('source.spm', 'target.spm', 'vocab.json')
@@ -93,13 +94,6 @@ OPTIONAL_FIELDS = {
 }
 # Written as true/false when present.
 FLAG_FIELDS = ('share_encoder_decoder_embeddings', 'tie_word_embeddings')
-
-
-class PretrainedError(ConfigError):
-  """A directory is not a Marian model this library can load; the message says why.
-
-  A ConfigError: the programs report it as they report a bad setting, in one line.
-  """
 
 
 def _import_optional(module: str):

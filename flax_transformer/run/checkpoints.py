@@ -48,6 +48,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from flax_transformer.config import ModelConfig
+from flax_transformer.errors import DamagedCheckpoint, RotatedCheckpoint
 from flax_transformer.files import file_digest
 from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError
 
@@ -61,27 +62,6 @@ _SHOWN_DIFFERENCES = 3
 # How long a failed read waits for its step's directory to go, when a newer step shows that a
 # writer's max_to_keep is deleting it (orbax deletes file by file, the directory last).
 _ROTATION_WAIT_S = 1.0
-
-
-class DamagedCheckpoint(CheckpointError):
-  """A checkpoint's files cannot be read or changed after they were written.
-
-  step: the checkpoint's step; file: the damaged file (or item directory).
-  """
-
-  def __init__(self, message: str, step: int, file: Path):
-    super().__init__(message)
-    self.step = step
-    self.file = file
-
-
-class RotatedCheckpoint(CheckpointError):
-  """A checkpoint was deleted while it was read: rotated away by the run writing beside the
-  reader (its train.keep_checkpoints), not damaged. step: the checkpoint's step."""
-
-  def __init__(self, message: str, step: int):
-    super().__init__(message)
-    self.step = step
 
 
 class Checkpoints:

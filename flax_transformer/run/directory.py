@@ -55,6 +55,7 @@ from flax_transformer.config import (
 )
 from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
+from flax_transformer.errors import CheckpointError, NotARun, WriteError
 from flax_transformer.files import file_digest, files_digest, write_atomically
 from flax_transformer.pretrained.marian import MarianTokenizer, is_export
 from flax_transformer.run.lock import LOCK_FILE, RunLock
@@ -101,22 +102,6 @@ _RUN_ENTRIES = frozenset(
     BEST_DIR,
   }
 )
-
-
-class CheckpointError(ValueError):
-  """A run directory or checkpoint is missing, incomplete or does not fit the request."""
-
-
-class NotARun(CheckpointError):
-  """A directory train.py was asked to write or clear holds what no run of it wrote (a
-  pretrained model, an averaged output, another tool's files); nothing in it was touched."""
-
-
-class WriteError(OSError):
-  """A file of the run directory could not be written (no permission, disk full, ...).
-
-  The message names the path; the files written before are intact.
-  """
 
 
 def check_writable(workdir: str | Path) -> None:

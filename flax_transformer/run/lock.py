@@ -24,11 +24,9 @@ import socket
 import time
 from pathlib import Path
 
+from flax_transformer.errors import RunDirectoryInUse
+
 LOCK_FILE = 'run.lock'
-
-
-class RunDirectoryInUse(RuntimeError):
-  """Another process holds the run directory's lock."""
 
 
 class RunLock:

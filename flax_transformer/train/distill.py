@@ -41,6 +41,7 @@ from flax_transformer.data.corpus import DataError
 from flax_transformer.decode.autoregressive import BeamSearch
 from flax_transformer.decode.methods import DecodingMethod
 from flax_transformer.decode.translator import Translator
+from flax_transformer.errors import DistillError
 from flax_transformer.run.directory import averaged_run, read_config
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.train.loop import load_data
@@ -57,10 +58,6 @@ _NOT_REPEATED = {
 # The file that marks OUTPUT as distill.py's, so that --overwrite replaces nothing else (no
 # suffix: loading the directory's <split>.<lang> files never reads it).
 MARKER = '.written-by-distill'
-
-
-class DistillError(ValueError):
-  """The distillation cannot run as asked; the message names the option at fault."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,7 @@ from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.autoregressive import Greedy
 from flax_transformer.decode.methods import default_method
 from flax_transformer.decode.translator import Translator
+from flax_transformer.errors import NonFiniteError
 from flax_transformer.nn.model import count_params
 from flax_transformer.pretrained.marian import load_marian
 from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, WriteError
@@ -110,17 +111,6 @@ def evaluation_method(model_config: ModelConfig):
   """How BLEU is decoded during and after training: greedy for an autoregressive model (the
   usual, cheap model-selection signal), the model's default (mask-predict) for a cmlm one."""
   return default_method(model_config, autoregressive=Greedy())
-
-
-class NonFiniteError(RuntimeError):
-  """Training stopped at a step whose loss or gradient was not finite.
-
-  step: the step (numbered as in metrics.jsonl and the checkpoints: the s-th batch).
-  """
-
-  def __init__(self, message: str, step: int):
-    super().__init__(message)
-    self.step = step
 
 
 @dataclasses.dataclass
