@@ -204,3 +204,21 @@ def test_the_fairseq_preset_is_the_anchors_recipe():
   assert train.checkpoint_every == train.eval_every and train.keep_checkpoints == 10
   assert (data.normalize_punctuation, data.lowercase, data.pretokenize) == (True, True, 'moses')
   assert not math.isnan(train.steps) and train.steps == 8000
+
+
+def test_a_sentence_prepared_again_is_looked_up_not_tokenized_again():
+  """The training text is prepared for the tokenizer's sample and again for encoding: the
+  second pass reads the memo, and gives what Moses gives."""
+  steps = TextPreprocessing(normalize_punctuation=True, lowercase=True, pretokenize='moses')
+  texts = [f'A dog, number {index}, runs fast.' for index in range(50)]
+  first = steps.prepare(texts, 'en')
+  before = preprocessing._prepared.cache_info()
+  again = steps.prepare(texts, 'en')
+  after = preprocessing._prepared.cache_info()
+  assert again == first == [steps.prepare_one(text, 'en') for text in texts]
+  assert first[0] == 'a dog , number 0 , runs fast .'
+  assert (after.hits - before.hits, after.misses - before.misses) == (50, 0)
+  # Another language or other steps are other entries, never a stale answer.
+  assert steps.prepare(texts[:1], 'de') == [steps.prepare_one(texts[0], 'de')]
+  lowered_only = TextPreprocessing(lowercase=True)
+  assert lowered_only.prepare(texts[:1], 'en') == [texts[0].lower()]
