@@ -78,9 +78,10 @@ TINY = [
 
 @pytest.fixture(scope='module')
 def toy_run(tmp_path_factory) -> Path:
-  """The first run a user makes: `python train.py`, the embedded number-words task."""
+  """The first run a user makes: `python train.py`, the embedded number-words task, its model
+  and settings, for 150 of its 400 steps (enough for confident predictions; the suite's time)."""
   workdir = tmp_path_factory.mktemp('toy') / 'run'
-  status, _, err = call(train_cli.main, ['--workdir', workdir])
+  status, _, err = call(train_cli.main, ['--workdir', workdir, '--steps=150'])
   assert status == 0, err[-2000:]
   return workdir
 

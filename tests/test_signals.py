@@ -170,10 +170,10 @@ def sweep_points(landmarks: dict) -> list[tuple[str, int]]:
   after its last line."""
   phases = list(zip(LANDMARKS, LANDMARKS[1:]))
   fractions = {
-    'main': (0.02, 0.4, 0.9),
-    'train_from': (0.1, 0.5, 0.9),
-    '_validation_bleu': (0.05, 0.5),
-    '_final_evaluation': (0.2, 0.6, 0.9, 0.99),
+    'main': (0.02, 0.6),
+    'train_from': (0.1, 0.9),
+    '_validation_bleu': (0.5,),
+    '_final_evaluation': (0.2, 0.6, 0.99),
   }
   return [
     (start, max(1, int((landmarks[stop] - landmarks[start]) * fraction)))
