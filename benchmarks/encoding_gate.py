@@ -42,7 +42,7 @@ WORKER = """
 import json, sys, time
 from pathlib import Path
 from flax_transformer.data import cache
-from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer
 data, tokenizer_dir, cache_dir, memo = sys.argv[1:5]
 backend = Tokenizer.load(tokenizer_dir)._backend
 tokenizer = Tokenizer(backend) if memo == 'default' else Tokenizer(backend, memo_words=0)
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
 
   source = TextPairFiles(args.data / 'train.en', args.data / 'train.de')
   with tempfile.TemporaryDirectory(prefix='encoding-gate-tokenizer-') as tokenizer_dir:
-    from flax_transformer.data.tokenizer import Tokenizer
+    from flax_transformer.tokenizer import Tokenizer
 
     begin = time.perf_counter()
     sources, targets = source.sample_pairs(0)

@@ -331,7 +331,7 @@ def seconds_per_step(lines: list[dict]) -> float | None:
 def compare(args) -> dict:
   """Runs side by side up to `--steps`, from their logs and tokenizers (no decoding)."""
   from flax_transformer.data.corpus import load_parallel
-  from flax_transformer.data.tokenizer import Tokenizer
+  from flax_transformer.tokenizer import Tokenizer
 
   runs, datasets = [], {}
   for workdir in map(Path, args.workdirs):

@@ -83,7 +83,7 @@ def measure(
   from flax_transformer.data.batching import Batcher, encode_corpus
   from flax_transformer.data.corpus import load_parallel
   from flax_transformer.data.packing import PackingBatcher, padding_share
-  from flax_transformer.data.tokenizer import Tokenizer
+  from flax_transformer.tokenizer import Tokenizer
 
   model_config, train_config, data_config = run_preset('multi30k')
   preset = workloads.first_preset()

@@ -314,7 +314,7 @@ def synthetic_tokenizer(vocab_size: int):
   import tokenizers
   from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-  from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+  from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
 
   vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
   vocab.update({f'w{index}': index for index in range(len(SPECIAL_TOKENS), vocab_size)})

@@ -14,6 +14,7 @@ and is atomic on POSIX; a leftover temporary file from a crash is overwritten by
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -74,3 +75,26 @@ def files_digest(paths: Iterable[str | Path]) -> str:
       while block := file.read(_HASH_BLOCK):
         digest.update(block)
   return digest.hexdigest()
+
+
+def read_json_object(path: Path, error: type[Exception]) -> dict:
+  """The JSON object in `path`, or `error` naming the file and why it is not one."""
+  try:
+    value = json.loads(path.read_text(encoding='utf-8'))
+  except OSError as reason:
+    raise error(f'{path}: cannot be read ({reason.strerror or reason})') from None
+  except UnicodeDecodeError as reason:
+    raise error(f'{path}: not UTF-8 text ({reason.reason} at byte {reason.start})') from None
+  except ValueError as reason:
+    raise error(f'{path}: not valid JSON ({reason})') from None
+  if not isinstance(value, dict):
+    raise error(f'{path}: holds {json_kind(value)}, not a JSON object')
+  return value
+
+
+def json_kind(value) -> str:
+  """How a message names a parsed JSON value's kind: 'null', 'an array', 'a string', ..."""
+  if value is None or isinstance(value, bool):
+    return json.dumps(value)
+  kinds = {list: 'an array', str: 'a string', int: 'a number', float: 'a number', dict: 'an object'}
+  return next(kind for kind_type, kind in kinds.items() if isinstance(value, kind_type))

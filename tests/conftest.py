@@ -62,12 +62,12 @@ import pytest  # noqa: E402
 import train as train_cli  # noqa: E402
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from flax_transformer.data.corpus import load_parallel  # noqa: E402
-from flax_transformer.data.tokenizer import Tokenizer  # noqa: E402
 from flax_transformer.data.toy_task import number_translation  # noqa: E402
 from flax_transformer.nn.cmlm import CMLMTransformer  # noqa: E402
 from flax_transformer.nn.model import Transformer  # noqa: E402
 from flax_transformer.run.checkpoints import Checkpoints  # noqa: E402
 from flax_transformer.run.directory import write_config  # noqa: E402
+from flax_transformer.tokenizer import Tokenizer  # noqa: E402
 from support import checkpointed_run as checkpointed_run_lib  # noqa: E402
 from support import random_run as random_run_lib  # noqa: E402
 from support import tiny_cmlm  # noqa: E402

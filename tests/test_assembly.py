@@ -15,7 +15,7 @@ from flax_transformer.data import assembly
 from flax_transformer.data.batching import Batcher, EncodedCorpus, encode_corpus, shard
 from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import PackingBatcher, pack_rows
-from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer
 
 MULTI30K = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 needs_multi30k = pytest.mark.skipif(

@@ -276,9 +276,9 @@ def test_an_explicit_kernel_the_model_rules_out_is_refused(settings, message):
 
 
 def test_cudnn_without_a_gpu_is_refused_to_train_and_decodes_with_auto():
-  from flax_transformer.data.tokenizer import Tokenizer
   from flax_transformer.decode.methods import Greedy
   from flax_transformer.decode.translator import Translator
+  from flax_transformer.tokenizer import Tokenizer
 
   config = CONFIG.replace(attention_kernel='cudnn', dtype='bfloat16')
   with pytest.raises(ConfigError, match='cudnn needs a GPU'):

@@ -9,7 +9,7 @@ import pytest
 
 from flax_transformer.data.batching import Batch, Batcher, default_buckets, encode_corpus, shard
 from flax_transformer.data.corpus import DataError, load_parallel
-from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer
 
 PAD, BOS, EOS = 0, 1, 2
 MAX_LEN = 24

@@ -15,7 +15,7 @@ import pytest
 from flax_transformer.data import cache
 from flax_transformer.data.batching import encode_corpus
 from flax_transformer.data.corpus import DataError, load_parallel
-from flax_transformer.data.tokenizer import Tokenizer
+from flax_transformer.tokenizer import Tokenizer
 
 MULTI30K = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 FIELDS = ('src_ids', 'src_offsets', 'tgt_ids', 'tgt_offsets', 'example_ids')

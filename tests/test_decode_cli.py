@@ -18,13 +18,13 @@ import pytest
 from flax_transformer.cli import decode as decode_cli  # decode.py's program
 from flax_transformer.cli import text_io
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.decode import non_autoregressive
 from flax_transformer.decode.methods import Greedy, MaskPredict
 from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import Transformer
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
+from flax_transformer.tokenizer import Tokenizer
 from support.random_run import MAX_LEN, SENTENCES
 from support.script_calls import call, error_line
 

@@ -25,7 +25,6 @@ pytest.importorskip('safetensors', reason='needs safetensors: pip install -e .[p
 from flax_transformer.cli import export as export_cli  # noqa: E402
 from flax_transformer.cli import train as train_cli  # noqa: E402
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
-from flax_transformer.data.tokenizer import Tokenizer  # noqa: E402
 from flax_transformer.decode.autoregressive import EXTRA_OUTPUT_TOKENS  # noqa: E402
 from flax_transformer.decode.methods import BeamSearch, Greedy  # noqa: E402
 from flax_transformer.decode.translator import Translator  # noqa: E402
@@ -36,6 +35,7 @@ from flax_transformer.pretrained.marian import load_marian  # noqa: E402
 from flax_transformer.run.checkpoints import Checkpoints  # noqa: E402
 from flax_transformer.run.directory import write_config  # noqa: E402
 from flax_transformer.run.loading import load_for_inference  # noqa: E402
+from flax_transformer.tokenizer import Tokenizer  # noqa: E402
 from support.script_calls import call, error_line  # noqa: E402
 
 TOY_SENTENCES = [

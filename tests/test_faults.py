@@ -25,7 +25,6 @@ from conftest import CMLM_OPTIONS
 from flax_transformer.cli import decode as decode_cli  # the programs of decode.py, train.py
 from flax_transformer.cli import train as train_cli
 from flax_transformer.config import ModelConfig
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.nn.model import count_params
 from flax_transformer.run.checkpoints import (
@@ -36,6 +35,7 @@ from flax_transformer.run.checkpoints import (
   WriteError,
 )
 from flax_transformer.run.sizes import check_fits, parameter_count
+from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train import loop
 from support.lock_holder import lock_holder
 from support.runs import saved_steps

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
+from flax_transformer.tokenizer import TextTokenizer, Tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'flax_transformer'
 LAYERS = (
@@ -20,6 +20,7 @@ LAYERS = (
   'signals',
   'files',
   'nn',
+  'tokenizer',
   'data',
   'pretrained',
   'run',

@@ -11,8 +11,8 @@ import tokenizers
 from benchmarks import multi30k
 from flax_transformer.config import run_preset
 from flax_transformer.data.corpus import load_parallel
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn.model import count_params
+from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train.loop import train
 
 

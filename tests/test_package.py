@@ -10,10 +10,10 @@ import jax
 import pytest
 
 from flax_transformer import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn.build import build_model
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
+from flax_transformer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60

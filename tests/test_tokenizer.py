@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from flax_transformer import ConfigError, ModelConfig
-from flax_transformer.data.tokenizer import FILE_NAME, SPECIAL_TOKENS, Tokenizer, TokenizerError
+from flax_transformer.errors import TokenizerError
+from flax_transformer.tokenizer import FILE_NAME, SPECIAL_TOKENS, Tokenizer
 
 SENTENCES = [
   'A man in an orange hat starring at something.',
@@ -245,3 +246,44 @@ def test_a_marian_tokenizer_reads_special_strings_as_text(tmp_path):
       assert not specials & set(ids), (line, ids)
       assert tokenizer.unk_id in ids  # the unknown characters, as unknown
   assert tokenizer.unk_id not in tokenizer.encode(['Ein Hund'])[0]
+
+
+def test_one_load_reads_whichever_tokenizer_a_directory_holds_and_digests_its_files(tmp_path):
+  """flax_transformer.tokenizer.load: ours, an export's or a Marian model's, told by the files
+  present; digest() is the SHA-256 of the files (name and bytes), changing with any byte."""
+  import hashlib
+
+  from flax_transformer import tokenizer as room
+
+  trained = Tokenizer.train(CORPUS, vocab_size=120)
+  with pytest.raises(TokenizerError, match=r'once saved: call save\(directory\) first'):
+    trained.digest()
+  ours = tmp_path / 'ours'
+  trained.save(ours)
+  expected = hashlib.sha256(b'tokenizer.json\0' + (ours / FILE_NAME).read_bytes()).hexdigest()
+  assert trained.digest() == expected
+  loaded = room.load(ours)
+  assert type(loaded) is Tokenizer and loaded.digest() == expected
+  assert loaded.encode(SENTENCES) == trained.encode(SENTENCES)
+  (ours / FILE_NAME).write_text((ours / FILE_NAME).read_text().replace('"<unk>"', '"<unk>" '))
+  assert room.load(ours).digest() != expected
+
+  # An export's files: tokenizer.json beside tokenizer_config.json.
+  exported = tmp_path / 'exported'
+  trained.save(exported)
+  (exported / 'tokenizer_config.json').write_text('{}')
+  assert room.kind_in(exported) is room.ExportedTokenizer
+  with pytest.raises(TokenizerError, match='tokenizer_config.json: special tokens'):
+    room.load(exported)
+  # A Marian model's: its sentencepiece models and vocab.json; a damaged one is named.
+  marian = tmp_path / 'marian'
+  marian.mkdir()
+  for name in room.TOKENIZER_FILES:
+    (marian / name).write_text('not a model')
+  assert room.kind_in(marian) is room.MarianTokenizer
+  with pytest.raises(TokenizerError, match='source.spm: not a readable sentencepiece model'):
+    room.load(marian)
+  # Nothing there: ours is asked for, naming the file.
+  with pytest.raises(TokenizerError, match=f'{tmp_path / "empty" / FILE_NAME}: no such file'):
+    room.load(tmp_path / 'empty')
+  assert room.kind_in(tmp_path / 'empty', default=room.MarianTokenizer) is room.MarianTokenizer

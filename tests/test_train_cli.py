@@ -21,8 +21,8 @@ from flax_transformer.cli import decode as decode_cli  # the programs of decode.
 from flax_transformer.cli import options
 from flax_transformer.cli import train as train_cli
 from flax_transformer.config import SECTIONS, ModelConfig, TrainConfig
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.data.toy_task import number_translation
+from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train import distributed
 from flax_transformer.train.loop import load_data
 from support.runs import finite, read_metrics, saved_steps, train_state

@@ -16,8 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import models, normalizers, pre_tokenizers
 
-from flax_transformer.data import word_memo
-from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer, word_memo
 
 CORPUS = [
   'A man in an orange hat starring at something.',

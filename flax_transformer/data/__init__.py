@@ -1,8 +1,8 @@
-"""The input side: parallel text, the subword vocabulary, batches and the embedded toy task.
+"""The input side: parallel text, batches and the embedded toy task (the tokenizers have a
+room of their own, `flax_transformer.tokenizer`; `Tokenizer` is also here, where it was).
 
-Layer 2 (above `config` and `nn`). Modules: `corpus` (parallel text through
-Hugging Face `datasets`), `tokenizer` (the shared vocabulary and the
-`TextTokenizer` protocol every tokenizer meets), `batching` (token-count batches
+Layer 3 (above `config`, `nn` and `tokenizer`). Modules: `corpus` (parallel text through
+Hugging Face `datasets`), `batching` (token-count batches
 in a few fixed shapes, a pure function of the step), `packing` (several pairs
 per row), `toy_task` (number words, English -> German, offline).
 """
@@ -10,13 +10,9 @@ per row), `toy_task` (number words, English -> German, offline).
 from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, encode_corpus, shard
 from flax_transformer.data.corpus import DataError, describe, load_parallel
 from flax_transformer.data.packing import PackingBatcher, padding_share
-from flax_transformer.data.tokenizer import (
-  TextTokenizer,
-  Tokenizer,
-  TokenizerError,
-  check_compatible,
-)
 from flax_transformer.data.toy_task import number_translation
+from flax_transformer.errors import TokenizerError
+from flax_transformer.tokenizer import TextTokenizer, Tokenizer, check_compatible
 
 __all__ = [
   'Batch',

@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 from flax_transformer import signals
 from flax_transformer.config import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, Bounds, check_bounds
 from flax_transformer.data.corpus import DataError
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn import masks
+from flax_transformer.tokenizer import Tokenizer
 
 PAD_ID, BOS_ID, EOS_ID = Tokenizer.pad_id, Tokenizer.bos_id, Tokenizer.eos_id
 # A sequence holds at least a token and its EOS.

@@ -89,10 +89,10 @@ from flax_transformer import signals
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
 from flax_transformer.data.corpus import DataError, invalid_utf8
-from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
-from flax_transformer.data.word_memo import flat_rows
 from flax_transformer.errors import CacheError
 from flax_transformer.files import file_digest, write_atomically
+from flax_transformer.tokenizer import TextTokenizer, Tokenizer
+from flax_transformer.tokenizer.word_memo import flat_rows
 
 FORMAT_VERSION = 1
 # How text becomes ids beyond what the tokenizer's files say. 2: special tokens' strings in

@@ -37,8 +37,8 @@ from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
 from flax_transformer.data.batching import EncodedCorpus, encode_corpus
 from flax_transformer.data.cache import DatasetPairs, TextPairFiles, load_or_encode
 from flax_transformer.data.corpus import DataError, describe, load_parallel, text_pair_files
-from flax_transformer.data.tokenizer import TextTokenizer
 from flax_transformer.data.toy_task import number_translation
+from flax_transformer.tokenizer import TextTokenizer
 
 # The tokenizer's sample is drawn with this seed, not the run's: the vocabulary is a function
 # of the data and the data settings alone.

@@ -201,6 +201,20 @@ class PreprocessingTokenizer:
   def save(self, directory: str | Path) -> Path:
     return self.inner.save(directory)
 
+  def digest(self) -> str:
+    """The digest of what turns text into ids: the inner tokenizer's files, with the
+    preprocessing and the languages (the corpus cache's key)."""
+    recipe = json.dumps(
+      {
+        'tokenizer': self.inner.digest(),
+        'src_lang': self.src_lang,
+        'tgt_lang': self.tgt_lang,
+        'preprocessing': dataclasses.asdict(self.preprocessing),
+      },
+      sort_keys=True,
+    )
+    return hashlib.sha256(recipe.encode()).hexdigest()
+
 
 def _texts(texts: Sequence[str]) -> Sequence[str]:
   if isinstance(texts, str):
@@ -216,23 +230,6 @@ def wrap(tokenizer, data_config: DataConfig):
   return PreprocessingTokenizer(
     tokenizer, preprocessing, data_config.src_lang, data_config.tgt_lang
   )
-
-
-def keyed_digest(tokenizer_digest: str, tokenizer) -> str:
-  """The digest of what turns text into ids: the tokenizer files' digest, with the
-  preprocessing and languages of a `PreprocessingTokenizer` (part of the corpus cache's key)."""
-  if not isinstance(tokenizer, PreprocessingTokenizer):
-    return tokenizer_digest
-  recipe = json.dumps(
-    {
-      'tokenizer': tokenizer_digest,
-      'src_lang': tokenizer.src_lang,
-      'tgt_lang': tokenizer.tgt_lang,
-      'preprocessing': dataclasses.asdict(tokenizer.preprocessing),
-    },
-    sort_keys=True,
-  )
-  return hashlib.sha256(recipe.encode()).hexdigest()
 
 
 def unwrap(tokenizer):

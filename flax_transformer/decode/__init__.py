@@ -1,6 +1,6 @@
 """Decoding: the functional API on the explicit KV cache, methods as values, text in and out.
 
-Layer 5 (above `run`, whose checkpoints `Translator` loads). Modules:
+Layer 6 (above `run`, whose checkpoints `Translator` loads). Modules:
 `autoregressive` (greedy, sampling and beam search as one `lax.scan`-style loop
 over steps), `non_autoregressive` (mask-predict, a cmlm model's iterative refinement),
 each with its methods' classes (one frozen class per method: its settings, checked, and

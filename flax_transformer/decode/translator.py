@@ -35,7 +35,6 @@ import numpy as np
 
 from flax_transformer import signals
 from flax_transformer.config import ConfigError, ModelConfig
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.decode import autoregressive
 from flax_transformer.decode.autoregressive import BeamSearch
 from flax_transformer.decode.methods import DecodingMethod, default_method
@@ -43,6 +42,7 @@ from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import attention_weights
 from flax_transformer.run.loading import load_for_inference
 from flax_transformer.run.sizes import check_fits
+from flax_transformer.tokenizer import Tokenizer
 
 # Source widths are rounded up to a multiple of this, so a corpus compiles a few shapes.
 WIDTH_MULTIPLE = 8

@@ -1,9 +1,9 @@
 """Pretrained models from elsewhere: Hugging Face Marian (OPUS-MT) directories.
 
-Layer 3 (above `config`, `nn` and `data`): `marian` reads a Marian directory's
+Layer 4 (above `config`, `nn`, `tokenizer` and `data`): `marian` reads a Marian directory's
 config.json, weights and tokenizer into this library's model; `export` writes our
-model as one, which transformers and CTranslate2 load (`fast_tokenizer` reads its
-tokenizer back).
+model as one, which transformers and CTranslate2 load (the tokenizers, Marian's and an
+export's, live in `flax_transformer.tokenizer`).
 """
 
 from flax_transformer.pretrained.marian import (

@@ -51,14 +51,10 @@ from pathlib import Path
 import numpy as np
 
 from flax_transformer.config import ModelConfig
-from flax_transformer.data.tokenizer import (
-  SPECIAL_TOKENS,
-  TextTokenizer,
-  Tokenizer,
-  special_tokens_as_text,
-)
 from flax_transformer.errors import ExportError
 from flax_transformer.pretrained.marian import TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer
+from flax_transformer.tokenizer import SPECIAL_TOKENS, TextTokenizer, Tokenizer
+from flax_transformer.tokenizer.subword import special_tokens_as_text
 
 # Our activation names -> transformers' (our 'gelu' is the tanh form: transformers' gelu_new).
 ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu_new', 'silu': 'swish'}

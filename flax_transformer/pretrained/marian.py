@@ -27,8 +27,7 @@ only when a Marian directory is read.
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +40,11 @@ from flax_transformer.config import (
   ModelConfig,
   check_bounds,
 )
-from flax_transformer.data.tokenizer import TokenizerError, check_compatible
-from flax_transformer.errors import PretrainedError
-from flax_transformer.pretrained.fast_tokenizer import ExportedTokenizer
+from flax_transformer.errors import PretrainedError, TokenizerError
+from flax_transformer.files import read_json_object
+from flax_transformer.tokenizer import load as load_tokenizer
+from flax_transformer.tokenizer.marian import TOKENIZER_FILES, MarianTokenizer, import_optional
 
-TOKENIZER_FILES = ('source.spm', 'target.spm', 'vocab.json')
 WEIGHTS_FILE = 'model.safetensors'
 # transformers' activation names -> ours ('gelu' there is the exact erf form; ours is tanh's).
 ACTIVATIONS = {
@@ -96,16 +95,6 @@ OPTIONAL_FIELDS = {
 FLAG_FIELDS = ('share_encoder_decoder_embeddings', 'tie_word_embeddings')
 
 
-def _import_optional(module: str):
-  """Imports an optional dependency or says how to install it."""
-  try:
-    return __import__(module)
-  except ImportError:
-    raise PretrainedError(
-      f'reading a Marian directory needs {module}: pip install -e .[pretrained]'
-    ) from None
-
-
 def is_marian_directory(directory: str | Path) -> bool:
   """Whether `directory` holds a Hugging Face model: a config.json with a model_type (a run
   directory's config.json, even a fine-tuned Marian's, has sections model/train/data), or a
@@ -131,30 +120,7 @@ def read_marian_config(directory: str | Path) -> ModelConfig:
     raise PretrainedError(
       f'{path}: no such file; is {path.parent} a Hugging Face Marian directory?'
     )
-  return marian_config(_read_json_object(path, PretrainedError), where=str(path))
-
-
-def _read_json_object(path: Path, error: type[Exception]) -> dict:
-  """The JSON object in `path`, or `error` naming the file and why it is not one."""
-  try:
-    value = json.loads(path.read_text(encoding='utf-8'))
-  except OSError as reason:
-    raise error(f'{path}: cannot be read ({reason.strerror or reason})') from None
-  except UnicodeDecodeError as reason:
-    raise error(f'{path}: not UTF-8 text ({reason.reason} at byte {reason.start})') from None
-  except ValueError as reason:
-    raise error(f'{path}: not valid JSON ({reason})') from None
-  if not isinstance(value, dict):
-    raise error(f'{path}: holds {json_kind(value)}, not a JSON object')
-  return value
-
-
-def json_kind(value) -> str:
-  """How a message names a parsed JSON value's kind: 'null', 'an array', 'a string', ..."""
-  if value is None or isinstance(value, bool):
-    return json.dumps(value)
-  kinds = {list: 'an array', str: 'a string', int: 'a number', float: 'a number', dict: 'an object'}
-  return next(kind for kind_type, kind in kinds.items() if isinstance(value, kind_type))
+  return marian_config(read_json_object(path, PretrainedError), where=str(path))
 
 
 def _check_config_fields(hf: dict, where: str) -> None:
@@ -186,139 +152,6 @@ def _check_config_fields(hf: dict, where: str) -> None:
       raise PretrainedError(
         f'{where}: {field}={hf[field]} is outside the vocabulary (vocab_size={hf["vocab_size"]})'
       )
-
-
-class MarianTokenizer:
-  """Marian's tokenizer: sentencepiece pieces (source.spm / target.spm) -> ids of vocab.json.
-
-  The interface of `tokenizer.Tokenizer`: pad_id, bos_id (= pad_id: the decoder
-  starts from PAD), eos_id, unk_id, vocab_size, encode (source side),
-  encode_target, decode (target side), id_to_token, check_compatible, save.
-  A piece missing from vocab.json becomes <unk>. Unlike transformers'
-  MarianTokenizer, the text is not Moses-punctuation-normalised first
-  (transformers does that only when sacremoses is installed).
-  """
-
-  FILES = TOKENIZER_FILES
-
-  @classmethod
-  def load(cls, directory: str | Path) -> MarianTokenizer:
-    """Reads `FILES` from `directory` (as `Tokenizer.load` reads tokenizer.json)."""
-    return cls(directory)
-
-  def __init__(self, directory: str | Path):
-    spm = _import_optional('sentencepiece')
-    directory = Path(directory)
-    for name in TOKENIZER_FILES:
-      if not (directory / name).is_file():
-        raise TokenizerError(
-          f'{directory / name}: no such file; a Marian tokenizer needs {", ".join(TOKENIZER_FILES)}'
-        )
-    self.directory = directory
-    self._source = _sentencepiece(spm, directory / 'source.spm')
-    self._target = _sentencepiece(spm, directory / 'target.spm')
-    self._vocab = _read_vocab(directory / 'vocab.json')
-    for token in ('</s>', '<unk>', '<pad>'):
-      if token not in self._vocab:
-        raise TokenizerError(f'{directory / "vocab.json"} has no {token} entry')
-    self._pieces = {index: piece for piece, index in self._vocab.items()}
-    self.pad_id = self.bos_id = self._vocab['<pad>']
-    self.eos_id, self.unk_id = self._vocab['</s>'], self._vocab['<unk>']
-    # Text is text: sentencepiece returns a run of characters it does not know as one piece,
-    # looked up in vocab.json (as transformers does: the vocabulary is both sides' pieces),
-    # and such a run can spell '</s>' or '<pad>'. From text, those are <unk>, never EOS or PAD.
-    self._text_ids = {
-      piece: self.unk_id if index in (self.eos_id, self.pad_id) else index
-      for piece, index in self._vocab.items()
-    }
-
-  @property
-  def vocab_size(self) -> int:
-    return max(self._pieces) + 1
-
-  def _encode(self, processor, texts: Sequence[str]) -> list[list[int]]:
-    if isinstance(texts, str):
-      raise TypeError('encode takes a sequence of texts; wrap a single one as [text]')
-    rows = []
-    for text in texts:
-      # A leading '>>xx<<' language code of a multilingual model is a token of its own.
-      code = []
-      if (
-        text.startswith('>>') and (end := text.find('<<')) != -1 and text[: end + 2] in self._vocab
-      ):
-        code, text = [self._vocab[text[: end + 2]]], text[end + 2 :]
-      rows.append(
-        code
-        + [self._text_ids.get(piece, self.unk_id) for piece in processor.encode(text, out_type=str)]
-      )
-    return rows
-
-  def encode(self, texts: Sequence[str]) -> list[list[int]]:
-    """Source-side ids per text (source.spm), without EOS."""
-    return self._encode(self._source, texts)
-
-  def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
-    """Target-side ids per text (target.spm), without EOS: training targets."""
-    return self._encode(self._target, texts)
-
-  def decode(self, ids) -> list[str]:
-    """Texts from rows of target ids: each row ends at its first EOS; PAD is dropped; <unk> shows."""
-    texts = []
-    for row in ids:
-      row = [int(token) for token in row]
-      if self.eos_id in row:
-        row = row[: row.index(self.eos_id)]
-      bad = [token for token in row if token not in self._pieces]
-      if bad:
-        raise TokenizerError(f'cannot decode ids {bad[:5]}: not in vocab.json')
-      words, pieces = [], []
-      for token in row:
-        if token == self.unk_id:
-          words += [self._target.decode_pieces(pieces), '<unk>']
-          pieces = []
-        elif token != self.pad_id:
-          pieces.append(self._pieces[token])
-      texts.append(' '.join(w for w in words + [self._target.decode_pieces(pieces)] if w))
-    # As transformers: a piece the sentencepiece model lacks keeps its '▁', which becomes a space.
-    return [' '.join(text.replace('▁', ' ').split()) for text in texts]
-
-  def id_to_token(self, token_id: int) -> str:
-    return self._pieces[int(token_id)]
-
-  def check_compatible(self, config: ModelConfig) -> None:
-    """Raises ConfigError unless the model's vocabulary and special ids match this tokenizer."""
-    check_compatible(self, config, f'the Marian tokenizer in {self.directory}')
-
-  def save(self, directory: str | Path) -> Path:
-    """Copies source.spm, target.spm and vocab.json into `directory`; returns it."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-      if (self.directory / name).resolve() != (directory / name).resolve():
-        shutil.copyfile(self.directory / name, directory / name)
-    return directory
-
-
-def _sentencepiece(spm, path: Path):
-  """The sentencepiece model in `path`, or TokenizerError naming it and what is wrong."""
-  try:
-    return spm.SentencePieceProcessor(model_file=str(path))
-  except (RuntimeError, OSError) as error:  # sentencepiece's status: 'INTERNAL: could not parse'
-    reason = str(error).replace(f' from {path}', '').replace(str(path), 'the file')  # named once
-    raise TokenizerError(f'{path}: not a readable sentencepiece model ({reason})') from None
-
-
-def _read_vocab(path: Path) -> dict[str, int]:
-  """vocab.json (piece -> id), or TokenizerError naming the file and what is wrong."""
-  vocab = _read_json_object(path, TokenizerError)
-  bad = next(
-    ((piece, index) for piece, index in vocab.items() if not NONNEGATIVE_INT.admits(index)), None
-  )
-  if bad is not None:
-    raise TokenizerError(
-      f'{path}: the id of {bad[0]!r} must be a non-negative integer, got {json.dumps(bad[1])}'
-    )
-  return vocab
 
 
 def marian_config(hf: dict, where: str = 'config.json') -> ModelConfig:
@@ -405,7 +238,7 @@ def _read_weights(directory: Path) -> dict[str, np.ndarray]:
       f'{WEIGHTS_FILE}, {", ".join(TOKENIZER_FILES)}'
     )
   _check_safetensors(path)
-  safetensors = _import_optional('safetensors')
+  safetensors = import_optional('safetensors')
   from safetensors.numpy import load_file
 
   try:
@@ -607,7 +440,7 @@ def load_marian(
     except ConfigError as error:
       raise PretrainedError(f'{directory / "config.json"}: {error}') from None
   try:
-    tokenizer = marian_tokenizer(directory)
+    tokenizer = load_tokenizer(directory, default=MarianTokenizer)
   except TokenizerError as error:  # a part of the pretrained directory, reported as one
     raise PretrainedError(str(error)) from None
   if tokenizer.vocab_size != config.vocab_size:
@@ -617,15 +450,6 @@ def load_marian(
     )
   params = marian_params(_read_weights(directory), config, str(directory / WEIGHTS_FILE))
   return config, params, tokenizer
-
-
-def marian_tokenizer(directory: Path) -> MarianTokenizer | ExportedTokenizer:
-  """A Marian directory's tokenizer: sentencepiece (OPUS-MT), or the fast tokenizer that
-  `pretrained.export` writes (tokenizer.json, tokenizer_config.json)."""
-  exported = all((directory / name).is_file() for name in ExportedTokenizer.FILES)
-  if exported and not (directory / TOKENIZER_FILES[0]).is_file():
-    return ExportedTokenizer.load(directory)
-  return MarianTokenizer(directory)
 
 
 def _check_shapes(params: dict, config: ModelConfig, where: str) -> None:

@@ -1,6 +1,6 @@
 """A training run on disk: its directory, lock, checkpoints, metrics log and memory estimate.
 
-Layer 4 (above `config`, `nn`, `data` and `pretrained`). Modules: `directory`
+Layer 5 (above `config`, `nn`, `tokenizer`, `data` and `pretrained`). Modules: `directory`
 (config.json, the tokenizer, resume rules), `lock` (one writer at a time),
 `checkpoints` (the orbax store, digests, damage), `loading` (a finished run for
 decoding; checkpoint averaging), `metrics_log` (metrics.jsonl), `sizes` (memory
@@ -12,7 +12,6 @@ from flax_transformer.run.directory import (
   CheckpointError,
   RunDirectory,
   WriteError,
-  load_tokenizer,
   read_config,
   write_config,
 )
@@ -20,6 +19,9 @@ from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.run.lock import RunDirectoryInUse, RunLock
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits, parameter_count
+
+# The tokenizer a run directory holds, whichever its kind (the tokenizers' room decides).
+from flax_transformer.tokenizer import load as load_tokenizer
 
 __all__ = [
   'CheckpointError',

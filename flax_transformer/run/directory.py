@@ -14,8 +14,7 @@
 
 `RunDirectory` is what training asks of it: `locked` (the directory created,
 writable and locked against a second writer for the whole run: run_lock.py),
-`prepare` (cleared for a fresh run), `tokenizer` (the saved one, or one trained
-on the data and saved), `check_settings` (refuse settings that differ from the
+`prepare` (cleared for a fresh run), `check_settings` (refuse settings that differ from the
 saved run's) and `write_settings` (config.json, once the checkpoint is
 restored). Decoding only reads: `read_config` and `check_tokenizer`.
 
@@ -38,8 +37,7 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -53,13 +51,19 @@ from flax_transformer.config import (
   ModelConfig,
   TrainConfig,
 )
-from flax_transformer.data.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer, vocabulary_mismatches
 from flax_transformer.errors import CheckpointError, NotARun, WriteError
-from flax_transformer.files import file_digest, files_digest, write_atomically
-from flax_transformer.pretrained.marian import MarianTokenizer, is_export
+from flax_transformer.files import file_digest, write_atomically
+from flax_transformer.pretrained.marian import is_export
 from flax_transformer.run.lock import LOCK_FILE, RunLock
 from flax_transformer.run.outputs import Protected, check_output
+from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from flax_transformer.tokenizer import (
+  MarianTokenizer,
+  TextTokenizer,
+  Tokenizer,
+  kind_in,
+  vocabulary_mismatches,
+)
 
 CONFIG_FILE = 'config.json'
 # A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
@@ -145,7 +149,7 @@ def write_config(
     'train': dataclasses.asdict(train_config),
     'data': dataclasses.asdict(data_config),
     PACKING_PLAN_KEY: packing_plan,
-    TOKENIZER_FILES_KEY: list(saved_tokenizer_class(workdir).FILES),
+    TOKENIZER_FILES_KEY: list(kind_in(workdir).FILES),
   }
   if (workdir / TOKENIZER_FILE).is_file():
     content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
@@ -186,18 +190,6 @@ def check_tokenizer(workdir: str | Path) -> None:
       "checkpoints belong to that one. Put the run's own tokenizer.json back, or start a new "
       'run in another --workdir (or with --no-resume)'
     )
-
-
-def saved_tokenizer_class(directory: str | Path) -> type[TextTokenizer]:
-  """The kind of tokenizer saved in `directory`: a fine-tuned Marian model's (its `FILES`,
-  copied by --init-from), else this library's tokenizer.json."""
-  # The first file decides, so that a Marian directory missing another file is reported as one.
-  return MarianTokenizer if (Path(directory) / MarianTokenizer.FILES[0]).is_file() else Tokenizer
-
-
-def load_tokenizer(directory: str | Path) -> TextTokenizer:
-  """The tokenizer saved in a run directory, whichever its kind (`saved_tokenizer_class`)."""
-  return saved_tokenizer_class(directory).load(directory)
 
 
 def check_tokenizer_fits(workdir: str | Path, tokenizer: TextTokenizer) -> None:
@@ -479,8 +471,9 @@ def _remove_if_unused(workdir: Path) -> None:
 class RunDirectory:
   """A training run's directory, prepared stage by stage (see the module docstring).
 
-  Process 0 alone writes config.json, trains the tokenizer and clears an old
-  run; the other processes wait at a barrier, then read what it wrote.
+  Process 0 alone writes config.json and clears an old run; the other processes wait at a
+  barrier, then read what it wrote (the training loop's setup trains the tokenizer the same
+  way: train/run_tokenizer.py).
   """
 
   def __init__(
@@ -547,55 +540,6 @@ class RunDirectory:
       clear_run(self.path, self.init_from)
     multihost_utils.sync_global_devices('run directory ready')
 
-  def tokenizer(
-    self,
-    texts: Callable[[], list[str]],
-    data_config: DataConfig,
-    has_checkpoints: bool,
-    say: Callable[[str], None],
-  ) -> Tokenizer:
-    """WORKDIR/tokenizer.json, trained on `texts()` (training text, source and target) if absent.
-
-    With checkpoints on disk the file must be there and be the one config.json
-    records. Process 0 alone trains, so every process loads one vocabulary
-    ('unigram' training is not bit-exact across runs), and no process can see the
-    file half-written and skip the barrier that the others wait at. `texts` is
-    called only to train.
-    """
-    path = self.path / TOKENIZER_FILE
-    if saved_tokenizer_class(self.path) is MarianTokenizer:  # copied by --init-from
-      tokenizer = load_tokenizer(self.path)
-      say(f'tokenizer: {self.path} (Marian, {tokenizer.vocab_size:,} tokens)')
-      return tokenizer
-    if has_checkpoints and not path.is_file():
-      raise CheckpointError(
-        f'{self.path} has checkpoints but no {TOKENIZER_FILE}; the token ids '
-        'in them mean nothing without it'
-      )
-    if has_checkpoints:
-      check_tokenizer(self.path)
-    trained = self.is_main and not path.is_file()
-    if trained:
-      sample = texts()
-      say(f'tokenizer: training {data_config.tokenizer} on {len(sample):,} sentences')
-      # The trainer's bars draw on a terminal only; in a log they would be blank lines.
-      tokenizer = Tokenizer.train(
-        sample, data_config.vocab_size, data_config.tokenizer, progress=sys.stderr.isatty()
-      )
-      tokenizer.save(self.path)
-      say(
-        f'tokenizer: trained {data_config.tokenizer} on {len(sample):,} sentences, '
-        f'{tokenizer.vocab_size:,} tokens (asked for {data_config.vocab_size:,}), saved to '
-        f'{path}'
-      )
-    multihost_utils.sync_global_devices('tokenizer ready')
-    tokenizer = Tokenizer.load(self.path)
-    if has_checkpoints and (self.path / CONFIG_FILE).is_file():
-      check_tokenizer_fits(self.path, tokenizer)
-    if not trained:
-      say(f'tokenizer: {path} ({tokenizer.vocab_size:,} tokens)')
-    return tokenizer
-
   def check_settings(
     self, model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig
   ) -> None:
@@ -639,8 +583,3 @@ class RunDirectory:
     if saved is None and has_checkpoints:
       return 'first_fit'
     return saved or PACKING_PLAN
-
-  def tokenizer_digest(self) -> str:
-    """The SHA-256 of the run's tokenizer file(s), whichever its kind: part of the key of
-    the encoded-corpus cache."""
-    return files_digest([self.path / name for name in saved_tokenizer_class(self.path).FILES])

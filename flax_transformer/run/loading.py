@@ -18,7 +18,6 @@ from jax.experimental import multihost_utils
 
 from flax_transformer.config import NONNEGATIVE, Bounds, ModelConfig, check_bounds
 from flax_transformer.data import preprocessing
-from flax_transformer.data.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.pretrained.marian import MarianTokenizer
 from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints, RotatedCheckpoint
@@ -31,15 +30,16 @@ from flax_transformer.run.directory import (
   CheckpointError,
   check_tokenizer,
   check_tokenizer_fits,
-  load_tokenizer,
   read_config,
   read_marker,
-  saved_tokenizer_class,
   write_averaged_config,
 )
 from flax_transformer.run.lock import LOCK_FILE
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.run.sizes import check_fits
+from flax_transformer.tokenizer import TextTokenizer, Tokenizer
+from flax_transformer.tokenizer import kind_in as tokenizer_kind_in
+from flax_transformer.tokenizer import load as load_tokenizer
 
 # Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
 _ROTATION_TRIES = 10
@@ -268,7 +268,7 @@ def write_params_run(
     if output.exists():
       shutil.rmtree(output)
     output.mkdir(parents=True)
-    for name in saved_tokenizer_class(workdir).FILES:
+    for name in tokenizer_kind_in(workdir).FILES:
       shutil.copy2(workdir / name, output / name)
     write_averaged_config(workdir, output, steps, extra)
   # Every process takes part in the orbax save, after process 0 has prepared the directory.

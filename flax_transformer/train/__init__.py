@@ -1,6 +1,6 @@
 """Training: objectives, the optimizer, the data-parallel step, the loop and distillation.
 
-Layer 6 (above everything but `cli`). Modules: `losses` (label-smoothed
+Layer 7 (above everything but `cli` and `bench`). Modules: `losses` (label-smoothed
 cross-entropy and additive sums), `cmlm_objective` (the conditional masked LM's
 inputs and loss), `metrics` (sums -> loss, ppl, accuracy), `optimizer` (Adam on
 the paper's schedule), `scheduled_sampling`, `step` (one update, per device),

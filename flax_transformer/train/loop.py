@@ -79,7 +79,6 @@ from flax_transformer.data.pipeline import (
   load_training_data,
   make_batcher,
 )
-from flax_transformer.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.autoregressive import Greedy
 from flax_transformer.decode.methods import default_method
@@ -92,6 +91,7 @@ from flax_transformer.run.directory import RunDirectory, saved_steps
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits
+from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.train import scheduled_sampling
 from flax_transformer.train.best import BestCheckpoint
 from flax_transformer.train.evaluation import describe_scores, translation_scores
@@ -99,6 +99,7 @@ from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.metrics import length_metrics, token_metrics
 from flax_transformer.train.parallel import DataParallel
 from flax_transformer.train.profiling import StepTrace
+from flax_transformer.train.run_tokenizer import run_tokenizer
 from flax_transformer.train.step import (
   TrainState,
   compiled_training,
@@ -388,7 +389,8 @@ def _prepare_training_run(
     if directory.is_main:
       marian_tokenizer.save(directory.path)
     say(f'fine-tuning {init_from}')
-  tokenizer = directory.tokenizer(
+  tokenizer = run_tokenizer(
+    directory,
     lambda: _tokenizer_texts(train_data, data_config, steps),
     data_config,
     has_checkpoints=checkpoints.latest_step() is not None,
@@ -746,7 +748,7 @@ def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
   several = jax.process_count() > 1
   return run.train_data.encoded_train(
     run.tokenizer,
-    preprocessing.keyed_digest(run.directory.tokenizer_digest(), run.tokenizer),
+    run.tokenizer.digest(),
     run.model_config.max_len,
     cache_dir,
     is_writer=run.directory.is_main,

@@ -11,10 +11,10 @@ import jax
 import numpy as np
 
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.nn.model import Transformer
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
+from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train import create_train_state, make_optimizer
 
 TEXTS = [

@@ -24,11 +24,11 @@ from flax import traverse_util
 
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.data.batching import Batcher, encode_corpus
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
 from flax_transformer.nn.model import Transformer
+from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train import (
   DataParallel,
   create_train_state,

@@ -12,11 +12,11 @@ import numpy as np
 
 from flax_transformer import ModelConfig, Transformer
 from flax_transformer.config import DataConfig, TrainConfig
-from flax_transformer.data.tokenizer import Tokenizer
 from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
+from flax_transformer.tokenizer import Tokenizer
 
 CORPUS = [
   'Ein Mann fährt Fahrrad.',

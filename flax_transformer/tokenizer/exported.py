@@ -14,8 +14,9 @@ from pathlib import Path
 
 import tokenizers
 
-from flax_transformer.data import word_memo
-from flax_transformer.data.tokenizer import FILE_NAME, SPECIAL_TOKENS, Tokenizer, TokenizerError
+from flax_transformer.errors import TokenizerError
+from flax_transformer.tokenizer import word_memo
+from flax_transformer.tokenizer.subword import FILE_NAME, SPECIAL_TOKENS, Tokenizer
 
 CONFIG_FILE = 'tokenizer_config.json'
 
@@ -38,8 +39,7 @@ class ExportedTokenizer(Tokenizer):
     pad, _, eos, unk = (ids[token] for token in SPECIAL_TOKENS)
     self.pad_id = self.bos_id = pad  # the decoder starts from PAD (config.json's start)
     self.eos_id, self.unk_id = eos, unk
-    self.directory = directory
-    super().__init__(backend, memo_words)
+    super().__init__(backend, memo_words, directory)
 
   def _check_special_ids(self, backend: tokenizers.Tokenizer) -> None:
     pass  # read from the file, not fixed (__init__)

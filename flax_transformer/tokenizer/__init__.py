@@ -1,0 +1,62 @@
+"""Tokenizers, in one room: what a tokenizer is, each kind, and which one a directory holds.
+
+Layer 2 (above `config` and `nn`, below `data`). Modules:
+`protocol` (`TextTokenizer`, what training, decoding and the run directory need of any
+tokenizer, `digest()` included; the rule of a tokenizer fitting a model),
+`subword` (`Tokenizer`: our shared subword vocabulary on Hugging Face `tokenizers`,
+tokenizer.json), `word_memo` (its per-word memo: the same ids, several times faster on a
+corpus), `exported` (`ExportedTokenizer`: an export's tokenizer.json read back), `marian`
+(`MarianTokenizer`: an OPUS-MT model's sentencepiece files and vocab.json).
+
+    tokenizer = load('runs/m30k')        # whichever kind the directory holds
+    ids = tokenizer.encode(['A dog runs.'])
+    key = tokenizer.digest()             # SHA-256 of its files: the corpus cache's key
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flax_transformer.tokenizer.exported import ExportedTokenizer
+from flax_transformer.tokenizer.marian import TOKENIZER_FILES, MarianTokenizer
+from flax_transformer.tokenizer.protocol import (
+  VOCABULARY_FIELDS,
+  TextTokenizer,
+  check_compatible,
+  vocabulary_mismatches,
+)
+from flax_transformer.tokenizer.subword import FILE_NAME, SPECIAL_TOKENS, Tokenizer
+
+__all__ = [
+  'FILE_NAME',
+  'SPECIAL_TOKENS',
+  'TOKENIZER_FILES',
+  'VOCABULARY_FIELDS',
+  'ExportedTokenizer',
+  'MarianTokenizer',
+  'TextTokenizer',
+  'Tokenizer',
+  'check_compatible',
+  'kind_in',
+  'load',
+  'vocabulary_mismatches',
+]
+
+
+def kind_in(directory: str | Path, default: type[TextTokenizer] = Tokenizer) -> type[TextTokenizer]:
+  """The kind of tokenizer whose files `directory` holds: a Marian model's (source.spm, and
+  the rest of `MarianTokenizer.FILES`), an export's (tokenizer.json beside
+  tokenizer_config.json), else `default` (ours: tokenizer.json), whose `load` names what is
+  missing."""
+  directory = Path(directory)
+  if (directory / MarianTokenizer.FILES[0]).is_file():
+    return MarianTokenizer
+  if all((directory / name).is_file() for name in ExportedTokenizer.FILES):
+    return ExportedTokenizer
+  return default
+
+
+def load(directory: str | Path, default: type[TextTokenizer] = Tokenizer) -> TextTokenizer:
+  """The tokenizer saved in `directory`, whichever its kind (`kind_in`); TokenizerError
+  naming the file that is missing or damaged."""
+  return kind_in(directory, default).load(directory)
