@@ -529,7 +529,7 @@ MUTANTS = [
   m(
     'cache_key_blind_to_preprocessing',
     DATA + 'preprocessing.py',
-    "      'preprocessing': dataclasses.asdict(tokenizer.preprocessing),\n",
+    "        'preprocessing': dataclasses.asdict(self.preprocessing),\n",
     '',
     'tests/test_preprocessing.py',
   ),
