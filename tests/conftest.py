@@ -47,6 +47,12 @@ os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ[_SESSION_CACHE]
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
+# One OpenMP thread for PyTorch and CTranslate2 (test_export, test_pretrained, notebook 04):
+# the files run in parallel, a worker per core, and OpenMP's threads spin while they wait, so
+# two of them on a core busy with the other worker's JAX made test_export's transformers test
+# take 82 s instead of 17 s. The benchmarks' workers set their own thread counts.
+os.environ.setdefault('OMP_NUM_THREADS', '1')
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 for path in (TESTS, ROOT):  # ROOT ends up first
