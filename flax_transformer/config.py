@@ -184,6 +184,13 @@ class ModelConfig:
     '1e-5; runs begun before 2026-12-05 used 1e-6 and keep it in their config.json)',
     bounds=POSITIVE,
   )
+  qkv_init_gain: float = setting(
+    1.0,
+    'gain of the Xavier-uniform initialisation of the query, key and value projections: 1 '
+    '(tensor2tensor, Flax) or 0.7071 = 1/sqrt(2) (fairseq: Xavier over the fused [3D, D] '
+    'in-projection, "convergence much better"); the output projection keeps gain 1',
+    bounds=POSITIVE,
+  )
   attention_radius: int | None = setting(
     None,
     'restricted self-attention (paper §4): each '
@@ -834,6 +841,7 @@ def run_preset(name: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
         d_ff=256,
         max_len=128,
         dropout_rate=0.3,
+        qkv_init_gain=2**-0.5,
       ),
       TrainConfig.multi30k_fairseq(),
       DataConfig(

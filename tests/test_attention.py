@@ -258,3 +258,20 @@ def test_fused_projections_give_each_kernel_its_own_gradient():
   for name, dy_name in dy.items():
     want = x64.T @ np.asarray(dy_name, np.float64).reshape(-1, d_model)
     np.testing.assert_allclose(grads[name]['kernel'], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('gain', [1.0, 2**-0.5])
+def test_qkv_init_gain_scales_the_xavier_uniform_limit(gain):
+  # Xavier-uniform over [D, D] draws from U(-a, a), a = gain * sqrt(6 / (D + D)): fairseq's
+  # gain 1/sqrt(2) is Xavier over its fused [3D, D] in-projection. The output projection keeps
+  # gain 1 in both.
+  d_model = 128
+  layer = MultiHeadAttention(num_heads=4, d_model=d_model, qkv_init_gain=gain)
+  x = jnp.zeros((1, 3, d_model))
+  params = layer.init(jax.random.key(0), x, method=lambda m, h: m(h, m.project_kv(h), None))
+  limit = np.sqrt(6.0 / (2 * d_model))
+  for name, expected in [('query', gain), ('key', gain), ('value', gain), ('out', 1.0)]:
+    kernel = np.asarray(params['params'][name]['kernel'], np.float64)  # [D, D]
+    assert np.abs(kernel).max() <= expected * limit * (1 + 1e-6), name
+    # U(-a, a) has standard deviation a / sqrt(3); 16,384 draws put the estimate within 1.5%.
+    np.testing.assert_allclose(kernel.std(), expected * limit / np.sqrt(3), rtol=0.03, err_msg=name)

@@ -334,20 +334,25 @@ class MultiHeadAttention(nn.Module):
   # The kernel a `masks.KeyLengths` mask runs on: 'einsum' (its dense form), 'xla' or 'cudnn'
   # (`fused_attention`); other masks always take einsum.
   kernel: str = 'einsum'
+  # Xavier-uniform gain of the query, key and value kernels (`ModelConfig.qkv_init_gain`).
+  qkv_init_gain: float = 1.0
 
   def setup(self):
-    dense = lambda name, use_bias=True: Dense(
+    dense = lambda name, gain=1.0, use_bias=True: Dense(
       self.d_model,
       dtype=self.dtype,
       name=name,
       use_bias=use_bias,
-      kernel_init=nn.initializers.xavier_uniform(),
+      # Xavier-uniform with a gain: variance gain^2 * 2 / (fan_in + fan_out).
+      kernel_init=nn.initializers.variance_scaling(gain**2, 'fan_avg', 'uniform'),
     )
-    self.query, self.value, self.out = dense('query'), dense('value'), dense('out')
+    gain = self.qkv_init_gain
+    self.query, self.value = dense('query', gain), dense('value', gain)
+    self.out = dense('out')
     # No key bias: q . (k + b) adds q . b to a whole row of logits, which the
     # softmax cancels, so b would get an exactly-zero gradient (rounding noise
     # that Adam's tiny epsilon turns into full-size steps).
-    self.key = dense('key', use_bias=False)
+    self.key = dense('key', gain, use_bias=False)
     self.weights_dropout = Dropout(self.attention_dropout_rate)
 
   def _split_heads(self, x: jax.Array) -> jax.Array:

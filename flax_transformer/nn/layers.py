@@ -101,6 +101,7 @@ def _attention(config: ModelConfig, name: str) -> MultiHeadAttention:
     attention_dropout_rate=config.attention_dropout_rate,
     dtype=config.compute_dtype,
     kernel=resolve_attention_kernel(config),
+    qkv_init_gain=config.qkv_init_gain,
     name=name,
   )
 
