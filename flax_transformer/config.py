@@ -248,8 +248,10 @@ class ModelConfig:
 
   # Fields the tokenizer decides: the trained vocabulary's size and its special ids.
   TOKENIZER_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
-  # Fields a resumed run may change: how it computes, not what.
-  RESUMABLE_CHANGES = frozenset({'remat', 'attention_kernel'})
+  # Fields a resumed run may change: how it computes, not what (and how it was initialised,
+  # which a resumed run restores over: runs of the multi30k_fairseq preset begun before
+  # qkv_init_gain existed resume under today's preset).
+  RESUMABLE_CHANGES = frozenset({'remat', 'attention_kernel', 'qkv_init_gain'})
 
   def __post_init__(self):
     check_fields(self, 'model')

@@ -98,6 +98,9 @@ def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):
 def test_check_resumable_allows_run_length_changes_only(run_dir, setup):
   config, _, _, _ = setup
   check_resumable(run_dir, config, TRAIN_CONFIG.replace(steps=99, log_every=7), DataConfig())
+  # The initialisation is not what a resumed run continues from: runs begun with gain 1 resume
+  # under today's multi30k_fairseq preset, which initialises with fairseq's 1/sqrt(2).
+  check_resumable(run_dir, config.replace(qkv_init_gain=2**-0.5), TRAIN_CONFIG, DataConfig())
   with pytest.raises(CheckpointError) as error:
     check_resumable(
       run_dir, config.replace(d_model=64), TRAIN_CONFIG.replace(seed=1), DataConfig(vocab_size=100)

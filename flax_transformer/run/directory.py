@@ -268,9 +268,8 @@ def check_resumable(
 ) -> None:
   """Raises CheckpointError unless WORKDIR's run can continue with these configs.
 
-  Only ModelConfig.RESUMABLE_CHANGES (rematerialisation), TrainConfig.RESUMABLE_CHANGES (how
-  long to train, how often to log, a profile) and DataConfig.RESUMABLE_CHANGES (where the
-  cache lives) may differ.
+  Only the fields of the three RESUMABLE_CHANGES sets may differ: the model's how-it-computes
+  and initialisation, the training's how-long and how-often, the data's cache location.
   """
   saved_model, saved_train, saved_data = read_config(workdir)
   differences = _differences('model', saved_model, model_config, ModelConfig.RESUMABLE_CHANGES)
