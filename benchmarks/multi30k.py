@@ -354,8 +354,13 @@ def compare(args) -> dict:
         evaluation['elapsed_s'] = clock[m['step']]
       if 'val_ppl' in m:
         evaluation['val_loss_per_sentence'] = math.log(m['val_ppl']) * val_tokens
+        evaluation['val_loss_per_token'] = math.log(m['val_ppl'])
+        if 'val_accuracy' in m:
+          evaluation['val_token_accuracy'] = m['val_accuracy']
       if 'val_bleu' in m:
         evaluation.update(val_bleu=m['val_bleu'], val_chrf=m['val_chrf'])
+        if 'val_bleu_tok' in m:  # runs since 2026-12-03 score as the literature does too
+          evaluation['val_bleu_tok'] = m['val_bleu_tok']
     train = dataset['train']
     run = {
       'workdir': str(workdir),
@@ -379,8 +384,12 @@ def compare(args) -> dict:
         f'  step {step:>5d} ({values.get("elapsed_s", float("nan")) / 60:5.1f} min): val loss '
         f'{values.get("val_loss_per_sentence", float("nan")):6.2f} per sentence'
       )
+      if 'val_token_accuracy' in values:
+        text += f', token accuracy {values["val_token_accuracy"]:.1%}'
       if 'val_bleu' in values:
         text += f', BLEU {values["val_bleu"]:5.2f}, chrF {values["val_chrf"]:5.2f}'
+      if 'val_bleu_tok' in values:
+        text += f', tokenized BLEU {values["val_bleu_tok"]:5.2f}'
       print(text)
   result = {
     'benchmark': 'multi30k-compare',

@@ -194,8 +194,8 @@ def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
     clock = {10: 10, 20: 20, 30: 30, 40: 40, 50: 90, 60: 100}
     lines = [{'step': step, 'loss': 3.0, 'elapsed_s': seconds} for step, seconds in clock.items()]
     lines += [
-      {'step': 50, 'val_ppl': val_ppl},
-      {'step': 50, 'val_bleu': 12.5, 'val_chrf': 30.0},
+      {'step': 50, 'val_ppl': val_ppl, 'val_accuracy': 0.25},
+      {'step': 50, 'val_bleu': 12.5, 'val_chrf': 30.0, 'val_bleu_tok': 14.0},
       {'step': 60, 'val_ppl': 2.0},
     ]
     (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(m) + '\n' for m in lines))
@@ -216,6 +216,10 @@ def test_compare_measures_loss_per_sentence_with_each_runs_tokenizer(tmp_path):
     assert evaluation['val_bleu'] == 12.5 and evaluation['val_chrf'] == 30.0
     assert evaluation['elapsed_s'] == 90
     assert evaluation['val_loss_per_sentence'] == pytest.approx(np.log(val_ppl) * np.mean(targets))
+    # The per-token loss, accuracy and tokenized BLEU are carried over as logged.
+    assert evaluation['val_loss_per_token'] == pytest.approx(np.log(val_ppl))
+    assert evaluation['val_token_accuracy'] == pytest.approx(0.25)
+    assert evaluation['val_bleu_tok'] == pytest.approx(14.0)
     sentence_losses.append(evaluation['val_loss_per_sentence'])
   # The smaller vocabulary cuts the same sentences into more pieces: at an equal loss per
   # token, its loss per sentence is the larger.
