@@ -1,0 +1,183 @@
+"""The setting machinery every section of settings shares, and decoding methods too.
+
+A field is `setting(default, help, bounds=...)`: its default, its one-line help (train.py's
+and decode.py's `--help` are generated from it) and the values it admits, a `Bounds` range
+(`POSITIVE_INT`, `UNIT_INTERVAL`, ...). `check_fields` checks a settings object against its
+`Literal` choices and bounds, `check_bounds` a function's raw argument by the same rule;
+`parse_overrides` turns command-line strings like `--model.d_model=256` into values by each
+field's annotation, and `RENAMED` names the settings and methods of earlier versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import Literal
+
+import numpy as np
+
+from flax_transformer.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+  """The values a numeric setting admits, declared on its field (`setting(..., bounds=...)`).
+
+  `low` and `high` are inclusive unless `low_open` / `high_open`; `integer` admits
+  ints only (never bools); NaN is outside any limit. None passes when the field's
+  annotation admits None. `check_bounds` checks a function's raw argument with the same
+  rule and message.
+  """
+
+  low: float | None = None
+  high: float | None = None
+  low_open: bool = False
+  high_open: bool = False
+  integer: bool = False
+
+  def admits(self, value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+      return False
+    if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+      return False
+    return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+  def describe(self) -> str:
+    """What the error message says a value must be."""
+    if self == POSITIVE_INT:
+      return 'a positive integer'
+    if self == NONNEGATIVE_INT:
+      return 'a non-negative integer'
+    if self == POSITIVE:
+      return 'a positive number'
+    if self.low is None and self.high is None:
+      return 'an integer' if self.integer else 'a number'
+    return ('an integer ' if self.integer else '') + self.limits()
+
+  def limits(self, number: str = '') -> str:
+    """The range alone: '>= 1', '> 0', 'in [0, 1)'; `number` formats the limits (e.g. 'g')."""
+    # Integer limits in full (2**63 - 1, not 9.22337e+18); `number` formats the others.
+    low, high = (
+      None if x is None else str(x) if isinstance(x, int) else format(x, number)
+      for x in (self.low, self.high)
+    )
+    if high is None:
+      return f'{">" if self.low_open else ">="} {low}'
+    if low is None:
+      return f'{"<" if self.high_open else "<="} {high}'
+    return f'in {"(" if self.low_open else "["}{low}, {high}{")" if self.high_open else "]"}'
+
+
+POSITIVE_INT = Bounds(low=1, integer=True)
+NONNEGATIVE_INT = Bounds(low=0, integer=True)
+POSITIVE = Bounds(low=0, low_open=True)
+NONNEGATIVE = Bounds(low=0)
+UNIT_INTERVAL = Bounds(low=0, high=1, high_open=True)  # [0, 1): rates and probabilities
+NUMBER = Bounds()  # any int or float, no limit
+# What jax.random.key takes: a signed 64-bit integer (larger ones overflow part way).
+SEED = Bounds(low=0, high=2**63 - 1, integer=True)
+
+
+def check_bounds(
+  value, bounds: Bounds, name: str, error: type[Exception] = ConfigError, why: str = ''
+) -> None:
+  """Raises `error('{name} must be {bounds}{why}, got {value!r}')` unless `bounds` admit
+  `value`: the range check of a public function's raw argument (a settings field declares
+  its range instead, `setting(..., bounds=...)`). A numpy scalar counts as the number it holds."""
+  plain = value.item() if isinstance(value, np.generic) else value
+  if not bounds.admits(plain):
+    raise error(f'{name} must be {bounds.describe()}{why}, got {value!r}')
+
+
+def setting(default, help: str, bounds: Bounds | None = None):  # noqa: A002 -- argparse's name
+  """A settings field: its default, a one-line help (train.py --help, decode.py --help) and
+  the values it admits (checked by `check_fields`)."""
+  return dataclasses.field(default=default, metadata={'help': help, 'bounds': bounds})
+
+
+def help_of(config_class, name: str) -> str:
+  """The one-line help of a config field."""
+  return {f.name: f for f in dataclasses.fields(config_class)}[name].metadata['help']
+
+
+@functools.cache
+def field_types(config_class) -> dict[str, object]:
+  """Each field's annotation, resolved (the module's annotations are strings)."""
+  return typing.get_type_hints(config_class)
+
+
+def check_fields(settings, section: str) -> None:
+  """Raises ConfigError naming `section.field` for the first field outside what it admits:
+  a `Literal` annotation's choices, or the `Bounds` declared with `setting`."""
+  hints = field_types(type(settings))
+  for field in dataclasses.fields(settings):
+    value, hint = getattr(settings, field.name), hints[field.name]
+    choices = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal and value not in choices:
+      raise ConfigError(
+        f'{section}.{field.name} must be one of {", ".join(map(str, choices))}, got {value!r}'
+      )
+    bounds = field.metadata.get('bounds')
+    if bounds is None or (value is None and type(None) in choices):
+      continue
+    if not bounds.admits(value):
+      raise ConfigError(f'{section}.{field.name} must be {bounds.describe()}, got {value!r}')
+
+
+# Names of earlier versions, old -> new, the one table every reader reads: a setting is
+# 'SECTION.NAME', its section a config's ('model': train.py refuses the old option naming the
+# new one, config.json's old key is read as the new) or a decoding method's name
+# ('mask_predict': decode.py refuses the old option); a decoding method is 'method.NAME'
+# (decode.py's --method). The non-autoregressive model was called nat before it was cmlm.
+RENAMED = {
+  'model.nat_decoder_input': 'model.cmlm_decoder_input',
+  'method.nat': 'method.mask_predict',
+  'mask_predict.nat_length': 'mask_predict.length',
+}
+
+
+def parse_overrides(config, section: str, assignments: dict[str, str]):
+  """Returns `config` with string values parsed by each field's annotation.
+
+  `parse_overrides(ModelConfig(), 'model', {'d_model': '256', 'attention_radius': 'none'})`.
+  Booleans accept true/false/1/0/yes/no, optional fields accept 'none', and
+  Literal fields accept one of their choices. Errors name `section.field`.
+  """
+  hints = field_types(type(config))
+  fields = {f.name for f in dataclasses.fields(config)}
+  values = {}
+  for name, text in assignments.items():
+    if f'{section}.{name}' in RENAMED:
+      raise ConfigError(f'{section}.{name} is now called {RENAMED[f"{section}.{name}"]}')
+    if name not in fields:
+      raise ConfigError(
+        f'unknown option {section}.{name}; known: '
+        + ', '.join(sorted(f'{section}.{f}' for f in fields))
+      )
+    values[name] = _parse_value(hints[name], text, f'{section}.{name}')
+  return dataclasses.replace(config, **values)
+
+
+def _parse_value(annotation, text: str, option: str):
+  """One command-line string -> a value of `annotation` (int, float, bool, str, Literal, X | None)."""
+  args = typing.get_args(annotation)
+  if type(None) in args:
+    if text.strip().lower() == 'none':
+      return None
+    (annotation,) = [a for a in args if a is not type(None)]
+    args = typing.get_args(annotation)
+  if typing.get_origin(annotation) is Literal:
+    if text not in args:
+      raise ConfigError(f'{option} must be one of {", ".join(map(str, args))}, got {text!r}')
+    return text
+  if annotation is bool:
+    lowered = text.strip().lower()
+    if lowered not in ('true', 'false', '1', '0', 'yes', 'no'):
+      raise ConfigError(f'{option} must be true or false, got {text!r}')
+    return lowered in ('true', '1', 'yes')
+  try:
+    return annotation(text)
+  except ValueError:
+    kind = {int: 'an integer', float: 'a number'}.get(annotation, annotation.__name__)
+    raise ConfigError(f'{option} must be {kind}, got {text!r}') from None
