@@ -36,7 +36,7 @@ from flax_transformer.run.checkpoints import (
 )
 from flax_transformer.run.sizes import check_fits, parameter_count
 from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.train import loop
+from flax_transformer.train import loop, report, setup
 from support.lock_holder import lock_holder
 from support.runs import saved_steps
 from support.script_calls import call, error_line, usage_error
@@ -384,13 +384,13 @@ def test_an_unexpected_failure_is_one_line_and_debug_adds_the_traceback(tiny_cop
 
 
 def test_sigterm_before_the_first_step_says_so_and_writes_nothing_of_the_run(tmp_path, monkeypatch):
-  load = loop.load_training_data
+  load = setup.load_training_data
 
   def terminated_while_loading(data_config, dataset=None):
     os.kill(os.getpid(), signal.SIGTERM)  # recorded; acted on at the next safe point
     return load(data_config, dataset)
 
-  monkeypatch.setattr(loop, 'load_training_data', terminated_while_loading)
+  monkeypatch.setattr(setup, 'load_training_data', terminated_while_loading)
   status, _, err = call(train_cli.main, ['--workdir', tmp_path / 'run', '--steps=1'])
   assert status == 143 and err.splitlines()[-1] == (  # after the encoding's bar, cleared
     'train.py: stopped by SIGTERM before the first step (while loading); nothing new was '
@@ -480,7 +480,7 @@ def test_sigterm_in_or_after_the_final_evaluation_ends_with_its_line(
 ):
   """During it: the evaluation is abandoned between batches and the line says to run again;
   after it, in the last instant of the work: the line says nothing is lost. Both 143."""
-  scores = loop.translation_scores
+  scores = report.translation_scores
 
   def sigterm_in_the_evaluation(*args, **kwargs):
     if when == 'during':
@@ -489,7 +489,7 @@ def test_sigterm_in_or_after_the_final_evaluation_ends_with_its_line(
     os.kill(os.getpid(), signal.SIGTERM)  # after the last batch: no safe point follows
     return result
 
-  monkeypatch.setattr(loop, 'translation_scores', sigterm_in_the_evaluation)
+  monkeypatch.setattr(report, 'translation_scores', sigterm_in_the_evaluation)
   status, out, err = cmlm_train(numbers_corpus, cmlm_copy, '--steps=6')  # trained: evaluates
   assert 'already trained to step 6' in out
   assert status == 143 and ('exact match' in out) == (when == 'after')

@@ -4,8 +4,9 @@ Layer 7 (above everything but `cli` and `bench`). Modules: `losses` (label-smoot
 cross-entropy and additive sums), `cmlm_objective` (the conditional masked LM's
 inputs and loss), `metrics` (sums -> loss, ppl, accuracy), `optimizer` (Adam on
 the paper's schedule), `scheduled_sampling`, `step` (one update, per device),
-`parallel` (`DataParallel`: shard_map or pmap), `loop` (`train`: the whole run),
-`evaluation` (BLEU and chrF), `interruption` (SIGTERM/SIGINT), `distributed`
+`parallel` (`DataParallel`: shard_map or pmap), `setup` (a run before its first
+step), `step_metrics` (each step's metrics on the way to the log), `report` (the
+translation scores), `loop` (`train`: the whole run), `evaluation` (BLEU and chrF), `interruption` (SIGTERM/SIGINT), `distributed`
 (multi-host start-up), `distill` (sequence-level distillation).
 """
 

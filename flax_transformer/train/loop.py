@@ -4,13 +4,14 @@
     result = train(model_config, train_config, data_config, 'runs/toy')
     result.scores          # {'bleu': ..., 'exact_match': ..., 'val_loss': ...}
 
-A run goes through four stages, each a function or a small object below:
+A run goes through four stages, each a function or a small object (`setup` prepares the
+run, `report` scores it):
 
-  1. `_prepare_training_run`: the run directory (writable, cleared unless resuming), the
+  1. `setup._prepare_training_run`: the run directory (writable, cleared unless resuming), the
      parallel text (`data_config.source`, or the `dataset` given), the
      tokenizer (WORKDIR/tokenizer.json, or trained on a bounded sample of the
      training split, `data.tokenizer_sample`, and saved), the settings checked against WORKDIR/config.json and written;
-  2. `_initial_state`: the latest checkpoint in WORKDIR/checkpoints, or fresh
+  2. `setup._initial_state`: the latest checkpoint in WORKDIR/checkpoints, or fresh
      parameters;
   3. `TrainingLoop.train_from`: trains to `train_config.steps` with the batch of each step
      (`data.pipeline.make_batcher`: each process builds its own rows, a background thread
@@ -20,7 +21,7 @@ A run goes through four stages, each a function or a small object below:
      run reads; logs to a progress bar
      and WORKDIR/metrics.jsonl, evaluates the validation loss and saves
      checkpoints at their cadence;
-  4. `_final_scores`: decodes the test split (else validation) with
+  4. `_final_evaluation`, `report._final_scores`: decodes the test split (else validation) with
      `default_method(config, Greedy())`: greedy for the paper's model,
      mask-predict for a cmlm one; BLEU and chrF (sacreBLEU, signatures printed),
      exact match and sample translations; the same for the averaged checkpoints
@@ -41,6 +42,9 @@ Multi-host: every process builds only its own rows of each step's batch;
 process 0 alone prints, writes config.json and metrics.jsonl, trains the
 tokenizer and encodes the training split into the cache (the others wait, then
 read them); every process takes part in the checkpoint saves. docs/scaling_out.md has the details.
+
+`check_settings`, `checkpoints_kept`, `load_data` (`setup`'s) and `NonFiniteError` are
+importable from here too, as before the stages moved out.
 """
 
 from __future__ import annotations
@@ -48,70 +52,40 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from flax_transformer import signals
-from flax_transformer.config import (
-  NONNEGATIVE_INT,
-  ConfigError,
-  DataConfig,
-  ModelConfig,
-  TrainConfig,
-  check_bounds,
-  resolve_attention_kernel,
-)
-from flax_transformer.data import preprocessing
-from flax_transformer.data.assembly import ArrayBatcher
-from flax_transformer.data.batching import SEQUENCE_LENGTH, Batch, EncodedCorpus, encode_corpus
-from flax_transformer.data.corpus import load_parallel
-from flax_transformer.data.packing import check_settings as check_packing
-from flax_transformer.data.pipeline import (
-  Prefetcher,
-  TrainingData,
-  load_training_data,
-  make_batcher,
-)
-from flax_transformer.data.toy_task import number_translation
-from flax_transformer.decode.autoregressive import Greedy
-from flax_transformer.decode.methods import default_method
-from flax_transformer.decode.translator import Translator
-from flax_transformer.errors import NonFiniteError
-from flax_transformer.nn.model import count_params
-from flax_transformer.pretrained.marian import load_marian
-from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, WriteError
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
+from flax_transformer.data.batching import Batch
+from flax_transformer.data.pipeline import Prefetcher, make_batcher
+from flax_transformer.errors import NonFiniteError as NonFiniteError
+from flax_transformer.run.checkpoints import WriteError
 from flax_transformer.run.directory import RunDirectory, saved_steps
-from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.run.metrics_log import MetricsLog
-from flax_transformer.run.sizes import check_fits
-from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
-from flax_transformer.train import scheduled_sampling
+from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train.best import BestCheckpoint
-from flax_transformer.train.evaluation import describe_scores, translation_scores
+from flax_transformer.train.evaluation import describe_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
-from flax_transformer.train.metrics import length_metrics, token_metrics
-from flax_transformer.train.parallel import DataParallel
 from flax_transformer.train.profiling import StepTrace
-from flax_transformer.train.run_tokenizer import run_tokenizer
-from flax_transformer.train.step import (
-  TrainState,
-  compiled_training,
-  create_train_state,
-  make_parallel_eval,
+from flax_transformer.train.report import _final_scores, _split_scores
+from flax_transformer.train.setup import (
+  _encoded_train,
+  _eval_batches,
+  _initial_state,
+  _prepare_training_run,
+  _TrainingRun,
+  check_settings,
 )
-
-
-def evaluation_method(model_config: ModelConfig):
-  """How BLEU is decoded during and after training: greedy for an autoregressive model (the
-  usual, cheap model-selection signal), the model's default (mask-predict) for a cmlm one."""
-  return default_method(model_config, autoregressive=Greedy())
+from flax_transformer.train.setup import checkpoints_kept as checkpoints_kept
+from flax_transformer.train.setup import load_data as load_data
+from flax_transformer.train.step import TrainState, compiled_training, make_parallel_eval
+from flax_transformer.train.step_metrics import MetricBuffer, _metrics, check_finite
 
 
 @dataclasses.dataclass
@@ -128,100 +102,6 @@ class TrainResult:
   tokenizer: Tokenizer
   state: TrainState
   scores: dict[str, float]
-
-
-def load_data(data_config: DataConfig) -> datasets.DatasetDict:
-  """The parallel text of `data_config`: the toy task, or `data.load_parallel`."""
-  if data_config.source == 'toy':
-    return number_translation()
-  return load_parallel(
-    data_config.source,
-    data_config.src_lang,
-    data_config.tgt_lang,
-    valid_split=data_config.valid_split,
-    test_split=data_config.test_split,
-  )
-
-
-def check_settings(
-  model_config: ModelConfig,
-  train_config: TrainConfig,
-  data_config: DataConfig,
-  average_last: int = 0,
-  skip_nonfinite: int = 0,
-  pretrained: bool = False,
-  saved: Sequence[int] = (),
-) -> None:
-  """Raises ConfigError for settings that are each valid but cannot make a run together.
-
-  pretrained: the model config comes from a pretrained model (`--init-from`), with
-  its own vocabulary, rather than from a tokenizer trained on the data.
-  saved: the steps of the checkpoints a resumed run starts with (`saved_steps`).
-
-  Checked before any data is loaded, rather than found out later (the vocabulary
-  when the tokenizer is trained, the averaging after the last step).
-  """
-  if data_config.vocab_size <= len(SPECIAL_TOKENS):
-    raise ConfigError(
-      f'data.vocab_size={data_config.vocab_size} leaves no room for text: the '
-      f'{len(SPECIAL_TOKENS)} special tokens {", ".join(SPECIAL_TOKENS)} take '
-      f'ids 0-{len(SPECIAL_TOKENS) - 1}; ask for more'
-    )
-  if not SEQUENCE_LENGTH.admits(model_config.max_len):
-    raise ConfigError(
-      f'model.max_len={model_config.max_len} cannot hold a token and EOS; '
-      f'it must be at least {SEQUENCE_LENGTH.low}'
-    )
-  if average_last < 0 or average_last > train_config.keep_checkpoints:
-    raise ConfigError(
-      f'--average-last={average_last} needs that many checkpoints on disk, but '
-      f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
-      'it or average fewer'
-    )
-  kept = checkpoints_kept(train_config, saved)
-  if average_last > kept:
-    raise ConfigError(
-      f'--average-last={average_last} needs that many checkpoints, but this run '
-      f'ends with {kept}: train.steps={train_config.steps} with '
-      f'train.checkpoint_every={train_config.checkpoint_every} (and one at the '
-      f'end){f", beside the {len(saved)} saved" if saved else ""}; average fewer, '
-      'or lower train.checkpoint_every'
-    )
-  check_bounds(skip_nonfinite, NONNEGATIVE_INT, '--skip-nonfinite')
-  picked = [f'data.{name}' for name in ('valid_split', 'test_split') if getattr(data_config, name)]
-  if data_config.source == 'toy' and picked:
-    raise ConfigError(
-      f'{picked[0]} picks a split of a data directory or Hub dataset; the toy '
-      'task (data.source=toy) has its own'
-    )
-  # The tokenizer has at most data.vocab_size tokens.
-  check_fits(
-    model_config if pretrained else model_config.replace(vocab_size=data_config.vocab_size),
-    train_config.max_tokens,
-  )
-  scheduled_sampling.check_model(model_config, train_config)
-  check_packing(model_config, train_config)
-  steps = preprocessing.TextPreprocessing.of(data_config)
-  if pretrained and steps.active:
-    raise ConfigError(
-      f'--init-from brings a tokenizer trained on text as written; data '
-      f'preprocessing ({steps.describe()}) would feed it text it never saw: '
-      'leave data.normalize_punctuation, data.lowercase and data.pretokenize '
-      'at their defaults when fine-tuning'
-    )
-  preprocessing.check_available(steps)
-
-
-def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> int:
-  """How many checkpoints a run leaves on disk: one every checkpoint_every steps and one at the
-  last step, after the `saved` ones it resumes from, the newest keep_checkpoints of them.
-
-  For steps 5, checkpoint_every 2, keep_checkpoints 5: steps 2, 4 and 5, so 3.
-  """
-  every, last, start = train_config.checkpoint_every, train_config.steps, max(saved, default=0)
-  written = {step for step in range(every, last + 1, every) if step > start}
-  written |= {last} if last > start else set()
-  return min(train_config.keep_checkpoints, len(written | set(saved)))
 
 
 def train(
@@ -300,7 +180,7 @@ def train(
       allow_unverified,
     )
     loop = TrainingLoop(run, skip_nonfinite)
-    state, start = _initial_state(run, loop, parallel)
+    state, start = _initial_state(run, loop.model, loop.optimizer, parallel)
     signals.check()  # a signal while loading stops before anything of the run is written
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
     directory.write_settings(run.model_config, train_config, data_config, loop.packing_plan)
@@ -325,241 +205,6 @@ def train(
     state=final_state,
     scores=run.scores,
   )
-
-
-# --- stage 1: the run directory, the data and the settings ----------------------------------
-
-
-@dataclasses.dataclass
-class _TrainingRun:
-  """What the stages share: the settings, data, devices and the run directory's writers."""
-
-  directory: RunDirectory
-  model_config: ModelConfig
-  train_config: TrainConfig
-  data_config: DataConfig
-  train_data: TrainingData  # the training split (on disk or a table)
-  dataset: datasets.DatasetDict  # the evaluation splits: 'validation', 'test' when present
-  tokenizer: Tokenizer
-  data_parallel: DataParallel
-  checkpoints: Checkpoints
-  say: Callable[[str], None]
-  log: MetricsLog | None = None
-  scores: dict[str, float] = dataclasses.field(default_factory=dict)
-  pretrained_params: dict | None = None  # --init-from's, for a run without checkpoints
-
-  def record(self, step: int, values: dict[str, float]) -> None:
-    """Keeps `values` as the latest scores and logs them at `step` (process 0)."""
-    self.scores.update(values)
-    if self.log is not None:
-      self.log.write(step, values)
-
-
-def _prepare_training_run(
-  model_config: ModelConfig,
-  train_config: TrainConfig,
-  data_config: DataConfig,
-  directory: RunDirectory,
-  dataset: datasets.DatasetDict | None,
-  devices: int | None,
-  parallel: str,
-  resume: bool,
-  print_fn: Callable[[str], None],
-  init_from: str | Path | None = None,
-  allow_unverified: bool = False,
-) -> _TrainingRun:
-  """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
-  say = print_fn if directory.is_main else (lambda message: None)
-  data_parallel = DataParallel(_local_devices(devices), mode=parallel)
-  train_data = load_training_data(data_config, dataset)
-  say(f'data: {train_data.describe()}')
-  _check_validation(train_config, train_data.evaluation)
-  steps = preprocessing.TextPreprocessing.of(data_config)
-  if steps.active:
-    say(f'text: {steps.describe()} (data.normalize_punctuation, data.lowercase, data.pretokenize)')
-  directory.prepare(resume)
-  checkpoints = Checkpoints(
-    directory.path,
-    keep=train_config.keep_checkpoints,
-    on_unverified=say if allow_unverified else None,
-  )
-  pretrained_params = None
-  if init_from is not None and checkpoints.latest_step() is None:
-    _, pretrained_params, marian_tokenizer = load_marian(init_from)
-    if directory.is_main:
-      marian_tokenizer.save(directory.path)
-    say(f'fine-tuning {init_from}')
-  tokenizer = run_tokenizer(
-    directory,
-    lambda: _tokenizer_texts(train_data, data_config, steps),
-    data_config,
-    has_checkpoints=checkpoints.latest_step() is not None,
-    say=say,
-  )
-  # Everything the run encodes or decodes sees text through the data settings' preprocessing.
-  tokenizer = preprocessing.wrap(tokenizer, data_config)
-  model_config = directory.kept_dtype(model_config.replace(vocab_size=tokenizer.vocab_size))
-  tokenizer.check_compatible(model_config)
-  directory.check_settings(model_config, train_config, data_config)
-  return _TrainingRun(
-    directory=directory,
-    model_config=model_config,
-    train_config=train_config,
-    data_config=data_config,
-    train_data=train_data,
-    dataset=train_data.evaluation,
-    tokenizer=tokenizer,
-    data_parallel=data_parallel,
-    checkpoints=checkpoints,
-    say=say,
-    pretrained_params=pretrained_params,
-  )
-
-
-def _check_validation(train_config: TrainConfig, evaluation: datasets.DatasetDict) -> None:
-  """Raises ConfigError for settings that read validation scores when there is no validation
-  split (the best checkpoint, early stopping)."""
-  if 'validation' in evaluation:
-    return
-  wanted = [
-    name
-    for name, on in (
-      ('train.patience', train_config.patience),
-      ('train.best_metric=bleu', train_config.best_metric == 'bleu'),
-    )
-    if on
-  ]
-  if wanted:
-    raise ConfigError(
-      f'{wanted[0]} reads validation scores, but the data has no validation '
-      'split (data.valid_split names one)'
-    )
-
-
-def _tokenizer_texts(
-  train_data: TrainingData, data_config: DataConfig, steps: preprocessing.TextPreprocessing
-) -> list[str]:
-  """The tokenizer's training sample, sources then targets, each preprocessed in its language."""
-  sources, targets = train_data.tokenizer_pairs(data_config.tokenizer_sample)
-  return steps.prepare(sources, data_config.src_lang) + steps.prepare(targets, data_config.tgt_lang)
-
-
-def _local_devices(count: int | None) -> list[jax.Device] | None:
-  """The first `count` local devices; None: every device of every process."""
-  if count is None:
-    return None
-  if jax.process_count() > 1:
-    raise ConfigError(
-      '--devices selects local devices of a single process; with several '
-      'processes every device takes part'
-    )
-  available = jax.local_devices()
-  if not 1 <= count <= len(available):
-    raise ConfigError(
-      f'--devices={count}: this process has {len(available)} device(s) '
-      f'({available[0].platform}); on CPU, simulate more with '
-      f'XLA_FLAGS=--xla_force_host_platform_device_count={count}'
-    )
-  return available[:count]
-
-
-# --- stage 2: the initial state ---------------------------------------------------------------
-
-
-def _initial_state(run: _TrainingRun, loop: TrainingLoop, parallel: str) -> tuple[TrainState, int]:
-  """The replicated state to train from and its step: the latest checkpoint's, or fresh."""
-  model, optimizer, seed = loop.model, loop.optimizer, run.train_config.seed
-  abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, seed))
-  restored = _restore_latest_intact(run, abstract_state)
-  if restored is None:
-    state, start = create_train_state(model, optimizer, seed), 0
-    if run.pretrained_params is not None:  # Adam's moments start at zero either way
-      state = state.replace(params=jax.tree.map(jnp.asarray, run.pretrained_params))
-  else:
-    state, start = restored
-    run.say(f'resumed from {run.checkpoints.directory / str(start)}')
-  processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
-  kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
-  run.say(
-    f'model: {count_params(abstract_state.params):,} parameters,{kind} '
-    f'{_how_it_computes(run)}; {run.data_parallel.num_devices} device(s)'
-    f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}'
-  )
-  return run.data_parallel.replicate(state), start
-
-
-def _how_it_computes(run: _TrainingRun) -> str:
-  """The model line's compute dtype and attention kernel, each saying where auto decided it,
-  and which attention the kernel does not take."""
-  config, backend = run.model_config, jax.default_backend()
-  dtype = f'{config.compute_dtype.name} compute'
-  if config.dtype == 'auto':
-    dtype += f' (model.dtype auto on {backend})'
-  kernel = resolve_attention_kernel(config)
-  attention = f'{kernel} attention'
-  if kernel != 'einsum' and run.train_config.packing:
-    attention += ' (packed rows: einsum)'
-  elif kernel != 'einsum' and config.attention_radius is not None:
-    attention += ' (self-attention: banded)'
-  elif config.attention_kernel == 'auto':
-    attention += f' (model.attention_kernel auto on {backend})'
-  return f'{dtype}, {attention}'
-
-
-def _restore_latest_intact(run: _TrainingRun, abstract_state) -> tuple[TrainState, int] | None:
-  """The newest checkpoint that can be read, and its step; None when there is none.
-
-  Damaged ones (files changed, missing or unreadable) are moved aside, saying so;
-  a checkpoint of another model (CheckpointError) stops the run.
-  """
-  skipped = []
-  for step in reversed(run.checkpoints.steps()):
-    try:
-      return run.checkpoints.restore(step, abstract_state), step
-    except DamagedCheckpoint as error:
-      aside = run.checkpoints.set_aside(step)
-      skipped.append(step)
-      run.say(f'skipped checkpoint {step}: {error}; moved it to {aside}')
-  if skipped:
-    run.say(
-      f'no intact checkpoint left (skipped {", ".join(map(str, skipped))}): training '
-      'starts afresh from step 0'
-    )
-  return None
-
-
-# --- stage 3: the loop ------------------------------------------------------------------------
-
-
-class MetricBuffer:
-  """The training steps' metrics between two log lines.
-
-  They stay on the device (`pending`) until a log line or a save needs them,
-  then wait on the host (`fetched`) for the interval's log line. Steps whose
-  loss or gradient was not finite are noted in `skipped`.
-  """
-
-  def __init__(self, data_parallel: DataParallel):
-    self.data_parallel = data_parallel
-    self.pending: list = []
-    self.fetched: list[dict] = []
-    self.skipped: list[int] = []
-    self.interval_start = time.perf_counter()
-
-  def add(self, metrics) -> None:
-    self.pending.append(metrics)
-
-  def fetch(self) -> list[dict]:
-    """Brings the pending metrics to the host; returns them (they also join the interval)."""
-    new, self.pending = self.data_parallel.unreplicate(self.pending), []
-    self.fetched += new
-    return new
-
-  def summary(self) -> dict[str, float]:
-    """The interval's log line (see `summarize`), after which a new interval starts."""
-    values = summarize(self.fetched, time.perf_counter() - self.interval_start)
-    self.fetched, self.interval_start = [], time.perf_counter()
-    return values
 
 
 class TrainingLoop:
@@ -741,119 +386,6 @@ def _abandoned_on_signal(evaluate: Callable[[], None]) -> bool:
   return False
 
 
-def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
-  """The training split encoded, through the cache (`data.cache_dir`, else WORKDIR/encoded):
-  process 0 encodes it or finds it there; the others wait, then read it."""
-  cache_dir = run.data_config.cache_dir or run.directory.encoded_dir
-  several = jax.process_count() > 1
-  return run.train_data.encoded_train(
-    run.tokenizer,
-    run.tokenizer.digest(),
-    run.model_config.max_len,
-    cache_dir,
-    is_writer=run.directory.is_main,
-    progress=run.directory.is_main,
-    say=run.say,
-    wait=(lambda: multihost_utils.sync_global_devices('encoded corpus ready')) if several else None,
-  )
-
-
-def _eval_batches(run: _TrainingRun, split: str) -> list:
-  """The split's batches in a fixed order (no shuffling), or [] when it is absent."""
-  if split not in run.dataset:
-    run.say(f'no {split} split: validation loss is not computed')
-    return []
-  corpus = encode_corpus(run.dataset[split], run.tokenizer, run.model_config.max_len)
-  if corpus.num_dropped:
-    run.say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the loss')
-  batcher = ArrayBatcher(
-    corpus,
-    run.train_config.max_tokens,
-    run.train_config.seed,
-    row_multiple=run.data_parallel.num_devices,
-    shuffle=False,
-  )
-  return list(batcher.epoch(0))
-
-
-def _metrics(sums: dict[str, float]) -> dict[str, float]:
-  """Loss, ppl, accuracy per token (masked token for cmlm), plus a cmlm model's length metrics."""
-  return {**token_metrics(sums), **(length_metrics(sums) if 'sentences' in sums else {})}
-
-
-def summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
-  """Per-step metrics of one logging interval -> per-token loss, ppl, accuracy, rates.
-
-  Skipped steps (non-finite loss or gradient) are left out of the averages and
-  counted as nonfinite_steps, a key present only when there were some.
-  tokens_per_s counts every target token (a cmlm step's target_tokens, not
-  only its masked ones).
-  """
-  good = [m for m in metrics if not m['nonfinite']]
-  values = {}
-  if good:
-    sums = {name: float(np.sum([m[name] for m in good])) for name in good[0]}
-    values = {
-      **_metrics(sums),
-      'learning_rate': float(good[-1]['learning_rate']),
-      'grad_norm': float(np.mean([m['grad_norm'] for m in good])),
-    }
-  tokens = 'target_tokens' if 'target_tokens' in metrics[0] else 'tokens'
-  values['tokens_per_s'] = float(np.sum([m[tokens] for m in metrics])) / seconds
-  if len(good) < len(metrics):
-    values['nonfinite_steps'] = len(metrics) - len(good)
-  return values
-
-
-def check_finite(
-  metrics: list[dict],
-  first_step: int,
-  skipped: list[int],
-  limit: int,
-  checkpoints: Checkpoints,
-  say: Callable[[str], None],
-) -> None:
-  """Notes the steps among `metrics` (steps first_step, first_step + 1, ...) that were skipped.
-
-  Raises NonFiniteError once `skipped` holds more than `limit` steps, after the
-  saves under way have finished, naming the last checkpoint.
-  """
-  for step, values in enumerate(metrics, start=first_step):
-    if not values['nonfinite']:
-      continue
-    skipped.append(step)
-    what = (
-      f'step {step}: the loss or the gradient is not finite (loss sum '
-      f'{float(values["loss_sum"])}, gradient norm {float(values["grad_norm"])}); its '
-      'update was not applied'
-    )
-    if len(skipped) <= limit:
-      say(f'{what}, skipped ({len(skipped)} of at most {limit}, --skip-nonfinite)')
-      continue
-    checkpoints.close()
-    latest = checkpoints.latest_step()
-    kept = (
-      f'the last checkpoint, {checkpoints.directory / str(latest)}, holds the last good parameters'
-      if latest is not None
-      else 'no checkpoint was saved before it'
-    )
-    count = (
-      f'; {len(skipped)} such steps ({", ".join(map(str, skipped))}), more than '
-      f'--skip-nonfinite={limit} allows'
-      if limit
-      else ''
-    )
-    raise NonFiniteError(
-      f'{what}{count}. Training stopped; {kept}. Usual causes: a learning rate too high for '
-      'the model (--train.lr_scale, --train.warmup_steps), bfloat16 overflow, corrupt data. '
-      'To skip such steps and go on, pass --skip-nonfinite N.',
-      step,
-    )
-
-
-# --- stage 4: the final scores ----------------------------------------------------------------
-
-
 def _final_evaluation(
   run: _TrainingRun, loop: TrainingLoop, state: TrainState, start: int, average_last: int
 ) -> None:
@@ -873,42 +405,3 @@ def _final_evaluation(
     raise Interrupted(
       stop.signal_number, step, run.checkpoints.directory / str(step), evaluating=True
     ) from None
-
-
-def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> None:
-  """Test (else validation) scores of the final parameters, and of the averaged checkpoints."""
-  split = next((name for name in ('test', 'validation') if name in run.dataset), None)
-  if split is None:
-    if average_last:
-      run.say(f'wrote {average_checkpoints(run.directory.path, average_last)}')
-    return
-  step = int(state.step)
-  values, report = _split_scores(run, state.params, split)
-  run.record(step, values)
-  run.say(
-    f'{split}, {evaluation_method(run.model_config).describe()} of '
-    f'{len(run.dataset[split]):,} sentences: {describe_scores(values, report)}\n'
-    f'  ({report["signature"]})'
-  )
-  run.say(report['samples'])
-  if average_last:
-    averaged = average_checkpoints(run.directory.path, average_last)
-    _, avg_params, _ = load_for_inference(averaged)
-    values, report = _split_scores(run, avg_params, split)
-    run.record(step, {f'avg_{name}': value for name, value in values.items()})
-    run.say(
-      f'{averaged}: mean of the last {average_last} checkpoints, {split} '
-      f'{describe_scores(values, report)}'
-    )
-
-
-def _split_scores(run: _TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
-  translator = Translator(run.model_config, params, run.tokenizer)
-  lang = run.data_config.tgt_lang if preprocessing.moses_available() else None
-  return translation_scores(
-    translator,
-    run.dataset[split],
-    evaluation_method(run.model_config),
-    progress=f'decode {split}' if run.directory.is_main else None,
-    lang=lang,
-  )

@@ -1,0 +1,65 @@
+"""A run's translation scores: the test split's (else validation's) at the end, and the
+validation split's during training (`train.bleu_every`).
+
+`_final_scores` decodes the final parameters, and the mean of the last checkpoints when
+asked (--average-last), with `evaluation_method`: greedy for the paper's model,
+mask-predict for a cmlm one; BLEU and chrF (sacreBLEU, signatures printed), exact match
+and sample translations (`evaluation.translation_scores`).
+"""
+
+from __future__ import annotations
+
+from flax_transformer.config import ModelConfig
+from flax_transformer.data import preprocessing
+from flax_transformer.decode.autoregressive import Greedy
+from flax_transformer.decode.methods import default_method
+from flax_transformer.decode.translator import Translator
+from flax_transformer.run.loading import average_checkpoints, load_for_inference
+from flax_transformer.train.evaluation import describe_scores, translation_scores
+from flax_transformer.train.setup import _TrainingRun
+from flax_transformer.train.step import TrainState
+
+
+def evaluation_method(model_config: ModelConfig):
+  """How BLEU is decoded during and after training: greedy for an autoregressive model (the
+  usual, cheap model-selection signal), the model's default (mask-predict) for a cmlm one."""
+  return default_method(model_config, autoregressive=Greedy())
+
+
+def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> None:
+  """Test (else validation) scores of the final parameters, and of the averaged checkpoints."""
+  split = next((name for name in ('test', 'validation') if name in run.dataset), None)
+  if split is None:
+    if average_last:
+      run.say(f'wrote {average_checkpoints(run.directory.path, average_last)}')
+    return
+  step = int(state.step)
+  values, report = _split_scores(run, state.params, split)
+  run.record(step, values)
+  run.say(
+    f'{split}, {evaluation_method(run.model_config).describe()} of '
+    f'{len(run.dataset[split]):,} sentences: {describe_scores(values, report)}\n'
+    f'  ({report["signature"]})'
+  )
+  run.say(report['samples'])
+  if average_last:
+    averaged = average_checkpoints(run.directory.path, average_last)
+    _, avg_params, _ = load_for_inference(averaged)
+    values, report = _split_scores(run, avg_params, split)
+    run.record(step, {f'avg_{name}': value for name, value in values.items()})
+    run.say(
+      f'{averaged}: mean of the last {average_last} checkpoints, {split} '
+      f'{describe_scores(values, report)}'
+    )
+
+
+def _split_scores(run: _TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
+  translator = Translator(run.model_config, params, run.tokenizer)
+  lang = run.data_config.tgt_lang if preprocessing.moses_available() else None
+  return translation_scores(
+    translator,
+    run.dataset[split],
+    evaluation_method(run.model_config),
+    progress=f'decode {split}' if run.directory.is_main else None,
+    lang=lang,
+  )

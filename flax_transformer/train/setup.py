@@ -1,0 +1,384 @@
+"""A training run's setup: everything `loop.train` does before the first step.
+
+- `check_settings`: settings that are each valid but cannot make a run together,
+  refused before any data is loaded (`checkpoints_kept`: how many checkpoints a run
+  leaves, for --average-last);
+- `_prepare_training_run`: the run directory (writable, cleared unless resuming), the
+  parallel text (`data_config.source`, or the `dataset` given; `load_data` reads the
+  former for other programs), the tokenizer (WORKDIR/tokenizer.json, or trained on a
+  bounded sample of the training split and saved), the settings checked against
+  WORKDIR/config.json; it returns the `_TrainingRun` the stages share;
+- `_encoded_train` and `_eval_batches`: the training split encoded through the cache,
+  and the validation split's batches;
+- `_initial_state`: the latest intact checkpoint in WORKDIR/checkpoints (damaged ones
+  set aside), or fresh parameters (--init-from's when fine-tuning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import datasets
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import multihost_utils
+
+from flax_transformer.config import (
+  NONNEGATIVE_INT,
+  ConfigError,
+  DataConfig,
+  ModelConfig,
+  TrainConfig,
+  check_bounds,
+  resolve_attention_kernel,
+)
+from flax_transformer.data import preprocessing
+from flax_transformer.data.assembly import ArrayBatcher
+from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus, encode_corpus
+from flax_transformer.data.corpus import load_parallel
+from flax_transformer.data.packing import check_settings as check_packing
+from flax_transformer.data.pipeline import TrainingData, load_training_data
+from flax_transformer.data.toy_task import number_translation
+from flax_transformer.nn.model import Transformer, count_params
+from flax_transformer.pretrained.marian import load_marian
+from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint
+from flax_transformer.run.directory import RunDirectory
+from flax_transformer.run.metrics_log import MetricsLog
+from flax_transformer.run.sizes import check_fits
+from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
+from flax_transformer.train import scheduled_sampling
+from flax_transformer.train.parallel import DataParallel
+from flax_transformer.train.run_tokenizer import run_tokenizer
+from flax_transformer.train.step import TrainState, create_train_state
+
+
+def load_data(data_config: DataConfig) -> datasets.DatasetDict:
+  """The parallel text of `data_config`: the toy task, or `data.load_parallel`."""
+  if data_config.source == 'toy':
+    return number_translation()
+  return load_parallel(
+    data_config.source,
+    data_config.src_lang,
+    data_config.tgt_lang,
+    valid_split=data_config.valid_split,
+    test_split=data_config.test_split,
+  )
+
+
+def check_settings(
+  model_config: ModelConfig,
+  train_config: TrainConfig,
+  data_config: DataConfig,
+  average_last: int = 0,
+  skip_nonfinite: int = 0,
+  pretrained: bool = False,
+  saved: Sequence[int] = (),
+) -> None:
+  """Raises ConfigError for settings that are each valid but cannot make a run together.
+
+  pretrained: the model config comes from a pretrained model (`--init-from`), with
+  its own vocabulary, rather than from a tokenizer trained on the data.
+  saved: the steps of the checkpoints a resumed run starts with (`saved_steps`).
+
+  Checked before any data is loaded, rather than found out later (the vocabulary
+  when the tokenizer is trained, the averaging after the last step).
+  """
+  if data_config.vocab_size <= len(SPECIAL_TOKENS):
+    raise ConfigError(
+      f'data.vocab_size={data_config.vocab_size} leaves no room for text: the '
+      f'{len(SPECIAL_TOKENS)} special tokens {", ".join(SPECIAL_TOKENS)} take '
+      f'ids 0-{len(SPECIAL_TOKENS) - 1}; ask for more'
+    )
+  if not SEQUENCE_LENGTH.admits(model_config.max_len):
+    raise ConfigError(
+      f'model.max_len={model_config.max_len} cannot hold a token and EOS; '
+      f'it must be at least {SEQUENCE_LENGTH.low}'
+    )
+  if average_last < 0 or average_last > train_config.keep_checkpoints:
+    raise ConfigError(
+      f'--average-last={average_last} needs that many checkpoints on disk, but '
+      f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
+      'it or average fewer'
+    )
+  kept = checkpoints_kept(train_config, saved)
+  if average_last > kept:
+    raise ConfigError(
+      f'--average-last={average_last} needs that many checkpoints, but this run '
+      f'ends with {kept}: train.steps={train_config.steps} with '
+      f'train.checkpoint_every={train_config.checkpoint_every} (and one at the '
+      f'end){f", beside the {len(saved)} saved" if saved else ""}; average fewer, '
+      'or lower train.checkpoint_every'
+    )
+  check_bounds(skip_nonfinite, NONNEGATIVE_INT, '--skip-nonfinite')
+  picked = [f'data.{name}' for name in ('valid_split', 'test_split') if getattr(data_config, name)]
+  if data_config.source == 'toy' and picked:
+    raise ConfigError(
+      f'{picked[0]} picks a split of a data directory or Hub dataset; the toy '
+      'task (data.source=toy) has its own'
+    )
+  # The tokenizer has at most data.vocab_size tokens.
+  check_fits(
+    model_config if pretrained else model_config.replace(vocab_size=data_config.vocab_size),
+    train_config.max_tokens,
+  )
+  scheduled_sampling.check_model(model_config, train_config)
+  check_packing(model_config, train_config)
+  steps = preprocessing.TextPreprocessing.of(data_config)
+  if pretrained and steps.active:
+    raise ConfigError(
+      f'--init-from brings a tokenizer trained on text as written; data '
+      f'preprocessing ({steps.describe()}) would feed it text it never saw: '
+      'leave data.normalize_punctuation, data.lowercase and data.pretokenize '
+      'at their defaults when fine-tuning'
+    )
+  preprocessing.check_available(steps)
+
+
+def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> int:
+  """How many checkpoints a run leaves on disk: one every checkpoint_every steps and one at the
+  last step, after the `saved` ones it resumes from, the newest keep_checkpoints of them.
+
+  For steps 5, checkpoint_every 2, keep_checkpoints 5: steps 2, 4 and 5, so 3.
+  """
+  every, last, start = train_config.checkpoint_every, train_config.steps, max(saved, default=0)
+  written = {step for step in range(every, last + 1, every) if step > start}
+  written |= {last} if last > start else set()
+  return min(train_config.keep_checkpoints, len(written | set(saved)))
+
+
+@dataclasses.dataclass
+class _TrainingRun:
+  """What the stages share: the settings, data, devices and the run directory's writers."""
+
+  directory: RunDirectory
+  model_config: ModelConfig
+  train_config: TrainConfig
+  data_config: DataConfig
+  train_data: TrainingData  # the training split (on disk or a table)
+  dataset: datasets.DatasetDict  # the evaluation splits: 'validation', 'test' when present
+  tokenizer: Tokenizer
+  data_parallel: DataParallel
+  checkpoints: Checkpoints
+  say: Callable[[str], None]
+  log: MetricsLog | None = None
+  scores: dict[str, float] = dataclasses.field(default_factory=dict)
+  pretrained_params: dict | None = None  # --init-from's, for a run without checkpoints
+
+  def record(self, step: int, values: dict[str, float]) -> None:
+    """Keeps `values` as the latest scores and logs them at `step` (process 0)."""
+    self.scores.update(values)
+    if self.log is not None:
+      self.log.write(step, values)
+
+
+def _prepare_training_run(
+  model_config: ModelConfig,
+  train_config: TrainConfig,
+  data_config: DataConfig,
+  directory: RunDirectory,
+  dataset: datasets.DatasetDict | None,
+  devices: int | None,
+  parallel: str,
+  resume: bool,
+  print_fn: Callable[[str], None],
+  init_from: str | Path | None = None,
+  allow_unverified: bool = False,
+) -> _TrainingRun:
+  """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
+  say = print_fn if directory.is_main else (lambda message: None)
+  data_parallel = DataParallel(_local_devices(devices), mode=parallel)
+  train_data = load_training_data(data_config, dataset)
+  say(f'data: {train_data.describe()}')
+  _check_validation(train_config, train_data.evaluation)
+  steps = preprocessing.TextPreprocessing.of(data_config)
+  if steps.active:
+    say(f'text: {steps.describe()} (data.normalize_punctuation, data.lowercase, data.pretokenize)')
+  directory.prepare(resume)
+  checkpoints = Checkpoints(
+    directory.path,
+    keep=train_config.keep_checkpoints,
+    on_unverified=say if allow_unverified else None,
+  )
+  pretrained_params = None
+  if init_from is not None and checkpoints.latest_step() is None:
+    _, pretrained_params, marian_tokenizer = load_marian(init_from)
+    if directory.is_main:
+      marian_tokenizer.save(directory.path)
+    say(f'fine-tuning {init_from}')
+  tokenizer = run_tokenizer(
+    directory,
+    lambda: _tokenizer_texts(train_data, data_config, steps),
+    data_config,
+    has_checkpoints=checkpoints.latest_step() is not None,
+    say=say,
+  )
+  # Everything the run encodes or decodes sees text through the data settings' preprocessing.
+  tokenizer = preprocessing.wrap(tokenizer, data_config)
+  model_config = directory.kept_dtype(model_config.replace(vocab_size=tokenizer.vocab_size))
+  tokenizer.check_compatible(model_config)
+  directory.check_settings(model_config, train_config, data_config)
+  return _TrainingRun(
+    directory=directory,
+    model_config=model_config,
+    train_config=train_config,
+    data_config=data_config,
+    train_data=train_data,
+    dataset=train_data.evaluation,
+    tokenizer=tokenizer,
+    data_parallel=data_parallel,
+    checkpoints=checkpoints,
+    say=say,
+    pretrained_params=pretrained_params,
+  )
+
+
+def _check_validation(train_config: TrainConfig, evaluation: datasets.DatasetDict) -> None:
+  """Raises ConfigError for settings that read validation scores when there is no validation
+  split (the best checkpoint, early stopping)."""
+  if 'validation' in evaluation:
+    return
+  wanted = [
+    name
+    for name, on in (
+      ('train.patience', train_config.patience),
+      ('train.best_metric=bleu', train_config.best_metric == 'bleu'),
+    )
+    if on
+  ]
+  if wanted:
+    raise ConfigError(
+      f'{wanted[0]} reads validation scores, but the data has no validation '
+      'split (data.valid_split names one)'
+    )
+
+
+def _tokenizer_texts(
+  train_data: TrainingData, data_config: DataConfig, steps: preprocessing.TextPreprocessing
+) -> list[str]:
+  """The tokenizer's training sample, sources then targets, each preprocessed in its language."""
+  sources, targets = train_data.tokenizer_pairs(data_config.tokenizer_sample)
+  return steps.prepare(sources, data_config.src_lang) + steps.prepare(targets, data_config.tgt_lang)
+
+
+def _local_devices(count: int | None) -> list[jax.Device] | None:
+  """The first `count` local devices; None: every device of every process."""
+  if count is None:
+    return None
+  if jax.process_count() > 1:
+    raise ConfigError(
+      '--devices selects local devices of a single process; with several '
+      'processes every device takes part'
+    )
+  available = jax.local_devices()
+  if not 1 <= count <= len(available):
+    raise ConfigError(
+      f'--devices={count}: this process has {len(available)} device(s) '
+      f'({available[0].platform}); on CPU, simulate more with '
+      f'XLA_FLAGS=--xla_force_host_platform_device_count={count}'
+    )
+  return available[:count]
+
+
+def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
+  """The training split encoded, through the cache (`data.cache_dir`, else WORKDIR/encoded):
+  process 0 encodes it or finds it there; the others wait, then read it."""
+  cache_dir = run.data_config.cache_dir or run.directory.encoded_dir
+  several = jax.process_count() > 1
+  return run.train_data.encoded_train(
+    run.tokenizer,
+    run.tokenizer.digest(),
+    run.model_config.max_len,
+    cache_dir,
+    is_writer=run.directory.is_main,
+    progress=run.directory.is_main,
+    say=run.say,
+    wait=(lambda: multihost_utils.sync_global_devices('encoded corpus ready')) if several else None,
+  )
+
+
+def _eval_batches(run: _TrainingRun, split: str) -> list:
+  """The split's batches in a fixed order (no shuffling), or [] when it is absent."""
+  if split not in run.dataset:
+    run.say(f'no {split} split: validation loss is not computed')
+    return []
+  corpus = encode_corpus(run.dataset[split], run.tokenizer, run.model_config.max_len)
+  if corpus.num_dropped:
+    run.say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the loss')
+  batcher = ArrayBatcher(
+    corpus,
+    run.train_config.max_tokens,
+    run.train_config.seed,
+    row_multiple=run.data_parallel.num_devices,
+    shuffle=False,
+  )
+  return list(batcher.epoch(0))
+
+
+def _initial_state(
+  run: _TrainingRun, model: Transformer, optimizer: optax.GradientTransformation, parallel: str
+) -> tuple[TrainState, int]:
+  """The replicated state to train from and its step: the latest checkpoint's, or fresh.
+
+  model, optimizer: the `TrainingLoop`'s (`step.compiled_training`).
+  """
+  seed = run.train_config.seed
+  abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, seed))
+  restored = _restore_latest_intact(run, abstract_state)
+  if restored is None:
+    state, start = create_train_state(model, optimizer, seed), 0
+    if run.pretrained_params is not None:  # Adam's moments start at zero either way
+      state = state.replace(params=jax.tree.map(jnp.asarray, run.pretrained_params))
+  else:
+    state, start = restored
+    run.say(f'resumed from {run.checkpoints.directory / str(start)}')
+  processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
+  kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
+  run.say(
+    f'model: {count_params(abstract_state.params):,} parameters,{kind} '
+    f'{_how_it_computes(run)}; {run.data_parallel.num_devices} device(s)'
+    f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}'
+  )
+  return run.data_parallel.replicate(state), start
+
+
+def _how_it_computes(run: _TrainingRun) -> str:
+  """The model line's compute dtype and attention kernel, each saying where auto decided it,
+  and which attention the kernel does not take."""
+  config, backend = run.model_config, jax.default_backend()
+  dtype = f'{config.compute_dtype.name} compute'
+  if config.dtype == 'auto':
+    dtype += f' (model.dtype auto on {backend})'
+  kernel = resolve_attention_kernel(config)
+  attention = f'{kernel} attention'
+  if kernel != 'einsum' and run.train_config.packing:
+    attention += ' (packed rows: einsum)'
+  elif kernel != 'einsum' and config.attention_radius is not None:
+    attention += ' (self-attention: banded)'
+  elif config.attention_kernel == 'auto':
+    attention += f' (model.attention_kernel auto on {backend})'
+  return f'{dtype}, {attention}'
+
+
+def _restore_latest_intact(run: _TrainingRun, abstract_state) -> tuple[TrainState, int] | None:
+  """The newest checkpoint that can be read, and its step; None when there is none.
+
+  Damaged ones (files changed, missing or unreadable) are moved aside, saying so;
+  a checkpoint of another model (CheckpointError) stops the run.
+  """
+  skipped = []
+  for step in reversed(run.checkpoints.steps()):
+    try:
+      return run.checkpoints.restore(step, abstract_state), step
+    except DamagedCheckpoint as error:
+      aside = run.checkpoints.set_aside(step)
+      skipped.append(step)
+      run.say(f'skipped checkpoint {step}: {error}; moved it to {aside}')
+  if skipped:
+    run.say(
+      f'no intact checkpoint left (skipped {", ".join(map(str, skipped))}): training '
+      'starts afresh from step 0'
+    )
+  return None
