@@ -6,7 +6,8 @@ settings). Modules: `timing` (medians and percentiles of blocking calls, alterna
 `flops` (the hand counts and XLA's), `peaks` (measured and datasheet matmul peaks),
 `compiled` (compile seconds, the persistent cache, XLA's memory account), `step`
 (`step_report`), `decoding` (`decode_report`), `comparison` (`compare`: several settings in alternating
-rounds, each compiled once), `command` (`flax-transformer-bench`).
+rounds, each compiled once), `writers` (the command's JSON, CSV and plot), `command`
+(`flax-transformer-bench`).
 
     from flax_transformer import bench
     from flax_transformer.config import ModelConfig, TrainConfig

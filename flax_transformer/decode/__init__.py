@@ -1,8 +1,9 @@
 """Decoding: the functional API on the explicit KV cache, methods as values, text in and out.
 
 Layer 6 (above `run`, whose checkpoints `Translator` loads). Modules:
-`autoregressive` (greedy, sampling and beam search as one `lax.scan`-style loop
-over steps), `non_autoregressive` (mask-predict, a cmlm model's iterative refinement),
+`autoregressive` (greedy, sampling and beam search on a model's KV cache), `search`
+(the loops they run: a `lax.scan`-style loop over steps on any step function),
+`non_autoregressive` (mask-predict, a cmlm model's iterative refinement),
 each with its methods' classes (one frozen class per method: its settings, checked, and
 how it runs), `methods` (what a method is, the methods by decode.py's names, the default),
 `translator` (`Translator`: text in, text out, for either model kind).
