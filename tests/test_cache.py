@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flax_transformer.data import cache
+from flax_transformer.data import cache, encoding
 from flax_transformer.data.batching import encode_corpus
 from flax_transformer.data.corpus import DataError, load_parallel
 from flax_transformer.tokenizer import Tokenizer
@@ -109,7 +109,7 @@ def test_dataset_source_equals_encode_corpus(data, tokenizer, tmp_path):
 
 
 def test_worker_pool_equals_encode_corpus(data, tokenizer, tmp_path, monkeypatch):
-  monkeypatch.setattr(cache, 'POOL_MIN_LINES', 0)
+  monkeypatch.setattr(encoding, 'POOL_MIN_LINES', 0)  # where `encoded_blocks` reads it
   corpus = cache.load_or_encode(
     _source(data),
     tokenizer,

@@ -21,11 +21,9 @@ digest (the SHA-256 of its file(s), as the run directory records it), `max_len`,
 special ids, `FORMAT_VERSION` and `TEXT_ENCODING`: a changed data file or tokenizer, or
 another max_len, is another key and so another directory, encoded afresh; a resume finds
 its own (a cache of an older `TEXT_ENCODING` is named in the log once, and encoded anew). The
-fingerprint of text files is each file's size and the SHA-256 of its bytes, not paths and
-mtimes: the content is what the ids depend on, so a moved, copied or touched corpus keeps
-its cache, and an edit that keeps the size and mtime (`cp -p`, a restore, a clock skew)
-still changes the key. Hashing is ~1-2 s per GB on one core (SHA-NI), seconds at WMT14's
-size, and the same pass counts the lines for the progress bar.
+sources and their fingerprints (a text file's is its size and the SHA-256 of its bytes, not
+its path and mtime) are `pair_sources`'; `TextPairFiles`, `DatasetPairs`, `PairSource`,
+`files_fingerprint` and `sample_rows` are still importable from here.
 
 A build writes into `.<name>.partial-<pid>-<random>/`, the manifest last (through a
 rename), then renames the directory into place: a crash leaves a partial directory,
@@ -34,25 +32,10 @@ unparsable manifest, another key or format, a missing file, a wrong size, incons
 offsets or (with `verify=True`, the default) a digest mismatch make the cache invalid,
 and the writer sets it aside and encodes again.
 
-Encoding runs in one of two ways, chosen by `workers`:
-
-  * in this process, one block of lines at a time: `Tokenizer.encode_flat` encodes by
-    words (`data.word_memo`: Arrow splits and groups the words, each distinct word goes
-    through `tokenizers` once, NumPy gathers the ids). The default for a `Tokenizer`
-    (`workers=None`);
-  * in a pool of spawned processes (safe beside JAX's threads; a script calling this must
-    guard its main code with `if __name__ == '__main__'`, as for any spawned pool): the
-    main process reads blocks of lines, each worker decodes, cleans and tokenizes a block
-    single-threaded and returns flat arrays, the main process appends them in order. The
-    default for any other tokenizer (a Marian tokenizer's sentencepiece call is a Python
-    loop per sentence, so a pool is its only parallelism); `workers=N` forces it. A
-    worker's tokenizer is unpickled through its constructor, so it keeps its settings.
-
-For a `Tokenizer` on a host of a few cores the one process is the faster way: a worker
-pays seconds to import the package, and its memo starts empty (benchmarks/README.md has
-the numbers). Corpora under `POOL_MIN_LINES` lines
-never start a pool. Either way memory is bounded by the blocks in flight and the memo's
-cap, never by the corpus: no Python list outlives its block.
+Encoding (`encoding.encoded_blocks`: in this process, or in a pool of spawned workers,
+chosen by `workers`; `BLOCK_LINES` and `POOL_MIN_LINES` are its own) hands this module one block
+of flat arrays at a time, which it appends to the array files: memory is bounded by the
+blocks in flight, never by the corpus.
 
 Multi-host: every process calls `load_or_encode` with `is_writer=(process_index == 0)` and
 `wait`, a barrier all processes reach (e.g. `jax.experimental.multihost_utils.
@@ -63,36 +46,52 @@ job. `cache_dir` must then be on a filesystem every process sees.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import functools
 import hashlib
-import itertools
 import json
-import multiprocessing
 import os
-import pickle
 import secrets
 import shutil
-import signal
 import socket
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-import datasets
 import numpy as np
 from tqdm.auto import tqdm
 
 from flax_transformer import signals
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
-from flax_transformer.data.corpus import DataError, invalid_utf8
+from flax_transformer.data.corpus import DataError
+from flax_transformer.data.encoding import BLOCK_LINES, encoded_blocks
+from flax_transformer.data.pair_sources import (
+  DatasetPairs,
+  PairSource,
+  TextPairFiles,
+  files_fingerprint,
+  sample_rows,
+)
 from flax_transformer.errors import CacheError
 from flax_transformer.files import file_digest, write_atomically
-from flax_transformer.tokenizer import TextTokenizer, Tokenizer
-from flax_transformer.tokenizer.word_memo import flat_rows
+from flax_transformer.tokenizer import TextTokenizer
+
+# The pair sources and BLOCK_LINES moved out (`pair_sources`, `encoding`); they are still here.
+__all__ = [
+  'ARRAYS',
+  'BLOCK_LINES',
+  'FORMAT_VERSION',
+  'MANIFEST',
+  'TEXT_ENCODING',
+  'DatasetPairs',
+  'PairSource',
+  'TextPairFiles',
+  'cache_key',
+  'cache_path',
+  'files_fingerprint',
+  'load',
+  'load_or_encode',
+  'sample_rows',
+]
 
 FORMAT_VERSION = 1
 # How text becomes ids beyond what the tokenizer's files say. 2: special tokens' strings in
@@ -108,170 +107,8 @@ ARRAYS = {
   'tgt_offsets': ('tgt_offsets.i64', '<i8'),
   'example_ids': ('example_ids.i64', '<i8'),
 }
-# Lines a worker encodes at a time: large enough to amortise the hand-over, small enough
-# that the blocks in flight (2 per worker) stay a few tens of MB.
-BLOCK_LINES = 20_000
-# Smaller corpora are encoded in the calling process: starting workers would cost more.
-POOL_MIN_LINES = 100_000
-_HASH_BLOCK = 8 << 20
 # Names a partial build's directory, so that only this host's dead builders' are removed.
 _HOST = socket.gethostname().replace('-', '_').replace('/', '_') or 'host'
-
-
-# ------------------------------------------------------------------------------------------------
-# Sources: what is encoded, its fingerprint, and its text in blocks.
-
-
-def files_fingerprint(paths: Sequence[str | Path]) -> dict:
-  """{'files': [{'name', 'size', 'sha256', 'lines'}]} for each path, in order: the content key.
-
-  `lines` counts '\\n'-separated lines as `corpus.split_lines` does (a last line without a
-  newline counts), from the same read that hashes the bytes.
-  """
-  entries = []
-  for path in paths:
-    path = Path(path)
-    digest, size, newlines, last = hashlib.sha256(), 0, 0, b'\n'
-    try:
-      with open(path, 'rb') as file:
-        while block := file.read(_HASH_BLOCK):
-          digest.update(block)
-          size += len(block)
-          newlines += block.count(b'\n')
-          last = block[-1:]
-    except OSError as error:
-      raise DataError(f'{path}: cannot read it ({error.strerror or error})') from error
-    entries.append(
-      {
-        'name': path.name,
-        'size': size,
-        'sha256': digest.hexdigest(),
-        'lines': newlines + (last != b'\n'),
-      }
-    )
-  return {'files': entries}
-
-
-@dataclasses.dataclass(frozen=True)
-class TextPairFiles:
-  """One split as two UTF-8 text files, line N of `target` translating line N of `source`.
-
-  Read and cleaned exactly as `corpus.load_parallel` reads a text directory: lines split on
-  '\\n' only, both sides stripped, pairs with an empty side dropped; `example_ids` count
-  the pairs kept by that cleaning, as the rows of `load_parallel(...)[split]` do.
-  """
-
-  source: str | Path
-  target: str | Path
-
-  @functools.cached_property
-  def _fingerprint(self) -> dict:
-    return {
-      'kind': 'text-pair-files',
-      'clean': 'strip-drop-empty',
-      **files_fingerprint([self.source, self.target]),
-    }
-
-  def fingerprint(self) -> dict:
-    """The content key (read once: every byte is hashed)."""
-    return self._fingerprint
-
-  @property
-  def num_lines(self) -> int:
-    """Lines of the source file (the target's must match; `blocks` checks)."""
-    return self._fingerprint['files'][0]['lines']
-
-  def describe(self) -> str:
-    return f'{self.source} + {self.target}'
-
-  def sample_pairs(self, count: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """(sources, targets) of `count` lines drawn at random (seed), in file order and cleaned;
-    every line when count is 0 or the files hold no more. For training a tokenizer: memory
-    grows with the sample, not with the files."""
-    chosen = sample_rows(self.num_lines, count, seed)
-    wanted = None if chosen is None else set(chosen.tolist())
-    sources, targets = [], []
-    with open(self.source, 'rb') as src_file, open(self.target, 'rb') as tgt_file:
-      for number, (src_line, tgt_line) in enumerate(zip(src_file, tgt_file)):
-        if wanted is not None and number not in wanted:
-          continue  # not decoded: only the sample's lines cost more than a read
-        src_text = _decode_line(src_line, self.source, number)
-        tgt_text = _decode_line(tgt_line, self.target, number)
-        if src_text and tgt_text:
-          sources.append(src_text)
-          targets.append(tgt_text)
-    return sources, targets
-
-  def blocks(self, lines: int) -> Iterator[tuple]:
-    """('text', src bytes, tgt bytes, first line number (0-based), file names) per `lines` lines."""
-    with open(self.source, 'rb') as src_file, open(self.target, 'rb') as tgt_file:
-      for first in itertools.count(0, lines):
-        src_lines = list(itertools.islice(src_file, lines))
-        tgt_lines = list(itertools.islice(tgt_file, lines))
-        if len(src_lines) != len(tgt_lines):
-          src_total = first + len(src_lines) + sum(1 for _ in src_file)
-          tgt_total = first + len(tgt_lines) + sum(1 for _ in tgt_file)
-          raise DataError(
-            f'{self.source} has {src_total:,} lines but {self.target} has '
-            f'{tgt_total:,}; line N of one must translate line N of the other'
-          )
-        if not src_lines:
-          return
-        yield (
-          'text',
-          b''.join(src_lines),
-          b''.join(tgt_lines),
-          first,
-          (str(self.source), str(self.target)),
-        )
-
-
-def sample_rows(total: int, count: int, seed: int = 0) -> np.ndarray | None:
-  """`count` of the rows 0..total-1 drawn without replacement (seeded), sorted; None for all
-  of them (count 0, or no fewer rows than asked for)."""
-  if count == 0 or count >= total:
-    return None
-  return np.sort(np.random.default_rng(seed).choice(total, count, replace=False))
-
-
-def _decode_line(line: bytes, path: str | Path, number: int) -> str:
-  try:
-    return line.decode('utf-8').strip()
-  except UnicodeDecodeError as error:
-    raise invalid_utf8(str(path), line, error, number) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetPairs:
-  """A `datasets.Dataset` split with 'source' and 'target' columns, taken as it is (as
-  `encode_corpus` takes it), with a `content` fingerprint the caller vouches for: e.g.
-  `files_fingerprint` of the files it was read from plus how they were read. (A
-  `datasets` fingerprint of an in-memory table is random per process, so it cannot be
-  the key.)"""
-
-  dataset: datasets.Dataset
-  content: str | dict
-
-  def fingerprint(self) -> dict:
-    return {'kind': 'dataset', 'rows': len(self.dataset), 'content': self.content}
-
-  def describe(self) -> str:
-    return f'a dataset of {len(self.dataset):,} pairs'
-
-  def sample_pairs(self, count: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """As `TextPairFiles.sample_pairs`, over the dataset's rows (taken as they are)."""
-    chosen = sample_rows(len(self.dataset), count, seed)
-    rows = self.dataset if chosen is None else self.dataset.select(chosen)
-    return list(rows['source']), list(rows['target'])
-
-  def blocks(self, lines: int) -> Iterator[tuple]:
-    columns = self.dataset.select_columns(['source', 'target'])
-    for first in range(0, len(columns), lines):
-      chunk = columns[first : first + lines]
-      yield ('list', chunk['source'], chunk['target'], first, None)
-
-
-PairSource = TextPairFiles | DatasetPairs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -582,7 +419,7 @@ def _write_arrays(
     dynamic_ncols=True,
     mininterval=1.0,
   ) as bar:
-    for block_rows, result in _encoded_blocks(
+    for block_rows, result in encoded_blocks(
       source, tokenizer, max_len, workers, block_lines, total_lines
     ):
       src_ids, src_lengths, tgt_ids, tgt_lengths, kept_rows, clean_rows = result
@@ -630,129 +467,3 @@ def _install(partial: Path, final: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     if not (final / MANIFEST).is_file():
       raise
-
-
-def _encoded_blocks(
-  source: PairSource,
-  tokenizer: TextTokenizer,
-  max_len: int,
-  workers: int | None,
-  block_lines: int,
-  total_lines: int | None,
-) -> Iterator[tuple[int, tuple]]:
-  """(lines in the block, `_encode_block`'s result) per block, in order."""
-  if workers is None:  # a `Tokenizer` parallelises its batch call itself (module docstring)
-    workers = (
-      1
-      if isinstance(tokenizer, Tokenizer)
-      else (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())
-    )
-  blocks = source.blocks(block_lines)
-  first = next(blocks, None)
-  if first is None:
-    return
-  second = next(blocks, None)
-  blocks = itertools.chain([first] + ([second] if second is not None else []), blocks)
-  if workers > 1 and second is not None and (total_lines is None or total_lines >= POOL_MIN_LINES):
-    try:
-      payload = pickle.dumps(tokenizer)
-    except Exception:  # a tokenizer that cannot travel is encoded here instead
-      payload = None
-    if payload is not None:
-      yield from _pool_blocks(blocks, payload, max_len, workers)
-      return
-  for block in blocks:
-    yield _block_rows(block), _encode_block(tokenizer, max_len, block)
-
-
-def _pool_blocks(
-  blocks: Iterator[tuple], tokenizer_pickle: bytes, max_len: int, workers: int
-) -> Iterator[tuple[int, tuple]]:
-  context = multiprocessing.get_context('spawn')
-  with concurrent.futures.ProcessPoolExecutor(
-    workers, mp_context=context, initializer=_start_worker, initargs=(tokenizer_pickle, max_len)
-  ) as pool:
-    in_flight: deque = deque()
-    for block in blocks:
-      in_flight.append((_block_rows(block), pool.submit(_encode_in_worker, block)))
-      if len(in_flight) >= 2 * workers:
-        rows, future = in_flight.popleft()
-        yield rows, future.result()
-    while in_flight:
-      rows, future = in_flight.popleft()
-      yield rows, future.result()
-
-
-def _block_rows(block: tuple) -> int:
-  kind, sources = block[0], block[1]
-  return sources.count(b'\n') + (not sources.endswith(b'\n')) if kind == 'text' else len(sources)
-
-
-_WORKER: dict = {}
-
-
-def _start_worker(tokenizer_pickle: bytes, max_len: int) -> None:
-  # Ctrl-C reaches the whole process group: the parent decides when to stop, and ends the pool.
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  # One thread per worker: the workers are the parallelism (no oversubscription).
-  os.environ['TOKENIZERS_PARALLELISM'] = 'false'
-  _WORKER['tokenizer'] = pickle.loads(tokenizer_pickle)
-  _WORKER['max_len'] = max_len
-
-
-def _encode_in_worker(block: tuple) -> tuple:
-  return _encode_block(_WORKER['tokenizer'], _WORKER['max_len'], block)
-
-
-def _encode_block(tokenizer: TextTokenizer, max_len: int, block: tuple) -> tuple:
-  """One block -> (src ids with EOS, src lengths, tgt ids with EOS, tgt lengths, kept rows
-  (0-based among the block's rows after cleaning), rows after cleaning); arrays, no lists."""
-  kind, sources, targets, first, names = block
-  if kind == 'text':
-    sources = _decode_lines(sources, names[0], first)
-    targets = _decode_lines(targets, names[1], first)
-    pairs = [(s, t) for s, t in zip(sources, targets) if s and t]
-    sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
-  src_ids, src_lengths = _encode_flat(tokenizer, sources, target=False)
-  tgt_ids, tgt_lengths = _encode_flat(tokenizer, targets, target=True)
-  keep = (src_lengths < max_len) & (tgt_lengths < max_len)
-  eos = tokenizer.eos_id
-  src_ids, src_lengths = _with_eos(src_ids, src_lengths, keep, eos)
-  tgt_ids, tgt_lengths = _with_eos(tgt_ids, tgt_lengths, keep, eos)
-  return src_ids, src_lengths, tgt_ids, tgt_lengths, np.flatnonzero(keep), len(sources)
-
-
-def _decode_lines(data: bytes, where: str, first: int) -> list[str]:
-  """The block's lines, stripped (as `corpus.load_parallel` cleans them)."""
-  try:
-    text = data.decode('utf-8')
-  except UnicodeDecodeError as error:
-    raise invalid_utf8(where, data, error, first) from None
-  lines = text.split('\n')
-  if lines[-1] == '':
-    lines.pop()
-  return [line.strip() for line in lines]
-
-
-def _encode_flat(
-  tokenizer: TextTokenizer, texts: list[str], target: bool
-) -> tuple[np.ndarray, np.ndarray]:
-  """(ids int32, lengths int64) of `texts` on the source or target side."""
-  if isinstance(tokenizer, Tokenizer):  # one vocabulary for both sides, encoded by words
-    return tokenizer.encode_flat(texts)
-  return flat_rows(tokenizer.encode_target(texts) if target else tokenizer.encode(texts))
-
-
-def _with_eos(
-  ids: np.ndarray, lengths: np.ndarray, keep: np.ndarray, eos: int
-) -> tuple[np.ndarray, np.ndarray]:
-  """The kept rows' ids, each followed by EOS, and their lengths with EOS."""
-  ids = ids[np.repeat(keep, lengths)]
-  lengths = lengths[keep]
-  out = np.empty(len(ids) + len(lengths), np.int32)
-  ends = np.cumsum(lengths + 1) - 1
-  is_eos = np.zeros(len(out), bool)
-  is_eos[ends] = True
-  out[is_eos] = eos
-  out[~is_eos] = ids
-  return out, lengths + 1

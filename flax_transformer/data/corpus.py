@@ -197,7 +197,7 @@ def text_pair_files(
   """{split: (source file, target file)} of a directory of `<stem>.<lang>` text pairs, the
   splits chosen as `load_parallel` chooses them; None when `source` is not such a directory.
 
-  For reading a large split as a stream (`cache.TextPairFiles`) rather than as a table.
+  For reading a large split as a stream (`pair_sources.TextPairFiles`) rather than as a table.
   """
   directory = Path(source).expanduser()
   if not directory.is_dir() or not (
