@@ -365,7 +365,7 @@ class MultiHeadAttention(nn.Module):
     Their kernels are put side by side, `[D, len(names) * D]`, inside the
     computation: one wide matmul (and one input gradient in training) instead of
     several, while the parameters stay separate layers, as checkpoints and the
-    Marian mapping (pretrained/marian.py) have them. At init each layer runs on
+    Marian mapping (pretrained/marian_weights.py) have them. At init each layer runs on
     its own, which declares each layer's parameters.
     """
     layers = [getattr(self, name) for name in names]

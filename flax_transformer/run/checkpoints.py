@@ -9,9 +9,10 @@ Reading a finished run for decoding, and averaging its checkpoints, is
 Damage: once a save is known to be complete, the SHA-256 of each of its files
 is recorded in `<step>/sha256sums.json`; a restore checks them, then compares
 the saved arrays' names and shapes (orbax's metadata) with the model's before
-reading any array. A file that changed, is missing or cannot be read raises
-`DamagedCheckpoint` naming the step and the file; arrays that do not fit the
-model of config.json raise `CheckpointError` listing the first differences.
+reading any array (`checkpoint_layout.py`). A file that changed, is missing or
+cannot be read raises `DamagedCheckpoint` naming the step and the file; arrays
+that do not fit the model of config.json raise `CheckpointError` listing the
+first differences.
 Training resumes from the newest intact checkpoint and moves damaged ones to
 `checkpoints/damaged-<step>` (`set_aside`), outside orbax's step listing.
 
@@ -50,6 +51,7 @@ from jax.experimental import multihost_utils
 from flax_transformer.config import ModelConfig
 from flax_transformer.errors import DamagedCheckpoint, RotatedCheckpoint
 from flax_transformer.files import file_digest
+from flax_transformer.run.checkpoint_layout import check_layout, check_shapes, shapes_by_name
 from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError
 
 __all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'RotatedCheckpoint', 'WriteError']
@@ -57,8 +59,6 @@ __all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'RotatedCheckp
 # In each step's directory: {path relative to it: SHA-256} of the files orbax wrote.
 DIGESTS_FILE = 'sha256sums.json'
 PARAMS_OF_CONFIG = 'parameters of the model in config.json'
-# At most this many differing arrays are named when a checkpoint does not fit the model.
-_SHOWN_DIFFERENCES = 3
 # How long a failed read waits for its step's directory to go, when a newer step shows that a
 # writer's max_to_keep is deleting it (orbax deletes file by file, the directory last).
 _ROTATION_WAIT_S = 1.0
@@ -252,7 +252,7 @@ class Checkpoints:
       self._check_step(step)
       self.check_digests(step)
       for name, tree in abstract_items.items():
-        _check_layout(_item_metadata(where, name, step), tree, where, what)
+        check_layout(_item_metadata(where, name, step), tree, where, what)
       args = {
         name: ocp.args.StandardRestore(_host_target(tree)) for name, tree in abstract_items.items()
       }
@@ -262,7 +262,7 @@ class Checkpoints:
         # The names and shapes fit (checked above): what cannot be read is damaged.
         raise _damaged(where, step, error) from error
     restored = {name: restored[name] for name in abstract_items}
-    _check_shapes(restored, abstract_items, where)
+    check_shapes(restored, abstract_items, where)
     return restored
 
   def check_digests(self, step: int) -> None:
@@ -350,7 +350,7 @@ class Checkpoints:
     where = self.directory / str(step)
     with self._reading(step):
       self.check_digests(step)
-      saved = _shapes_by_name(_item_metadata(where, 'params', step))
+      saved = shapes_by_name(_item_metadata(where, 'params', step))
     needed = {}
     for name, shape in saved.items():
       side, layer, rest = (name.split('/', 2) + ['', ''])[:3]
@@ -360,7 +360,7 @@ class Checkpoints:
         for index in range(getattr(config, f'num_{side}_layers')):
           needed[f'{side}/layer_{index}/{rest}'] = shape
     if len(needed) != len(saved) or needed.keys() != saved.keys():
-      _check_layout(saved, needed, where, what, shaped=False)
+      check_layout(saved, needed, where, what, shaped=False)
 
   def set_aside(self, step: int) -> Path:
     """Moves checkpoint `step` to checkpoints/damaged-<step> (process 0); returns that path."""
@@ -417,51 +417,6 @@ def _item_metadata(where: Path, item: str, step: int):
     ) from error
 
 
-def _key_name(entry) -> str:
-  for attribute in ('key', 'name', 'idx'):
-    if hasattr(entry, attribute):
-      return str(getattr(entry, attribute))
-  return str(entry)
-
-
-def _shapes_by_name(tree) -> dict[str, tuple[int, ...]]:
-  """{'encoder/layer_0/.../kernel': shape}; namedtuples and dicts alike (orbax saves dicts)."""
-  return {
-    '/'.join(map(_key_name, path)): tuple(leaf.shape)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
-def _check_layout(metadata, abstract, where: Path, what: str, shaped: bool = True) -> None:
-  """Raises CheckpointError naming the first arrays whose names or shapes differ.
-
-  `metadata` and `abstract` are trees of arrays, or (shaped=False) their `_shapes_by_name`.
-  """
-  saved, needed = (
-    (_shapes_by_name(metadata), _shapes_by_name(abstract)) if shaped else (metadata, abstract)
-  )
-  differences = []
-  for name in sorted(set(saved) | set(needed)):
-    if name not in saved:
-      differences.append(f'{name} {needed[name]} is not saved')
-    elif name not in needed:
-      differences.append(f'{name} {saved[name]} is saved but not in the model')
-    elif saved[name] != needed[name]:
-      differences.append(f'{name} is saved as {saved[name]}, the model needs {needed[name]}')
-  if differences:
-    shown = '; '.join(differences[:_SHOWN_DIFFERENCES])
-    more = (
-      f' (and {len(differences) - _SHOWN_DIFFERENCES} more)'
-      if len(differences) > _SHOWN_DIFFERENCES
-      else ''
-    )
-    raise CheckpointError(
-      f'{where} does not hold {what}: {len(differences)} arrays differ, '
-      f'{shown}{more}. The checkpoint belongs to another model: use the '
-      'config.json it was written with'
-    )
-
-
 def _damaged(where: Path, step: int, error: Exception) -> DamagedCheckpoint:
   """A failed read as DamagedCheckpoint naming the array and item directory tensorstore names."""
   text = str(error)
@@ -481,19 +436,6 @@ def _short(error: Exception) -> str:
   text = str(error).splitlines()[0] if str(error) else type(error).__name__
   text = re.sub(r'^.*"[^"]*": ', '', text)  # after the last quoted name (file, array, spec)
   return text if len(text) <= 160 else text[:157] + '...'
-
-
-def _check_shapes(restored, abstract, where: Path) -> None:
-  """orbax restores numpy leaves with their saved shapes whatever the target's: check them."""
-  expected = dict(jax.tree_util.tree_flatten_with_path(abstract)[0])
-  for path, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
-    want = expected[path].shape
-    if np.shape(value) != want:
-      raise CheckpointError(
-        f'{where}: {jax.tree_util.keystr(path)} has shape {np.shape(value)}, '
-        f'the model of config.json needs {want}; the checkpoint belongs to '
-        'another model'
-      )
 
 
 def _host_target(tree):

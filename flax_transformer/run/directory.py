@@ -1,10 +1,6 @@
 """The run directory: what a training run writes besides its checkpoints, and the rules for it.
 
-    WORKDIR/config.json      {"written_by": WRITTEN_BY, "run_format": RUN_FORMAT,
-                              "model": ModelConfig, "train": TrainConfig, "data": DataConfig,
-                              "tokenizer_files": [its files],
-                              "tokenizer_sha256": digest of tokenizer.json,
-                              "packing_plan": how packed rows are planned}
+    WORKDIR/config.json      the run's settings and marker (config_file.py)
     WORKDIR/tokenizer.json   the shared subword vocabulary (Tokenizer.save)
     WORKDIR/checkpoints/     orbax checkpoints, one directory per step (checkpoints.py)
     WORKDIR/metrics.jsonl    one JSON object per logged step (metrics_log.py)
@@ -16,7 +12,9 @@
 writable and locked against a second writer for the whole run: run_lock.py),
 `prepare` (cleared for a fresh run), `check_settings` (refuse settings that differ from the
 saved run's) and `write_settings` (config.json, once the checkpoint is
-restored). Decoding only reads: `read_config` and `check_tokenizer`.
+restored). Decoding only reads: `read_config` and `check_tokenizer`. config.json's
+writing, reading and comparing (`write_config`, `read_config`, `check_resumable`,
+`read_marker`, `run_format`) are `config_file.py`'s, and still importable from here.
 
 A directory is a run only if it says so (`run_format`: config.json's marker,
 or the three sections of older runs) and holds nothing but what train.py writes
@@ -33,7 +31,6 @@ either as it was or complete.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -43,17 +40,26 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from flax_transformer.config import (
-  RENAMED,
-  SECTIONS,
-  ConfigError,
-  DataConfig,
-  ModelConfig,
-  TrainConfig,
-)
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.errors import CheckpointError, NotARun, WriteError
-from flax_transformer.files import file_digest, write_atomically
+from flax_transformer.files import file_digest
 from flax_transformer.pretrained.marian import is_export
+from flax_transformer.run.config_file import (
+  AVERAGED_KEY,
+  CONFIG_FILE,
+  PACKING_PLAN,
+  PACKING_PLAN_KEY,
+  TOKENIZER_DIGEST,
+  TOKENIZER_FILES_KEY,
+  check_resumable,
+  read_config,
+  read_marker,
+  run_format,
+  write_config,
+)
+from flax_transformer.run.config_file import RUN_FORMAT as RUN_FORMAT
+from flax_transformer.run.config_file import WRITTEN_BY as WRITTEN_BY
+from flax_transformer.run.config_file import write_averaged_config as write_averaged_config
 from flax_transformer.run.lock import LOCK_FILE, RunLock
 from flax_transformer.run.outputs import Protected, check_output
 from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
@@ -61,18 +67,9 @@ from flax_transformer.tokenizer import (
   MarianTokenizer,
   TextTokenizer,
   Tokenizer,
-  kind_in,
   vocabulary_mismatches,
 )
 
-CONFIG_FILE = 'config.json'
-# A fine-tuned Marian model's tokenizer (pretrained.TOKENIZER_FILES), in place of tokenizer.json.
-# config.json's key for the SHA-256 of tokenizer.json.
-TOKENIZER_DIGEST = 'tokenizer_sha256'
-# config.json's key for how packed rows are planned (data.assembly): 'best_fit' since it was
-# recorded; a run whose config.json lacks it packed its rows by 'first_fit'.
-PACKING_PLAN_KEY = 'packing_plan'
-PACKING_PLAN = 'best_fit'
 CHECKPOINT_DIR = 'checkpoints'
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
@@ -82,15 +79,6 @@ PROFILE_DIR = 'profile'
 # The parameters of the best validation score so far (train.best_metric), decodable as a run.
 BEST_DIR = 'best'
 BEST_KEY = 'best'
-# config.json's marker: which program wrote the directory, and the layout it follows (1: the
-# runs before the marker, which have no such keys).
-WRITTEN_BY = 'flax_transformer train.py'
-RUN_FORMAT = 2
-# config.json's key for the tokenizer files the run holds (tokenizer.json, or a fine-tuned
-# Marian model's, copied by --init-from).
-TOKENIZER_FILES_KEY = 'tokenizer_files'
-# What averaging adds to the config.json it copies: the run and the steps averaged.
-AVERAGED_KEY = 'averaged_from'
 AVERAGE_PREFIX = 'average-last'
 # What a run holds besides config.json and its tokenizer's files; their temporary files
 # (.NAME.tmp) and check_writable's probes (.write-test-*) are its own too.
@@ -125,48 +113,6 @@ def check_writable(workdir: str | Path) -> None:
       f'{workdir}: cannot write the run directory ({error.strerror or error}); '
       'choose another --workdir or make this one writable'
     ) from error
-
-
-def write_config(
-  workdir: str | Path,
-  model_config: ModelConfig,
-  train_config: TrainConfig,
-  data_config: DataConfig,
-  packing_plan: str = PACKING_PLAN,
-) -> Path:
-  """Writes WORKDIR/config.json (creating WORKDIR) and returns its path.
-
-  When WORKDIR/tokenizer.json exists, its digest is recorded too, so that
-  `check_tokenizer` can tell the run's tokenizer from another one of the same size.
-  """
-  workdir = Path(workdir)
-  path = workdir / CONFIG_FILE
-  path.parent.mkdir(parents=True, exist_ok=True)
-  content = {
-    'written_by': WRITTEN_BY,
-    'run_format': RUN_FORMAT,
-    'model': dataclasses.asdict(model_config),
-    'train': dataclasses.asdict(train_config),
-    'data': dataclasses.asdict(data_config),
-    PACKING_PLAN_KEY: packing_plan,
-    TOKENIZER_FILES_KEY: list(kind_in(workdir).FILES),
-  }
-  if (workdir / TOKENIZER_FILE).is_file():
-    content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
-  write_atomically(path, json.dumps(content, indent=2) + '\n')
-  return path
-
-
-def write_averaged_config(
-  workdir: Path, output: Path, steps: Sequence[int], extra: dict | None = None
-) -> None:
-  """OUTPUT/config.json: WORKDIR's, marked as the average of its checkpoints `steps` (plus
-  `extra`'s keys, e.g. the best checkpoint's score), so that OUTPUT is never taken for a run
-  (`averaged_run`)."""
-  content = json.loads((workdir / CONFIG_FILE).read_text())
-  content[AVERAGED_KEY] = {'run': str(workdir.resolve()), 'steps': [int(s) for s in steps]}
-  content.update(extra or {})
-  write_atomically(output / CONFIG_FILE, json.dumps(content, indent=2) + '\n')
 
 
 def check_tokenizer(workdir: str | Path) -> None:
@@ -233,87 +179,6 @@ def _is_recorded_tokenizer(workdir: Path) -> bool:
     return recorded is not None and recorded == file_digest(workdir / TOKENIZER_FILE)
   except OSError:
     return False
-
-
-# Settings whose default has changed, at the default of the config.json files written before
-# they were recorded (a run read back means what it meant when trained): LayerNorm epsilon was
-# 1e-6 (tensor2tensor's) until it became a setting; its default is 1e-5 now.
-FORMER_DEFAULTS = {'model': {'layer_norm_epsilon': 1e-6}}
-
-
-def read_config(workdir: str | Path) -> tuple[ModelConfig, TrainConfig, DataConfig]:
-  """Reads WORKDIR/config.json back into the three configs."""
-  path = Path(workdir) / CONFIG_FILE
-  if not path.is_file():
-    raise CheckpointError(
-      f'{path}: no such file; {workdir} is not a run directory written by '
-      'train.py (it needs config.json, tokenizer.json and checkpoints/)'
-    )
-  try:
-    content = json.loads(path.read_text())
-    for old, new in RENAMED.items():  # config.json keys of earlier versions, read as the new
-      section, key = old.split('.', 1)
-      if section in SECTIONS and key in content[section]:
-        content[section][new.split('.', 1)[1]] = content[section].pop(key)
-    for section, fields in FORMER_DEFAULTS.items():  # what a config.json without them meant
-      for key, value in fields.items():
-        content[section].setdefault(key, value)
-    return tuple(cls(**content[section]) for section, cls in SECTIONS.items())
-  except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as error:
-    raise CheckpointError(f'{path}: not a valid run configuration ({error})') from error
-
-
-def check_resumable(
-  workdir: str | Path, model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig
-) -> None:
-  """Raises CheckpointError unless WORKDIR's run can continue with these configs.
-
-  Only the fields of the three RESUMABLE_CHANGES sets may differ: the model's how-it-computes
-  and initialisation, the training's how-long and how-often, the data's cache location.
-  """
-  saved_model, saved_train, saved_data = read_config(workdir)
-  differences = _differences('model', saved_model, model_config, ModelConfig.RESUMABLE_CHANGES)
-  differences += _differences('data', saved_data, data_config, DataConfig.RESUMABLE_CHANGES)
-  differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
-  if differences:
-    raise CheckpointError(
-      f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '
-      + '; '.join(differences)
-      + '. Resume with the saved settings, or start a new run in '
-      'another --workdir (or pass --no-resume to overwrite this one).'
-    )
-
-
-def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> list[str]:
-  return [
-    f'{section}.{f.name}: saved {getattr(saved, f.name)!r}, '
-    f'requested {getattr(requested, f.name)!r}'
-    for f in dataclasses.fields(saved)
-    if f.name not in allowed and getattr(saved, f.name) != getattr(requested, f.name)
-  ]
-
-
-def read_marker(directory: str | Path) -> dict | None:
-  """DIRECTORY/config.json's content if train.py wrote it (marked, or an older run with the
-  three sections), else None (no such file, unreadable, or another program's)."""
-  try:
-    content = json.loads((Path(directory) / CONFIG_FILE).read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-    return None
-  if not isinstance(content, dict):
-    return None
-  if content.get('written_by') == WRITTEN_BY or (
-    'written_by' not in content and all(isinstance(content.get(s), dict) for s in SECTIONS)
-  ):
-    return content
-  return None
-
-
-def run_format(directory: str | Path) -> int | None:
-  """The layout of the run in DIRECTORY (RUN_FORMAT; 1 for runs before the marker), or None
-  when its config.json is missing or not train.py's."""
-  content = read_marker(directory)
-  return None if content is None else content.get('run_format', 1)
 
 
 def averaged_run(directory: str | Path) -> Path | None:
