@@ -17,6 +17,7 @@ from flax_transformer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 500
 MAX_PROGRAM_LINES = 150
 PROGRAMS = ('train', 'decode', 'distill', 'export')
 
@@ -55,6 +56,16 @@ def test_no_library_function_is_longer_than_60_lines():
         count = code_lines(node, source.splitlines())
         if count > MAX_FUNCTION_LINES:
           too_long.append(f'{path.relative_to(ROOT)}:{node.lineno} {node.name}: {count} lines')
+  assert not too_long, too_long
+
+
+def test_no_library_module_is_longer_than_500_lines():
+  # A module over 500 lines holds more than one job: split it where its jobs part (House III).
+  too_long = [
+    f'{path.relative_to(ROOT)}: {count} lines'
+    for path in sorted((ROOT / 'flax_transformer').rglob('*.py'))
+    if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+  ]
   assert not too_long, too_long
 
 

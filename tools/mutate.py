@@ -149,14 +149,14 @@ MUTANTS = [
   ),
   m(
     'bfloat16_never_used',
-    'flax_transformer/config.py',
+    'flax_transformer/config/model.py',
     'return jnp.dtype(resolve_dtype(self.dtype))',
     "return jnp.dtype('float32')",
     'tests/test_model.py::test_bfloat16_compute_keeps_float32_params_and_logits',
   ),
   m(
     'auto_is_float32_everywhere',
-    'flax_transformer/config.py',
+    'flax_transformer/config/model.py',
     "return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'",
     "return 'float32'",
     'tests/test_compute_dtype.py',
@@ -272,7 +272,7 @@ MUTANTS = [
   ),
   m(
     'auto_takes_cudnn_at_any_head_size',
-    'flax_transformer/config.py',
+    'flax_transformer/config/model.py',
     'and config.head_dim <= AUTO_CUDNN_MAX_HEAD_DIM',
     'and config.head_dim <= 4096',
     'tests/test_attention_kernels.py',
@@ -319,14 +319,14 @@ MUTANTS = [
   # --- autoregressive decoding ---------------------------------------------------------
   m(
     'length_penalty_base_off',
-    DEC + 'autoregressive.py',
+    DEC + 'search.py',
     'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
     'return ((6.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
     'tests/test_decoding.py',
   ),
   m(
     'greedy_may_emit_pad',
-    DEC + 'autoregressive.py',
+    DEC + 'search.py',
     'return (vocab == pad_id) | (vocab == bos_id)',
     'return vocab == bos_id',
     'tests/test_decoding.py',
@@ -334,14 +334,14 @@ MUTANTS = [
   # Survived tests/test_decoding.py when last run: random logits never tie exactly.
   m(
     'argmax_takes_last_tie',
-    DEC + 'autoregressive.py',
+    DEC + 'search.py',
     'return jnp.min(jnp.where(is_best, jnp.arange(vocab), vocab), axis=-1)',
     'return jnp.max(jnp.where(is_best, jnp.arange(vocab), -1), axis=-1)',
     'tests/test_decoding.py',
   ),
   m(
     'nan_is_not_picked',
-    DEC + 'autoregressive.py',
+    DEC + 'search.py',
     'is_best = (logits == best) | jnp.isnan(logits)',
     'is_best = logits == best',
     'tests/test_decoding.py',
