@@ -273,10 +273,20 @@ def test_the_grid_stops_a_stage_at_its_budget_and_refuses_unknown_recipes(tmp_pa
   )
   assert finished['ended'] == 'finished' and 'done' in log.read_text()
   # Every recipe is train.py's options on a preset train.py knows.
+  from flax_transformer.cli.options import configs_from_args
+  from flax_transformer.cli.train import build_parser
   from flax_transformer.config import RUN_PRESETS
 
   for options in multi30k_grid.RECIPES.values():
     assert options[0] == '--preset' and options[1] in RUN_PRESETS
+    # ... and each parses into valid settings, as train.py reads them.
+    configs_from_args(build_parser().parse_args(options))
+  # The stall's recipe undoes the preset's initialisation gain, and only that.
+  gain1 = configs_from_args(build_parser().parse_args(multi30k_grid.RECIPES['gain1-ende-s1']))
+  anchor = configs_from_args(build_parser().parse_args(multi30k_grid.RECIPES['fairseq-ende-s1']))
+  assert gain1[0].qkv_init_gain == pytest.approx(1.0)
+  assert anchor[0].qkv_init_gain == pytest.approx(2**-0.5)
+  assert gain1[0].replace(qkv_init_gain=anchor[0].qkv_init_gain) == anchor[0]
   sys_argv = sys.argv
   try:
     sys.argv = ['multi30k_grid', '--runs', 'fairseq-ende-s1,no-such-recipe']
