@@ -236,11 +236,8 @@ def _refine(
   """The I passes over the canvas `[R, W]` and the choice among each sentence's M candidates."""
   model = CMLMTransformer(config)
   batch, length_beam, iterations = src.shape[0], settings.length_beam, settings.iterations
-  cross_kv = model.apply(variables, memory, method=CMLMTransformer.cross_kv)
-  src_mask = masks.padding_mask(src, config.pad_id)
-  # Candidate rows b * M + j: the M candidates of a sentence share its memory.
-  cross_kv, src_mask, candidate_src = jax.tree.map(
-    lambda x: jnp.repeat(x, length_beam, axis=0), (cross_kv, src_mask, src)
+  cross_kv, src_mask, candidate_src = _candidate_inputs(
+    model, variables, src, memory, config, length_beam
   )
 
   position = jnp.arange(width)
@@ -288,12 +285,9 @@ def _refine(
 
   last, (counts, canvases) = jax.lax.scan(refine, first, jnp.arange(1, iterations))
 
-  mean_scores = (
-    jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1) / jnp.maximum(lengths, 1)
-  ).reshape(batch, length_beam)  # [B, M]
-  chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)  # [B]
-  rows = jnp.arange(batch) * length_beam + chosen
-  output = _cut_at_eos(last.tokens[rows], lengths[rows], config)
+  output, mean_scores, chosen = _choose_candidates(
+    last, in_row, lengths, batch, length_beam, config
+  )
   history = {
     'lengths': lengths,
     'masked_counts': jnp.concatenate([lengths[None], counts], axis=0),
@@ -302,6 +296,39 @@ def _refine(
     'chosen': chosen,
   }
   return output, history
+
+
+def _candidate_inputs(
+  model: CMLMTransformer,
+  variables,
+  src: jax.Array,
+  memory: jax.Array,
+  config: ModelConfig,
+  length_beam: int,
+):
+  """Cross-attention keys/values, source mask and source, each repeated for the M candidate
+  rows `b * M + j`: the M candidates of a sentence share its memory."""
+  cross_kv = model.apply(variables, memory, method=CMLMTransformer.cross_kv)
+  src_mask = masks.padding_mask(src, config.pad_id)
+  return jax.tree.map(lambda x: jnp.repeat(x, length_beam, axis=0), (cross_kv, src_mask, src))
+
+
+def _choose_candidates(
+  last: Canvas,
+  in_row: jax.Array,
+  lengths: jax.Array,
+  batch: int,
+  length_beam: int,
+  config: ModelConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The final canvas `[R, W]` -> each sentence's best candidate by mean token log-probability:
+  (its tokens cut at EOS, the mean scores `[B, M]`, the chosen candidate `[B]`)."""
+  mean_scores = (
+    jnp.sum(jnp.where(in_row, last.scores, 0.0), axis=1) / jnp.maximum(lengths, 1)
+  ).reshape(batch, length_beam)  # [B, M]
+  chosen = jnp.argmax(mean_scores, axis=1).astype(jnp.int32)  # [B]
+  rows = jnp.arange(batch) * length_beam + chosen
+  return _cut_at_eos(last.tokens[rows], lengths[rows], config), mean_scores, chosen
 
 
 def _candidate_lengths(
