@@ -66,6 +66,7 @@ def decoder_fn(beam_size: int, dtype: str = 'float32', cast_params: bool = False
 
   from flax_transformer.decode import autoregressive
   from flax_transformer.decode.methods import BeamSearch
+  from flax_transformer.nn.backend import compute_dtype
   from flax_transformer.nn.model import Transformer
 
   config = workloads.model_config('base', dtype=dtype, dropout_rate=0.0)
@@ -73,7 +74,7 @@ def decoder_fn(beam_size: int, dtype: str = 'float32', cast_params: bool = False
   params = jax.jit(Transformer(config).init)(jax.random.key(0), src[:, :1], src[:, :1])['params']
   variables = {'params': params}
   if cast_params:
-    variables = jax.device_put(autoregressive.cast_matrices(variables, config.compute_dtype))
+    variables = jax.device_put(autoregressive.cast_matrices(variables, compute_dtype(config)))
   limits = np.full(BATCH, NEW_TOKENS, np.int32)
   loop = autoregressive.LoopConfig.for_model(config, NEW_TOKENS, min_len=NEW_TOKENS)
 

@@ -16,8 +16,9 @@ import pytest
 from test_attention import reference_attention, reference_attention_grads
 
 from flax_transformer import ModelConfig
-from flax_transformer.config import ConfigError, resolve_attention_kernel
+from flax_transformer.config import ConfigError
 from flax_transformer.nn import attention, masks
+from flax_transformer.nn.backend import resolve_attention_kernel
 from flax_transformer.nn.build import build_model
 from support.device_workers import assert_runs_match, run_worker
 

@@ -1,11 +1,13 @@
-"""model.dtype auto: bfloat16 on a GPU or TPU, float32 on a CPU, and a run keeps the explicit
-dtype it began with."""
+"""model.dtype auto: bfloat16 on a GPU or TPU, float32 on a CPU; the dtype is the computation's,
+chosen per run: a resumed run computes in what it asks for."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from flax_transformer.config import DataConfig, ModelConfig, TrainConfig, resolve_dtype
+from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
+from flax_transformer.errors import CheckpointError
+from flax_transformer.nn.backend import compute_dtype, resolve_dtype
 from flax_transformer.run.directory import RunDirectory, write_config
 
 
@@ -26,22 +28,17 @@ def test_auto_resolves_by_backend_and_an_explicit_dtype_stays(dtype, backend, ex
 def test_the_default_is_auto_resolved_where_the_model_runs(monkeypatch):
   config = ModelConfig.tiny()
   assert config.dtype == 'auto'
-  assert jax.default_backend() != 'cpu' or config.compute_dtype == jnp.float32
+  assert jax.default_backend() != 'cpu' or compute_dtype(config) == jnp.float32
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  assert config.compute_dtype == jnp.bfloat16
+  assert compute_dtype(config) == jnp.bfloat16
 
 
 @pytest.mark.parametrize(
-  'saved, requested, kept',
-  [
-    ('float32', 'auto', 'float32'),  # begun explicitly (or before auto existed): kept
-    ('bfloat16', 'auto', 'bfloat16'),
-    ('auto', 'auto', 'auto'),  # begun with auto: resolved on each machine
-    ('float32', 'bfloat16', 'bfloat16'),
-  ],
-)  # asked explicitly: check_settings decides
-def test_a_resumed_run_keeps_the_dtype_it_began_with(tmp_path, saved, requested, kept):
+  'saved, requested', [('float32', 'auto'), ('bfloat16', 'float32'), ('auto', 'bfloat16')]
+)
+def test_a_resumed_run_computes_in_the_dtype_it_asks_for(tmp_path, saved, requested):
   model, train, data = ModelConfig.tiny(), TrainConfig(), DataConfig(source='toy')
   write_config(tmp_path, model.replace(dtype=saved), train, data)
-  assert RunDirectory(tmp_path).kept_dtype(model.replace(dtype=requested)).dtype == kept
-  assert RunDirectory(tmp_path / 'new').kept_dtype(model).dtype == 'auto'  # a fresh run
+  RunDirectory(tmp_path).check_settings(model.replace(dtype=requested), train, data)  # no error
+  with pytest.raises(CheckpointError, match='model.d_model: saved 32, requested 64'):
+    RunDirectory(tmp_path).check_settings(model.replace(dtype=requested, d_model=64), train, data)

@@ -21,6 +21,7 @@ from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.decode import non_autoregressive
 from flax_transformer.decode.methods import Greedy, MaskPredict
 from flax_transformer.decode.translator import Translator
+from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.model import Transformer
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import write_config
@@ -123,7 +124,7 @@ def test_cli_decodes_in_bfloat16_as_the_translator_does(run_dir, random_run, cap
   translator = Translator(
     random_run.config, random_run.params, tokenizer=random_run.tokenizer, dtype='bfloat16'
   )
-  assert translator.config.dtype == 'bfloat16' and random_run.config.compute_dtype == 'float32'
+  assert translator.config.dtype == 'bfloat16' and compute_dtype(random_run.config) == 'float32'
   assert captured.out.split('\n')[:-1] == translator.translate(SENTENCES, Greedy(), batch_size=2)
 
 

@@ -149,14 +149,14 @@ MUTANTS = [
   ),
   m(
     'bfloat16_never_used',
-    'flax_transformer/config/model.py',
-    'return jnp.dtype(resolve_dtype(self.dtype))',
+    NN + 'backend.py',
+    'return jnp.dtype(resolve_dtype(config.dtype))',
     "return jnp.dtype('float32')",
     'tests/test_model.py::test_bfloat16_compute_keeps_float32_params_and_logits',
   ),
   m(
     'auto_is_float32_everywhere',
-    'flax_transformer/config/model.py',
+    NN + 'backend.py',
     "return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'",
     "return 'float32'",
     'tests/test_compute_dtype.py',
@@ -208,7 +208,7 @@ MUTANTS = [
   m(
     'no_embedding_scale',
     NN + 'model.py',
-    'x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)',
+    'x = x * jnp.asarray(math.sqrt(c.d_model), compute_dtype(c))',
     'x = x',
     'tests/test_model_reference.py',
   ),
@@ -272,7 +272,7 @@ MUTANTS = [
   ),
   m(
     'auto_takes_cudnn_at_any_head_size',
-    'flax_transformer/config/model.py',
+    NN + 'backend.py',
     'and config.head_dim <= AUTO_CUDNN_MAX_HEAD_DIM',
     'and config.head_dim <= 4096',
     'tests/test_attention_kernels.py',

@@ -25,6 +25,7 @@ from flax_transformer.cli import compilation_cache
 from flax_transformer.cli.failures import add_debug_option, run_program
 from flax_transformer.cli.options import add_setting_options, configs_from_args
 from flax_transformer.config import RUN_PRESETS, ConfigError
+from flax_transformer.nn.backend import compute_dtype
 
 
 def comma_list(kind):
@@ -307,7 +308,7 @@ def _steps(parser, args, model_config, train_config) -> int:
   if peak == 'measure':
     from flax_transformer.bench.peaks import measure_peak
 
-    peak = measure_peak(model_config.compute_dtype.name)
+    peak = measure_peak(compute_dtype(model_config).name)
     print(peak.table())
   peak = None if peak == 'none' else peak
   reports = []

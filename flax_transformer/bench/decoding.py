@@ -33,6 +33,7 @@ from flax_transformer.decode.autoregressive import BeamSearch
 from flax_transformer.decode.methods import DecodingMethod, method_from_name
 from flax_transformer.decode.non_autoregressive import MaskPredict
 from flax_transformer.decode.programs import decoding_programs
+from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import count_params
 
@@ -195,7 +196,7 @@ class Decoding:
       src_len=self.src_len,
       new_tokens=self.new_tokens,
       generated_tokens=self.generated_tokens,
-      dtype=config.compute_dtype.name,
+      dtype=compute_dtype(config).name,
       device=getattr(device, 'device_kind', device.platform),
       compilation=self.compilation,
       timing=timing,

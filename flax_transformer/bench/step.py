@@ -32,8 +32,9 @@ from flax_transformer.bench.compiled import (
 from flax_transformer.bench.flops import BatchShape, train_flops, xla_flops
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.timing import Timing, time_rounds
-from flax_transformer.config import ModelConfig, TrainConfig, resolve_attention_kernel
+from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.data.batching import Batch
+from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.nn.model import count_params
 from flax_transformer.train.parallel import DataParallel
@@ -325,7 +326,7 @@ class TrainingStep:
       parameters=count_params(abstract_params(config)),
       shape=self.shape,
       packing=self.train_config.packing,
-      dtype=config.compute_dtype.name,
+      dtype=compute_dtype(config).name,
       attention_kernel=self.kernel,
       remat=config.remat,
       device=kind,
@@ -337,7 +338,7 @@ class TrainingStep:
       analytic_flops=train_flops(config, self.shape),
       xla_flops=None if per_device is None else per_device * self.parallel.num_devices,
       memory=memory_of([self.compiled]),
-      datasheet_flops_per_s=datasheet_peak(kind, config.compute_dtype.name),
+      datasheet_flops_per_s=datasheet_peak(kind, compute_dtype(config).name),
     ).with_peak(peak)
 
 

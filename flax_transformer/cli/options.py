@@ -26,7 +26,9 @@ from flax_transformer.config import (
   ModelConfig,
   TrainConfig,
   field_types,
+  fields_where,
   help_of,
+  lifetime_of,
   parse_overrides,
   run_preset,
 )
@@ -69,7 +71,7 @@ def add_setting_options(parser: argparse.ArgumentParser) -> None:
     help='fine-tune a Hugging Face Marian model (config.json, '
     'model.safetensors, source.spm, target.spm, vocab.json): its '
     'architecture, tokenizer and parameters; --model options may only '
-    'change dropout_rate, attention_dropout_rate, dtype and remat',
+    'change ' + ', '.join(fields_where(ModelConfig, lambda lifetime: lifetime.fine_tunable)),
   )
   presets = {name: run_preset(name) for name in RUN_PRESETS}
   for index, (section, cls) in enumerate(SECTIONS.items()):
@@ -80,19 +82,24 @@ def add_setting_options(parser: argparse.ArgumentParser) -> None:
       name = option.split('.', 1)[1]
       values = ' | '.join(str(getattr(presets[p][index], name)) for p in RUN_PRESETS)
       group.add_argument(
-        f'--{option}', dest=option, metavar='VALUE', help=f'{help_of(cls, name)} [{values}]'
+        f'--{option}',
+        dest=option,
+        metavar='VALUE',
+        help=f'{help_of(cls, name)}{_resume_note(cls, name)} [{values}]',
       )
   for old in RENAMED:  # accepted only to be refused by parse_overrides, naming the new option
     if old.split('.', 1)[0] in SECTIONS:
       parser.add_argument(f'--{old}', dest=old, help=argparse.SUPPRESS)
 
 
+def _resume_note(cls, name: str) -> str:
+  """What --help adds to a setting a resumed run may change (its `Lifetime` says which)."""
+  return '. A resumed run may change it' if lifetime_of(cls, name).resumable else ''
+
+
 def setting_options(section: str, cls) -> list[str]:
   """'SECTION.NAME' of each field that is a command-line option."""
-  hidden = ModelConfig.TOKENIZER_FIELDS if cls is ModelConfig else ()
-  return [
-    f'{section}.{field.name}' for field in dataclasses.fields(cls) if field.name not in hidden
-  ]
+  return [f'{section}.{name}' for name in fields_where(cls, lambda lifetime: lifetime.option)]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, DataConfig]:

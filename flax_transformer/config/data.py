@@ -6,7 +6,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from flax_transformer.config.settings import NONNEGATIVE_INT, POSITIVE_INT, check_fields, setting
+from flax_transformer.config.settings import (
+  CORPUS,
+  LOCATION,
+  NONNEGATIVE_INT,
+  POSITIVE_INT,
+  check_fields,
+  setting,
+)
 from flax_transformer.errors import ConfigError
 
 
@@ -14,29 +21,37 @@ from flax_transformer.errors import ConfigError
 class DataConfig:
   """Where the parallel text comes from and how its shared vocabulary is built."""
 
+  # The corpus: the parallel text and how it becomes token ids.
   source: str = setting(
     'toy',
     'toy (English -> German number words, generated in code, '
     'offline), a directory or table file of parallel text, or a Hub '
     'dataset (see data.load_parallel)',
+    lifetime=CORPUS,
   )
-  src_lang: str = setting('en', 'source language code (file suffix or column)')
-  tgt_lang: str = setting('de', 'target language code (file suffix or column)')
+  src_lang: str = setting('en', 'source language code (file suffix or column)', lifetime=CORPUS)
+  tgt_lang: str = setting('de', 'target language code (file suffix or column)', lifetime=CORPUS)
   vocab_size: int = setting(
     8000,
     'size of the shared subword vocabulary to train; '
     "model.vocab_size becomes the trained tokenizer's size, which "
     'a small corpus may leave below this',
     bounds=POSITIVE_INT,
+    lifetime=CORPUS,
   )
-  tokenizer: Literal['bpe', 'unigram'] = setting('bpe', 'subword model of the tokenizer')
+  tokenizer: Literal['bpe', 'unigram'] = setting(
+    'bpe', 'subword model of the tokenizer', lifetime=CORPUS
+  )
   valid_split: str | None = setting(
-    None, 'file stem (or Hub split) to validate on; none: the first of val, valid, validation, dev'
+    None,
+    'file stem (or Hub split) to validate on; none: the first of val, valid, validation, dev',
+    lifetime=CORPUS,
   )
   test_split: str | None = setting(
     None,
     'file stem (or Hub split) to test on, e.g. '
     "test_2016_flickr; none: 'test', or the only test* one",
+    lifetime=CORPUS,
   )
   tokenizer_sample: int = setting(
     500_000,
@@ -45,36 +60,42 @@ class DataConfig:
     'that training it takes minutes at any corpus size; '
     '0: every pair',
     bounds=NONNEGATIVE_INT,
-  )
-  cache_dir: str | None = setting(
-    None,
-    'where the tokenized training split is cached, one '
-    'subdirectory per data content and tokenizer (share it '
-    'between runs of one corpus); none: WORKDIR/encoded',
+    lifetime=CORPUS,
   )
   normalize_punctuation: bool = setting(
     False,
     "Moses' punctuation normalisation of every text "
     "the tokenizer sees (Multi30k's standard "
     'preprocessing; true/false)',
+    lifetime=CORPUS,
   )
   lowercase: bool = setting(
-    False, 'lowercase every text the tokenizer sees, so outputs are lowercase (true/false)'
+    False,
+    'lowercase every text the tokenizer sees, so outputs are lowercase (true/false)',
+    lifetime=CORPUS,
   )
   pretokenize: Literal['none', 'moses'] = setting(
     'none',
     "moses: split punctuation from words with the Moses tokenizer of each side's "
     'language before the subword model (training, validation and decoding input alike); none: '
     'the subword model sees text as written',
+    lifetime=CORPUS,
   )
   detokenize: bool = setting(
     True,
     'with data.pretokenize=moses: Moses-detokenize outputs into '
     'text; false: leave them tokenized (true/false)',
+    lifetime=CORPUS,
   )
 
-  # Fields a resumed run may change: where the cache lives changes no token id.
-  RESUMABLE_CHANGES = frozenset({'cache_dir'})
+  # Where derived files are kept (a resumed run may move it).
+  cache_dir: str | None = setting(
+    None,
+    'where the tokenized training split is cached, one '
+    'subdirectory per data content and tokenizer (share it '
+    'between runs of one corpus); none: WORKDIR/encoded',
+    lifetime=LOCATION,
+  )
 
   def __post_init__(self):
     check_fields(self, 'data')

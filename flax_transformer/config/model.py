@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
-import jax.numpy as jnp
-
 from flax_transformer.config.settings import (
+  ARCHITECTURE,
+  COMPUTATION,
+  INITIALISATION,
   NONNEGATIVE_INT,
   POSITIVE,
   POSITIVE_INT,
+  REGULARISATION,
   UNIT_INTERVAL,
+  VOCABULARY,
   check_fields,
   setting,
 )
@@ -32,46 +34,49 @@ class ModelConfig:
   Frozen and hashable, so it can be a static argument of `jax.jit`.
   """
 
-  vocab_size: int = setting(
-    37_000, 'vocabulary size V (set from the trained tokenizer)', bounds=POSITIVE_INT
+  # The architecture: what a checkpoint means.
+  d_model: int = setting(512, 'model width D', bounds=POSITIVE_INT, lifetime=ARCHITECTURE)
+  num_heads: int = setting(
+    8, 'attention heads N (must divide d_model)', bounds=POSITIVE_INT, lifetime=ARCHITECTURE
   )
-  d_model: int = setting(512, 'model width D', bounds=POSITIVE_INT)
-  num_heads: int = setting(8, 'attention heads N (must divide d_model)', bounds=POSITIVE_INT)
-  num_encoder_layers: int = setting(6, 'encoder layers', bounds=POSITIVE_INT)
-  num_decoder_layers: int = setting(6, 'decoder layers', bounds=POSITIVE_INT)
-  d_ff: int = setting(2048, 'inner width F of the feed-forward layers', bounds=POSITIVE_INT)
-  dropout_rate: float = setting(
-    0.1,
-    'dropout on embeddings + positions and on every sub-layer output (paper §5.4)',
-    bounds=UNIT_INTERVAL,
-  )
-  attention_dropout_rate: float = setting(
-    0.0, 'dropout on the attention weights (the paper: none)', bounds=UNIT_INTERVAL
+  num_encoder_layers: int = setting(6, 'encoder layers', bounds=POSITIVE_INT, lifetime=ARCHITECTURE)
+  num_decoder_layers: int = setting(6, 'decoder layers', bounds=POSITIVE_INT, lifetime=ARCHITECTURE)
+  d_ff: int = setting(
+    2048, 'inner width F of the feed-forward layers', bounds=POSITIVE_INT, lifetime=ARCHITECTURE
   )
   max_len: int = setting(
     256,
     'longest source or target in tokens, EOS included: the length of '
     'the positional table (longer training pairs are dropped)',
     bounds=POSITIVE_INT,
+    lifetime=ARCHITECTURE,
   )
   activation: Literal['relu', 'gelu', 'silu'] = setting(
-    'relu', 'feed-forward activation (silu: x * sigmoid(x), which Marian calls swish)'
+    'relu',
+    'feed-forward activation (silu: x * sigmoid(x), which Marian calls swish)',
+    lifetime=ARCHITECTURE,
   )
   norm_placement: Literal['post', 'pre'] = setting(
-    'post', 'post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))'
+    'post',
+    'post: LayerNorm(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LayerNorm(x))',
+    lifetime=ARCHITECTURE,
   )
   share_embeddings: bool = setting(
     True,
     'one embedding matrix for source, target and the '
     'pre-softmax projection (paper §3.4; true/false)',
+    lifetime=ARCHITECTURE,
   )
   positions: Literal['interleaved', 'concatenated'] = setting(
     'interleaved',
     "positional table's layout: sin and cos of each wavelength side by side (the "
     'paper) or every sin first, then every cos (Marian)',
+    lifetime=ARCHITECTURE,
   )
   logits_bias: bool = setting(
-    False, 'a learned bias on the output logits (Marian: final_logits_bias; true/false)'
+    False,
+    'a learned bias on the output logits (Marian: final_logits_bias; true/false)',
+    lifetime=ARCHITECTURE,
   )
   # 1e-5, not tensor2tensor's 1e-6: PyTorch, fairseq, Marian, transformers and CTranslate2 all
   # fix 1e-5, so an exported default run decodes the same in each (1e-6 changed greedy output
@@ -81,13 +86,7 @@ class ModelConfig:
     'epsilon of every LayerNorm (PyTorch, fairseq, Marian, transformers and CTranslate2: '
     '1e-5; runs begun before 2026-12-05 used 1e-6 and keep it in their config.json)',
     bounds=POSITIVE,
-  )
-  qkv_init_gain: float = setting(
-    1.0,
-    'gain of the Xavier-uniform initialisation of the query, key and value projections: 1 '
-    '(tensor2tensor, Flax) or 0.7071 = 1/sqrt(2) (fairseq: Xavier over the fused [3D, D] '
-    'in-projection, "convergence much better"); the output projection keeps gain 1',
-    bounds=POSITIVE,
+    lifetime=ARCHITECTURE,
   )
   attention_radius: int | None = setting(
     None,
@@ -95,12 +94,75 @@ class ModelConfig:
     'position sees positions within this distance; '
     'none: unrestricted',
     bounds=NONNEGATIVE_INT,
+    lifetime=ARCHITECTURE,
   )
+  kind: Literal['autoregressive', 'cmlm'] = setting(
+    'autoregressive',
+    "autoregressive: the paper's causal decoder, one token per step; cmlm: "
+    'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
+    'mask-predict',
+    lifetime=ARCHITECTURE,
+  )
+  max_length_offset: int = setting(
+    32,
+    'cmlm: the length classifier predicts target length - source length within +- this',
+    bounds=NONNEGATIVE_INT,
+    lifetime=ARCHITECTURE,
+  )
+  cmlm_decoder_input: Literal['mask', 'uniform_copy'] = setting(
+    'mask',
+    'cmlm: a MASKed position is fed the MASK embedding (mask) or the source token at '
+    'the same relative position, round(j * S / N) (uniform_copy, Gu et al. 2018)',
+    lifetime=ARCHITECTURE,
+  )
+
+  # The vocabulary: the trained tokenizer's size and special ids (not options: set from it).
+  vocab_size: int = setting(
+    37_000,
+    'vocabulary size V (set from the trained tokenizer)',
+    bounds=POSITIVE_INT,
+    lifetime=VOCABULARY,
+  )
+  pad_id: int = setting(0, 'PAD id (set from the tokenizer)', lifetime=VOCABULARY)
+  bos_id: int = setting(
+    1,
+    "BOS id, the decoder's start token (set from the tokenizer; may equal "
+    'pad_id, as in Marian, whose decoder starts from PAD)',
+    lifetime=VOCABULARY,
+  )
+  eos_id: int = setting(2, 'EOS id (set from the tokenizer)', lifetime=VOCABULARY)
+  unk_id: int = setting(3, 'UNK id (set from the tokenizer)', lifetime=VOCABULARY)
+
+  # The initialisation: how fresh parameters are drawn (a resumed run restores over them).
+  qkv_init_gain: float = setting(
+    1.0,
+    'gain of the Xavier-uniform initialisation of the query, key and value projections: 1 '
+    '(tensor2tensor, Flax) or 0.7071 = 1/sqrt(2) (fairseq: Xavier over the fused [3D, D] '
+    'in-projection, "convergence much better"); the output projection keeps gain 1',
+    bounds=POSITIVE,
+    lifetime=INITIALISATION,
+  )
+
+  # Regularisation: dropout (fine-tuning may change it).
+  dropout_rate: float = setting(
+    0.1,
+    'dropout on embeddings + positions and on every sub-layer output (paper §5.4)',
+    bounds=UNIT_INTERVAL,
+    lifetime=REGULARISATION,
+  )
+  attention_dropout_rate: float = setting(
+    0.0,
+    'dropout on the attention weights (the paper: none)',
+    bounds=UNIT_INTERVAL,
+    lifetime=REGULARISATION,
+  )
+
+  # The computation: chosen per run, resolved per backend in nn.backend, never compared.
   dtype: Literal['auto', 'float32', 'bfloat16'] = setting(
     'auto',
     'compute dtype (parameters, logits and loss stay float32); auto: bfloat16 on a GPU '
-    'or TPU, float32 on a CPU, decided where the model runs; a run begun with float32 or '
-    'bfloat16 keeps it when resumed',
+    'or TPU, float32 on a CPU, decided where the model runs',
+    lifetime=COMPUTATION,
   )
   remat: Literal['none', 'layer', 'dots'] = setting(
     'none',
@@ -108,7 +170,8 @@ class ModelConfig:
     "layer keeps each layer's input and recomputes the rest; dots also keeps the dense "
     'projections (and feed-forward) outputs and recomputes attention and the elementwise work '
     '(the layers then run as one scan); either way the loss takes the logits 2,048 tokens at a '
-    'time. The same gradients; dropout draws other masks. A run may change it when resumed',
+    'time. The same gradients; dropout draws other masks',
+    lifetime=COMPUTATION,
   )
   attention_kernel: Literal['auto', 'einsum', 'xla', 'cudnn'] = setting(
     'auto',
@@ -117,39 +180,9 @@ class ModelConfig:
     'GPU with bfloat16 compute and head_dim <= 256, a multiple of 8); auto: cudnn for whole '
     'sequences on a GPU where it applies, einsum elsewhere. Rows must be right-padded; packed '
     'rows, restricted attention, pooled beams and attention dropout take einsum (xla and cudnn '
-    'refuse attention dropout). A run may change it when resumed',
+    'refuse attention dropout)',
+    lifetime=COMPUTATION,
   )
-  kind: Literal['autoregressive', 'cmlm'] = setting(
-    'autoregressive',
-    "autoregressive: the paper's causal decoder, one token per step; cmlm: "
-    'the non-autoregressive conditional masked LM (Ghazvininejad et al. 2019), decoded with '
-    'mask-predict',
-  )
-  max_length_offset: int = setting(
-    32,
-    'cmlm: the length classifier predicts target length - source length within +- this',
-    bounds=NONNEGATIVE_INT,
-  )
-  cmlm_decoder_input: Literal['mask', 'uniform_copy'] = setting(
-    'mask',
-    'cmlm: a MASKed position is fed the MASK embedding (mask) or the source token at '
-    'the same relative position, round(j * S / N) (uniform_copy, Gu et al. 2018)',
-  )
-  pad_id: int = setting(0, 'PAD id (set from the tokenizer)')
-  bos_id: int = setting(
-    1,
-    "BOS id, the decoder's start token (set from the tokenizer; may equal "
-    'pad_id, as in Marian, whose decoder starts from PAD)',
-  )
-  eos_id: int = setting(2, 'EOS id (set from the tokenizer)')
-  unk_id: int = setting(3, 'UNK id (set from the tokenizer)')
-
-  # Fields the tokenizer decides: the trained vocabulary's size and its special ids.
-  TOKENIZER_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
-  # Fields a resumed run may change: how it computes, not what (and how it was initialised,
-  # which a resumed run restores over: runs of the multi30k_fairseq preset begun before
-  # qkv_init_gain existed resume under today's preset).
-  RESUMABLE_CHANGES = frozenset({'remat', 'attention_kernel', 'qkv_init_gain'})
 
   def __post_init__(self):
     check_fields(self, 'model')
@@ -191,11 +224,6 @@ class ModelConfig:
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
 
-  @property
-  def compute_dtype(self) -> jnp.dtype:
-    """The dtype the model computes in here: `dtype`, with 'auto' resolved (`resolve_dtype`)."""
-    return jnp.dtype(resolve_dtype(self.dtype))
-
   def replace(self, **overrides) -> ModelConfig:
     return dataclasses.replace(self, **overrides)
 
@@ -226,59 +254,10 @@ class ModelConfig:
     return cls(**{**defaults, **overrides})
 
 
-def resolve_dtype(dtype: str, backend: str | None = None) -> str:
-  """`ModelConfig.dtype` as a dtype name: 'auto' is 'bfloat16' on a GPU or TPU (their matrix
-  units run it at several times float32's rate) and 'float32' on a CPU (`backend`, default
-  JAX's), where bfloat16 is slower without bfloat16 instructions (benchmarks/README.md)."""
-  if dtype != 'auto':
-    return dtype
-  return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
-
-
 # cuDNN's fused attention takes these compute dtypes and head sizes (jax 0.10.2): up to 256 on
-# Hopper and later, 128 before (auto's limit, which every GPU it picks cuDNN on takes).
+# Hopper and later, 128 before (nn.backend.AUTO_CUDNN_MAX_HEAD_DIM, auto's limit).
 CUDNN_DTYPES = ('bfloat16', 'float16')
 CUDNN_MAX_HEAD_DIM = 256
-AUTO_CUDNN_MAX_HEAD_DIM = 128
-
-
-def resolve_attention_kernel(config: ModelConfig, backend: str | None = None) -> str:
-  """`ModelConfig.attention_kernel` as the kernel the model runs on `backend` (default JAX's):
-  'einsum', 'xla' or 'cudnn'.
-
-  auto is cudnn on a GPU when cuDNN takes the model (bfloat16 compute, head_dim <= 128 and a
-  multiple of 8, no attention dropout; an Ampere or later card): its saving is the `[B, N, T,
-  S]` scores a training step keeps for the backward pass. Elsewhere auto is einsum: a CPU runs
-  the same products either way (benchmarks/README.md), and a TPU has no cuDNN. Raises
-  ConfigError for cudnn where no GPU is.
-  """
-  if backend is None and jax.default_backend() == 'gpu' and not _flash_capable_gpu():
-    backend = 'gpu (before Ampere)'  # no cuDNN flash attention: auto takes einsum
-  backend = backend or jax.default_backend()
-  if config.attention_kernel == 'cudnn' and backend != 'gpu':
-    raise ConfigError(
-      f'model.attention_kernel=cudnn needs a GPU (cuDNN); this runs on {backend}: '
-      'use auto, einsum or xla'
-    )
-  if config.attention_kernel != 'auto':
-    return config.attention_kernel
-  dtype = resolve_dtype(config.dtype, backend)
-  fits = (
-    dtype in CUDNN_DTYPES
-    and config.head_dim <= AUTO_CUDNN_MAX_HEAD_DIM
-    and config.head_dim % 8 == 0
-    and config.attention_dropout_rate == 0
-  )
-  return 'cudnn' if backend == 'gpu' and fits else 'einsum'
-
-
-def _flash_capable_gpu() -> bool:
-  """Whether JAX's first device is a GPU of compute capability 8.0 or later (Ampere on), the
-  cards cuDNN's flash attention runs on."""
-  try:
-    return float(jax.devices()[0].compute_capability) >= 8.0
-  except (AttributeError, TypeError, ValueError):
-    return False
 
 
 def _check_attention_kernel(config: ModelConfig) -> None:

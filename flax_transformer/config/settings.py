@@ -90,10 +90,103 @@ def check_bounds(
     raise error(f'{name} must be {bounds.describe()}{why}, got {value!r}')
 
 
-def setting(default, help: str, bounds: Bounds | None = None):  # noqa: A002 -- argparse's name
-  """A settings field: its default, a one-line help (train.py --help, decode.py --help) and
-  the values it admits (checked by `check_fields`)."""
-  return dataclasses.field(default=default, metadata={'help': help, 'bounds': bounds})
+@dataclasses.dataclass(frozen=True)
+class Lifetime:
+  """How long a run's setting lives: what changing it means for a saved run.
+
+  Each field of `ModelConfig`, `TrainConfig` and `DataConfig` declares one (`setting(...,
+  lifetime=...)`), and every rule about changing settings is read from them: a resumed run
+  may change the `resumable` ones (the others are its identity, compared with config.json);
+  a run initialised from a pretrained model may override the `fine_tunable` ones; `option`
+  says whether train.py offers it (the vocabulary comes from the tokenizer instead).
+  """
+
+  name: str
+  meaning: str
+  resumable: bool
+  fine_tunable: bool = False
+  option: bool = True
+
+
+# The model's settings.
+ARCHITECTURE = Lifetime(
+  'architecture', 'what a checkpoint means: its shapes and what its parameters compute', False
+)
+VOCABULARY = Lifetime(
+  'vocabulary',
+  "the tokenizer's size and special ids, set from the trained tokenizer",
+  False,
+  option=False,
+)
+INITIALISATION = Lifetime(
+  'initialisation', 'how fresh parameters are drawn; a resumed run restores over them', True
+)
+COMPUTATION = Lifetime(
+  'computation',
+  'how this run computes the same function: chosen per run, resolved per backend (nn.backend), '
+  'recorded, never compared',
+  True,
+  fine_tunable=True,
+)
+REGULARISATION = Lifetime('regularisation', 'dropout, which fine-tuning may change', False, True)
+# The training run's.
+OPTIMIZER = Lifetime(
+  'optimizer', 'the updates: seed, batches, learning-rate schedule, Adam, clipping, decay', False
+)
+OBJECTIVE = Lifetime(
+  'objective',
+  'what is minimised and what the best checkpoint is chosen by: label smoothing, the cmlm '
+  'losses, scheduled sampling, train.best_metric',
+  False,
+)
+CADENCE = Lifetime(
+  'cadence', 'how long and how often: steps, intervals, prefetch, profile, patience', True
+)
+# The data's.
+CORPUS = Lifetime('corpus', 'the parallel text and how it becomes token ids', False)
+LOCATION = Lifetime('location', 'where derived files are kept; no token id depends on it', True)
+
+LIFETIMES = (
+  ARCHITECTURE,
+  VOCABULARY,
+  INITIALISATION,
+  COMPUTATION,
+  REGULARISATION,
+  OPTIMIZER,
+  OBJECTIVE,
+  CADENCE,
+  CORPUS,
+  LOCATION,
+)
+
+
+def setting(
+  default,
+  help: str,  # noqa: A002 -- argparse's name
+  bounds: Bounds | None = None,
+  lifetime: Lifetime | None = None,
+):
+  """A settings field: its default, a one-line help (train.py --help, decode.py --help), the
+  values it admits (checked by `check_fields`) and, for a run's settings, its `Lifetime`."""
+  return dataclasses.field(
+    default=default, metadata={'help': help, 'bounds': bounds, 'lifetime': lifetime}
+  )
+
+
+def lifetime_of(config_class, name: str) -> Lifetime:
+  """The `Lifetime` a run's setting declares (ValueError for a field without one)."""
+  lifetime = {f.name: f for f in dataclasses.fields(config_class)}[name].metadata['lifetime']
+  if lifetime is None:
+    raise ValueError(f'{config_class.__name__}.{name} declares no lifetime')
+  return lifetime
+
+
+def fields_where(config_class, rule) -> tuple[str, ...]:
+  """The names of `config_class`'s fields whose `Lifetime` satisfies `rule`, in field order:
+  `fields_where(ModelConfig, lambda lifetime: lifetime.fine_tunable)`."""
+  return tuple(
+    f.name for f in dataclasses.fields(config_class) if rule(lifetime_of(config_class, f.name))
+  )
 
 
 def help_of(config_class, name: str) -> str:

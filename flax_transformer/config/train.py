@@ -11,9 +11,12 @@ import dataclasses
 from typing import Literal
 
 from flax_transformer.config.settings import (
+  CADENCE,
   NONNEGATIVE,
   NONNEGATIVE_INT,
   NUMBER,
+  OBJECTIVE,
+  OPTIMIZER,
   POSITIVE,
   POSITIVE_INT,
   SEED,
@@ -37,15 +40,16 @@ class TrainConfig:
   counts those updates.
   """
 
-  seed: int = setting(0, 'seed of the parameters, batch order and dropout', bounds=SEED)
-  steps: int = setting(
-    100_000, 'batches to train on (with accumulation K: steps / K updates)', bounds=POSITIVE_INT
+  # The optimizer: seed, batches, learning-rate schedule, Adam, clipping, decay.
+  seed: int = setting(
+    0, 'seed of the parameters, batch order and dropout', bounds=SEED, lifetime=OPTIMIZER
   )
   max_tokens: int = setting(
     25_000,
     'padded tokens per batch and side (a batch of length-L rows '
     "holds max_tokens // L rows; the paper's held about 25k)",
     bounds=POSITIVE_INT,
+    lifetime=OPTIMIZER,
   )
   packing: int = setting(
     0,
@@ -53,12 +57,16 @@ class TrainConfig:
     '(segment masks keep them apart; longer pairs go to the larger length '
     'buckets, packed there too); 0: one pair per row',
     bounds=NONNEGATIVE_INT,
+    lifetime=OPTIMIZER,
   )
-  warmup_steps: int = setting(4000, 'updates of linear learning-rate warmup', bounds=POSITIVE_INT)
+  warmup_steps: int = setting(
+    4000, 'updates of linear learning-rate warmup', bounds=POSITIVE_INT, lifetime=OPTIMIZER
+  )
   lr_scale: float = setting(
     1.0,
     "factor on the paper's rate d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5), n = update + 1",
     bounds=POSITIVE,
+    lifetime=OPTIMIZER,
   )
   peak_lr: float | None = setting(
     None,
@@ -68,45 +76,36 @@ class TrainConfig:
     "scaled to this peak; none: the paper's peak, "
     '(d_model * warmup_steps)^-0.5 * lr_scale',
     bounds=POSITIVE,
+    lifetime=OPTIMIZER,
   )
-  adam_b1: float = setting(0.9, 'Adam beta1', bounds=UNIT_INTERVAL)
-  adam_b2: float = setting(0.98, 'Adam beta2', bounds=UNIT_INTERVAL)
-  adam_eps: float = setting(1e-9, 'Adam epsilon', bounds=POSITIVE)
-  label_smoothing: float = setting(0.1, 'label smoothing epsilon', bounds=UNIT_INTERVAL)
+  adam_b1: float = setting(0.9, 'Adam beta1', bounds=UNIT_INTERVAL, lifetime=OPTIMIZER)
+  adam_b2: float = setting(0.98, 'Adam beta2', bounds=UNIT_INTERVAL, lifetime=OPTIMIZER)
+  adam_eps: float = setting(1e-9, 'Adam epsilon', bounds=POSITIVE, lifetime=OPTIMIZER)
   max_grad_norm: float | None = setting(
-    None, 'clip the global gradient norm to this; none: no clipping (the paper)', bounds=POSITIVE
+    None,
+    'clip the global gradient norm to this; none: no clipping (the paper)',
+    bounds=POSITIVE,
+    lifetime=OPTIMIZER,
   )
   weight_decay: float = setting(
     0.0,
     'decoupled (AdamW) decay of weight matrices and embeddings; 0: plain Adam (the paper)',
     bounds=NONNEGATIVE,
+    lifetime=OPTIMIZER,
   )
   grad_accum_steps: int = setting(
-    1, 'batches accumulated per optimizer update', bounds=POSITIVE_INT
+    1, 'batches accumulated per optimizer update', bounds=POSITIVE_INT, lifetime=OPTIMIZER
   )
-  log_every: int = setting(
-    100, 'steps between lines of training metrics (bar and metrics.jsonl)', bounds=POSITIVE_INT
-  )
-  eval_every: int = setting(1000, 'steps between validation losses', bounds=POSITIVE_INT)
-  checkpoint_every: int = setting(
-    1000, 'steps between checkpoints (and one at the end)', bounds=POSITIVE_INT
-  )
-  keep_checkpoints: int = setting(
-    5, 'checkpoints kept on disk, the newest (the paper averages the last 5)', bounds=POSITIVE_INT
-  )
-  bleu_every: int = setting(
-    0, 'steps between validation BLEU scores; 0: only at the end', bounds=NONNEGATIVE_INT
+
+  # The objective: what is minimised, and what the best checkpoint is chosen by.
+  label_smoothing: float = setting(
+    0.1, 'label smoothing epsilon', bounds=UNIT_INTERVAL, lifetime=OBJECTIVE
   )
   best_metric: Literal['loss', 'bleu'] = setting(
     'loss',
     'what WORKDIR/best keeps: the parameters of the lowest validation loss (every '
     'eval_every steps) or the highest validation tokenized BLEU (every bleu_every steps)',
-  )
-  patience: int = setting(
-    0,
-    'stop after this many validations of train.best_metric without '
-    "improvement (fairseq's --patience); 0: train to train.steps",
-    bounds=NONNEGATIVE_INT,
+    lifetime=OBJECTIVE,
   )
   length_loss_weight: float = setting(
     0.1,
@@ -114,6 +113,7 @@ class TrainConfig:
     'cross-entropy (per sentence) beside the masked-token '
     "loss (fairseq's CMLM: 0.1)",
     bounds=NONNEGATIVE,
+    lifetime=OBJECTIVE,
   )
   eos_fill_rate: float = setting(
     0.1,
@@ -121,6 +121,7 @@ class TrainConfig:
     'filled with EOS while training, for fixed-length '
     'decoding',
     bounds=UNIT_INTERVAL,
+    lifetime=OBJECTIVE,
   )
   scheduled_sampling: Literal['off', 'linear', 'exponential', 'inverse_sigmoid'] = setting(
     'off',
@@ -128,6 +129,7 @@ class TrainConfig:
     '2019): a second decoder pass fed, per token, the first pass prediction with probability '
     '1 - eps_i, where eps_i, the gold-token probability at step i, decays as in Bengio et al. '
     '2015: linear min(1, max(eps, k - c*i)), exponential k^i, inverse_sigmoid k/(k + exp(i/k))',
+    lifetime=OBJECTIVE,
   )
   scheduled_sampling_k: float = setting(
     1.0,
@@ -135,46 +137,78 @@ class TrainConfig:
     'start, > 1 holds eps_i at 1 for (k - 1) / c steps; '
     'exponential: 0 < k <= 1; inverse_sigmoid: k >= 1)',
     bounds=NUMBER,
+    lifetime=OBJECTIVE,
   )
   scheduled_sampling_c: float = setting(
     1e-4,
     'scheduled sampling, linear: the decrease of the gold-token probability per step',
     bounds=NUMBER,
+    lifetime=OBJECTIVE,
   )
   scheduled_sampling_eps: float = setting(
-    0.0, 'scheduled sampling, linear: the lowest gold-token probability, in [0, 1]', bounds=NUMBER
+    0.0,
+    'scheduled sampling, linear: the lowest gold-token probability, in [0, 1]',
+    bounds=NUMBER,
+    lifetime=OBJECTIVE,
+  )
+  scheduled_sampling_choice: Literal['argmax', 'sample'] = setting(
+    'argmax',
+    "scheduled sampling: the first pass's prediction is its argmax, or a token "
+    'sampled from its softmax',
+    lifetime=OBJECTIVE,
+  )
+
+  # The cadence: how long and how often (a resumed run may change it).
+  steps: int = setting(
+    100_000,
+    'batches to train on (with accumulation K: steps / K updates)',
+    bounds=POSITIVE_INT,
+    lifetime=CADENCE,
+  )
+  log_every: int = setting(
+    100,
+    'steps between lines of training metrics (bar and metrics.jsonl)',
+    bounds=POSITIVE_INT,
+    lifetime=CADENCE,
+  )
+  eval_every: int = setting(
+    1000, 'steps between validation losses', bounds=POSITIVE_INT, lifetime=CADENCE
+  )
+  checkpoint_every: int = setting(
+    1000, 'steps between checkpoints (and one at the end)', bounds=POSITIVE_INT, lifetime=CADENCE
+  )
+  keep_checkpoints: int = setting(
+    5,
+    'checkpoints kept on disk, the newest (the paper averages the last 5)',
+    bounds=POSITIVE_INT,
+    lifetime=CADENCE,
+  )
+  bleu_every: int = setting(
+    0,
+    'steps between validation BLEU scores; 0: only at the end',
+    bounds=NONNEGATIVE_INT,
+    lifetime=CADENCE,
+  )
+  patience: int = setting(
+    0,
+    'stop after this many validations of train.best_metric without '
+    "improvement (fairseq's --patience); 0: train to train.steps",
+    bounds=NONNEGATIVE_INT,
+    lifetime=CADENCE,
   )
   prefetch: int = setting(
     2,
     'batches built ahead by a background thread (and put on the '
     'devices) while the devices run a step; 0: built between steps',
     bounds=NONNEGATIVE_INT,
-  )
-  scheduled_sampling_choice: Literal['argmax', 'sample'] = setting(
-    'argmax',
-    "scheduled sampling: the first pass's prediction is its argmax, or a token "
-    'sampled from its softmax',
+    lifetime=CADENCE,
   )
   profile: str | None = setting(
     None,
     'START,STOP: a jax.profiler trace of the steps after '
     'step START up to step STOP, in WORKDIR/profile '
     '(TensorBoard or Perfetto); none: no trace',
-  )
-
-  # Fields a resumed run may change: they say how long and how chattily to train, not how.
-  RESUMABLE_CHANGES = frozenset(
-    {
-      'steps',
-      'log_every',
-      'eval_every',
-      'checkpoint_every',
-      'keep_checkpoints',
-      'bleu_every',
-      'prefetch',
-      'profile',
-      'patience',
-    }
+    lifetime=CADENCE,
   )
 
   def __post_init__(self):

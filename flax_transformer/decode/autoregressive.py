@@ -68,6 +68,7 @@ from flax_transformer.decode.search import (
   sampling_pick,
   truncated_logits,
 )
+from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
 from flax_transformer.run.sizes import check_decoding_fits
 
@@ -383,7 +384,7 @@ def model_step_fn(
   `reorder_beams` reorders without moving keys or values.
   """
   model = Transformer(config)
-  variables = cast_matrices(variables, config.compute_dtype)
+  variables = cast_matrices(variables, compute_dtype(config))
   if beam_size > 1:
 
     def beam_step_fn(tokens: jax.Array, cache: BeamDecodeCache, position: jax.Array):

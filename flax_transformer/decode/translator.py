@@ -38,6 +38,7 @@ from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.decode import autoregressive
 from flax_transformer.decode.autoregressive import BeamSearch
 from flax_transformer.decode.methods import DecodingMethod, default_method
+from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import attention_weights
 from flax_transformer.run.loading import load_for_inference
@@ -81,7 +82,7 @@ class Translator:
 
   def __init__(self, config: ModelConfig, params, tokenizer: Tokenizer, dtype: str | None = None):
     """dtype: the compute dtype to decode in, 'float32', 'bfloat16' (bfloat16 matmuls with
-    float32 accumulation, logits and search in float32) or 'auto' (`config.resolve_dtype`);
+    float32 accumulation, logits and search in float32) or 'auto' (`nn.backend.resolve_dtype`);
     None: the model's own `config.dtype`."""
     tokenizer.check_compatible(config)
     kernel = config.attention_kernel
@@ -91,7 +92,7 @@ class Translator:
     self.model = build_model(self.config)
     # Matrices in the compute dtype once here, not at every decoding step.
     self.variables = autoregressive.cast_matrices(
-      autoregressive.as_variables(params), self.config.compute_dtype
+      autoregressive.as_variables(params), compute_dtype(self.config)
     )
     self.tokenizer = tokenizer
     self._attention_weights = jax.jit(functools.partial(attention_weights, self.model))

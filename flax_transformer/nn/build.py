@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_transformer.config import ModelConfig, resolve_attention_kernel
+from flax_transformer.config import ModelConfig
+from flax_transformer.nn.backend import resolve_attention_kernel
 from flax_transformer.nn.cmlm import CMLMTransformer
 from flax_transformer.nn.model import Transformer
 

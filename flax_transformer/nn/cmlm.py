@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax_transformer.config import ModelConfig
 from flax_transformer.nn import masks
 from flax_transformer.nn.attention import KVCache
+from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.matmul import Dense
 from flax_transformer.nn.model import Transformer
 
@@ -66,7 +67,7 @@ class CMLMTransformer(Transformer):
       self.mask_embedding = self.param(
         'mask_embedding', nn.initializers.normal(c.d_model**-0.5), (c.d_model,)
       )
-    self.length_head = Dense(num_length_classes(c), dtype=c.compute_dtype)
+    self.length_head = Dense(num_length_classes(c), dtype=compute_dtype(c))
 
   def _embed(
     self,
@@ -115,12 +116,12 @@ class CMLMTransformer(Transformer):
         jnp.einsum('BSZ,BSD->BZD', weights, memory.astype(jnp.float32))
         / jnp.maximum(jnp.sum(weights, axis=1), 1.0)[..., None]
       )  # [B, Z, D]
-      return self.length_head(pooled.astype(self.config.compute_dtype)).astype(jnp.float32)
+      return self.length_head(pooled.astype(compute_dtype(self.config))).astype(jnp.float32)
     weights = src_mask[:, 0, 0, :, None].astype(jnp.float32)  # [B, S, 1]
     pooled = jnp.sum(memory.astype(jnp.float32) * weights, axis=1) / jnp.maximum(
       jnp.sum(weights, axis=1), 1.0
     )  # [B, D]
-    return self.length_head(pooled.astype(self.config.compute_dtype)).astype(jnp.float32)
+    return self.length_head(pooled.astype(compute_dtype(self.config))).astype(jnp.float32)
 
   def cross_kv(self, memory: jax.Array) -> tuple[KVCache, ...]:
     """Every decoder layer's cross-attention keys and values `[B, N, S, H]` of the memory.

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.config import ModelConfig, resolve_attention_kernel
+from flax_transformer.config import ModelConfig
 from flax_transformer.nn.attention import KVCache, MultiHeadAttention
+from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
 from flax_transformer.nn.dropout import Dropout
 from flax_transformer.nn.matmul import Dense
 
@@ -62,7 +63,7 @@ class FeedForward(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
     dense = lambda features, name: Dense(
-      features, dtype=c.compute_dtype, name=name, kernel_init=nn.initializers.xavier_uniform()
+      features, dtype=compute_dtype(c), name=name, kernel_init=nn.initializers.xavier_uniform()
     )
     activation = {'relu': nn.relu, 'gelu': nn.gelu, 'silu': nn.silu}[c.activation]
     return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))
@@ -82,7 +83,7 @@ class Sublayer(nn.Module):
 
   def setup(self):
     self.norm = nn.LayerNorm(
-      epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype
+      epsilon=self.config.layer_norm_epsilon, dtype=compute_dtype(self.config)
     )
     self.dropout = Dropout(self.config.dropout_rate)
 
@@ -99,7 +100,7 @@ def _attention(config: ModelConfig, name: str) -> MultiHeadAttention:
     num_heads=config.num_heads,
     d_model=config.d_model,
     attention_dropout_rate=config.attention_dropout_rate,
-    dtype=config.compute_dtype,
+    dtype=compute_dtype(config),
     kernel=resolve_attention_kernel(config),
     qkv_init_gain=config.qkv_init_gain,
     name=name,
@@ -257,7 +258,7 @@ class Encoder(nn.Module):
         x = EncoderBlock(self.config, name=name)(x, mask, train)
     if self.config.norm_placement == 'pre':
       x = nn.LayerNorm(
-        epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype, name='final_norm'
+        epsilon=self.config.layer_norm_epsilon, dtype=compute_dtype(self.config), name='final_norm'
       )(x)
     return x
 
@@ -273,7 +274,7 @@ class Decoder(nn.Module):
     ]
     if self.config.norm_placement == 'pre':
       self.final_norm = nn.LayerNorm(
-        epsilon=self.config.layer_norm_epsilon, dtype=self.config.compute_dtype
+        epsilon=self.config.layer_norm_epsilon, dtype=compute_dtype(self.config)
       )
 
   def cross_kv(self, memory: jax.Array) -> tuple[KVCache, ...]:

@@ -31,9 +31,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flax_transformer.config import ModelConfig, resolve_attention_kernel
+from flax_transformer.config import ModelConfig
 from flax_transformer.nn import masks
 from flax_transformer.nn.attention import KVCache
+from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
 from flax_transformer.nn.dropout import Dropout
 from flax_transformer.nn.layers import Decoder, Encoder, sinusoidal_positions
 from flax_transformer.nn.matmul import Dense, dense_dot
@@ -112,7 +113,7 @@ def empty_self_cache(
   v_shape = (batch_size, config.num_heads, beam_size * max_len, config.head_dim)
   # A pooled cache holds its keys transposed, `[B, N, H, K * L]` (see KVCache).
   k_shape = v_shape if beam_size == 1 else (*v_shape[:2], v_shape[3], v_shape[2])
-  dtype = config.compute_dtype if dtype is None else dtype
+  dtype = compute_dtype(config) if dtype is None else dtype
   return tuple(
     KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype), beam_size=beam_size)
     for _ in range(config.num_decoder_layers)
@@ -129,7 +130,7 @@ class Transformer(nn.Module):
     embed = lambda name: nn.Embed(
       c.vocab_size,
       c.d_model,
-      dtype=c.compute_dtype,
+      dtype=compute_dtype(c),
       name=name,
       # Unit variance after the sqrt(d_model) scaling of §3.4.
       embedding_init=nn.initializers.normal(stddev=c.d_model**-0.5),
@@ -142,7 +143,7 @@ class Transformer(nn.Module):
       self.output_projection = Dense(
         c.vocab_size,
         use_bias=False,
-        dtype=c.compute_dtype,
+        dtype=compute_dtype(c),
         kernel_init=nn.initializers.xavier_uniform(),
       )
     if c.logits_bias:
@@ -173,8 +174,8 @@ class Transformer(nn.Module):
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f'token ids must be integers, got dtype {tokens.dtype}')
     # Gather float32 rows, then cast: nn.Embed would cast the whole [V, D] table first.
-    x = jnp.take(table.embedding, tokens, axis=0).astype(c.compute_dtype)
-    x = x * jnp.asarray(math.sqrt(c.d_model), c.compute_dtype)
+    x = jnp.take(table.embedding, tokens, axis=0).astype(compute_dtype(c))
+    x = x * jnp.asarray(math.sqrt(c.d_model), compute_dtype(c))
     table = sinusoidal_positions(c.max_len, c.d_model, c.positions)  # [max_len, D]
     if positions is None:
       encoding = jax.lax.dynamic_slice_in_dim(table, offset, tokens.shape[1])  # [L, D]
@@ -186,7 +187,7 @@ class Transformer(nn.Module):
     """Decoder output `[B, T, D]` -> float32 logits `[B, T, V]` (+ the logits bias, if any)."""
     if self.config.share_embeddings:
       # Against the table `[V, D]` itself (kernel_axis=1); products accumulate in float32.
-      logits = dense_dot(y.astype(self.config.compute_dtype), self.embedding.embedding, 1)
+      logits = dense_dot(y.astype(compute_dtype(self.config)), self.embedding.embedding, 1)
     else:
       logits = self.output_projection(y).astype(jnp.float32)
     return logits + self.logits_bias if self.config.logits_bias else logits
@@ -231,7 +232,7 @@ class Transformer(nn.Module):
     )
 
   def _fused_kernel(self, cached: bool = False) -> bool:
-    """Whether attention takes a fused kernel here (`config.resolve_attention_kernel`): masks are
+    """Whether attention takes a fused kernel here (`nn.backend.resolve_attention_kernel`): masks are
     then built as `masks.KeyLengths`. A cached step (one query) takes it when the kernel is
     asked for by name: auto keeps einsum there, as a step keeps no scores to save."""
     if resolve_attention_kernel(self.config) == 'einsum':

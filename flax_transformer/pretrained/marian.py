@@ -39,6 +39,8 @@ from flax_transformer.config import (
   ConfigError,
   ModelConfig,
   check_bounds,
+  fields_where,
+  parse_overrides,
 )
 from flax_transformer.errors import PretrainedError, TokenizerError
 from flax_transformer.files import read_json_object
@@ -254,12 +256,6 @@ def load_marian(
   return config, params, tokenizer
 
 
-# Model settings a fine-tuning run may change: how it trains, not what it computes.
-FINE_TUNING_CHANGES = frozenset(
-  {'dropout_rate', 'attention_dropout_rate', 'dtype', 'remat', 'attention_kernel'}
-)
-
-
 def is_export(directory: str | Path) -> bool:
   """Whether DIRECTORY/config.json was written by `pretrained.export`."""
   try:
@@ -277,8 +273,6 @@ def fine_tuning_config(directory: str | Path, overrides: dict[str, str]) -> Mode
   An override of another setting is refused unless it repeats the model's value:
   the architecture and the vocabulary come from the checkpoint.
   """
-  from flax_transformer.config import parse_overrides
-
   directory = Path(directory)
   if not is_marian_directory(directory):
     raise PretrainedError(
@@ -294,12 +288,13 @@ def fine_tuning_config(directory: str | Path, overrides: dict[str, str]) -> Mode
     )
   pretrained = read_marian_config(directory)
   config = parse_overrides(pretrained, 'model', overrides)
+  changeable = fields_where(ModelConfig, lambda lifetime: lifetime.fine_tunable)
   for name in overrides:
-    if name not in FINE_TUNING_CHANGES and getattr(config, name) != getattr(pretrained, name):
+    if name not in changeable and getattr(config, name) != getattr(pretrained, name):
       raise ConfigError(
         f'--model.{name}={overrides[name]} contradicts the model in {directory} '
         f'({name}={getattr(pretrained, name)}); fine-tuning takes the '
         f'architecture from --init-from (it may change '
-        f'{", ".join(sorted(FINE_TUNING_CHANGES))})'
+        f'{", ".join(sorted(changeable))})'
       )
   return config

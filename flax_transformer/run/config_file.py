@@ -32,6 +32,7 @@ from flax_transformer.config import (
   DataConfig,
   ModelConfig,
   TrainConfig,
+  fields_where,
 )
 from flax_transformer.errors import CheckpointError
 from flax_transformer.files import file_digest, write_atomically
@@ -131,13 +132,18 @@ def check_resumable(
 ) -> None:
   """Raises CheckpointError unless WORKDIR's run can continue with these configs.
 
-  Only the fields of the three RESUMABLE_CHANGES sets may differ: the model's how-it-computes
-  and initialisation, the training's how-long and how-often, the data's cache location.
+  A run's identity must be equal: every setting whose `Lifetime` is not resumable. The
+  computation, the initialisation, the cadence and the cache's location may change.
   """
-  saved_model, saved_train, saved_data = read_config(workdir)
-  differences = _differences('model', saved_model, model_config, ModelConfig.RESUMABLE_CHANGES)
-  differences += _differences('data', saved_data, data_config, DataConfig.RESUMABLE_CHANGES)
-  differences += _differences('train', saved_train, train_config, TrainConfig.RESUMABLE_CHANGES)
+  saved = dict(zip(SECTIONS, read_config(workdir)))
+  requested = dict(zip(SECTIONS, (model_config, train_config, data_config)))
+  differences = [
+    f'{section}.{name}: saved {getattr(saved[section], name)!r}, '
+    f'requested {getattr(requested[section], name)!r}'
+    for section, cls in SECTIONS.items()
+    for name in fields_where(cls, lambda lifetime: not lifetime.resumable)
+    if getattr(saved[section], name) != getattr(requested[section], name)
+  ]
   if differences:
     raise CheckpointError(
       f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '
@@ -145,15 +151,6 @@ def check_resumable(
       + '. Resume with the saved settings, or start a new run in '
       'another --workdir (or pass --no-resume to overwrite this one).'
     )
-
-
-def _differences(section: str, saved, requested, allowed: frozenset | tuple) -> list[str]:
-  return [
-    f'{section}.{f.name}: saved {getattr(saved, f.name)!r}, '
-    f'requested {getattr(requested, f.name)!r}'
-    for f in dataclasses.fields(saved)
-    if f.name not in allowed and getattr(saved, f.name) != getattr(requested, f.name)
-  ]
 
 
 def read_marker(directory: str | Path) -> dict | None:

@@ -415,17 +415,6 @@ class RunDirectory:
     if (self.path / CONFIG_FILE).is_file():
       check_resumable(self.path, model_config, train_config, data_config)
 
-  def kept_dtype(self, model_config: ModelConfig) -> ModelConfig:
-    """`model_config`, its dtype 'auto' (the default) replaced by the explicit dtype of the run
-    saved here: a run begun in float32 or bfloat16 keeps computing in it when resumed."""
-    if model_config.dtype != 'auto' or not (self.path / CONFIG_FILE).is_file():
-      return model_config
-    try:
-      saved = read_config(self.path)[0].dtype
-    except CheckpointError:
-      return model_config  # check_settings names what is wrong with config.json
-    return model_config.replace(dtype=saved)
-
   def write_settings(
     self,
     model_config: ModelConfig,

@@ -33,7 +33,6 @@ from flax_transformer.config import (
   ModelConfig,
   TrainConfig,
   check_bounds,
-  resolve_attention_kernel,
 )
 from flax_transformer.data import preprocessing
 from flax_transformer.data.assembly import ArrayBatcher
@@ -42,6 +41,7 @@ from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import check_settings as check_packing
 from flax_transformer.data.pipeline import TrainingData, load_training_data
 from flax_transformer.data.toy_task import number_translation
+from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
 from flax_transformer.nn.model import Transformer, count_params
 from flax_transformer.pretrained.marian import load_marian
 from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint
@@ -217,7 +217,7 @@ def _prepare_training_run(
   )
   # Everything the run encodes or decodes sees text through the data settings' preprocessing.
   tokenizer = preprocessing.wrap(tokenizer, data_config)
-  model_config = directory.kept_dtype(model_config.replace(vocab_size=tokenizer.vocab_size))
+  model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
   directory.check_settings(model_config, train_config, data_config)
   return _TrainingRun(
@@ -348,7 +348,7 @@ def _how_it_computes(run: _TrainingRun) -> str:
   """The model line's compute dtype and attention kernel, each saying where auto decided it,
   and which attention the kernel does not take."""
   config, backend = run.model_config, jax.default_backend()
-  dtype = f'{config.compute_dtype.name} compute'
+  dtype = f'{compute_dtype(config).name} compute'
   if config.dtype == 'auto':
     dtype += f' (model.dtype auto on {backend})'
   kernel = resolve_attention_kernel(config)
