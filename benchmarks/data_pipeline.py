@@ -16,7 +16,8 @@ Stages, each in a process of its own (the programs are what a user runs):
   batches    (in this process) host batches from the cache the first run wrote: real target
              tokens per second of `local_batch_at`, bucketed and packed (rows of 64, best
              fit), for one process (all rows) and per process of two (half the rows each), and
-             the Python-loop batchers of before (`Batcher`, `PackingBatcher`) beside them;
+             the Python-loop builders of before (tests/support/loop_batches.py, the tests'
+             oracles, on the same plans) beside them;
              medians of several rounds, after the epoch's plan is built.
 
 Writes benchmarks/results/data_pipeline.json (or --output). The run directory stays for
@@ -140,9 +141,9 @@ def load_only_cache(cache_dir: Path):
 
 
 def batch_rates(cache_dir: Path, max_tokens: int, packing: int, rounds: int, steps: int) -> dict:
-  from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
-  from flax_transformer.data.batching import Batcher
-  from flax_transformer.data.packing import PackingBatcher
+  from flax_transformer.data.batcher import Batcher
+  from flax_transformer.data.plans import BestFit, FirstFit
+  from tests.support.loop_batches import LoopBatcher
 
   begin = time.perf_counter()
   corpus = load_only_cache(cache_dir)
@@ -154,12 +155,12 @@ def batch_rates(cache_dir: Path, max_tokens: int, packing: int, rounds: int, ste
   }
   kinds = {
     'bucketed': (
+      LoopBatcher(corpus, max_tokens, 0, row_multiple=2),
       Batcher(corpus, max_tokens, 0, row_multiple=2),
-      ArrayBatcher(corpus, max_tokens, 0, row_multiple=2),
     ),
     'packed': (
-      PackingBatcher(corpus, max_tokens, 0, packing, row_multiple=2),
-      ArrayPackingBatcher(corpus, max_tokens, 0, packing, row_multiple=2),
+      LoopBatcher(corpus, max_tokens, 0, FirstFit(packing), row_multiple=2),
+      Batcher(corpus, max_tokens, 0, BestFit(packing), row_multiple=2),
     ),
   }
   window = range(1, steps + 1)

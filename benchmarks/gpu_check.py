@@ -348,15 +348,16 @@ def host_and_device(setting: Setting, workdir: Path) -> dict:
   from benchmarks.data_pipeline import load_only_cache
   from flax_transformer import bench
   from flax_transformer.config import TrainConfig
-  from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
+  from flax_transformer.data.batcher import Batcher
+  from flax_transformer.data.plans import BestFit
   from flax_transformer.run.directory import read_config
 
   corpus = load_only_cache(workdir / 'encoded')
   tokens = setting.input_max_tokens
   results = {}
   for kind, batcher in (
-    ('bucketed', ArrayBatcher(corpus, tokens, 0, row_multiple=2)),
-    ('packed', ArrayPackingBatcher(corpus, tokens, 0, 64, row_multiple=2)),
+    ('bucketed', Batcher(corpus, tokens, 0, row_multiple=2)),
+    ('packed', Batcher(corpus, tokens, 0, BestFit(64), row_multiple=2)),
   ):
     batcher.batch_at(0)  # the epoch's plan, built once an epoch
     host, shapes = [], []

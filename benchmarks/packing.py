@@ -80,9 +80,11 @@ def measure(
 ) -> dict:
   """Padding shares and interleaved step timings of 'unpacked' and each 'packed-L'."""
   from flax_transformer.config import run_preset
-  from flax_transformer.data.batching import Batcher, encode_corpus
+  from flax_transformer.data.batcher import Batcher
+  from flax_transformer.data.batching import encode_corpus
   from flax_transformer.data.corpus import load_parallel
-  from flax_transformer.data.packing import PackingBatcher, padding_share
+  from flax_transformer.data.packing import padding_share
+  from flax_transformer.data.plans import FirstFit
   from flax_transformer.tokenizer import Tokenizer
 
   model_config, train_config, data_config = run_preset('multi30k')
@@ -101,7 +103,7 @@ def measure(
     {
       f'packed-{length}': (
         length,
-        PackingBatcher(corpus, train_config.max_tokens, train_config.seed, length),
+        Batcher(corpus, train_config.max_tokens, train_config.seed, FirstFit(length)),
       )
       for length in row_lengths
     }

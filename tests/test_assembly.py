@@ -1,5 +1,6 @@
-"""Array-built batches (data/assembly.py): bit for bit today's, per process equal to `shard`, and a
-packing plan with no more padding than `pack_rows`.
+"""Array-built batches (data/assembly.py): bit for bit the Python-loop oracles'
+(tests/support/loop_batches.py) from the same plan, per process equal to `shard`, and a best-fit
+plan (data/plans.py) with no more padding than first fit's `pack_rows`.
 
 Corpora: random ones (lengths and ids drawn, a Marian-like tokenizer's special ids) and the
 first lines of Multi30k encoded with a small tokenizer (skipped if Multi30k is absent).
@@ -12,10 +13,12 @@ import numpy as np
 import pytest
 
 from flax_transformer.data import assembly
-from flax_transformer.data.batching import Batcher, EncodedCorpus, encode_corpus, shard
+from flax_transformer.data.batcher import Batcher
+from flax_transformer.data.batching import EncodedCorpus, encode_corpus, shard
 from flax_transformer.data.corpus import load_parallel
-from flax_transformer.data.packing import PackingBatcher, pack_rows
+from flax_transformer.data.plans import BestFit, FirstFit, PackedRows, pack_plan, pack_rows
 from flax_transformer.tokenizer import Tokenizer
+from support.loop_batches import LoopBatcher, loop_packed
 
 MULTI30K = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
 needs_multi30k = pytest.mark.skipif(
@@ -85,43 +88,40 @@ def assert_same(got, want):
 
 def test_bucketed_batches_are_bit_identical(corpus):
   for max_tokens, row_multiple in ((1024, 1), (2048, 4)):
-    today = Batcher(corpus, max_tokens, seed=3, row_multiple=row_multiple)
-    ours = assembly.ArrayBatcher(corpus, max_tokens, seed=3, row_multiple=row_multiple)
-    for step in range(2 * today.num_batches_per_epoch):  # two epochs, every bucket's last batch
+    today = LoopBatcher(corpus, max_tokens, seed=3, row_multiple=row_multiple)
+    ours = Batcher(corpus, max_tokens, seed=3, row_multiple=row_multiple)
+    for step in range(2 * today.batches_per_epoch()):  # two epochs, every bucket's last batch
       assert_same(ours.batch_at(step), today.batch_at(step))
-  evaluation = Batcher(corpus, 1024, seed=0, shuffle=False)
-  ours = assembly.ArrayBatcher(corpus, 1024, seed=0, shuffle=False)
+  evaluation = LoopBatcher(corpus, 1024, seed=0, shuffle=False)
+  ours = Batcher(corpus, 1024, seed=0, shuffle=False)
   for want, got in zip(evaluation.epoch(0), ours.epoch(0)):
     assert_same(got, want)
 
 
 def test_packed_batches_are_bit_identical(corpus):
   row_length = 24  # longer pairs go to the larger buckets, packed there too
-  today = PackingBatcher(corpus, 1536, seed=5, row_length=row_length, row_multiple=2)
-  ours = assembly.ArrayPackingBatcher(
-    corpus, 1536, seed=5, row_length=row_length, row_multiple=2, plan='first_fit'
+  for plan in (FirstFit(row_length), BestFit(row_length)):
+    today = LoopBatcher(corpus, 1536, seed=5, plan=plan, row_multiple=2)
+    ours = Batcher(corpus, 1536, seed=5, plan=plan, row_multiple=2)
+    steps = len(today.epoch(0)) + len(today.epoch(1))
+    for step in range(steps):
+      assert_same(ours.batch_at(step), today.batch_at(step))
+  # And from first fit's rows as pack_rows gives them (lists of arrays).
+  src, tgt = np.diff(corpus.src_offsets), np.diff(corpus.tgt_offsets)
+  order = np.flatnonzero(corpus.lengths <= row_length)[:200]
+  rows_of_pairs = pack_rows(order, src, tgt, row_length)[:16]
+  assert_same(
+    assembly.build_packed(corpus, rows_of_pairs, 16, row_length),
+    loop_packed(corpus, rows_of_pairs, 16, row_length),
   )
-  steps = len(today.epoch(0)) + len(today.epoch(1))
-  for step in range(steps):
-    assert_same(ours.batch_at(step), today.batch_at(step))
-  # And from today's plan entries directly (lists of arrays, as pack_rows gives them).
-  for bucket, rows_of_pairs in today._plan(0)[:5]:
-    assert_same(
-      assembly.build_packed(
-        corpus, rows_of_pairs, today.rows[bucket], today.length_buckets[bucket]
-      ),
-      today._build(bucket, rows_of_pairs),
-    )
 
 
 @pytest.mark.parametrize('count', [2, 4])
 def test_local_rows_equal_the_shard_of_the_global_batch(corpus, count):
   batchers = [
-    assembly.ArrayBatcher(corpus, 1024, seed=7, row_multiple=4),
-    assembly.ArrayPackingBatcher(corpus, 1024, seed=7, row_length=32, row_multiple=4),
-    assembly.ArrayPackingBatcher(
-      corpus, 1024, seed=7, row_length=32, row_multiple=4, plan='first_fit'
-    ),
+    Batcher(corpus, 1024, seed=7, row_multiple=4),
+    Batcher(corpus, 1024, seed=7, plan=BestFit(32), row_multiple=4),
+    Batcher(corpus, 1024, seed=7, plan=FirstFit(32), row_multiple=4),
   ]
   for batcher in batchers:
     steps = range(len(batcher.epoch(0)))  # includes each bucket's part-empty last batch
@@ -136,43 +136,43 @@ def test_pack_plan_places_every_pair_once_within_the_row(corpus):
   src, tgt = np.diff(corpus.src_offsets), np.diff(corpus.tgt_offsets)
   for length in (24, 64):
     order = np.random.default_rng(0).permutation(np.flatnonzero(lengths <= length))
-    plan = assembly.pack_plan(order, src, tgt, length, np.random.default_rng(1))
+    plan = pack_plan(order, src, tgt, length, np.random.default_rng(1))
     np.testing.assert_array_equal(np.sort(plan.pairs), np.sort(order))
     rows = np.repeat(np.arange(len(plan)), np.diff(plan.splits))
     assert np.bincount(rows, src[plan.pairs]).max() <= length
     assert np.bincount(rows, tgt[plan.pairs]).max() <= length
-    again = assembly.pack_plan(order, src, tgt, length, np.random.default_rng(1))
+    again = pack_plan(order, src, tgt, length, np.random.default_rng(1))
     np.testing.assert_array_equal(again.pairs, plan.pairs)  # a pure function of its inputs
     assert len(plan) <= len(pack_rows(order, src, tgt, length))
 
 
 def _padding(batcher) -> float:
-  plan = batcher._plan(0)
+  plan = batcher.plan_of(0)
   return assembly.plan_padding(plan, batcher.rows, batcher.length_buckets, batcher.corpus)['target']
 
 
 def test_packing_plan_pads_no_more_than_today(corpus):
   for row_length in (32, 64):
-    today = PackingBatcher(corpus, 2048, seed=0, row_length=row_length)
-    ours = assembly.ArrayPackingBatcher(corpus, 2048, seed=0, row_length=row_length)
+    today = Batcher(corpus, 2048, seed=0, plan=FirstFit(row_length))
+    ours = Batcher(corpus, 2048, seed=0, plan=BestFit(row_length))
     assert _padding(ours) <= _padding(today)
     # Every pair exactly once per epoch, each row within the bucket's length.
-    pairs = np.concatenate([rows.pairs for _, rows in ours._plan(1)])
+    pairs = np.concatenate([rows.pairs for _, rows in ours.plan_of(1)])
     np.testing.assert_array_equal(np.sort(pairs), np.arange(len(corpus)))
 
 
 @needs_multi30k
 def test_packing_plan_pads_less_on_multi30k_at_64(multi30k_corpus):
-  today = PackingBatcher(multi30k_corpus, 4096, seed=0, row_length=64)
-  ours = assembly.ArrayPackingBatcher(multi30k_corpus, 4096, seed=0, row_length=64)
+  today = Batcher(multi30k_corpus, 4096, seed=0, plan=FirstFit(64))
+  ours = Batcher(multi30k_corpus, 4096, seed=0, plan=BestFit(64))
   assert _padding(ours) < _padding(today)
 
 
 def test_best_fit_batches_resume_exactly_and_cross_epochs():
   corpus = random_corpus(300, 30, seed=4)
-  batcher = assembly.ArrayPackingBatcher(corpus, 512, seed=9, row_length=32, row_multiple=2)
+  batcher = Batcher(corpus, 512, seed=9, plan=BestFit(32), row_multiple=2)
   first = len(batcher.epoch(0))
-  fresh = assembly.ArrayPackingBatcher(corpus, 512, seed=9, row_length=32, row_multiple=2)
+  fresh = Batcher(corpus, 512, seed=9, plan=BestFit(32), row_multiple=2)
   for step in (first + 1, 0, first - 1, first):
     assert_same(fresh.batch_at(step), batcher.batch_at(step))
   ids = np.concatenate([batcher.batch_at(step).example_ids.ravel() for step in range(first)])
@@ -181,7 +181,7 @@ def test_best_fit_batches_resume_exactly_and_cross_epochs():
 
 def test_packed_rows_behave_as_the_list_of_rows():
   rows = [np.array([3, 1]), np.array([0]), np.array([4, 2, 5])]
-  packed = assembly.PackedRows.from_rows(rows)
+  packed = PackedRows.from_rows(rows)
   assert len(packed) == 3 and len(packed[1:]) == 2 and len(packed[5:]) == 0
   for got, want in zip(packed[1:].rows(), rows[1:]):
     np.testing.assert_array_equal(got, want)

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer.data.batching import Batch, Batcher, default_buckets, encode_corpus, shard
+from flax_transformer.data.batcher import Batcher
+from flax_transformer.data.batching import Batch, default_buckets, encode_corpus, shard
 from flax_transformer.data.corpus import DataError, load_parallel
+from flax_transformer.data.plans import FirstFit
 from flax_transformer.tokenizer import Tokenizer
 
 PAD, BOS, EOS = 0, 1, 2
@@ -116,7 +118,7 @@ def test_rows_per_bucket_follow_the_token_budget(batcher):
 
 def test_every_pair_exactly_once_in_its_smallest_bucket(batcher, corpus, dataset):
   epoch = batcher.epoch(0)
-  assert len(epoch) == batcher.num_batches_per_epoch
+  assert len(epoch) == batcher.batches_per_epoch()
   seen = []
   for batch in epoch:
     rows, length = batch.src.shape
@@ -169,7 +171,7 @@ def test_deterministic_per_seed_and_epoch(batcher, corpus):
 
 
 def test_batch_at_matches_epochs_and_resumes(batcher, corpus):
-  n = batcher.num_batches_per_epoch
+  n = batcher.batches_per_epoch()
   resumed = Batcher(corpus, max_tokens=100, seed=7)  # a fresh process: no iterator state
   for step in (0, 1, n - 1, n, n + 5, 3 * n + 2):
     want = batcher.epoch(step // n)[step % n]
@@ -242,12 +244,11 @@ class MarianLetters(Letters):
 
 @pytest.mark.parametrize('packed', [False, True])
 def test_num_tokens_counts_with_the_corpus_pad_id(dataset, packed):
-  from flax_transformer.data.packing import PackingBatcher
 
   corpus = encode_corpus(dataset, MarianLetters(), MAX_LEN)
   assert corpus.pad_id == 2
   batcher = (
-    PackingBatcher(corpus, max_tokens=100, seed=7, row_length=16)
+    Batcher(corpus, max_tokens=100, seed=7, plan=FirstFit(16))
     if packed
     else Batcher(corpus, max_tokens=100, seed=7)
   )
@@ -265,7 +266,7 @@ def test_num_tokens_counts_with_the_corpus_pad_id(dataset, packed):
 def test_describe(batcher):
   line = batcher.describe()
   assert line.startswith(
-    f'{len(batcher.corpus):,} pairs in {batcher.num_batches_per_epoch} '
+    f'{len(batcher.corpus):,} pairs in {batcher.batches_per_epoch()} '
     'batches per epoch of <= 100 tokens, shapes [B x L]: 12x8 6x16 4x24;'
   )
   assert line.endswith('of target positions are padding')

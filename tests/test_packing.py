@@ -10,9 +10,11 @@ import pytest
 from flax import traverse_util
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
+from flax_transformer.data.batcher import Batcher
 from flax_transformer.data.batching import Batch, EncodedCorpus, _flatten_with_eos
 from flax_transformer.data.corpus import DataError
-from flax_transformer.data.packing import PackingBatcher, check_settings, pack_rows, padding_share
+from flax_transformer.data.packing import check_settings, padding_share
+from flax_transformer.data.plans import FirstFit, pack_rows
 from flax_transformer.nn import masks
 from flax_transformer.nn.model import Transformer, attention_weights
 from flax_transformer.train.losses import token_losses
@@ -53,7 +55,7 @@ def corpus():
 
 @pytest.fixture(scope='module')
 def batcher(corpus):
-  return PackingBatcher(corpus, max_tokens=8 * ROW, seed=3, row_length=ROW, row_multiple=2)
+  return Batcher(corpus, max_tokens=8 * ROW, seed=3, plan=FirstFit(ROW), row_multiple=2)
 
 
 def segments_of(batch: Batch, row: int):
@@ -140,7 +142,7 @@ def test_packs_several_pairs_per_row(corpus, batcher):
 def test_batch_at_is_a_pure_function_of_the_step(corpus, batcher):
   """A fresh batcher (a resumed run) gives the same batches; steps run on across epochs,
   whose lengths differ."""
-  fresh = PackingBatcher(corpus, max_tokens=8 * ROW, seed=3, row_length=ROW, row_multiple=2)
+  fresh = Batcher(corpus, max_tokens=8 * ROW, seed=3, plan=FirstFit(ROW), row_multiple=2)
   sizes = [len(batcher.epoch(e)) for e in range(3)]
   for step in (sizes[0] + sizes[1] + 1, 0, sizes[0], sizes[0] - 1):
     epoch, index = (
@@ -152,7 +154,7 @@ def test_batch_at_is_a_pure_function_of_the_step(corpus, batcher):
     got = fresh.batch_at(step)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
       np.testing.assert_array_equal(a, b)
-  other_seed = PackingBatcher(corpus, max_tokens=8 * ROW, seed=4, row_length=ROW)
+  other_seed = Batcher(corpus, max_tokens=8 * ROW, seed=4, plan=FirstFit(ROW))
   assert not np.array_equal(other_seed.batch_at(0).src, batcher.batch_at(0).src)
 
 
@@ -164,7 +166,7 @@ def test_pack_rows_first_fit():
 
 def test_refusals(corpus):
   with pytest.raises(DataError, match='train.packing'):
-    PackingBatcher(corpus, max_tokens=64, seed=0, row_length=1)
+    Batcher(corpus, max_tokens=64, seed=0, plan=FirstFit(1))
   with pytest.raises(ConfigError, match='train.packing=16.*model.attention_radius=2'):
     check_settings(ModelConfig.tiny(attention_radius=2), TrainConfig(packing=16))
   with pytest.raises(ConfigError, match='train.packing=128.*model.max_len=64'):
@@ -317,7 +319,8 @@ import numpy as np
 from flax_transformer.data.batching import EncodedCorpus, _flatten_with_eos
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nn.model import Transformer
-from flax_transformer.data.packing import PackingBatcher
+from flax_transformer.data.batcher import Batcher
+from flax_transformer.data.plans import FirstFit
 from support.device_workers import train_runs
 
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -327,7 +330,7 @@ sides = [[rng.integers(3, 64, n).tolist() for n in rng.integers(1, 8, 64)] for _
 corpus = EncodedCorpus(src_ids=src_ids, src_offsets=src_offsets, tgt_ids=tgt_ids,
                        tgt_offsets=tgt_offsets, example_ids=np.arange(64), max_len=16,
                        num_dropped=0)
-batcher = PackingBatcher(corpus, max_tokens=8 * 16, seed=0, row_length=16, row_multiple=4)
+batcher = Batcher(corpus, max_tokens=8 * 16, seed=0, plan=FirstFit(16), row_multiple=4)
 config = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.0)
 train_config = TrainConfig(steps=steps, warmup_steps=4, lr_scale=4.0, adam_eps=1.0, packing=16)
 np.savez(out, **train_runs(Transformer(config), train_config, runs, steps, batcher.batch_at))

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from flax_transformer.config import DataConfig, TrainConfig
-from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
-from flax_transformer.data.batching import Batcher, EncodedCorpus
+from flax_transformer.data.batching import EncodedCorpus
 from flax_transformer.data.cache import TextPairFiles
 from flax_transformer.data.corpus import DataError, load_parallel
-from flax_transformer.data.packing import PackingBatcher
 from flax_transformer.data.pipeline import Prefetcher, load_training_data, make_batcher
+from flax_transformer.data.plans import BestFit, Bucketed, FirstFit
 from flax_transformer.run.directory import CONFIG_FILE, PACKING_PLAN_KEY, RunDirectory
+from support.loop_batches import LoopBatcher
 
 SOURCES = [f'  sentence {i} ' if i % 7 else f'line {i}' for i in range(60)]
 TARGETS = [f'Satz {i}' if i % 11 else '   ' for i in range(60)]  # every 11th pair: empty side
@@ -102,14 +102,11 @@ def test_make_batcher_follows_the_settings(packing):
   corpus = _corpus(np.random.default_rng(0).integers(2, 14, size=200))
   config = TrainConfig(max_tokens=128, packing=packing, seed=3)
   batcher = make_batcher(corpus, config, row_multiple=2)
-  reference = (
-    Batcher(corpus, 128, 3, row_multiple=2)
-    if not packing
-    else PackingBatcher(corpus, 128, 3, packing, row_multiple=2)
-  )
-  assert isinstance(batcher, ArrayPackingBatcher if packing else ArrayBatcher)
-  # An old run's packed batches, planned first fit, are today's batches bit for bit.
+  assert batcher.plan == (BestFit(packing) if packing else Bucketed())
+  # An old run's packed batches, planned first fit, are the loop oracle's from that plan.
   old = make_batcher(corpus, config, row_multiple=2, packing_plan='first_fit')
+  assert old.plan == (FirstFit(packing) if packing else Bucketed())
+  reference = LoopBatcher(corpus, 128, 3, old.plan, row_multiple=2)
   for step in (0, 5, 40):
     expected = reference.batch_at(step)
     np.testing.assert_array_equal(old.batch_at(step).tgt_out, expected.tgt_out)

@@ -11,7 +11,7 @@ import pytest
 import sacrebleu
 
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
-from flax_transformer.data.assembly import ArrayBatcher
+from flax_transformer.data.batcher import Batcher
 from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy
@@ -255,7 +255,7 @@ def test_bleu_is_left_out_where_no_reference_has_a_4_gram(references, left_out):
 # fills out-of-range rows with NaN) make that one step's loss NaN, as a corrupt batch would.
 def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_path, monkeypatch):
   corrupt = {2, 4}  # batch indices: steps 3 and 5
-  original = ArrayBatcher.local_batch_at
+  original = Batcher.local_batch_at
 
   def local_batch_at(self, step, index, count):
     batch = original(self, step, index, count)
@@ -265,7 +265,7 @@ def test_skip_nonfinite_goes_on_after_a_bad_batch_and_stops_past_its_bound(tmp_p
       batch = batch.replace(src=src)
     return batch
 
-  monkeypatch.setattr(ArrayBatcher, 'local_batch_at', local_batch_at)
+  monkeypatch.setattr(Batcher, 'local_batch_at', local_batch_at)
   dataset = datasets.DatasetDict(
     {'train': number_translation(num_train=200, num_validation=1, num_test=1)['train']}
   )

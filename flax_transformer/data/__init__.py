@@ -2,14 +2,18 @@
 room of their own, `flax_transformer.tokenizer`; `Tokenizer` is also here, where it was).
 
 Layer 3 (above `config`, `nn` and `tokenizer`). Modules: `corpus` (parallel text through
-Hugging Face `datasets`), `batching` (token-count batches
-in a few fixed shapes, a pure function of the step), `packing` (several pairs
-per row), `toy_task` (number words, English -> German, offline).
+Hugging Face `datasets`), `batching` (`Batch`, the encoded corpus, length buckets), `plans`
+(which pairs share a row: `Bucketed`, `FirstFit`, `BestFit`), `assembly` (a batch from a plan
+entry, with array operations), `batcher` (`Batcher`: token-count batches in a few fixed
+shapes, a pure function of the step), `packing` (what packing asks of the settings),
+`toy_task` (number words, English -> German, offline).
 """
 
-from flax_transformer.data.batching import Batch, Batcher, EncodedCorpus, encode_corpus, shard
+from flax_transformer.data.batcher import Batcher
+from flax_transformer.data.batching import Batch, EncodedCorpus, encode_corpus, shard
 from flax_transformer.data.corpus import DataError, describe, load_parallel
-from flax_transformer.data.packing import PackingBatcher, padding_share
+from flax_transformer.data.packing import padding_share
+from flax_transformer.data.plans import BestFit, Bucketed, FirstFit, row_plan
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.errors import TokenizerError
 from flax_transformer.tokenizer import TextTokenizer, Tokenizer, check_compatible
@@ -17,9 +21,11 @@ from flax_transformer.tokenizer import TextTokenizer, Tokenizer, check_compatibl
 __all__ = [
   'Batch',
   'Batcher',
+  'BestFit',
+  'Bucketed',
   'DataError',
   'EncodedCorpus',
-  'PackingBatcher',
+  'FirstFit',
   'TextTokenizer',
   'Tokenizer',
   'TokenizerError',
@@ -29,5 +35,6 @@ __all__ = [
   'load_parallel',
   'number_translation',
   'padding_share',
+  'row_plan',
   'shard',
 ]

@@ -7,7 +7,7 @@ Two steps, so that tokenisation runs once per run and batching once per epoch:
 
     corpus = encode_corpus(ds['train'], tokenizer, max_len=128)   # drops over-long pairs
     batcher = Batcher(corpus, max_tokens=4096, seed=0, row_multiple=jax.device_count())
-    for batch in batcher.epoch(0): ...                           # or batcher.batch_at(step)
+    for batch in batcher.epoch(0): ...           # data.batcher; or batcher.batch_at(step)
 
 Sequence conventions (y1..yn is the tokenised target, x1..xm the source):
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
 
 import datasets
 import flax
@@ -36,7 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from flax_transformer import signals
-from flax_transformer.config import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, Bounds, check_bounds
+from flax_transformer.config import Bounds, check_bounds
 from flax_transformer.data.corpus import DataError
 from flax_transformer.nn import masks
 from flax_transformer.tokenizer import Tokenizer
@@ -59,7 +58,7 @@ class Batch:
     the all-PAD rows that fill a bucket's last batch. A packed batch's is
     `[B, L]`: entry [b, k - 1] is the index of row b's segment k, -1 past its last.
   src_segments, tgt_segments, src_positions, tgt_positions: None, or for a
-    packed batch (`packing.PackingBatcher`, several pairs per row) `masks.Packing`'s
+    packed batch (`plans.FirstFit`/`BestFit`, several pairs per row) `masks.Packing`'s
     fields: each token's pair 1..k in its row (0 = PAD) and its position within that pair.
   pad_id: the PAD id of the tokenizer that encoded the rows (`EncodedCorpus.pad_id`; a
     Marian tokenizer's is not ours); static, not an array.
@@ -220,164 +219,6 @@ def rows_per_batch(max_tokens: int, length: int, row_multiple: int) -> int:
   """rows(L) of `Batcher`: max_tokens // L rounded down to a multiple of row_multiple, at least one
   multiple."""
   return max(row_multiple, max_tokens // length // row_multiple * row_multiple)
-
-
-class Batcher:
-  """Deterministic, resumable token-budget batches over an `EncodedCorpus`.
-
-  Each pair goes to the smallest length bucket >= its padded length
-  (`EncodedCorpus.lengths`). A bucket of length L has a fixed row count
-
-      rows(L) = max(row_multiple, (max_tokens // L) rounded down to a multiple of row_multiple)
-
-  so every batch of the run is `[rows(L), L]` for one of the buckets, and holds
-  at most `rows(L) * L <= max_tokens` positions per side, padding included
-  (more only when `max_tokens < row_multiple * L`, where one row per device is
-  the least a batch can hold). A bucket's last batch is topped up with all-PAD
-  rows, which carry no loss. `row_multiple` (the number of devices times
-  processes) makes every batch split evenly across devices.
-
-  Epoch e is a pure function of (seed, e): within each bucket the pairs are
-  shuffled and cut into batches, then all batches are shuffled across buckets.
-  `batch_at(step)` indexes the concatenation of epochs 0, 1, 2, ..., so a
-  resumed run needs only its step to continue with identical batches.
-  With `shuffle=False` (evaluation) every epoch is the buckets in order, each
-  in corpus order.
-  """
-
-  def __init__(
-    self,
-    corpus: EncodedCorpus,
-    max_tokens: int,
-    seed: int,
-    length_buckets: Sequence[int] | None = None,
-    row_multiple: int = 1,
-    shuffle: bool = True,
-  ):
-    check_bounds(max_tokens, POSITIVE_INT, 'max_tokens', DataError)
-    check_bounds(row_multiple, POSITIVE_INT, 'row_multiple', DataError)
-    check_bounds(seed, NONNEGATIVE_INT, 'seed', DataError)
-    if not len(corpus):
-      raise DataError(
-        f'the corpus holds no pairs ({corpus.num_dropped:,} were longer than '
-        f'max_len={corpus.max_len}); raise max_len'
-      )
-    buckets = (
-      default_buckets(corpus.max_len)
-      if length_buckets is None
-      else tuple(sorted(set(length_buckets)))
-    )
-    if any(not isinstance(b, (int, np.integer)) or b < 1 for b in buckets):
-      raise DataError(f'length_buckets must be positive integers, got {list(length_buckets)}')
-    if buckets[-1] < corpus.max_len:
-      raise DataError(
-        f'the largest length bucket, {buckets[-1]}, is shorter than the '
-        f'corpus max_len={corpus.max_len}; add a bucket of {corpus.max_len}'
-      )
-    self.corpus = corpus
-    self.max_tokens = int(max_tokens)
-    self.seed = int(seed)
-    self.shuffle = shuffle
-    self.length_buckets = tuple(int(b) for b in buckets)
-    self.rows = tuple(
-      rows_per_batch(max_tokens, length, row_multiple) for length in self.length_buckets
-    )
-    bucket_of = np.searchsorted(self.length_buckets, corpus.lengths)  # smallest bucket >= length
-    self._members = [np.flatnonzero(bucket_of == b) for b in range(len(self.length_buckets))]
-    self.num_batches_per_epoch = sum(
-      math.ceil(len(members) / rows) for members, rows in zip(self._members, self.rows)
-    )
-    self._cached_plan: tuple[int, list[tuple[int, np.ndarray]]] | None = None
-
-  @property
-  def shapes(self) -> tuple[tuple[int, int], ...]:
-    """The `(B, L)` batch shapes this corpus produces: one per non-empty bucket."""
-    return tuple(
-      (rows, length)
-      for rows, length, members in zip(self.rows, self.length_buckets, self._members)
-      if len(members)
-    )
-
-  def epoch(self, epoch_index: int) -> EpochBatches:
-    """The batches of one epoch, built on access; every pair appears exactly once."""
-    return EpochBatches(self, self._plan(epoch_index))
-
-  def batch_at(self, step: int) -> Batch:
-    """The batch of global step `step` (0-based), counting across epochs."""
-    check_bounds(step, NONNEGATIVE, 'step', DataError)
-    epoch_index, index = divmod(step, self.num_batches_per_epoch)
-    return self._build(*self._plan(epoch_index)[index])
-
-  def describe(self) -> str:
-    """One line for logs: batches per epoch, shapes, and how much is padding."""
-    target_tokens = int(np.diff(self.corpus.tgt_offsets).sum())
-    positions = sum(
-      math.ceil(len(members) / rows) * rows * length
-      for members, rows, length in zip(self._members, self.rows, self.length_buckets)
-    )
-    shapes = ' '.join(f'{rows}x{length}' for rows, length in self.shapes)
-    return (
-      f'{len(self.corpus):,} pairs in {self.num_batches_per_epoch:,} batches per epoch '
-      f'of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
-      f'{1 - target_tokens / positions:.1%} of target positions are padding'
-    )
-
-  def _plan(self, epoch_index: int) -> list[tuple[int, np.ndarray]]:
-    """[(bucket, pair indices)] per batch of the epoch; the last epoch's plan is memoised."""
-    check_bounds(epoch_index, NONNEGATIVE, 'epoch_index', DataError)
-    if self._cached_plan is not None and self._cached_plan[0] == epoch_index:
-      return self._cached_plan[1]
-    rng = np.random.default_rng([self.seed, epoch_index])
-    plan = []
-    for bucket, (members, rows) in enumerate(zip(self._members, self.rows)):
-      order = self._fill_rows(
-        bucket, rng.permutation(members) if self.shuffle else members, rng if self.shuffle else None
-      )
-      plan.extend((bucket, order[start : start + rows]) for start in range(0, len(order), rows))
-    if self.shuffle:
-      plan = [plan[i] for i in rng.permutation(len(plan))]
-    self._cached_plan = (epoch_index, plan)
-    return plan
-
-  def _fill_rows(self, bucket: int, pairs: np.ndarray, rng: np.random.Generator | None) -> Sequence:
-    """A bucket's pairs, in order -> its rows: here one pair per row (`packing` packs several).
-
-    rng: the epoch's generator (None without shuffling), for a packer that draws from it.
-    """
-    del bucket, rng
-    return pairs
-
-  def _build(self, bucket: int, pairs: np.ndarray) -> Batch:
-    rows, length = self.rows[bucket], self.length_buckets[bucket]
-    pad = self.corpus.pad_id
-    src = np.full((rows, length), pad, np.int32)
-    tgt_in = np.full((rows, length), pad, np.int32)
-    tgt_out = np.full((rows, length), pad, np.int32)
-    example_ids = np.full((rows,), -1, np.int32)
-    for row, pair in enumerate(pairs):
-      source, target = self.corpus.source(pair), self.corpus.target(pair)
-      src[row, : len(source)] = source
-      tgt_out[row, : len(target)] = target
-      tgt_in[row, 0] = self.corpus.bos_id
-      tgt_in[row, 1 : len(target)] = target[:-1]  # the target without its EOS
-      example_ids[row] = self.corpus.example_ids[pair]
-    return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, example_ids=example_ids, pad_id=pad)
-
-
-class EpochBatches(Sequence):
-  """The batches of one epoch as a lazy sequence: batch i is built when indexed."""
-
-  def __init__(self, batcher: Batcher, plan: list[tuple[int, np.ndarray]]):
-    self._batcher = batcher
-    self._plan = plan
-
-  def __len__(self) -> int:
-    return len(self._plan)
-
-  def __getitem__(self, index: int) -> Batch:
-    if isinstance(index, slice):
-      raise TypeError('index one batch at a time; iterate for all of them')
-    return self._batcher._build(*self._plan[index])
 
 
 def shard(batch: Batch, index: int, count: int) -> Batch:

@@ -15,7 +15,7 @@ datasets are loaded by `datasets` (their own Arrow cache on disk) and encoded in
 cache, keyed by the dataset's fingerprint; an in-memory dataset (the toy task, a `dataset`
 passed to `train`) has no stable fingerprint and is encoded in memory, as before.
 
-Batches are `ArrayBatcher`/`ArrayPackingBatcher`'s: built with array operations, each
+Batches are `batcher.Batcher`'s, a row plan plus the array assembler: each
 process building only its own rows (`local_batch_at`), and, with `Prefetcher`, in a
 background thread while the devices run the previous step. NumPy's gathers and JAX's
 transfers release the GIL, so the thread overlaps the step's dispatch and run.
@@ -28,15 +28,16 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Generic, Literal, TypeVar
+from typing import Generic, TypeVar
 
 import datasets
 
 from flax_transformer.config import DataConfig, TrainConfig
-from flax_transformer.data.assembly import ArrayBatcher, ArrayPackingBatcher
+from flax_transformer.data.batcher import Batcher
 from flax_transformer.data.batching import EncodedCorpus, encode_corpus
 from flax_transformer.data.cache import DatasetPairs, TextPairFiles, load_or_encode
 from flax_transformer.data.corpus import DataError, describe, load_parallel, text_pair_files
+from flax_transformer.data.plans import PackingPlan, row_plan
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.tokenizer import TextTokenizer
 
@@ -177,28 +178,17 @@ def load_training_data(
   )
 
 
-PackingPlan = Literal['best_fit', 'first_fit']
-
-
 def make_batcher(
   corpus: EncodedCorpus,
   config: TrainConfig,
   row_multiple: int,
   packing_plan: PackingPlan = 'best_fit',
-) -> ArrayBatcher | ArrayPackingBatcher:
+) -> Batcher:
   """The training batcher of `config`: bucketed rows, or packed ones (`config.packing`) whose
   rows are planned by `packing_plan` (runs begun before best fit existed resume with
   'first_fit', so their batches stay the same)."""
-  if not config.packing:
-    return ArrayBatcher(corpus, config.max_tokens, config.seed, row_multiple=row_multiple)
-  return ArrayPackingBatcher(
-    corpus,
-    config.max_tokens,
-    config.seed,
-    config.packing,
-    row_multiple=row_multiple,
-    plan=packing_plan,
-  )
+  plan = row_plan(config.packing, packing_plan)
+  return Batcher(corpus, config.max_tokens, config.seed, plan, row_multiple=row_multiple)
 
 
 T = TypeVar('T')

@@ -35,7 +35,7 @@ from flax_transformer.config import (
   check_bounds,
 )
 from flax_transformer.data import preprocessing
-from flax_transformer.data.assembly import ArrayBatcher
+from flax_transformer.data.batcher import Batcher
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus, encode_corpus
 from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import check_settings as check_packing
@@ -307,7 +307,7 @@ def _eval_batches(run: _TrainingRun, split: str) -> list:
   corpus = encode_corpus(run.dataset[split], run.tokenizer, run.model_config.max_len)
   if corpus.num_dropped:
     run.say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the loss')
-  batcher = ArrayBatcher(
+  batcher = Batcher(
     corpus,
     run.train_config.max_tokens,
     run.train_config.seed,

@@ -23,7 +23,8 @@ import numpy as np
 from flax import traverse_util
 
 from flax_transformer.config import ModelConfig, TrainConfig
-from flax_transformer.data.batching import Batcher, encode_corpus
+from flax_transformer.data.batcher import Batcher
+from flax_transformer.data.batching import encode_corpus
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.decode.methods import Greedy
 from flax_transformer.decode.translator import Translator
