@@ -437,16 +437,16 @@ MUTANTS = [
   # --- packing -------------------------------------------------------------------------
   m(
     'packing_positions_do_not_restart',
-    DATA + 'packing.py',
-    "arrays[f'{side}_positions'][row, span] = np.arange(len(ids))",
-    "arrays[f'{side}_positions'][row, span] = np.arange(at, at + len(ids))",
+    DATA + 'assembly.py',
+    "arrays[f'{side}_positions'].ravel()[cell] = position",
+    "arrays[f'{side}_positions'].ravel()[cell] = cell % length",
     'tests/test_packing.py',
   ),
   m(
     'packing_tgt_in_keeps_eos',
-    DATA + 'packing.py',
-    "arrays['tgt_in'][row, tgt_at + 1 : tgt_at + len(target)] = target[:-1]",
-    "arrays['tgt_in'][row, tgt_at : tgt_at + len(target)] = target",
+    DATA + 'assembly.py',
+    "arrays['tgt_in'].ravel()[cell] = _shifted(ids, flat, position, corpus.bos_id)",
+    "arrays['tgt_in'].ravel()[cell] = tokens",
     'tests/test_packing.py',
   ),
   # --- losses and the training step ----------------------------------------------------
