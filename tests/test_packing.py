@@ -11,7 +11,7 @@ from flax import traverse_util
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data.batcher import Batcher
-from flax_transformer.data.batching import Batch, EncodedCorpus, _flatten_with_eos
+from flax_transformer.data.batching import Batch, EncodedCorpus
 from flax_transformer.data.corpus import DataError
 from flax_transformer.data.packing import check_settings, padding_share
 from flax_transformer.data.plans import FirstFit, pack_rows
@@ -19,6 +19,7 @@ from flax_transformer.nn import masks
 from flax_transformer.nn.model import Transformer, attention_weights
 from flax_transformer.train.losses import token_losses
 from support.device_workers import assert_runs_match, run_values, run_worker
+from support.loop_batches import flatten_with_eos
 
 PAD, BOS, EOS = 0, 1, 2
 ROW = 16  # the packed row length
@@ -35,8 +36,8 @@ def random_corpus(num_pairs: int, seed: int = 0) -> EncodedCorpus:
     rng.integers(ROW, MAX_LEN, (num_pairs, 2)),
   )
   sides = [[rng.integers(3, VOCAB, n).tolist() for n in lengths[:, side]] for side in (0, 1)]
-  src_ids, src_offsets = _flatten_with_eos(sides[0])
-  tgt_ids, tgt_offsets = _flatten_with_eos(sides[1])
+  src_ids, src_offsets = flatten_with_eos(sides[0])
+  tgt_ids, tgt_offsets = flatten_with_eos(sides[1])
   return EncodedCorpus(
     src_ids=src_ids,
     src_offsets=src_offsets,
@@ -316,7 +317,8 @@ DEVICE_RUNS = ('shard_map-1', 'shard_map-4', 'pmap-4')
 WORKER = r"""
 import sys
 import numpy as np
-from flax_transformer.data.batching import EncodedCorpus, _flatten_with_eos
+from flax_transformer.data.batching import EncodedCorpus
+from support.loop_batches import flatten_with_eos
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.nn.model import Transformer
 from flax_transformer.data.batcher import Batcher
@@ -326,7 +328,7 @@ from support.device_workers import train_runs
 out, steps, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rng = np.random.default_rng(0)
 sides = [[rng.integers(3, 64, n).tolist() for n in rng.integers(1, 8, 64)] for _ in range(2)]
-(src_ids, src_offsets), (tgt_ids, tgt_offsets) = map(_flatten_with_eos, sides)
+(src_ids, src_offsets), (tgt_ids, tgt_offsets) = map(flatten_with_eos, sides)
 corpus = EncodedCorpus(src_ids=src_ids, src_offsets=src_offsets, tgt_ids=tgt_ids,
                        tgt_offsets=tgt_offsets, example_ids=np.arange(64), max_len=16,
                        num_dropped=0)

@@ -155,51 +155,49 @@ def encode_corpus(dataset: datasets.Dataset, tokenizer: Tokenizer, max_len: int)
       f"encode_corpus needs columns 'source' and 'target', the dataset has {dataset.column_names}"
     )
   check_bounds(max_len, SEQUENCE_LENGTH, 'max_len', DataError, why=' (a token and EOS)')
-  src_rows, tgt_rows, kept = [], [], []
-  chunks = dataset.select_columns(['source', 'target']).iter(batch_size=_ENCODE_CHUNK)
-  for start, chunk in zip(
+  # The encoder the corpus cache uses (`encoding.encoded_blocks`), in this process.
+  from flax_transformer.data.encoding import encoded_blocks
+  from flax_transformer.data.pair_sources import DatasetPairs
+
+  parts: dict[str, list[np.ndarray]] = {name: [] for name in ('src', 'src_len', 'tgt', 'tgt_len')}
+  kept = []
+  blocks = encoded_blocks(
+    DatasetPairs(dataset, content=''), tokenizer, max_len, 1, _ENCODE_CHUNK, len(dataset)
+  )
+  total = math.ceil(len(dataset) / _ENCODE_CHUNK)
+  for first, (_, block) in zip(
     itertools.count(0, _ENCODE_CHUNK),
-    tqdm(
-      chunks,
-      desc='encode',
-      unit='chunk',
-      leave=False,
-      total=math.ceil(len(dataset) / _ENCODE_CHUNK),
-    ),
+    tqdm(blocks, desc='encode', unit='chunk', leave=False, total=total),
   ):
     signals.check()
-    for row, src, tgt in zip(
-      itertools.count(start),
-      tokenizer.encode(chunk['source']),
-      tokenizer.encode_target(chunk['target']),
-    ):
-      if len(src) < max_len and len(tgt) < max_len:
-        src_rows.append(src)
-        tgt_rows.append(tgt)
-        kept.append(row)
-  src_ids, src_offsets = _flatten_with_eos(src_rows, tokenizer.eos_id)
-  tgt_ids, tgt_offsets = _flatten_with_eos(tgt_rows, tokenizer.eos_id)
+    src_ids, src_lengths, tgt_ids, tgt_lengths, kept_rows, _ = block
+    for name, array in zip(parts, (src_ids, src_lengths, tgt_ids, tgt_lengths)):
+      parts[name].append(array)
+    kept.append(first + kept_rows)
+  src_ids, src_offsets = _flat_with_offsets(parts['src'], parts['src_len'])
+  tgt_ids, tgt_offsets = _flat_with_offsets(parts['tgt'], parts['tgt_len'])
+  example_ids = np.concatenate(kept).astype(np.int64) if kept else np.zeros(0, np.int64)
   return EncodedCorpus(
     src_ids=src_ids,
     src_offsets=src_offsets,
     tgt_ids=tgt_ids,
     tgt_offsets=tgt_offsets,
-    example_ids=np.asarray(kept, np.int64),
+    example_ids=example_ids,
     max_len=max_len,
-    num_dropped=len(dataset) - len(kept),
+    num_dropped=len(dataset) - len(example_ids),
     pad_id=tokenizer.pad_id,
     bos_id=tokenizer.bos_id,
   )
 
 
-def _flatten_with_eos(rows: list[list[int]], eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
-  """(int32 ids with EOS after each row, int64 `[len(rows) + 1]` offsets)."""
-  offsets = np.zeros(len(rows) + 1, np.int64)
-  np.cumsum([len(row) + 1 for row in rows], out=offsets[1:])
-  ids = np.fromiter(
-    itertools.chain.from_iterable(row + [eos_id] for row in rows), np.int32, count=offsets[-1]
-  )
-  return ids, offsets
+def _flat_with_offsets(
+  ids: list[np.ndarray], lengths: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+  """(int32 ids, EOS included, int64 `[rows + 1]` offsets) of blocks' ids and row lengths."""
+  lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+  offsets = np.zeros(len(lengths) + 1, np.int64)
+  np.cumsum(lengths, out=offsets[1:])
+  return (np.concatenate(ids) if ids else np.zeros(0, np.int32)).astype(np.int32), offsets
 
 
 def default_buckets(max_len: int) -> tuple[int, ...]:

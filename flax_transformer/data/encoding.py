@@ -5,6 +5,9 @@
       src_ids, src_lengths, tgt_ids, tgt_lengths, kept_rows, clean_rows = block
       ...   # `cache` appends each block to its array files (flat arrays, EOS included)
 
+It is the one encoder of pairs: the corpus cache streams a split's files through it, and
+`batching.encode_corpus` a `datasets.Dataset` (a validation split), in this process.
+
 Encoding runs in one of two ways, chosen by `workers`:
 
   * in this process, one block of lines at a time: `Tokenizer.encode_flat` encodes by

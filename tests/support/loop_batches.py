@@ -5,10 +5,22 @@ oracles: a loop per pair, per token span, written to be read rather than to be f
 tests compare its batches with the assembler's, bit for bit.
 """
 
+import itertools
+
 import numpy as np
 
 from flax_transformer.data.batcher import Batcher
-from flax_transformer.data.batching import Batch, EncodedCorpus, shard
+from flax_transformer.data.batching import EOS_ID, Batch, EncodedCorpus, shard
+
+
+def flatten_with_eos(rows: list[list[int]], eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
+  """(int32 ids with EOS after each row, int64 `[len(rows) + 1]` offsets)."""
+  offsets = np.zeros(len(rows) + 1, np.int64)
+  np.cumsum([len(row) + 1 for row in rows], out=offsets[1:])
+  ids = np.fromiter(
+    itertools.chain.from_iterable(row + [eos_id] for row in rows), np.int32, count=offsets[-1]
+  )
+  return ids, offsets
 
 
 def loop_bucketed(corpus: EncodedCorpus, pairs, rows: int, length: int) -> Batch:
