@@ -1,4 +1,5 @@
-"""What every benchmark here needs: pinned threads, medians, machine facts, JSON.
+"""What every benchmark here needs: pinned threads, medians, machine facts (the library's
+`bench.environment`), JSON.
 
 Nothing in here knows about a model. Numbers are medians of timed calls after
 warm-up calls; when several contenders are compared they are timed in
@@ -8,20 +9,14 @@ elsewhere on the machine hits all of them alike.
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-# The notebooks' and the results' platform fingerprint read /proc/cpuinfo alike (one parser).
-from tests.support.cpuinfo import first_processor
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 ROOT = RESULTS.parent.parent
@@ -114,76 +109,24 @@ def summarize_times(times: list[float]) -> dict:
   }
 
 
-# The instructions that decide CPU matmul speed, float32 (avx2/fma, avx512f) against
-# bfloat16 (avx512_bf16, amx_bf16): on a Zen 2 without the bfloat16 ones, bfloat16 matmuls
-# ran at 0.68x the float32 rate (benchmarks/README.md, bfloat16 on a CPU without them).
-MATMUL_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'amx_tile', 'amx_bf16')
-
-
-def cpu_description(cpuinfo: str) -> dict:
-  """The first processor of a /proc/cpuinfo text: its name, family and model numbers, and
-  which of MATMUL_FLAGS it has (x86; on other CPUs, whichever fields are there)."""
-  fields = first_processor(cpuinfo)
-  flags = set(fields.get('flags', '').split())
-  description = {
-    'name': fields.get('model name', ''),
-    'family': fields.get('cpu family', ''),
-    'model': fields.get('model', ''),
-    'matmul_flags': [flag for flag in MATMUL_FLAGS if flag in flags],
-  }
-  return {key: value for key, value in description.items() if value != ''}
+# Peers' versions too, where installed (read from their metadata, not imported).
+PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'transformers', 'ctranslate2')
 
 
 def machine_info(threads: int) -> dict:
-  """Where and with what a result was measured: CPU, cores, load, versions, flags, date."""
-  cpu = platform.processor() or platform.machine()
-  cpu_details = {}
-  try:
-    with open('/proc/cpuinfo') as f:
-      cpu_details = cpu_description(f.read())
-    cpu = cpu_details.get('name', cpu)
-  except OSError:
-    pass
-  versions = {}
-  for package in (
-    'jax',
-    'jaxlib',
-    'flax',
-    'optax',
-    'numpy',
-    'torch',
-    'transformers',
-    'ctranslate2',
-  ):
-    try:
-      versions[package] = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      pass
-  info = {
-    'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
-    'cpu': cpu,
-    'cpu_details': cpu_details,
-    'cores_available': os.cpu_count(),
-    'threads': threads,
-    'python': platform.python_version(),
-    'versions': versions,
-    'xla_flags': os.environ.get('XLA_FLAGS', ''),
-  }
-  if hasattr(os, 'getloadavg'):
-    info['load_average'] = [round(x, 2) for x in os.getloadavg()]
-  return info
+  """Where and with what a result was measured (`flax_transformer.bench.environment`: CPU,
+  cores, load, versions, flags, date), and the threads it computed on. Imported here, not
+  above, as `interleaved_medians`'s timing is."""
+  from flax_transformer.bench.environment import environment
+
+  return {**environment(PACKAGES, accelerator=False), 'threads': threads}
 
 
 def accelerator_info() -> dict:
-  """JAX's default backend and its first device, e.g. {'platform': 'gpu', 'device': 'NVIDIA H100'}."""
-  import jax
+  """JAX's default backend and its first device (`flax_transformer.bench.environment`)."""
+  from flax_transformer.bench.environment import device_info
 
-  device = jax.devices()[0]
-  return {
-    'platform': device.platform,
-    'device': getattr(device, 'device_kind', str(device)),
-    'device_count': jax.device_count(),
-  }
+  return device_info()
 
 
 def write_json(path: Path, payload: dict) -> Path:

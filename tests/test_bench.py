@@ -5,6 +5,7 @@ No test asserts a speed: timings are only checked to be what the reports compute
 """
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from flax_transformer import bench
 from flax_transformer.bench import command
 from flax_transformer.bench.compiled import Compilation, CompiledMemory
+from flax_transformer.bench.environment import cpu_description
 from flax_transformer.bench.flops import BatchShape, train_flops
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.step import StepReport, TrainingStep, synthetic_batch
@@ -308,6 +310,10 @@ def test_command_writes_the_reports_as_json_and_csv(tmp_path, capsys):
   assert status == 0
   written = json.loads((tmp_path / 'r.json').read_text())
   assert written['command'] == 'step' and len(written['reports']) == 1
+  # Where it was measured: this process's versions and device, not made-up values.
+  assert written['environment']['versions']['jax'] == jax.__version__
+  assert written['environment']['accelerator']['platform'] == jax.devices()[0].platform
+  assert written['environment']['cores_available'] == len(os.sched_getaffinity(0))
   row = written['reports'][0]
   assert {
     'timing',
@@ -370,3 +376,19 @@ def test_peak_measures_the_flops_it_ran():
   assert report.flops == 2 * 64**3 * 2
   assert report.flops_per_s == pytest.approx(report.flops / report.timing.median_s)
   assert report.device == jax.devices()[0].device_kind
+
+
+def test_cpu_description_reads_the_first_processor_and_its_matmul_flags():
+  cpuinfo = (
+    'processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n'
+    'model name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 sha_ni\n'
+    '\nprocessor\t: 1\nmodel name\t: Other CPU\nflags\t\t: fpu amx_bf16\n'
+  )
+  assert cpu_description(cpuinfo) == {
+    'name': 'AMD EPYC 9R14',
+    'family': '25',
+    'model': '17',
+    'matmul_flags': ['avx2', 'fma', 'avx512f', 'avx512_bf16'],
+  }
+  # An ARM cpuinfo has none of these fields: nothing is made up.
+  assert cpu_description('processor\t: 0\nFeatures\t: fp asimd bf16\n') == {'matmul_flags': []}

@@ -470,24 +470,6 @@ def test_flaxmarian_trains_our_parameter_count():
   assert int(done.stdout.split()[-1]) == 44_608 + num_attentions * config.d_model
 
 
-def test_cpu_description_reads_the_first_processor_and_its_matmul_flags():
-  from benchmarks.common import cpu_description
-
-  cpuinfo = (
-    'processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n'
-    'model name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 sha_ni\n'
-    '\nprocessor\t: 1\nmodel name\t: Other CPU\nflags\t\t: fpu amx_bf16\n'
-  )
-  assert cpu_description(cpuinfo) == {
-    'name': 'AMD EPYC 9R14',
-    'family': '25',
-    'model': '17',
-    'matmul_flags': ['avx2', 'fma', 'avx512f', 'avx512_bf16'],
-  }
-  # An ARM cpuinfo has none of these fields: nothing is made up.
-  assert cpu_description('processor\t: 0\nFeatures\t: fp asimd bf16\n') == {'matmul_flags': []}
-
-
 def test_solo_ctranslate2_worker_decodes_our_models_greedy_tokens(tmp_path):
   """The ctranslate2 contender exports the benchmark's model, converts it and decodes: its
   greedy tokens of the forced setting are ours; it trains nothing and has no bfloat16."""

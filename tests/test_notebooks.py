@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 from nbclient import NotebookClient
 
-from support.cpuinfo import first_processor
+from flax_transformer.bench.environment import first_processor
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / 'notebooks'

@@ -7,7 +7,8 @@ settings). Modules: `timing` (medians and percentiles of blocking calls, alterna
 `compiled` (compile seconds, the persistent cache, XLA's memory account), `step`
 (`step_report`), `decoding` (`decode_report`), `comparison` (`compare`: several settings in alternating
 rounds, each compiled once), `writers` (the command's JSON, CSV and plot), `command`
-(`flax-transformer-bench`).
+(`flax-transformer-bench`), `environment` (where a measurement was made: machine, load,
+versions, device).
 
     from flax_transformer import bench
     from flax_transformer.config import ModelConfig, TrainConfig
@@ -35,6 +36,7 @@ _EXPORTS = {
   'DecodeReport': 'decoding',
   'Decoding': 'decoding',
   'decode_report': 'decoding',
+  'environment': 'environment',
   'BatchShape': 'flops',
   'decode_flops': 'flops',
   'train_flops': 'flops',

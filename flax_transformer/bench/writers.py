@@ -5,7 +5,8 @@ tokens/s plotted against batch size (`--plot`, matplotlib).
     plot(reports, 'batch', ['method'], Path('decode.png'), 'base')
 
 A report is any of the bench's reports (`to_dict()`): a JSON file holds
-`{'program', 'command', 'reports': [report.to_dict(), ...]}`; a CSV row is one report's
+`{'program', 'command', 'environment', 'reports': [report.to_dict(), ...]}` (`environment`:
+machine, load, versions, device); a CSV row is one report's
 dict flattened (`flatten`: nested keys joined by '.', lists such as every round's time
 left out).
 """
@@ -17,6 +18,8 @@ import csv
 import json
 from pathlib import Path
 
+from flax_transformer.bench.environment import environment
+
 # The command's name (command.py), recorded in its JSON files.
 PROGRAM = 'flax-transformer-bench'
 
@@ -26,7 +29,16 @@ def write_outputs(reports: list, args: argparse.Namespace) -> None:
   if args.json:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
-      json.dumps({'program': PROGRAM, 'command': args.command, 'reports': rows}, indent=2) + '\n'
+      json.dumps(
+        {
+          'program': PROGRAM,
+          'command': args.command,
+          'environment': environment(),
+          'reports': rows,
+        },
+        indent=2,
+      )
+      + '\n'
     )
     print(f'wrote {args.json}')
   if args.csv:
