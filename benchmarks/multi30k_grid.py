@@ -13,7 +13,10 @@ of its own and is stopped (SIGTERM, its state saved) when the budget runs out, s
 minutes returns what it finished. `--parallel` trains every run at once, then evaluates every
 one at once: a GPU lent for minutes runs these small models far below its capacity, and one at a
 time would leave it waiting on each run's host side and compiling. Results: `--results DIR/<run>.json` (multi30k evaluate's) and
-`<run>.metrics.jsonl` (the curve), and `grid.json`, what ran, how long, and how it ended.
+`<run>.metrics.jsonl` (the curve), `grid.json`, what ran, how long, and how it ended, and
+`seeds.json`: per recipe, every seed's scores of the checkpoint and search chosen on validation,
+and their mean and spread (`python -m benchmarks.multi30k_grid --summarize DIR` rebuilds it from
+a results directory, e.g. after runs made over several leases).
 
 The recipes (docs/multi30k.md says what each measured):
   fairseq-*: the fairseq anchor (preset multi30k_fairseq) as Wu et al. (2021) ran it;
@@ -27,11 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks import common
 from benchmarks.multi30k import DEFAULT_DATA
@@ -72,6 +78,80 @@ EVALUATE = [
   '--alphas',
   '0.6,1.0,1.5',
 ]
+
+
+# What a seed summary reports, per split: `benchmarks.multi30k evaluate`'s scores.
+METRICS = ('bleu_tok', 'bleu_lc', 'bleu', 'chrf')
+
+
+def selected_rows(result: dict) -> dict[str, dict]:
+  """{split: scores} of the weights and search a run's evaluation chose on validation."""
+  chosen = result['selected']
+  return {
+    row['split']: row
+    for row in result['rows']
+    if (row['weights'], row['search']) == (chosen['weights'], chosen['search'])
+  }
+
+
+def seed_summary(results: dict[str, dict]) -> dict[str, dict]:
+  """Per recipe (a run's name less its `-sN` seed): its runs, steps and chosen variants, and per
+  split and metric the seeds' values, mean, standard deviation (n - 1; None for one seed),
+  least and most."""
+  recipes: dict[str, dict] = {}
+  for name, result in sorted(results.items()):
+    recipe = recipes.setdefault(
+      re.sub(r'-s\d+$', '', name), {'runs': [], 'steps': [], 'chosen': []}
+    )
+    recipe['runs'].append(name)
+    recipe['steps'].append(result.get('steps'))
+    recipe['chosen'].append(f'{result["selected"]["weights"]} {result["selected"]["search"]}')
+    for split, row in selected_rows(result).items():
+      for metric in METRICS:
+        recipe.setdefault(split, {}).setdefault(metric, {'values': []})['values'].append(
+          row[metric]
+        )
+  for recipe in recipes.values():
+    for split in ('validation', 'test'):
+      for stats in recipe.get(split, {}).values():
+        values = np.asarray(stats['values'], np.float64)
+        stats.update(
+          mean=float(values.mean()),
+          std=float(values.std(ddof=1)) if len(values) > 1 else None,
+          min=float(values.min()),
+          max=float(values.max()),
+        )
+  return recipes
+
+
+def summary_table(recipes: dict[str, dict], metric: str = 'bleu_tok') -> str:
+  """One line per recipe: seeds, steps, and `metric` on test and validation (mean ± sd)."""
+  lines = [f'{"recipe":>16s} seeds {"steps":>11s} {"test " + metric:>20s} {"validation":>14s}']
+  for name, recipe in recipes.items():
+    cells = []
+    for split in ('test', 'validation'):
+      stats = recipe.get(split, {}).get(metric)
+      spread = '' if stats is None or stats['std'] is None else f' ± {stats["std"]:.2f}'
+      cells.append('n/a' if stats is None else f'{stats["mean"]:.2f}{spread}')
+    steps = '/'.join(str(step) for step in recipe['steps'])
+    lines.append(
+      f'{name:>16s} {len(recipe["runs"]):5d} {steps:>11s} {cells[0]:>20s} {cells[1]:>14s}'
+    )
+  return '\n'.join(lines)
+
+
+def summarize(results_dir: Path) -> dict[str, dict]:
+  """seed_summary of every evaluation in `results_dir`, written to its seeds.json and printed."""
+  results = {}
+  for path in sorted(results_dir.glob('*.json')):
+    if path.name not in ('grid.json', 'seeds.json'):
+      result = json.loads(path.read_text())
+      if 'selected' in result:
+        results[path.stem] = result
+  recipes = seed_summary(results)
+  common.write_json(results_dir / 'seeds.json', recipes)
+  print(summary_table(recipes), flush=True)
+  return recipes
 
 
 def run_stages(
@@ -150,10 +230,21 @@ def main() -> None:
     help='train all the runs at once, then evaluate them all at once (a GPU)',
   )
   parser.add_argument('--list', action='store_true', help='print the recipes and exit')
+  parser.add_argument(
+    '--summarize',
+    type=Path,
+    metavar='DIR',
+    help="a results directory's seeds.json (mean and spread per recipe), and exit",
+  )
   args, extra = parser.parse_known_args()
   if args.list:
     for name, options in RECIPES.items():
       print(f'{name:>20s}: train.py {" ".join(options)}')
+    return
+  if args.summarize is not None:
+    if not args.summarize.is_dir():
+      parser.error(f'{args.summarize}: no results directory there')
+    summarize(args.summarize)
     return
   names = args.runs.split(',')
   unknown = [name for name in names if name not in RECIPES]
@@ -238,6 +329,7 @@ def main() -> None:
     common.write_json(results / 'grid.json', grid)
     print(f'{name}: {json.dumps({k: v.get("ended") for k, v in entry.items()})}', flush=True)
   common.write_json(results / 'grid.json', grid)
+  summarize(results)
 
 
 if __name__ == '__main__':

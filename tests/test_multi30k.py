@@ -296,3 +296,41 @@ def test_the_grid_stops_a_stage_at_its_budget_and_refuses_unknown_recipes(tmp_pa
     sys.argv = sys_argv
   assert exit_status.value.code == 2
   assert "unknown recipe 'no-such-recipe'" in capsys.readouterr().err
+
+
+def _evaluation(test_bleu: float, val_bleu: float, steps: int) -> dict:
+  """A `benchmarks.multi30k evaluate` result: the chosen variant, and a better-scoring one on
+  test that validation did not choose (a summary must not pick by test)."""
+  rows = []
+  for search, shift in (('beam5-a1', 0.0), ('greedy', 5.0)):
+    for split, bleu in (('validation', val_bleu - shift), ('test', test_bleu + shift)):
+      scores = {'bleu_tok': bleu, 'bleu_lc': bleu + 0.1, 'bleu': bleu - 1.0, 'chrf': 2 * bleu}
+      rows.append({'weights': 'average-last10', 'search': search, 'split': split, **scores})
+  selected = {'weights': 'average-last10', 'search': 'beam5-a1', 'by': 'bleu_tok'}
+  return {'steps': steps, 'rows': rows, 'selected': selected}
+
+
+def test_the_grid_summarises_each_recipe_over_its_seeds(tmp_path, capsys):
+  from benchmarks import multi30k_grid
+
+  tests = {'dff512-ende-s1': 39.92, 'dff512-ende-s2': 40.40, 'dff512-ende-s3': 41.13}
+  for index, (name, bleu) in enumerate(tests.items()):
+    (tmp_path / f'{name}.json').write_text(json.dumps(_evaluation(bleu, bleu + 0.3, 5000 + index)))
+  (tmp_path / 'fairseq-deen-s1.json').write_text(json.dumps(_evaluation(39.0, 39.8, 5213)))
+  (tmp_path / 'grid.json').write_text(json.dumps({'runs': {}}))  # what ran: not an evaluation
+  recipes = multi30k_grid.summarize(tmp_path)
+  assert json.loads((tmp_path / 'seeds.json').read_text()) == recipes
+  assert set(recipes) == {'dff512-ende', 'fairseq-deen'}
+  dff512 = recipes['dff512-ende']
+  assert dff512['runs'] == list(tests) and dff512['steps'] == [5000, 5001, 5002]
+  values = np.array(list(tests.values()), np.float64)
+  test = dff512['test']['bleu_tok']
+  assert test['values'] == pytest.approx(values.tolist())  # the chosen search, not greedy's
+  assert test['mean'] == pytest.approx(values.mean(), abs=1e-12)
+  assert test['std'] == pytest.approx(values.std(ddof=1), abs=1e-12)
+  assert (test['min'], test['max']) == (pytest.approx(39.92), pytest.approx(41.13))
+  assert dff512['validation']['chrf']['mean'] == pytest.approx(2 * (values + 0.3).mean())
+  one_seed = recipes['fairseq-deen']['test']['bleu_tok']
+  assert one_seed['mean'] == pytest.approx(39.0) and one_seed['std'] is None
+  table = capsys.readouterr().out
+  assert f'{values.mean():.2f} ± {values.std(ddof=1):.2f}' in table and '39.00' in table
