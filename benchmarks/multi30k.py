@@ -45,13 +45,19 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi3
 RESULTS = Path(__file__).resolve().parent / 'results'
 
 
-def searches(alphas: list[float], beams: list[int] = (4,)) -> dict[str, DecodingMethod]:
-  """Greedy, and each beam size at each length penalty alpha: {'greedy': ..., 'beam4-a0.6': ...}."""
+def searches(
+  alphas: list[float], beams: list[int] = (4,), forms: list[str] = ('gnmt',)
+) -> dict[str, DecodingMethod]:
+  """Greedy, and each beam size at each length penalty alpha of each form: {'greedy': ...,
+  'beam4-a0.6': ... (GNMT's penalty), 'beam5-a1-fairseq': ... (fairseq's, its --lenpen 1)}."""
   return {
     'greedy': Greedy(),
     **{
-      f'beam{beam}-a{alpha:g}': BeamSearch(beam_size=beam, alpha=alpha)
+      f'beam{beam}-a{alpha:g}' + ('' if form == 'gnmt' else f'-{form}'): BeamSearch(
+        beam_size=beam, alpha=alpha, penalty_form=form
+      )
       for beam in beams
+      for form in forms
       for alpha in alphas
     },
   }
@@ -148,7 +154,9 @@ def evaluate(args) -> dict:
     for name in ('validation', 'test')
   }
   cmlm = config.get('model', {}).get('kind') == 'cmlm'
-  variants = mask_predict_searches() if cmlm else searches(args.alphas, args.beams)
+  variants = (
+    mask_predict_searches() if cmlm else searches(args.alphas, args.beams, args.penalty_forms)
+  )
   # A lowercased run is chosen by tokenized BLEU (its cased BLEU only counts its case errors).
   select = args.select or ('bleu_tok' if data_config.get('lowercase') else 'bleu')
   rows = []
@@ -435,6 +443,13 @@ def main() -> None:
     '--beams', type=comma_separated(int), default=[4], help='beam sizes to score, e.g. 4,5'
   )
   scores.add_argument(
+    '--penalty-forms',
+    type=comma_separated(str),
+    default=['gnmt'],
+    help="length penalties to score with each alpha: gnmt, fairseq (|Y|^alpha, fairseq's "
+    '--lenpen), or both, e.g. gnmt,fairseq',
+  )
+  scores.add_argument(
     '--best',
     action=argparse.BooleanOptionalAction,
     default=True,
@@ -473,6 +488,9 @@ def main() -> None:
   side_by_side.add_argument('--data', default=str(DEFAULT_DATA), help='the Multi30k directory')
   side_by_side.add_argument('--output', help='JSON file (default: print only)')
   args = parser.parse_args()
+  forms = getattr(args, 'penalty_forms', [])
+  if not set(forms) <= {'gnmt', 'fairseq'}:
+    scores.error(f'--penalty-forms: gnmt or fairseq, got {",".join(forms)}')
   {'evaluate': evaluate, 'plot': plot, 'compare': compare}[args.command](args)
 
 

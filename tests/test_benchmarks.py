@@ -161,6 +161,9 @@ def test_every_multi30k_variant_decodes_the_model_kind_it_is_for():
     iterations=10, length_beam=1, length='fixed'
   )
   assert variants['beam4-a1.5'] == BeamSearch(beam_size=4, alpha=1.5)
+  both = searches([1.0], [5], ['gnmt', 'fairseq'])
+  assert set(both) == {'greedy', 'beam5-a1', 'beam5-a1-fairseq'}
+  assert both['beam5-a1-fairseq'] == BeamSearch(beam_size=5, alpha=1.0, penalty_form='fairseq')
   for method in cmlm_variants.values():
     method.check_model(ModelConfig.tiny(kind='cmlm'))
   for method in variants.values():

@@ -346,8 +346,13 @@ def hand_table():
   return table
 
 
-def all_hypotheses(table, limit, alpha, min_len=0):
-  """Exhaustive search: every hypothesis as (score, tokens), best first."""
+PENALTIES = {'gnmt': gnmt_penalty, 'fairseq': lambda length, alpha: float(length) ** alpha}
+
+
+def all_hypotheses(table, limit, alpha, min_len=0, form='gnmt'):
+  """Exhaustive search: every hypothesis as (score, tokens), best first; a score is the log
+  probability over the length penalty of `form`."""
+  penalty = PENALTIES[form]
   found = []
 
   def extend(prefix, previous, current, logprob):
@@ -355,7 +360,7 @@ def all_hypotheses(table, limit, alpha, min_len=0):
     for token in np.flatnonzero(np.isfinite(logprobs)):
       sequence, total = prefix + [int(token)], logprob + logprobs[token]
       if token == EOS or len(sequence) == limit:
-        found.append((total / gnmt_penalty(len(sequence), alpha), sequence))
+        found.append((total / penalty(len(sequence), alpha), sequence))
       else:
         extend(sequence, current, int(token), total)
 
@@ -376,17 +381,24 @@ def test_beam_search_finds_the_sequence_greedy_misses():
   assert best_score > np.log(0.5 * 0.4 * 0.5) + 0.5  # greedy's sequence: clearly worse
 
 
-@pytest.mark.parametrize('alpha', [0.0, 0.6, 2.0])
-@pytest.mark.parametrize('min_len', [0, 2])
-def test_wide_beam_search_equals_exhaustive_search(alpha, min_len):
+@pytest.mark.parametrize(
+  'alpha, min_len, form',
+  [
+    *((alpha, min_len, 'gnmt') for alpha in (0.0, 0.6, 2.0) for min_len in (0, 2)),
+    (1.0, 0, 'fairseq'),  # fairseq's --lenpen 1: log-probability per token
+    (2.0, 2, 'fairseq'),
+  ],
+)
+def test_wide_beam_search_equals_exhaustive_search(alpha, min_len, form):
   # Tokens a, b, c and EOS: after 3 steps there are 27 live prefixes, so a beam of
   # 27 is exact and every score, penalty and cache reorder can be checked.
   tables = np.random.default_rng(1).normal(scale=2.0, size=(3, 6, 6, 6))
   limits = [4, 3, 0]  # the last row is batch padding
   loop = LoopConfig(max_len=4, min_len=min_len)
-  state = run_beam(tables, limits, loop, BeamSearch(beam_size=27, alpha=alpha), n_best=5)
+  beam = BeamSearch(beam_size=27, alpha=alpha, penalty_form=form)
+  state = run_beam(tables, limits, loop, beam, n_best=5)
   for row, limit in enumerate(limits[:2]):
-    best = all_hypotheses(tables[row], limit, alpha, min_len)[:5]
+    best = all_hypotheses(tables[row], limit, alpha, min_len, form)[:5]
     np.testing.assert_allclose(state.finished_scores[row], [s for s, _ in best], rtol=1e-5)
     np.testing.assert_array_equal(
       state.finished_tokens[row, :, :4], [tokens + [PAD] * (4 - len(tokens)) for _, tokens in best]
@@ -417,6 +429,38 @@ def test_length_penalty_is_the_gnmt_formula():
       autoregressive.length_penalty(lengths, alpha), ((5.0 + lengths) / 6.0) ** alpha, rtol=1e-6
     )
   assert float(autoregressive.length_penalty(1, 0.6)) == 1.0
+
+
+def test_fairseq_length_penalty_is_the_length_to_the_alpha():
+  lengths = np.arange(1, 300)
+  for alpha in (0.0, 0.6, 1.0):
+    np.testing.assert_allclose(
+      autoregressive.length_penalty(lengths, alpha, 'fairseq'),
+      lengths.astype(np.float64) ** alpha,
+      rtol=1e-6,
+    )
+  with pytest.raises(ValueError, match="'gnmt' or 'fairseq', got 'marian'"):
+    autoregressive.length_penalty(lengths, 1.0, 'marian')
+  assert BeamSearch(beam_size=5, alpha=1.0, penalty_form='fairseq').describe() == (
+    'beam search (beam 5, alpha 1.0, fairseq length penalty)'
+  )
+
+
+def test_the_penalty_form_decides_between_short_and_long():
+  # alpha 2: fairseq's lp n^2 favours length more than GNMT's ((5 + n) / 6)^2 at these lengths:
+  # on the hand table the one keeps 'b EOS' (0.36), the other a 6-token hypothesis, each as
+  # its exhaustive search does.
+  loop = LoopConfig(max_len=6)
+  winners = {}
+  for form in ('gnmt', 'fairseq'):
+    beam = BeamSearch(beam_size=4, alpha=2.0, penalty_form=form)
+    state = run_beam(hand_table(), [6], loop, beam, n_best=4)
+    best_score, best = all_hypotheses(hand_table()[0], 6, 2.0, form=form)[0]
+    length = hypothesis_length(np.asarray(state.finished_tokens[0, 0]), 6)
+    assert list(np.asarray(state.finished_tokens[0, 0, :length])) == best
+    np.testing.assert_allclose(state.finished_scores[0, 0], best_score, rtol=1e-6)
+    winners[form] = best
+  assert winners == {'gnmt': [B, EOS], 'fairseq': [A, C, C, C, C, EOS]}
 
 
 def test_length_penalty_decides_between_short_and_long():

@@ -320,8 +320,15 @@ MUTANTS = [
   m(
     'length_penalty_base_off',
     DEC + 'search.py',
-    'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
-    'return ((6.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
+    'return ((5.0 + length) / 6.0) ** alpha',
+    'return ((6.0 + length) / 6.0) ** alpha',
+    'tests/test_decoding.py',
+  ),
+  m(
+    'fairseq_penalty_counts_bos',
+    DEC + 'search.py',
+    'return length**alpha',
+    'return (length + 1.0) ** alpha',
     'tests/test_decoding.py',
   ),
   m(

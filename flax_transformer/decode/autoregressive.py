@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +118,8 @@ _MAX_LEN_HELP = (
 
 @dataclasses.dataclass(frozen=True)
 class BeamSearch(DecodingMethod):
-  """Beam search with the GNMT length penalty ((5 + |Y|) / 6)^alpha (paper: beam 4, alpha 0.6)."""
+  """Beam search ranking log P(Y | X) / lp(Y): GNMT's lp ((5 + |Y|) / 6)^alpha (paper: beam 4,
+  alpha 0.6), or fairseq's |Y|^alpha (`penalty_form='fairseq'`; its `--lenpen 1` is alpha 1)."""
 
   name: ClassVar[str] = 'beam'
   beam_size: int = setting(4, 'beams K kept per sentence', bounds=POSITIVE_INT)
@@ -126,8 +127,12 @@ class BeamSearch(DecodingMethod):
   # longest length, which holds only when the penalty grows with length.
   alpha: float = setting(
     0.6,
-    'length penalty ((5 + |Y|) / 6)^alpha; 0 ranks by plain log-probability',
+    "the length penalty's exponent (its form: penalty_form); 0 ranks by plain log-probability",
     bounds=NONNEGATIVE,
+  )
+  penalty_form: Literal['gnmt', 'fairseq'] = setting(
+    'gnmt',
+    "the length penalty: GNMT's ((5 + |Y|) / 6)^alpha, or fairseq's |Y|^alpha (its --lenpen)",
   )
   max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
 
@@ -142,7 +147,8 @@ class BeamSearch(DecodingMethod):
     return np.asarray(tokens)
 
   def describe(self) -> str:
-    return f'beam search (beam {self.beam_size}, alpha {self.alpha})'
+    form = '' if self.penalty_form == 'gnmt' else f', {self.penalty_form} length penalty'
+    return f'beam search (beam {self.beam_size}, alpha {self.alpha}{form})'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,13 +271,14 @@ def beam_search(
   steps_per_check: int = DEFAULT_STEPS_PER_CHECK,
   **settings,
 ) -> tuple[jax.Array, jax.Array]:
-  """Beam search with the GNMT length penalty (see `beam_loop`): `settings` are
-  `BeamSearch`'s fields (beam_size, alpha, max_len), its defaults the paper's beam 4, alpha 0.6.
+  """Beam search with a length penalty (see `beam_loop`): `settings` are `BeamSearch`'s fields
+  (beam_size, alpha, penalty_form, max_len), its defaults the paper's beam 4, alpha 0.6, GNMT's
+  penalty.
 
   Returns:
     n_best == 1: tokens `[B, L]` and scores `[B]`; n_best (<= beam_size) > 1: tokens
     `[B, n_best, L]` and scores `[B, n_best]`, best first. A score is
-    log P(Y | X) / length_penalty(|Y|, alpha), |Y| counting EOS; batch-padding
+    log P(Y | X) / length_penalty(|Y|, alpha, penalty_form), |Y| counting EOS; batch-padding
     rows (all-PAD source) score -inf. With beam_size=1 and alpha=0 the result is
     greedy's, except where an EOS that greedy passed over scores higher than
     greedy's whole sequence: then it is that shorter, more probable hypothesis.

@@ -94,10 +94,12 @@ class LoopConfig:
 # What the loops read of the methods: `autoregressive.py` defines them, and imports this
 # module, so they are named here by what they have.
 class BeamSettings(Protocol):
-  """`BeamSearch`'s settings that `beam_loop` reads: beams K per sentence, length penalty alpha."""
+  """`BeamSearch`'s settings that `beam_loop` reads: beams K per sentence, the length penalty's
+  exponent alpha and its form ('gnmt' or 'fairseq', `length_penalty`)."""
 
   beam_size: int
   alpha: float
+  penalty_form: str
 
 
 class SamplingSettings(Protocol):
@@ -108,13 +110,22 @@ class SamplingSettings(Protocol):
   top_p: float
 
 
-def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
-  """GNMT length penalty lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016, eq. 14).
+def length_penalty(length: jax.Array | int, alpha: float, form: str = 'gnmt') -> jax.Array:
+  """The length penalty lp(Y) a hypothesis's log P(Y | X) is divided by; |Y| counts its EOS
+  when it has one. `form`:
 
-  A hypothesis scores log P(Y | X) / lp(Y); |Y| counts its EOS when it has one.
+    'gnmt'     ((5 + |Y|) / 6)^alpha (Wu et al., 2016, eq. 14; the paper's alpha 0.6)
+    'fairseq'  |Y|^alpha: fairseq's --lenpen (1 ranks by log-probability per token), as
+               transformers' and CTranslate2's beam searches divide too
+
   lp(1) = 1 for every alpha, and lp grows with |Y| when alpha > 0.
   """
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+  length = jnp.asarray(length, jnp.float32)
+  if form == 'gnmt':
+    return ((5.0 + length) / 6.0) ** alpha
+  if form == 'fairseq':
+    return length**alpha
+  raise ValueError(f"length penalty form must be 'gnmt' or 'fairseq', got {form!r}")
 
 
 # --- the loop on a step function ----------------------------------------------
@@ -228,7 +239,7 @@ def beam_loop(
       leaves, the K beams of a sentence adjacent (see `reorder_beams`).
     limits: int32 `[B]` per-sentence length limits (0: batch padding).
     config: loop settings.
-    beam: the beam settings (beam_size K, alpha).
+    beam: the beam settings (beam_size K, alpha, penalty_form).
     n_best: finished hypotheses kept per sentence, in [1, K].
 
   Returns:
@@ -276,7 +287,7 @@ def beam_loop(
     live_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, -jnp.inf, cand_logprobs), beam_size)
     live_tokens = jnp.take_along_axis(cand_tokens, keep[:, :, None], axis=1)
     cache = reorder_beams(cache, jnp.take_along_axis(cand_parent, keep, axis=1))  # [B, K]
-    best_possible = live_logprobs[:, 0] / length_penalty(limits, beam.alpha)
+    best_possible = live_logprobs[:, 0] / length_penalty(limits, beam.alpha, beam.penalty_form)
     done = state.done | (position + 1 >= limits) | (finished_scores[:, -1] >= best_possible)
     return BeamState(
       position + 1, live_tokens, live_logprobs, finished_tokens, finished_scores, done, cache
@@ -322,7 +333,7 @@ def _keep_finished(
   n = state.finished_scores.shape[1]
   cand_scores = jnp.where(
     ends & ~state.done[:, None],
-    cand_logprobs / length_penalty(state.position + 1, beam.alpha),
+    cand_logprobs / length_penalty(state.position + 1, beam.alpha, beam.penalty_form),
     -jnp.inf,
   )
   finished_scores, best = jax.lax.top_k(

@@ -348,7 +348,8 @@ Beam search does not carry over exactly: decode.py
 (`--method beam --beam-size 4 --alpha 0.6`, the paper's) divides a hypothesis's
 log-probability by GNMT's ((5 + length) / 6) ** alpha; transformers' `num_beams=4,
 length_penalty=0.6` and CTranslate2's `beam_size=4, length_penalty=0.6` divide it
-by length ** 0.6, so long and short hypotheses are weighed a little differently.
+by length ** 0.6, so long and short hypotheses are weighed a little differently;
+decode.py's `--penalty-form fairseq` divides by length ** alpha as they do.
 {_epsilon_note(config)}
 """
 
