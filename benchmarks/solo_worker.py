@@ -79,6 +79,8 @@ def missing_packages(contender: str) -> list[str]:
 
 
 def hello(contender: str) -> dict:
+  # The versions as `flax_transformer.bench.environment` reads them, which a peer's python
+  # (module docstring) cannot import.
   versions = {}
   for package in PACKAGES:
     try:
