@@ -223,6 +223,30 @@ def _encode(
   return memory, lengths.reshape(-1)
 
 
+def _canvas_predictor(model, variables, cross_kv, src_mask, candidate_src, config: ModelConfig):
+  """`predict(tokens)`: canvas `[R, W]` -> the most likely token at every position and its
+  log-probability, the decoder reading the candidates' encoder keys and values."""
+  never_target = autoregressive.never_output(config.vocab_size, config.pad_id, config.bos_id)  # [V]
+
+  def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logits = model.apply(
+      variables,
+      tokens,
+      cross_kv,
+      src_mask,
+      src=candidate_src,
+      method=CMLMTransformer.decode_parallel_from_kv,
+    )  # [R, W, V]
+    # PAD and BOS are never targets; forbid them as greedy decoding does.
+    logits = jnp.where(never_target, -jnp.inf, logits)
+    # The best token's log-probability is its logit minus the logsumexp: two reductions
+    # over the vocabulary, where log_softmax would write a second [R, W, V] array.
+    best_log_prob = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+    return autoregressive.argmax_pick(logits, 0), best_log_prob
+
+  return predict
+
+
 @functools.partial(jax.jit, static_argnames=('config', 'settings', 'width'))
 def _refine(
   config: ModelConfig,
@@ -242,24 +266,7 @@ def _refine(
 
   position = jnp.arange(width)
   in_row = position < lengths[:, None]  # [R, W]
-  never_target = autoregressive.never_output(config.vocab_size, config.pad_id, config.bos_id)  # [V]
-
-  def predict(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Canvas `[R, W]` -> the most likely token at every position and its log-probability."""
-    logits = model.apply(
-      variables,
-      tokens,
-      cross_kv,
-      src_mask,
-      src=candidate_src,
-      method=CMLMTransformer.decode_parallel_from_kv,
-    )  # [R, W, V]
-    # PAD and BOS are never targets; forbid them as greedy decoding does.
-    logits = jnp.where(never_target, -jnp.inf, logits)
-    # The best token's log-probability is its logit minus the logsumexp: two reductions
-    # over the vocabulary, where log_softmax would write a second [R, W, V] array.
-    best_log_prob = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
-    return autoregressive.argmax_pick(logits, 0), best_log_prob
+  predict = _canvas_predictor(model, variables, cross_kv, src_mask, candidate_src, config)
 
   def update(canvas: Canvas, remask: jax.Array) -> Canvas:
     """Predicts the `remask` positions `[R, W]` again; the others keep their tokens and scores."""
