@@ -37,6 +37,8 @@ from tqdm.auto import tqdm
 from flax_transformer import signals
 from flax_transformer.config import Bounds, check_bounds
 from flax_transformer.data.corpus import DataError
+from flax_transformer.data.encoding import encoded_blocks
+from flax_transformer.data.pair_sources import DatasetPairs
 from flax_transformer.nn import masks
 from flax_transformer.tokenizer import Tokenizer
 
@@ -155,10 +157,7 @@ def encode_corpus(dataset: datasets.Dataset, tokenizer: Tokenizer, max_len: int)
       f"encode_corpus needs columns 'source' and 'target', the dataset has {dataset.column_names}"
     )
   check_bounds(max_len, SEQUENCE_LENGTH, 'max_len', DataError, why=' (a token and EOS)')
-  # The encoder the corpus cache uses (`encoding.encoded_blocks`), in this process.
-  from flax_transformer.data.encoding import encoded_blocks
-  from flax_transformer.data.pair_sources import DatasetPairs
-
+  # The encoder the corpus cache uses, in this process.
   parts: dict[str, list[np.ndarray]] = {name: [] for name in ('src', 'src_len', 'tgt', 'tgt_len')}
   kept = []
   blocks = encoded_blocks(
