@@ -170,7 +170,10 @@ def test_every_multi30k_variant_decodes_the_model_kind_it_is_for():
     method.check_model(ModelConfig.tiny())
 
 
-@pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')
+@pytest.mark.skipif(
+  importlib.util.find_spec('torch') is None,
+  reason="torch is not installed: pip install -e '.[bench]'",
+)
 @pytest.mark.parametrize('peer', ['torch', 'marian'])
 def test_peer_has_our_parameter_count(peer):
   from benchmarks import peers
@@ -190,7 +193,10 @@ def test_peer_has_our_parameter_count(peer):
   assert peers.trainable_params(peers.build_model(peer, config)) == ours + key_biases
 
 
-@pytest.mark.skipif(importlib.util.find_spec('torch') is None, reason='torch is not installed')
+@pytest.mark.skipif(
+  importlib.util.find_spec('torch') is None,
+  reason="torch is not installed: pip install -e '.[bench]'",
+)
 def test_peer_step_starts_at_the_uniform_loss_and_learns():
   """Label-smoothed loss of a fresh model is near log V; a few steps on one batch lower it."""
   from benchmarks import peers

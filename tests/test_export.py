@@ -595,7 +595,9 @@ def test_a_run_fine_tuned_from_an_opus_mt_model_exports_with_its_sentencepiece_f
   CTranslate2, give our greedy strings."""
   torch, transformers = _transformers()
   pytest.importorskip('sentencepiece', reason='needs sentencepiece: pip install -e .[pretrained]')
-  ctranslate2 = pytest.importorskip('ctranslate2', reason='needs ctranslate2')
+  ctranslate2 = pytest.importorskip(
+    'ctranslate2', reason="needs ctranslate2: pip install -e '.[pretrained-test]'"
+  )
   from support.marian_directory import SAMPLE_TEXT, make_marian_directory
 
   marian = make_marian_directory(tmp_path / 'opus-mt')
