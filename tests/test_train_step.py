@@ -18,9 +18,11 @@ from flax_transformer.train import (
   DataParallel,
   TrainState,
   create_train_state,
+  ending_schedule,
   label_smoothed_cross_entropy,
   make_optimizer,
   make_parallel_step,
+  make_schedule,
   token_metrics,
   transformer_schedule,
 )
@@ -74,6 +76,57 @@ def test_schedule_is_jittable_and_rejects_zero_warmup():
   np.testing.assert_allclose(jax.jit(schedule)(jnp.int32(4)), float(schedule(4)), rtol=1e-7)
   with pytest.raises(ValueError, match='warmup_steps must be positive'):
     transformer_schedule(64, 0)
+
+
+# Hand-computed: peak 0.01, warm-up 4 updates, 12 updates in all. n = count + 1.
+# linear: 0.01 * (12 - n) / 8 after the warm-up; wsd, cooldown 0.5: held to n = 6, then
+# 0.01 * (1 - sqrt((n - 6) / 6)), e.g. n = 7.5: 1 - sqrt(1/4) = 0.5.
+HAND_SCHEDULES = {
+  'linear': {0: 0.0025, 3: 0.01, 4: 0.01 * 7 / 8, 7: 0.005, 10: 0.01 / 8, 11: 0.0, 20: 0.0},
+  'wsd': {0: 0.0025, 3: 0.01, 5: 0.01, 6: 0.01 * (1 - 6**-0.5), 8: 0.01 * (1 - 0.5**0.5), 11: 0.0},
+}
+
+
+@pytest.mark.parametrize('shape', sorted(HAND_SCHEDULES))
+def test_ending_schedules_equal_hand_computed_values(shape):
+  schedule = ending_schedule(0.01, 4, 12, shape, cooldown_fraction=0.5)
+  for count, want in HAND_SCHEDULES[shape].items():
+    np.testing.assert_allclose(float(schedule(count)), want, rtol=1e-6, atol=1e-9, err_msg=count)
+  # Through the settings: the same function, the peak from peak_lr, the end from train.steps.
+  config = TrainConfig(
+    steps=12, warmup_steps=4, peak_lr=0.01, schedule=shape, cooldown_fraction=0.5
+  )
+  from_settings = make_schedule(config, CONFIG)
+  np.testing.assert_allclose(
+    [float(from_settings(c)) for c in range(14)], [float(schedule(c)) for c in range(14)], rtol=1e-7
+  )
+
+
+def test_an_ending_schedule_counts_updates_not_steps_and_wsd_cooldown_shape():
+  # 24 steps of 2 accumulated batches are 12 updates: the same schedule as above.
+  config = TrainConfig(
+    steps=24, grad_accum_steps=2, warmup_steps=4, peak_lr=0.01, schedule='linear'
+  )
+  np.testing.assert_allclose(float(make_schedule(config, CONFIG)(7)), 0.005, rtol=1e-6)
+  # The wsd cooldown falls fast at first: its first half removes 1 - sqrt(1/2) = 71% of the peak.
+  schedule = ending_schedule(1.0, 10, 1000, 'wsd', cooldown_fraction=0.2)
+  np.testing.assert_allclose(float(schedule(899)), 1 - 0.5**0.5, rtol=1e-5)
+  assert float(schedule(799)) == pytest.approx(1.0)
+  assert float(schedule(800)) < 1.0
+
+
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
+    ({'schedule': 'cosine'}, 'train.schedule must be one of inverse_sqrt, linear, wsd'),
+    ({'schedule': 'wsd', 'cooldown_fraction': 0.0}, r'train.cooldown_fraction must be in \(0, 1\]'),
+    ({'schedule': 'wsd', 'cooldown_fraction': 1.5}, r'train.cooldown_fraction must be in \(0, 1\]'),
+    ({'schedule': 'linear', 'steps': 100, 'warmup_steps': 100}, 'leaves no update after'),
+  ],
+)
+def test_schedule_settings_are_refused_out_of_range(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    TrainConfig(**overrides)
 
 
 # --- loss ----------------------------------------------------------------------

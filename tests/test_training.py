@@ -112,6 +112,33 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(resumed_and_uninterrup
   assert all(moved)
 
 
+def test_a_resume_inside_the_wsd_cooldown_equals_the_uninterrupted_run(
+  resumed_and_uninterrupted, tmp_path
+):
+  """A schedule that ends is a function of train.steps: resumed from step 4, where its
+  cooldown began, the run follows the same rates to the same state as the run that was never
+  stopped; a resume that asks for another train.steps is refused."""
+  import shutil
+
+  data = resumed_and_uninterrupted['data']
+  wsd = TRAIN.replace(schedule='wsd', cooldown_fraction=0.5, lr_scale=1.0, peak_lr=0.01)
+  quiet = lambda message: None
+  full = train(MODEL, wsd, data, tmp_path / 'straight', print_fn=quiet)
+  shutil.copytree(tmp_path / 'straight', tmp_path / 'resumed')
+  shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '8')
+  assert saved_steps(tmp_path / 'resumed') == [4]
+  resumed = train(MODEL, wsd, data, tmp_path / 'resumed', print_fn=quiet)
+  assert int(resumed.state.step) == 8
+  assert_trees_equal(resumed.state, full.state)
+  rates = [line['learning_rate'] for line in read_metrics(tmp_path / 'resumed') if 'loss' in line]
+  # Logged every 2 steps: the rate of updates 2, 4, 6 and 8 (counts 1, 3, 5, 7) on wsd's curve.
+  np.testing.assert_allclose(rates, [0.005, 0.01, 0.01 * (1 - 0.5**0.5), 0.0], rtol=1e-5, atol=1e-9)
+  with pytest.raises(
+    CheckpointError, match=r'train.steps: saved 8, requested 12 \(train.schedule=wsd'
+  ):
+    train(MODEL, wsd.replace(steps=12), data, tmp_path / 'resumed', print_fn=quiet)
+
+
 def test_resumed_metrics_log_reads_as_one_run(resumed_and_uninterrupted):
   runs = resumed_and_uninterrupted
   straight, stopped = metrics_lines(runs['straight']), metrics_lines(runs['stopped'])

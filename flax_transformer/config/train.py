@@ -21,6 +21,7 @@ from flax_transformer.config.settings import (
   POSITIVE_INT,
   SEED,
   UNIT_INTERVAL,
+  Bounds,
   check_fields,
   setting,
 )
@@ -76,6 +77,21 @@ class TrainConfig:
     "scaled to this peak; none: the paper's peak, "
     '(d_model * warmup_steps)^-0.5 * lr_scale',
     bounds=POSITIVE,
+    lifetime=OPTIMIZER,
+  )
+  schedule: Literal['inverse_sqrt', 'linear', 'wsd'] = setting(
+    'inverse_sqrt',
+    "the learning rate after warmup_steps: inverse_sqrt, the paper's (and fairseq's) decay as "
+    'the inverse square root of the update, which never ends; linear, a straight line to zero '
+    'at the last update (train.steps); wsd, warmup-stable-decay: the peak held, then a '
+    'cooldown to zero over the last train.cooldown_fraction of the updates, shaped 1 - sqrt',
+    lifetime=OPTIMIZER,
+  )
+  cooldown_fraction: float = setting(
+    0.2,
+    'train.schedule=wsd: the share of the updates, at the end, over which the rate falls '
+    'from its peak to zero',
+    bounds=Bounds(low=0, high=1, low_open=True),
     lifetime=OPTIMIZER,
   )
   adam_b1: float = setting(0.9, 'Adam beta1', bounds=UNIT_INTERVAL, lifetime=OPTIMIZER)
@@ -225,10 +241,22 @@ class TrainConfig:
         f'train.peak_lr={self.peak_lr} sets the peak itself; train.lr_scale='
         f"{self.lr_scale} scales the paper's peak: set one of them"
       )
+    if self.schedule != 'inverse_sqrt' and self.warmup_steps >= self.total_updates:
+      raise ConfigError(
+        f'train.schedule={self.schedule} ends at the last update ({self.total_updates} '
+        f'updates: train.steps={self.steps}, train.grad_accum_steps={self.grad_accum_steps}); '
+        f'train.warmup_steps={self.warmup_steps} leaves no update after the warm-up'
+      )
     if self.best_metric == 'bleu' and not self.bleu_every:
       raise ConfigError(
         'train.best_metric=bleu needs validation BLEU during training: set train.bleu_every'
       )
+
+  @property
+  def total_updates(self) -> int:
+    """The optimizer updates in train.steps: where a schedule that ends (linear, wsd) reaches
+    zero."""
+    return max(1, self.steps // self.grad_accum_steps)
 
   @property
   def profile_steps(self) -> tuple[int, int] | None:

@@ -144,6 +144,14 @@ def check_resumable(
     for name in fields_where(cls, lambda lifetime: not lifetime.resumable)
     if getattr(saved[section], name) != getattr(requested[section], name)
   ]
+  # A schedule that ends is a function of train.steps: a resume that moves the last step
+  # would bend the learning rate it has already followed.
+  saved_train, train = saved['train'], requested['train']
+  if saved_train.schedule != 'inverse_sqrt' and saved_train.steps != train.steps:
+    differences.append(
+      f'train.steps: saved {saved_train.steps}, requested {train.steps} (train.schedule='
+      f'{saved_train.schedule} reaches zero at the last step, so the run keeps its steps)'
+    )
   if differences:
     raise CheckpointError(
       f'{Path(workdir) / CONFIG_FILE} was written with other settings than this run asks for: '

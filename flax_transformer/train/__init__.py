@@ -24,6 +24,7 @@ _EXPORTS = {
   'make_optimizer': 'optimizer',
   'make_schedule': 'optimizer',
   'transformer_schedule': 'optimizer',
+  'ending_schedule': 'optimizer',
   'DataParallel': 'parallel',
   'TrainState': 'step',
   'create_train_state': 'step',

@@ -1,4 +1,5 @@
-"""The paper's optimizer: Adam (0.9, 0.98, 1e-9) on the warm-up schedule of §5.3."""
+"""The paper's optimizer: Adam (0.9, 0.98, 1e-9) on the warm-up schedule of §5.3, or on a
+schedule that ends at the last update (`train.schedule`: linear, wsd)."""
 
 from __future__ import annotations
 
@@ -29,17 +30,63 @@ def transformer_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) ->
   return schedule
 
 
+def ending_schedule(
+  peak: float, warmup_steps: int, total_updates: int, shape: str, cooldown_fraction: float = 0.2
+) -> optax.Schedule:
+  """A learning rate that reaches zero at update `total_updates`: `linear` or `wsd`.
+
+  With n = count + 1 (the paper's 1-based update number, as `transformer_schedule`), both rise
+  as peak * n / warmup_steps, as the paper's does, then
+  - linear: peak * (T - n) / (T - W), a straight line to zero at n = T;
+  - wsd (warmup-stable-decay, Hu et al. 2024; Hägele et al. 2024): the peak, held until the
+    cooldown's start C = T - cooldown_fraction * T, then peak * (1 - sqrt((n - C) / (T - C))),
+    steep at first and flat at the end.
+  The rate is the least of the warm-up ramp and the decay, so a cooldown longer than the
+  stable part simply starts during the warm-up. Zero for every update past T (a run resumed
+  beyond its schedule's end is refused by `run.config_file.check_resumable`).
+  """
+  if shape not in ('linear', 'wsd'):
+    raise ValueError(f'shape must be linear or wsd, got {shape!r}')
+  if not 0 < warmup_steps < total_updates:
+    raise ValueError(f'need 0 < warmup_steps < total_updates, got {warmup_steps}, {total_updates}')
+  cooldown_start = total_updates - cooldown_fraction * total_updates
+
+  def schedule(count):
+    n = jnp.asarray(count, jnp.float32) + 1.0
+    ramp = n / warmup_steps
+    if shape == 'linear':
+      decay = (total_updates - n) / (total_updates - warmup_steps)
+    else:
+      progress = jnp.clip((n - cooldown_start) / (total_updates - cooldown_start), 0.0, 1.0)
+      decay = 1.0 - jnp.sqrt(progress)
+    return peak * jnp.clip(jnp.minimum(ramp, decay), 0.0, 1.0)
+
+  return schedule
+
+
+def peak_learning_rate(train_config: TrainConfig, model_config: ModelConfig) -> float:
+  """`peak_lr`, or the paper's peak (d_model * warmup_steps)^-0.5 scaled by `lr_scale`."""
+  if train_config.peak_lr is not None:
+    return train_config.peak_lr
+  return train_config.lr_scale * (model_config.d_model * train_config.warmup_steps) ** -0.5
+
+
 def make_schedule(train_config: TrainConfig, model_config: ModelConfig) -> optax.Schedule:
-  """The paper's schedule, scaled by `lr_scale` or to peak at `peak_lr`.
+  """train.schedule: the paper's (inverse_sqrt), or one that ends at train.steps' last update.
 
   The paper's rate is fairseq's inverse_sqrt in another form: a linear warmup to the peak
   (d_model * warmup_steps)^-0.5, then peak * (warmup_steps / n)^0.5. So a peak of P is the
-  paper's schedule scaled by P * (d_model * warmup_steps)^0.5.
+  paper's schedule scaled by P * (d_model * warmup_steps)^0.5. `linear` and `wsd` rise to the
+  same peak the same way and then fall to zero (`ending_schedule`).
   """
-  scale = train_config.lr_scale
-  if train_config.peak_lr is not None:
-    scale = train_config.peak_lr * (model_config.d_model * train_config.warmup_steps) ** 0.5
-  return transformer_schedule(model_config.d_model, train_config.warmup_steps, scale)
+  c = train_config
+  if c.schedule != 'inverse_sqrt':
+    peak = peak_learning_rate(c, model_config)
+    return ending_schedule(peak, c.warmup_steps, c.total_updates, c.schedule, c.cooldown_fraction)
+  scale = c.lr_scale
+  if c.peak_lr is not None:
+    scale = c.peak_lr * (model_config.d_model * c.warmup_steps) ** 0.5
+  return transformer_schedule(model_config.d_model, c.warmup_steps, scale)
 
 
 def make_optimizer(
