@@ -174,6 +174,8 @@ def evaluate(args) -> dict:
   ]
   if args.best and (workdir / 'best').is_dir():
     weight_sets.append(('best', workdir / 'best', 0))
+  if (workdir / 'ema').is_dir():  # the parameters' moving average (train.ema_decay)
+    weight_sets.append(('ema', workdir / 'ema', 0))
   weight_sets = [w for w in weight_sets if w[0] in args.weights] if args.weights else weight_sets
   for weights, directory, average_last in weight_sets:
     translator = Translator.from_checkpoint(directory, average_last=average_last)
@@ -458,7 +460,7 @@ def main() -> None:
   scores.add_argument(
     '--weights',
     type=comma_separated(str),
-    help='only these weights, e.g. average-last10,best (default: last, each average and best)',
+    help='only these weights, e.g. average-last10,best (default: last, each average, best and ema)',
   )
   scores.add_argument(
     '--select',

@@ -27,6 +27,7 @@ from flax_transformer.train import (
   transformer_schedule,
 )
 from flax_transformer.train.losses import chunked_loss_sums, loss_sums
+from flax_transformer.train.optimizer import ema_params, with_parameter_ema
 from support.copy_task import random_copy_batch
 
 PAD, BOS, EOS = 0, 1, 2
@@ -127,6 +128,34 @@ def test_an_ending_schedule_counts_updates_not_steps_and_wsd_cooldown_shape():
 def test_schedule_settings_are_refused_out_of_range(overrides, message):
   with pytest.raises(ConfigError, match=message):
     TrainConfig(**overrides)
+
+
+def test_parameter_ema_equals_a_float64_reference_and_skips_withheld_updates():
+  # SGD on 0.5 * |w - 3|^2 from w = 0: the average after each update, recomputed in float64.
+  decay = 0.8
+  optimizer = with_parameter_ema(optax.sgd(0.3), decay)
+  params = {'w': jnp.zeros(2, jnp.float32)}
+  state = optimizer.init(params)
+  w, average = np.zeros(2), np.zeros(2)
+  for n in range(12):
+    grads = jax.tree.map(lambda p: p - 3.0, params)
+    updates, state = optimizer.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    w = w - 0.3 * (w - 3.0)
+    d = min(decay, (1 + n) / (10 + n))
+    average = d * average + (1 - d) * w
+    np.testing.assert_allclose(ema_params(state)['w'], average, rtol=1e-6)
+  # The average lags the parameters climbing towards 3.
+  assert np.all(np.asarray(ema_params(state)['w']) < np.asarray(params['w']))
+  # make_optimizer keeps one only when asked, inside gradient accumulation.
+  assert ema_params(make_optimizer(TrainConfig(), CONFIG).init(params)) is None
+  accumulating = make_optimizer(TrainConfig(ema_decay=0.99, grad_accum_steps=2), CONFIG)
+  np.testing.assert_array_equal(ema_params(accumulating.init(params))['w'], params['w'])
+
+
+def test_ema_decay_outside_zero_to_one_is_refused():
+  with pytest.raises(ConfigError, match=r'train.ema_decay must be in \[0, 1\), got 1.0'):
+    TrainConfig(ema_decay=1.0)
 
 
 # --- loss ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from flax_transformer.train.evaluation import (
   translation_scores,
 )
 from flax_transformer.train.loop import NonFiniteError, train
+from flax_transformer.train.optimizer import ema_params
 from support.runs import assert_trees_equal, finite, read_metrics, saved_steps, train_state
 
 # Dropout stays on: exact resume must reproduce the step-folded dropout keys too. One layer
@@ -121,7 +122,9 @@ def test_a_resume_inside_the_wsd_cooldown_equals_the_uninterrupted_run(
   import shutil
 
   data = resumed_and_uninterrupted['data']
-  wsd = TRAIN.replace(schedule='wsd', cooldown_fraction=0.5, lr_scale=1.0, peak_lr=0.01)
+  wsd = TRAIN.replace(
+    schedule='wsd', cooldown_fraction=0.5, lr_scale=1.0, peak_lr=0.01, ema_decay=0.5
+  )
   quiet = lambda message: None
   full = train(MODEL, wsd, data, tmp_path / 'straight', print_fn=quiet)
   shutil.copytree(tmp_path / 'straight', tmp_path / 'resumed')
@@ -130,6 +133,19 @@ def test_a_resume_inside_the_wsd_cooldown_equals_the_uninterrupted_run(
   resumed = train(MODEL, wsd, data, tmp_path / 'resumed', print_fn=quiet)
   assert int(resumed.state.step) == 8
   assert_trees_equal(resumed.state, full.state)
+  # The parameters' moving average is in the state, so it resumed exactly too; the run wrote it
+  # out as WORKDIR/ema, decodable like an average, and scored it.
+  average = ema_params(resumed.state.opt_state)
+  assert_trees_equal(average, ema_params(full.state.opt_state))
+  _, ema_loaded, _ = load_for_inference(tmp_path / 'resumed' / 'ema')
+  assert_trees_equal(ema_loaded, average)
+  assert json.loads((tmp_path / 'resumed' / 'ema' / 'config.json').read_text())['ema'] == {
+    'decay': 0.5,
+    'step': 8,
+  }
+  assert not all(
+    np.allclose(a, b) for a, b in zip(jax.tree.leaves(average), jax.tree.leaves(full.state.params))
+  )
   rates = [line['learning_rate'] for line in read_metrics(tmp_path / 'resumed') if 'loss' in line]
   # Logged every 2 steps: the rate of updates 2, 4, 6 and 8 (counts 1, 3, 5, 7) on wsd's curve.
   np.testing.assert_allclose(rates, [0.005, 0.01, 0.01 * (1 - 0.5**0.5), 0.0], rtol=1e-5, atol=1e-9)
@@ -161,11 +177,24 @@ def test_resume_refuses_other_settings(resumed_and_uninterrupted):
 
 def test_full_run_writes_the_run_directory_and_reports(tmp_path, numbers):
   messages = []
+  # With the parameters' moving average too: WORKDIR/ema is scored beside the average.
   result = train(
-    MODEL, TRAIN, DATA, tmp_path, dataset=numbers, average_last=2, print_fn=messages.append
+    MODEL,
+    TRAIN.replace(ema_decay=0.9),
+    DATA,
+    tmp_path,
+    dataset=numbers,
+    average_last=2,
+    print_fn=messages.append,
   )
   text = '\n'.join(messages)
-  for name in ('config.json', 'tokenizer.json', 'metrics.jsonl', 'average-last2/checkpoints/8'):
+  for name in (
+    'config.json',
+    'tokenizer.json',
+    'metrics.jsonl',
+    'average-last2/checkpoints/8',
+    'ema/checkpoints/8',
+  ):
     assert (tmp_path / name).exists(), name
   assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()) == ['4', '8']
   lines = metrics_lines(tmp_path)
@@ -173,12 +202,18 @@ def test_full_run_writes_the_run_directory_and_reports(tmp_path, numbers):
   assert [line['step'] for line in lines if 'val_loss' in line] == [4, 8]
   (final,) = [line for line in lines if 'bleu' in line]
   (averaged,) = [line for line in lines if 'avg_bleu' in line]
-  assert final['step'] == averaged['step'] == 8
+  (moving,) = [line for line in lines if 'ema_bleu' in line]
+  assert final['step'] == averaged['step'] == moving['step'] == 8
   final.update(averaged)
+  final.update(moving)
   # The scores are those of the test split decoded again, greedily, from the saved run and
   # from its average, and scored here.
   sources, references = list(numbers['test']['source']), list(numbers['test']['target'])
-  for prefix, workdir in (('', tmp_path), ('avg_', tmp_path / 'average-last2')):
+  for prefix, workdir in (
+    ('', tmp_path),
+    ('avg_', tmp_path / 'average-last2'),
+    ('ema_', tmp_path / 'ema'),
+  ):
     hypotheses = Translator.from_checkpoint(workdir).translate(sources, Greedy())
     assert final[f'{prefix}exact_match'] == np.mean(
       [h == r for h, r in zip(hypotheses, references)]

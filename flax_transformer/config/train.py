@@ -94,6 +94,14 @@ class TrainConfig:
     bounds=Bounds(low=0, high=1, low_open=True),
     lifetime=OPTIMIZER,
   )
+  ema_decay: float = setting(
+    0.0,
+    'keep an exponential moving average of the parameters with this decay (per update; its '
+    'first updates decay less, min(decay, (1 + n) / (10 + n))), in the checkpoints and, at '
+    "the end, as WORKDIR/ema, decoded and exported like WORKDIR/best; 0: none (the paper's)",
+    bounds=UNIT_INTERVAL,
+    lifetime=OPTIMIZER,
+  )
   adam_b1: float = setting(0.9, 'Adam beta1', bounds=UNIT_INTERVAL, lifetime=OPTIMIZER)
   adam_b2: float = setting(0.98, 'Adam beta2', bounds=UNIT_INTERVAL, lifetime=OPTIMIZER)
   adam_eps: float = setting(1e-9, 'Adam epsilon', bounds=POSITIVE, lifetime=OPTIMIZER)

@@ -79,6 +79,9 @@ PROFILE_DIR = 'profile'
 # The parameters of the best validation score so far (train.best_metric), decodable as a run.
 BEST_DIR = 'best'
 BEST_KEY = 'best'
+# The parameters' exponential moving average at the last step (train.ema_decay), decodable.
+EMA_DIR = 'ema'
+EMA_KEY = 'ema'
 AVERAGE_PREFIX = 'average-last'
 # What a run holds besides config.json and its tokenizer's files; their temporary files
 # (.NAME.tmp) and check_writable's probes (.write-test-*) are its own too.
@@ -92,6 +95,7 @@ _RUN_ENTRIES = frozenset(
     PROFILE_DIR,
     LOCK_FILE,
     BEST_DIR,
+    EMA_DIR,
   }
 )
 
@@ -314,6 +318,8 @@ def clear_run(workdir: str | Path, init_from: str | Path | None = None) -> None:
     workdir / TENSORBOARD_DIR,
     workdir / BEST_DIR,
     workdir / f'.{BEST_DIR}.tmp',
+    workdir / EMA_DIR,
+    workdir / f'.{EMA_DIR}.tmp',
     *workdir.glob(f'{AVERAGE_PREFIX}*'),
   ]:
     if directory.is_dir():

@@ -72,6 +72,7 @@ from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train.best import BestCheckpoint
 from flax_transformer.train.evaluation import describe_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
+from flax_transformer.train.moving_average import write_ema
 from flax_transformer.train.profiling import StepTrace
 from flax_transformer.train.report import _final_scores, _split_scores
 from flax_transformer.train.setup import (
@@ -194,6 +195,11 @@ def train(
     try:
       state = loop.train_from(state, start)
       final_state = run.data_parallel.unreplicate(state)
+      written = write_ema(
+        directory.path, int(final_state.step), final_state.opt_state, train_config.ema_decay
+      )
+      if written is not None:
+        run.say(f'wrote {written}: the moving average of the parameters at the last step')
       _final_evaluation(run, loop, final_state, start, average_last)
     finally:
       if run.log is not None:

@@ -3,6 +3,8 @@ schedule that ends at the last update (`train.schedule`: linear, wsd)."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -89,6 +91,54 @@ def make_schedule(train_config: TrainConfig, model_config: ModelConfig) -> optax
   return transformer_schedule(model_config.d_model, c.warmup_steps, scale)
 
 
+class ParameterEmaState(NamedTuple):
+  """The state of `with_parameter_ema`: the wrapped optimizer's, the updates averaged, and the
+  average itself (a parameter pytree, float32)."""
+
+  inner: optax.OptState
+  ema_count: jax.Array
+  ema: Any
+
+
+def with_parameter_ema(
+  inner: optax.GradientTransformation, decay: float
+) -> optax.GradientTransformation:
+  """`inner`, also keeping an exponential moving average of the parameters it updates.
+
+  After each update, ema <- d * ema + (1 - d) * new_params with d = min(decay, (1 + n) /
+  (10 + n)), n the updates averaged before (TensorFlow's ExponentialMovingAverage with
+  num_updates): the first updates replace most of the average, so it does not hold on to the
+  initialisation for ~1 / (1 - decay) updates. It lives in the optimizer's state, so it is
+  checkpointed, restored on resume, and left untouched by a step whose update is withheld.
+  """
+
+  def init(params):
+    return ParameterEmaState(
+      inner.init(params), jnp.zeros((), jnp.int32), jax.tree.map(jnp.asarray, params)
+    )
+
+  def update(updates, state, params=None):
+    updates, inner_state = inner.update(updates, state.inner, params)
+    new_params = optax.apply_updates(params, updates)
+    n = state.ema_count.astype(jnp.float32)
+    d = jnp.minimum(decay, (1.0 + n) / (10.0 + n))
+    ema = jax.tree.map(lambda e, p: d * e + (1.0 - d) * p, state.ema, new_params)
+    return updates, ParameterEmaState(inner_state, state.ema_count + 1, ema)
+
+  return optax.GradientTransformation(init, update)
+
+
+def ema_params(opt_state) -> Any | None:
+  """The parameters' moving average that `with_parameter_ema` keeps in `opt_state`, or None
+  when the run keeps none (train.ema_decay 0)."""
+  found = [
+    value
+    for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, 'ema')
+    if path[-1].tuple_name == 'ParameterEmaState'
+  ]
+  return found[0] if found else None
+
+
 def make_optimizer(
   train_config: TrainConfig, model_config: ModelConfig
 ) -> optax.GradientTransformation:
@@ -97,6 +147,8 @@ def make_optimizer(
   - max_grad_norm: clip the global gradient norm first.
   - weight_decay: decoupled (AdamW) decay of matrices and embeddings only;
     biases and LayerNorm scales are not decayed.
+  - ema_decay: a moving average of the parameters in the state (`with_parameter_ema`),
+    updated with each update.
   - grad_accum_steps K > 1: optax.MultiSteps averages the gradients of K
     consecutive steps (each normalised by its own token count) and updates
     once; the schedule then counts updates, not steps.
@@ -120,6 +172,8 @@ def make_optimizer(
   else:
     transforms.append(optax.adam(schedule, c.adam_b1, c.adam_b2, c.adam_eps))
   optimizer = optax.chain(*transforms)
+  if c.ema_decay > 0:
+    optimizer = with_parameter_ema(optimizer, c.ema_decay)
   if c.grad_accum_steps > 1:
     optimizer = optax.MultiSteps(optimizer, every_k_schedule=c.grad_accum_steps)
   return optimizer

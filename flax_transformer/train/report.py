@@ -1,8 +1,8 @@
 """A run's translation scores: the test split's (else validation's) at the end, and the
 validation split's during training (`train.bleu_every`).
 
-`_final_scores` decodes the final parameters, and the mean of the last checkpoints when
-asked (--average-last), with `evaluation_method`: greedy for the paper's model,
+`_final_scores` decodes the final parameters, their moving average (train.ema_decay), and
+the mean of the last checkpoints when asked (--average-last), with `evaluation_method`: greedy for the paper's model,
 mask-predict for a cmlm one; BLEU and chrF (sacreBLEU, signatures printed), exact match
 and sample translations (`evaluation.translation_scores`).
 """
@@ -14,8 +14,10 @@ from flax_transformer.data import preprocessing
 from flax_transformer.decode.autoregressive import Greedy
 from flax_transformer.decode.methods import default_method
 from flax_transformer.decode.translator import Translator
+from flax_transformer.run.directory import EMA_DIR
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.train.evaluation import describe_scores, translation_scores
+from flax_transformer.train.optimizer import ema_params
 from flax_transformer.train.setup import _TrainingRun
 from flax_transformer.train.step import TrainState
 
@@ -42,6 +44,14 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
     f'  ({report["signature"]})'
   )
   run.say(report['samples'])
+  average = ema_params(state.opt_state)
+  if average is not None:
+    values, report = _split_scores(run, average, split)
+    run.record(step, {f'ema_{name}': value for name, value in values.items()})
+    run.say(
+      f'{run.directory.path / EMA_DIR}: the moving average of the parameters (decay '
+      f'{run.train_config.ema_decay}), {split} {describe_scores(values, report)}'
+    )
   if average_last:
     averaged = average_checkpoints(run.directory.path, average_last)
     _, avg_params, _ = load_for_inference(averaged)
