@@ -101,6 +101,12 @@ def test_step_report_arithmetic():
   assert row['tokens_per_s'] == pytest.approx(100.0) and row['memory']['total'] == 150
   assert json.loads(json.dumps(row)) == row  # JSON-ready
   assert 'MFU' in report.table() and '60.0% of the measured peak' in report.table()
+  # train.time_budget: (budget - compile) / median step; 1 min: (60 - 1.5) / 0.2 = 292 steps.
+  assert report.budget_steps is None and 'budget' not in report.table()
+  budgeted = step_report(time_budget='1m')
+  assert budgeted.budget_steps == 292
+  assert budgeted.to_dict()['budget_steps'] == 292
+  assert '1m: at most 292 of these steps' in budgeted.table()
 
 
 def test_datasheet_peaks_match_the_device_names_jax_reports():

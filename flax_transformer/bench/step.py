@@ -144,6 +144,17 @@ class StepReport:
   memory: CompiledMemory | None
   peak_flops_per_s: float | None = None
   datasheet_flops_per_s: float | None = None
+  time_budget: str | None = None  # train.time_budget, for `budget_steps`
+
+  @property
+  def budget_steps(self) -> int | None:
+    """The steps of this one that train.time_budget holds, training alone: one compile and
+    the rest at the median step (train.py also times a validation and a decoding, and so
+    fixes fewer). None without a budget."""
+    if self.time_budget is None:
+      return None
+    budget_s = TrainConfig(time_budget=self.time_budget).time_budget_s
+    return max(0, int((budget_s - self.compilation.seconds) // self.timing.median_s))
 
   @property
   def tokens_per_s(self) -> float:
@@ -201,6 +212,8 @@ class StepReport:
       'datasheet_flops_per_s': self.datasheet_flops_per_s,
       'datasheet_mfu': self.datasheet_mfu,
       'memory': self.memory and self.memory.to_dict(),
+      'time_budget': self.time_budget,
+      'budget_steps': self.budget_steps,
     }
 
   def table(self) -> str:
@@ -240,6 +253,14 @@ class StepReport:
         f'({format_bytes(m.aliased)} aliased)',
       ),
     ]
+    if self.time_budget is not None:
+      rows.append(
+        (
+          'budget',
+          f'{self.time_budget}: at most {self.budget_steps:,} of these steps (train.py '
+          'also times a validation and a decoding, and fixes the steps that fit them too)',
+        )
+      )
     return '\n'.join(f'{name:>9s}  {value}' for name, value in rows)
 
 
@@ -339,6 +360,7 @@ class TrainingStep:
       xla_flops=None if per_device is None else per_device * self.parallel.num_devices,
       memory=memory_of([self.compiled]),
       datasheet_flops_per_s=datasheet_peak(kind, compute_dtype(config).name),
+      time_budget=self.train_config.time_budget,
     ).with_peak(peak)
 
 

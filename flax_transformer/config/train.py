@@ -8,6 +8,7 @@ settings are checked against the schedule that reads them.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 from flax_transformer.config.settings import (
@@ -189,6 +190,14 @@ class TrainConfig:
     bounds=POSITIVE_INT,
     lifetime=CADENCE,
   )
+  time_budget: str | None = setting(
+    None,
+    'wall-clock time for the whole run, e.g. 90m, 2h, 1h30m, 5400s: after compiling and '
+    'timing a few steps, a validation and a decoding, train.steps is fixed so that training, '
+    'its validations and the final evaluation end inside it (recorded in config.json; a '
+    'resume keeps those steps); none: train.steps as given',
+    lifetime=CADENCE,
+  )
   log_every: int = setting(
     100,
     'steps between lines of training metrics (bar and metrics.jsonl)',
@@ -238,6 +247,7 @@ class TrainConfig:
   def __post_init__(self):
     check_fields(self, 'train')
     _check_scheduled_sampling(self)
+    _ = self.time_budget_s  # raises ConfigError for a malformed train.time_budget
     profile = self.profile_steps  # raises ConfigError for a malformed train.profile
     if profile is not None and profile[0] >= self.steps:
       raise ConfigError(
@@ -259,6 +269,23 @@ class TrainConfig:
       raise ConfigError(
         'train.best_metric=bleu needs validation BLEU during training: set train.bleu_every'
       )
+
+  @property
+  def time_budget_s(self) -> float | None:
+    """train.time_budget in seconds ('1h30m' -> 5400.0); None without one."""
+    if self.time_budget is None:
+      return None
+    text = self.time_budget.strip().lower()
+    parts = re.findall(r'(\d+(?:\.\d+)?)\s*([hms])', text)
+    if not parts or re.sub(r'(\d+(?:\.\d+)?)\s*([hms])', '', text).strip():
+      raise ConfigError(
+        f'train.time_budget must be a duration such as 90m, 2h, 1h30m or 5400s, got '
+        f'{self.time_budget!r}'
+      )
+    seconds = sum(float(number) * {'h': 3600, 'm': 60, 's': 1}[unit] for number, unit in parts)
+    if seconds <= 0:
+      raise ConfigError(f'train.time_budget must be longer than 0 s, got {self.time_budget!r}')
+    return seconds
 
   @property
   def total_updates(self) -> int:

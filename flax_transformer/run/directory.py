@@ -421,6 +421,10 @@ class RunDirectory:
     if (self.path / CONFIG_FILE).is_file():
       check_resumable(self.path, model_config, train_config, data_config)
 
+  def has_settings(self) -> bool:
+    """Whether the directory holds a config.json (a run to resume, or another program's)."""
+    return (self.path / CONFIG_FILE).is_file()
+
   def write_settings(
     self,
     model_config: ModelConfig,

@@ -66,10 +66,12 @@ from flax_transformer.data.batching import Batch
 from flax_transformer.data.pipeline import Prefetcher, make_batcher
 from flax_transformer.errors import NonFiniteError as NonFiniteError
 from flax_transformer.run.checkpoints import WriteError
+from flax_transformer.run.config_file import read_config
 from flax_transformer.run.directory import RunDirectory, saved_steps
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train.best import BestCheckpoint
+from flax_transformer.train.budget import fit_steps, resumed_steps
 from flax_transformer.train.evaluation import describe_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.moving_average import write_ema
@@ -81,6 +83,7 @@ from flax_transformer.train.setup import (
   _initial_state,
   _prepare_training_run,
   _TrainingRun,
+  check_average_last,
   check_settings,
 )
 from flax_transformer.train.setup import checkpoints_kept as checkpoints_kept
@@ -120,6 +123,7 @@ def train(
   init_from: str | Path | None = None,
   allow_unverified: bool = False,
   print_fn: Callable[[str], None] = print,
+  clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
   """Trains (or resumes) a run in `workdir`; see the module docstring.
 
@@ -146,6 +150,7 @@ def train(
       version's), saying it was not verified; by default such a checkpoint is damaged
       (set aside, and the newest verified one resumed).
     print_fn: where process 0's messages go.
+    clock: what train.time_budget is measured with (seconds; tests pass a fake one).
 
   Raises:
     Interrupted: SIGTERM or SIGINT arrived during training; the step reached
@@ -156,6 +161,7 @@ def train(
     ConfigError, DataError, TokenizerError, CheckpointError: bad settings,
       data, or run directory, before training starts.
   """
+  began = clock()
   check_settings(
     model_config,
     train_config,
@@ -167,6 +173,10 @@ def train(
   )
   directory = RunDirectory(workdir, init_from=init_from, data=data_config.source)
   with directory.locked():
+    # A run with a time budget keeps the steps its budget fixed when it began.
+    budgeted = train_config.time_budget is not None and resume
+    saved = read_config(directory.path)[1] if budgeted and directory.has_settings() else None
+    train_config = resumed_steps(saved, train_config)
     run = _prepare_training_run(
       model_config,
       train_config,
@@ -182,6 +192,11 @@ def train(
     )
     loop = TrainingLoop(run, skip_nonfinite)
     state, start = _initial_state(run, loop.model, loop.optimizer, parallel)
+    if train_config.time_budget is not None and saved is None:
+      steps = fit_steps(run, loop, state, start, clock() - began, average_last, clock)
+      run.train_config = train_config = train_config.replace(steps=steps)
+      check_average_last(train_config, average_last)
+      loop.compile_step()  # the schedule's end is a constant of the program
     signals.check()  # a signal while loading stops before anything of the run is written
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
     directory.write_settings(run.model_config, train_config, data_config, loop.packing_plan)
@@ -220,9 +235,7 @@ class TrainingLoop:
     self.run = run
     self.skip_nonfinite = skip_nonfinite
     config = run.train_config
-    self.model, self.optimizer, self.step_fn = compiled_training(
-      run.model_config, config, run.data_parallel
-    )
+    self.compile_step()
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
     corpus = _encoded_train(run)
     self.packing_plan = run.directory.packing_plan(run.checkpoints.latest_step() is not None)
@@ -233,6 +246,12 @@ class TrainingLoop:
     )
     self.val_batches = _eval_batches(run, 'validation')
     self.best = BestCheckpoint(run.directory.path, config) if 'validation' in run.dataset else None
+
+  def compile_step(self) -> None:
+    """The model, optimizer and mapped step for the run's settings as they are now."""
+    self.model, self.optimizer, self.step_fn = compiled_training(
+      self.run.model_config, self.run.train_config, self.run.data_parallel
+    )
 
   def local_batch(self, step: int) -> Batch:
     """This process's rows of step `step`'s batch, split over the devices."""
@@ -250,7 +269,7 @@ class TrainingLoop:
     bar = tqdm(
       initial=start,
       total=config.steps,
-      desc='train',
+      desc='train' if config.time_budget is None else f'train ({config.time_budget} budget)',
       unit='step',
       disable=not run.directory.is_main,
       dynamic_ncols=True,

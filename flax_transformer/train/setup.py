@@ -103,15 +103,9 @@ def check_settings(
       f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
       'it or average fewer'
     )
-  kept = checkpoints_kept(train_config, saved)
-  if average_last > kept:
-    raise ConfigError(
-      f'--average-last={average_last} needs that many checkpoints, but this run '
-      f'ends with {kept}: train.steps={train_config.steps} with '
-      f'train.checkpoint_every={train_config.checkpoint_every} (and one at the '
-      f'end){f", beside the {len(saved)} saved" if saved else ""}; average fewer, '
-      'or lower train.checkpoint_every'
-    )
+  # With a time budget the steps are fixed later (train.budget), and this checked then.
+  if train_config.time_budget is None:
+    check_average_last(train_config, average_last, saved)
   check_bounds(skip_nonfinite, NONNEGATIVE_INT, '--skip-nonfinite')
   picked = [f'data.{name}' for name in ('valid_split', 'test_split') if getattr(data_config, name)]
   if data_config.source == 'toy' and picked:
@@ -135,6 +129,19 @@ def check_settings(
       'at their defaults when fine-tuning'
     )
   preprocessing.check_available(steps)
+
+
+def check_average_last(train_config: TrainConfig, average_last: int, saved: Sequence[int] = ()):
+  """Raises ConfigError when the run ends with fewer checkpoints than --average-last needs."""
+  kept = checkpoints_kept(train_config, saved)
+  if average_last > kept:
+    raise ConfigError(
+      f'--average-last={average_last} needs that many checkpoints, but this run '
+      f'ends with {kept}: train.steps={train_config.steps} with '
+      f'train.checkpoint_every={train_config.checkpoint_every} (and one at the '
+      f'end){f", beside the {len(saved)} saved" if saved else ""}; average fewer, '
+      'or lower train.checkpoint_every'
+    )
 
 
 def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> int:
