@@ -32,36 +32,38 @@ The subpackages, each importing only from those before it (tests/test_layers.py)
 import importlib
 
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
-from flax_transformer.nn.attention import KVCache, MultiHeadAttention, scaled_dot_product_attention
-from flax_transformer.nn.layers import sinusoidal_positions
-from flax_transformer.nn.model import (
-  BeamDecodeCache,
-  DecodeCache,
-  Transformer,
-  attention_weights,
-  count_params,
-  empty_self_cache,
-)
 
 __version__ = '0.1.0'
 
-# Public names defined in modules that import more (orbax, sacreBLEU): name -> module.
+# Public names by the module that defines them, loaded on first use: `import flax_transformer`
+# and `flax_transformer.config` load no JAX (the settings, --help), and the decoding side no
+# orbax or sacreBLEU until asked.
 _LAZY = {
-  'Translator': 'decode.translator',
-  'BeamSearch': 'decode.autoregressive',
-  'Greedy': 'decode.autoregressive',
-  'MaskPredict': 'decode.non_autoregressive',
-  'Sampling': 'decode.autoregressive',
-  'DecodingMethod': 'decode.methods',
-  'default_method': 'decode.methods',
+  'KVCache': 'nn.attention',
+  'MultiHeadAttention': 'nn.attention',
+  'scaled_dot_product_attention': 'nn.attention',
+  'sinusoidal_positions': 'nn.layers',
+  'BeamDecodeCache': 'nn.model',
+  'DecodeCache': 'nn.model',
+  'Transformer': 'nn.model',
+  'attention_weights': 'nn.model',
+  'count_params': 'nn.model',
+  'empty_self_cache': 'nn.model',
   'build_model': 'nn.build',
   'CMLMTransformer': 'nn.cmlm',
+  'Translator': 'decode.translator',
+  'DecodingMethod': 'decode.methods',
+  'default_method': 'decode.methods',
 }
 
 
 def __getattr__(name: str):
   if name in _LAZY:
     return getattr(importlib.import_module(f'flax_transformer.{_LAZY[name]}'), name)
+  if name in __all__:  # the rest are decoding methods: decode.METHODS' classes, by name
+    from flax_transformer.decode import METHODS
+
+    return next(cls for cls in METHODS.values() if cls.__name__ == name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 

@@ -130,3 +130,44 @@ print(json.dumps({{'status': status, 'loaded': loaded}}))
   )
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report == {'status': 0, 'loaded': []}, result.stderr[-2000:]
+
+
+HEAVY = ('jax', 'jaxlib', 'flax', 'optax', 'orbax', 'datasets', 'tensorstore')
+
+
+@pytest.mark.parametrize(
+  'statement',
+  [
+    'import flax_transformer.config',
+    'import flax_transformer.errors',
+    'from flax_transformer import ModelConfig, TrainConfig, ConfigError',
+    "from flax_transformer.cli.train import main; main(['--help'])",
+  ],
+)
+def test_settings_errors_and_train_help_load_no_jax(statement):
+  # A fresh interpreter, so that nothing the test session imported counts.
+  script = f"""
+import contextlib, io, json, sys
+with contextlib.redirect_stdout(io.StringIO()):
+  try:
+    {statement}
+  except SystemExit:
+    pass
+heavy = sorted({{name.split('.')[0] for name in sys.modules}} & set({HEAVY!r}))
+print(json.dumps(heavy))
+"""
+  result = subprocess.run(
+    [sys.executable, '-c', script], capture_output=True, text=True, cwd=ROOT, timeout=120
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_lazy_root_answers_every_public_name():
+  import flax_transformer
+  from flax_transformer.decode import METHODS
+
+  assert all(getattr(flax_transformer, name) is not None for name in flax_transformer.__all__)
+  assert {cls.__name__ for cls in METHODS.values()} <= set(flax_transformer.__all__)
+  with pytest.raises(AttributeError, match='has no attribute'):
+    flax_transformer.NoSuchName  # noqa: B018

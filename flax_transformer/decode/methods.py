@@ -112,19 +112,14 @@ class DecodingMethod:
 
 
 # The concrete classes live beside the functional API that runs them; this module still
-# answers `methods.BeamSearch` etc., as it did when it imported them (a lazy import: the
-# defining modules import this one).
-_DEFINED_IN = {
-  'BeamSearch': 'flax_transformer.decode.autoregressive',
-  'Greedy': 'flax_transformer.decode.autoregressive',
-  'Sampling': 'flax_transformer.decode.autoregressive',
-  'MaskPredict': 'flax_transformer.decode.non_autoregressive',
-}
-
-
+# answers `methods.BeamSearch` etc., as it did when it imported them: from METHODS, once the
+# decode package has imported every module that defines one (they import this one, so not
+# before it is asked).
 def __getattr__(name: str):
-  if name in _DEFINED_IN:
-    return getattr(importlib.import_module(_DEFINED_IN[name]), name)
+  importlib.import_module('flax_transformer.decode')
+  for cls in METHODS.values():
+    if cls.__name__ == name:
+      return cls
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
