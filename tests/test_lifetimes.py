@@ -177,3 +177,36 @@ def test_a_former_run_resumes_from_its_last_checkpoint(former_run, tmp_path):
   rewritten = json.loads((workdir / 'config.json').read_text())
   assert rewritten['train']['steps'] == 12
   assert np.isfinite(result.scores['loss'])
+
+
+def test_a_resume_reads_the_run_and_compares_only_what_is_given(former_run, tmp_path, capsys):
+  """train.py --workdir RUN --steps N resumes a run written before layer_norm_epsilon was
+  recorded (99dd910: 1e-6 then, the default is 1e-5 now) with its own settings: those not
+  given come from config.json, so the preset's changed default cannot strand it; a setting
+  given that differs from the run's is refused, naming both values."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(former_run['workdir'], workdir)
+  written = json.loads((workdir / 'config.json').read_text())
+  del written['model']['layer_norm_epsilon']  # as 99dd910 wrote it
+  written['data']['source'] = str(former_run['corpus'])
+  (workdir / 'config.json').write_text(json.dumps(written))
+  quick = ['--train.eval_every', '100', '--train.bleu_every', '0']
+  status = train_cli.main(['--workdir', str(workdir), '--steps', '12', *quick])
+  assert status == 0, capsys.readouterr().err
+  rewritten = json.loads((workdir / 'config.json').read_text())
+  assert rewritten['model']['layer_norm_epsilon'] == 1e-6
+  assert rewritten['train']['steps'] == 12
+  # Not the toy preset's settings: the run's (d_model 32, accumulation 2, its corpus).
+  assert rewritten['model']['d_model'] == 32 and rewritten['train']['grad_accum_steps'] == 2
+  assert rewritten['data']['source'] == str(former_run['corpus'])
+  # --preset is said to be unused, and a setting given is compared with the run's.
+  capsys.readouterr()
+  status = train_cli.main(
+    ['--workdir', str(workdir), '--preset', 'multi30k', '--model.layer_norm_epsilon', '1e-5']
+  )
+  captured = capsys.readouterr()
+  assert status != 0
+  assert (
+    f'{workdir}: resuming with its config.json; --preset multi30k is not applied' in captured.out
+  )
+  assert 'model.layer_norm_epsilon: saved 1e-06, requested 1e-05' in captured.err

@@ -102,9 +102,13 @@ def setting_options(section: str, cls) -> list[str]:
   return [f'{section}.{name}' for name in fields_where(cls, lambda lifetime: lifetime.option)]
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, DataConfig]:
-  """The preset's configs with every given override applied (raises ConfigError)."""
-  configs = list(run_preset(args.preset))
+def configs_from_args(
+  args: argparse.Namespace, saved: tuple[ModelConfig, TrainConfig, DataConfig] | None = None
+) -> tuple[ModelConfig, TrainConfig, DataConfig]:
+  """The preset's configs, or a resumed run's `saved` ones (its config.json), with every
+  override given on the command line applied (raises ConfigError): a setting not given keeps
+  the run's value, so a preset's changed default never strands a run."""
+  configs = list(saved if saved is not None else run_preset(args.preset or 'toy'))
   for index, section in enumerate(SECTIONS):
     assignments = {
       name.split('.', 1)[1]: value

@@ -48,8 +48,8 @@ def _add_run_options(run: argparse._ArgumentGroup) -> argparse._ArgumentGroup:
   run.add_argument(
     '--preset',
     choices=RUN_PRESETS,
-    default='toy',
-    help='named settings to start from (default: toy, offline)',
+    help='named settings to start from (default: toy, offline); a resumed run starts from its '
+    "own config.json's instead, and only the options given change it",
   )
   run.add_argument(
     '--workdir',
@@ -104,12 +104,13 @@ def _main(argv: list[str] | None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
-    configs = options.configs_from_args(args)
+    options.configs_from_args(args)  # option errors answer at once, before JAX loads
   except ConfigError as error:
     parser.error(str(error))
   hosts.start_hosts(parser, args)
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
+  from flax_transformer.run.config_file import read_config
   from flax_transformer.run.directory import NotARun, saved_steps
   from flax_transformer.train.loop import check_settings, train
 
@@ -119,7 +120,16 @@ def _main(argv: list[str] | None) -> int:
     parser.error(str(error))
   if args.workdir == '':  # Path('') would be '.', and quoted so
     raise NotARun("--workdir '' names no directory; name a new one (default: runs/PRESET)")
-  workdir = Path(args.workdir) if args.workdir is not None else Path('runs') / args.preset
+  workdir = Path(args.workdir or Path('runs') / (args.preset or 'toy'))
+  # A run to resume: its settings, with only the options given changed and compared.
+  resuming = args.resume and (workdir / 'config.json').is_file() and bool(saved_steps(workdir))
+  saved = read_config(workdir) if resuming else None
+  if saved is not None and args.preset is not None:
+    print(f'{workdir}: resuming with its config.json; --preset {args.preset} is not applied')
+  try:
+    configs = options.configs_from_args(args, saved)
+  except ConfigError as error:
+    parser.error(str(error))
   try:
     check_settings(
       *configs,
