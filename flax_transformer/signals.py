@@ -105,6 +105,12 @@ def recording(program: str = '') -> Iterator[None]:
 def _note(number: int, frame: FrameType | None) -> None:
   if _record['received'] is None:
     _record['received'] = number
+    if _record['program']:  # answered at once: the safe point may be a step or two away
+      _write_line(
+        f'{_record["program"]} received {signal.Signals(number).name}: stopping at the next '
+        'safe point (train.py: after the step under way, which it saves); Ctrl-C again stops '
+        'now without saving\n'
+      )
   elif _record['received'] == signal.SIGINT and number == signal.SIGINT:
     _second_interrupt()
 
@@ -116,6 +122,11 @@ def _second_interrupt() -> None:
     f'{_record["program"]}: interrupted twice: stopped at once, without waiting for a '
     'safe point; what was written before stays (checkpoints and outputs are complete)\n'
   )
+  _write_line(line)
+  os._exit(128 + signal.SIGINT)
+
+
+def _write_line(line: str) -> None:
+  """One line on standard error from a signal handler (os.write: no buffer to re-enter)."""
   with contextlib.suppress(OSError):
     os.write(2, line.encode())
-  os._exit(128 + signal.SIGINT)

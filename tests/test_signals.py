@@ -99,9 +99,36 @@ def test_a_second_ctrl_c_ends_a_program_at_once_with_one_line():
     [sys.executable, '-c', code], capture_output=True, text=True, timeout=60, cwd=REPO
   )
   assert done.returncode == 130 and done.stderr == (
+    'x.py received SIGINT: stopping at the next safe point (train.py: after the step under '
+    'way, which it saves); Ctrl-C again stops now without saving\n'
     'x.py: interrupted twice: stopped at once, without waiting for a safe point; what was '
     'written before stays (checkpoints and outputs are complete)\n'
   )
+
+
+def test_the_first_signal_is_answered_at_once_with_one_line():
+  # The program reaches its safe point later (here after 0.5 s): the line comes before it.
+  code = (
+    'import os, signal, sys, time\n'
+    'from flax_transformer import signals\n'
+    "with signals.recording('x.py'):\n"
+    '  os.kill(os.getpid(), signal.SIGTERM)\n'
+    "  sys.stderr.write('working\\n'); sys.stderr.flush()\n"
+    '  time.sleep(0.5)\n'
+    '  try:\n'
+    '    signals.check()\n'
+    '  except signals.Stopped as stop:\n'
+    '    sys.exit(stop.exit_code)\n'
+  )
+  done = subprocess.run(
+    [sys.executable, '-c', code], capture_output=True, text=True, timeout=60, cwd=REPO
+  )
+  assert done.returncode == 143
+  assert done.stderr.splitlines() == [
+    'x.py received SIGTERM: stopping at the next safe point (train.py: after the step under '
+    'way, which it saves); Ctrl-C again stops now without saving',
+    'working',
+  ]
 
 
 # --- the sweep -----------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ importable from here too, as before the stages moved out.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -90,6 +91,11 @@ from flax_transformer.train.setup import checkpoints_kept as checkpoints_kept
 from flax_transformer.train.setup import load_data as load_data
 from flax_transformer.train.step import TrainState, compiled_training, make_parallel_eval
 from flax_transformer.train.step_metrics import MetricBuffer, _metrics, check_finite
+
+# Steps dispatched ahead of the one the loop last waited for. JAX dispatches asynchronously,
+# so without a bound the loop (and its progress bar) ran ~36 steps ahead of a 2 s CPU step,
+# and a Ctrl-C was acted on a minute and more later; two keep the devices fed.
+MAX_STEPS_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass
@@ -281,12 +287,16 @@ class TrainingLoop:
       )
       return state
     batches = Prefetcher(self.local_batch, start, config.steps, config.prefetch)
+    in_flight = collections.deque()  # the metrics of the steps dispatched, not yet waited for
     trace = StepTrace(config.profile_steps, run.directory.profile_dir, run.say)
     try:
       with StopSignals() as stop, batches, contextlib.closing(trace):
         for step, batch in batches:
           trace.before_step(step, state)
           state, metrics = self.step_fn(state, batch)
+          in_flight.append(metrics)
+          if len(in_flight) > MAX_STEPS_IN_FLIGHT:
+            jax.block_until_ready(in_flight.popleft())
           bar.update()
           buffer.add(metrics)
           done, stopping = step + 1, stop.requested(step + 1)
