@@ -19,6 +19,7 @@ from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.loading import load_for_inference
 from flax_transformer.train.best import BestCheckpoint, read_best
 from flax_transformer.train.loop import train
+from flax_transformer.train.setup import check_settings
 
 MODEL = ModelConfig.tiny(num_encoder_layers=1, num_decoder_layers=1, max_len=64, dropout_rate=0.1)
 # A learning rate so small that Adam moves each parameter by at most ~1e-30, which no
@@ -138,6 +139,21 @@ def test_patience_without_a_validation_split_is_refused(tmp_path, numbers):
   with pytest.raises(ConfigError, match='train.patience reads validation scores') as error:
     train(MODEL, FROZEN, DATA, tmp_path / 'run', dataset=no_validation, print_fn=lambda m: None)
   assert '\n' not in str(error.value)
+
+
+@pytest.mark.parametrize(
+  'overrides,interval',
+  [({'steps': 3, 'eval_every': 4}, 'train.eval_every'), ({'steps': 3}, 'train.bleu_every')],
+)
+def test_patience_that_no_validation_inside_the_steps_can_spend_is_refused(overrides, interval):
+  config = FROZEN.replace(**overrides)
+  if interval == 'train.bleu_every':
+    config = config.replace(best_metric='bleu', bleu_every=4)
+  with pytest.raises(
+    ConfigError, match=rf'reaches none: lower {interval}, or set train.patience 0'
+  ):
+    check_settings(MODEL, config, DATA)
+  check_settings(MODEL, config.replace(steps=4), DATA)  # one validation: it may count
 
 
 def test_export_refuses_a_preprocessed_run(stopped_run, tmp_path):

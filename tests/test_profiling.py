@@ -12,6 +12,7 @@ import pytest
 from conftest import CMLM_OPTIONS
 
 import train as train_cli
+from flax_transformer.train.profiling import StepTrace
 from support.script_calls import call
 
 OPTIONS = [option for option in CMLM_OPTIONS if 'max_length_offset' not in option]
@@ -84,3 +85,23 @@ def test_a_profiled_run_is_still_a_run_that_resumes(profiled, numbers_corpus):
 def test_a_bad_profile_range_is_refused_naming_it(value, message, tmp_path):
   status, _, err = call(train_cli.main, ['--workdir', tmp_path / 'run', f'--train.profile={value}'])
   assert status == 2 and message in err and not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize(
+  'start,last,line',
+  [
+    (0, 20, None),  # as asked
+    (12, 20, 'this run resumed at step 12, inside the range: steps 13 to 15 are traced'),
+    (15, 20, 'this run resumed at step 15, past those steps; nothing is traced'),
+    (30, 40, 'this run resumed at step 30, past those steps; nothing is traced'),
+    (0, 13, 'the run ends at train.steps=13, inside the range: steps 11 to 13 are traced'),
+    (11, 13, 'resumed at step 11 and ending at train.steps=13: steps 12 to 13 are traced'),
+  ],
+)
+def test_a_range_the_run_does_not_cover_is_stated_in_one_line(start, last, line, tmp_path):
+  planned = StepTrace((10, 15), tmp_path, print).plan(start, last)
+  if line is None:
+    assert planned is None
+  else:
+    assert planned.startswith('train.profile=10,15: ') and line in planned
+  assert StepTrace(None, tmp_path, print).plan(start, last) is None

@@ -85,6 +85,7 @@ from flax_transformer.train.setup import (
   _prepare_training_run,
   _TrainingRun,
   check_average_last,
+  check_patience,
   check_settings,
 )
 from flax_transformer.train.setup import checkpoints_kept as checkpoints_kept
@@ -202,6 +203,7 @@ def train(
       steps = fit_steps(run, loop, state, start, clock() - began, average_last, clock)
       run.train_config = train_config = train_config.replace(steps=steps)
       check_average_last(train_config, average_last)
+      check_patience(train_config)
       loop.compile_step()  # the schedule's end is a constant of the program
     signals.check()  # a signal while loading stops before anything of the run is written
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
@@ -289,6 +291,8 @@ class TrainingLoop:
     batches = Prefetcher(self.local_batch, start, config.steps, config.prefetch)
     in_flight = collections.deque()  # the metrics of the steps dispatched, not yet waited for
     trace = StepTrace(config.profile_steps, run.directory.profile_dir, run.say)
+    if (planned := trace.plan(start, config.steps)) is not None:
+      run.say(planned)
     try:
       with StopSignals() as stop, batches, contextlib.closing(trace):
         for step, batch in batches:

@@ -30,6 +30,27 @@ class StepTrace:
     self.say = say
     self.tracing = False
 
+  def plan(self, start: int, last: int) -> str | None:
+    """One line when the steps traced are not START+1..STOP as asked: a run resumed at
+    `start` inside or past the range, or one whose last step `last` comes before STOP."""
+    if self.steps is None:
+      return None
+    first, stop = self.steps
+    asked = f'train.profile={first},{stop}'
+    if start >= stop:
+      return (
+        f'{asked}: this run resumed at step {start}, past those steps; nothing is traced '
+        '(ask for later steps)'
+      )
+    traced = f'steps {max(first, start) + 1} to {min(stop, last)} are traced'
+    if start > first and stop > last:
+      return f'{asked}: resumed at step {start} and ending at train.steps={last}: {traced}'
+    if start > first:
+      return f'{asked}: this run resumed at step {start}, inside the range: {traced}'
+    if stop > last:
+      return f'{asked}: the run ends at train.steps={last}, inside the range: {traced}'
+    return None
+
   def before_step(self, step: int, state) -> None:
     """Called before the step that takes the run from `step` to `step + 1` steps done."""
     if self.steps is None or self.tracing or not self.steps[0] <= step < self.steps[1]:

@@ -103,9 +103,10 @@ def check_settings(
       f'train.keep_checkpoints={train_config.keep_checkpoints} keeps fewer; raise '
       'it or average fewer'
     )
-  # With a time budget the steps are fixed later (train.budget), and this checked then.
+  # With a time budget the steps are fixed later (train.budget), and these checked then.
   if train_config.time_budget is None:
     check_average_last(train_config, average_last, saved)
+    check_patience(train_config)
   check_bounds(skip_nonfinite, NONNEGATIVE_INT, '--skip-nonfinite')
   picked = [f'data.{name}' for name in ('valid_split', 'test_split') if getattr(data_config, name)]
   if data_config.source == 'toy' and picked:
@@ -129,6 +130,19 @@ def check_settings(
       'at their defaults when fine-tuning'
     )
   preprocessing.check_available(steps)
+
+
+def check_patience(train_config: TrainConfig) -> None:
+  """Raises ConfigError when train.patience counts validations that train.steps never reaches."""
+  c = train_config
+  cadence = c.eval_every if c.best_metric == 'loss' else c.bleu_every
+  if c.patience and cadence > c.steps:
+    interval = 'train.eval_every' if c.best_metric == 'loss' else 'train.bleu_every'
+    raise ConfigError(
+      f'train.patience={c.patience} counts validations of the {c.best_metric} every {cadence} '
+      f'steps ({interval}), but train.steps={c.steps} reaches none: lower {interval}, or set '
+      'train.patience 0'
+    )
 
 
 def check_average_last(train_config: TrainConfig, average_last: int, saved: Sequence[int] = ()):
