@@ -128,6 +128,19 @@ def test_cli_decodes_in_bfloat16_as_the_translator_does(run_dir, random_run, cap
   assert captured.out.split('\n')[:-1] == translator.translate(SENTENCES, Greedy(), batch_size=2)
 
 
+def test_target_lang_is_checked_and_said_unused_without_a_reference(run_dir, capsys):
+  argv = ['--checkpoint', str(run_dir), '--method', 'greedy', *SENTENCES[:1]]
+  status = decode_cli.main([*argv, '--target-lang', 'klingon'])
+  err = capsys.readouterr().err
+  assert status == 2
+  assert "--target-lang 'klingon' is not a language code sacremoses knows" in err
+  assert 'known: ' in err and ' de, ' in err and err.count('\n') == 1
+  assert decode_cli.main([*argv, '--target-lang', 'de']) == 0
+  assert 'decode.py: --target-lang de is unused: it tokenizes the BLEU of --reference' in (
+    capsys.readouterr().err
+  )
+
+
 def test_cli_file_to_file_with_reference_scores(run_dir, greedy_translations, tmp_path, capsys):
   source, output, reference = tmp_path / 'in.de', tmp_path / 'out.en', tmp_path / 'ref.en'
   source.write_text('\n'.join(SENTENCES) + '\n')

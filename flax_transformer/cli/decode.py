@@ -102,6 +102,7 @@ def _main(argv: Sequence[str] | None) -> int:
   settings = args.method_settings
   try:
     text_io.check_output(args.output, args.checkpoint, args.input, args.reference)
+    text_io.check_target_lang(args.target_lang, args.reference)
     sentences, show_progress = text_io.read_input(args.sentences, args.input)
     references = (
       text_io.read_references(args.reference, len(sentences))

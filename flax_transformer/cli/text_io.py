@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from flax_transformer.cli.failures import Failure, one_line
 from flax_transformer.data.corpus import DataError, split_lines
-from flax_transformer.errors import InputError
+from flax_transformer.errors import ConfigError, InputError
 from flax_transformer.signals import Stopped
 
 # Sentences read, sorted and decoded together; their translations are written before the next
@@ -102,6 +102,27 @@ def blocks(items: Sequence[str], size: int) -> Iterator[tuple[int, Sequence[str]
   """(first index, items) of consecutive blocks of `size` items."""
   for start in range(0, len(items), size):
     yield start, items[start : start + size]
+
+
+def check_target_lang(lang: str | None, reference: Path | None) -> None:
+  """--target-lang: a language sacremoses tokenizes (ConfigError otherwise), and said to be
+  unused, on standard error, without --reference (it only tokenizes the BLEU of one)."""
+  if lang is None:
+    return
+  from sacremoses.corpus import NonbreakingPrefixes
+
+  known = [code for code in NonbreakingPrefixes().available_langs if len(code) <= 3]
+  if lang not in known:
+    raise ConfigError(
+      f'--target-lang {lang!r} is not a language code sacremoses knows (it tokenizes '
+      f'tokenized BLEU); known: {", ".join(sorted(known))}'
+    )
+  if reference is None:
+    print(
+      f'decode.py: --target-lang {lang} is unused: it tokenizes the BLEU of --reference, '
+      'and none is given',
+      file=sys.stderr,
+    )
 
 
 def target_language(checkpoint: Path) -> str | None:
