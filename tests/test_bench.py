@@ -4,6 +4,7 @@ of the remat policies through it, that the step it times is train.py's, and its 
 No test asserts a speed: timings are only checked to be what the reports compute from.
 """
 
+import importlib.util
 import json
 import os
 
@@ -285,6 +286,79 @@ def test_command_refuses_bad_options_in_one_line_before_compiling(
   assert exit_info.value.code == 2
   lines = capsys.readouterr().err.strip().splitlines()
   assert message in lines[-1] and not compiled
+
+
+TOY_STEP = ['step', '--preset', 'toy', '--shape', '2x8', '--rounds', '1', '--warmup', '0']
+
+
+def output_cases(tmp_path):
+  (tmp_path / 'a-file').write_text('')
+  (tmp_path / 'bad').mkdir()
+  (tmp_path / 'bad' / 'config.json').write_text('{"model": ')
+  (tmp_path / 'marian').mkdir()
+  (tmp_path / 'marian' / 'config.json').write_text('{"model_type": "marian"}')
+  step = ['step', '--shape', '2x8']
+  return [
+    ([*step, '--json', str(tmp_path)], 'is a directory; name a file'),
+    ([*step, '--csv', str(tmp_path / 'a-file' / 'r.csv')], 'a-file is a file, not a directory'),
+    ([*step, '--json', '/proc/r.json'], '/proc cannot be written'),
+    ([*step, '--json', str(tmp_path / 'r'), '--csv', str(tmp_path / 'r')], 'name the same file'),
+    (['sweep', '--batches', '2', '--plot', str(tmp_path / 'r.gif')], 'not .gif'),
+    ([*step, '--workdir', str(tmp_path / 'bad'), '--preset', 'toy'], '--preset with --workdir'),
+    ([*step, '--workdir', str(tmp_path / 'bad'), '--data', 'toy'], '--data with --workdir'),
+    ([*step, '--workdir', str(tmp_path / 'bad')], 'bad/config.json: not a valid run config'),
+    ([*step, '--workdir', str(tmp_path / 'marian')], "is a Hugging Face model's"),
+  ]
+
+
+def test_command_refuses_outputs_and_run_directories_before_any_work(tmp_path, capsys, monkeypatch):
+  compiled = []
+  monkeypatch.setattr(
+    bench.step.TrainingStep, '__init__', lambda *a, **k: compiled.append(1) or None
+  )
+  for argv, message in output_cases(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+      command.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and message in lines[-1], (argv, lines)
+  assert not compiled and not (tmp_path / 'r').exists()
+  # Without matplotlib, --plot is refused with the pip command that brings it.
+  real = importlib.util.find_spec
+  monkeypatch.setattr(
+    importlib.util, 'find_spec', lambda name, *a: None if name == 'matplotlib' else real(name, *a)
+  )
+  with pytest.raises(SystemExit):
+    command.main(['sweep', '--batches', '2', '--plot', str(tmp_path / 'r.png')])
+  assert 'pip install "flax_transformer[plot]"' in capsys.readouterr().err
+
+
+def test_a_step_larger_than_the_machine_is_refused_and_a_sweep_keeps_its_finished_cells(
+  tmp_path, capsys, monkeypatch
+):
+  # The estimate refuses before compiling, as train.py would.
+  monkeypatch.setattr(bench.step, 'physical_memory', lambda: 10_000)
+  with pytest.raises(SystemExit) as exit_info:
+    command.main(TOY_STEP)
+  assert exit_info.value.code == 2 and 'too large for this machine' in capsys.readouterr().err
+  # The compiled program's own account refuses what the estimate let through: here the
+  # second cell of a sweep (with a machine made small just for it), after the first was written.
+  monkeypatch.undo()
+  real_check, checked = bench.step.check_compiled_fits, []
+
+  def second_cell_on_a_small_machine(compiled, device, shape):
+    checked.append(shape)
+    if len(checked) == 2:
+      monkeypatch.setattr(bench.step, 'physical_memory', lambda: 10_000)
+    real_check(compiled, device, shape)
+
+  monkeypatch.setattr(bench.step, 'check_compiled_fits', second_cell_on_a_small_machine)
+  output = tmp_path / 'sweep.json'
+  argv = ['sweep', '--preset', 'toy', '--batches', '2,4', '--length', '8', '--rounds', '1']
+  status = command.main([*argv, '--warmup', '0', '--json', str(output)])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert status == 2
+  assert 'needs' in err and 'of cpu memory here' in err and 'the 1 cells before are written' in err
+  assert [row['rows'] for row in json.loads(output.read_text())['reports']] == [2]
 
 
 def test_command_writes_the_reports_as_json_and_csv(tmp_path, capsys):

@@ -20,9 +20,9 @@ import argparse
 import itertools
 from pathlib import Path
 
-from flax_transformer.bench.writers import PROGRAM, plot, write_outputs
+from flax_transformer.bench.writers import PROGRAM, output_problems, plot, write_outputs
 from flax_transformer.cli import compilation_cache
-from flax_transformer.cli.failures import add_debug_option, run_program
+from flax_transformer.cli.failures import REFUSED, Failure, add_debug_option, run_program
 from flax_transformer.cli.options import add_setting_options, configs_from_args
 from flax_transformer.config import RUN_PRESETS, ConfigError
 from flax_transformer.nn.backend import compute_dtype
@@ -126,9 +126,8 @@ def _add_settings_options(sub: argparse.ArgumentParser, name: str) -> None:
   command's own shapes and outputs."""
   sub.add_argument(
     '--preset',
-    default='base',
     choices=RUN_PRESETS,
-    help="train.py's preset the settings start from (default base)",
+    help="train.py's preset the settings start from (default base; not with --workdir)",
   )
   sub.add_argument(
     '--workdir', type=Path, help='a run directory of train.py: its model and training settings'
@@ -221,11 +220,21 @@ def settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
   try:
     if args.workdir is not None:
       from flax_transformer.config import parse_overrides
-      from flax_transformer.run.directory import read_config
+      from flax_transformer.errors import CheckpointError
+      from flax_transformer.run.config_file import read_config, read_marker
 
       if not (args.workdir / 'config.json').is_file():
         parser.error(f'--workdir {args.workdir}: no config.json there (not a run of train.py)')
-      model_config, train_config, _ = read_config(args.workdir)
+      marked = read_marker(args.workdir)
+      if marked is None and '"model_type"' in (args.workdir / 'config.json').read_text():
+        parser.error(
+          f"--workdir {args.workdir}: {args.workdir / 'config.json'} is a Hugging Face model's "
+          '(a Marian export?), not a run of train.py'
+        )
+      try:
+        model_config, train_config, _ = read_config(args.workdir)
+      except CheckpointError as error:  # damaged, or another program's (a Marian export)
+        parser.error(f'--workdir {args.workdir}: {error}')
       for section, index in (('model', 0), ('train', 1)):
         given = {
           k.split('.', 1)[1]: v
@@ -271,6 +280,18 @@ def _main(argv: list[str] | None) -> int:
   args = parser.parse_args(argv)
   if args.warmup < 0:
     parser.error(f'--warmup must be 0 or more, got {args.warmup}')
+  problems = output_problems(args)  # before any work: a refused output loses none
+  if problems:
+    parser.error('; '.join(problems))
+  if getattr(args, 'workdir', None) is not None:
+    given = [o for o, d in (('--preset', 'preset'), ('--data', 'data.source')) if getattr(args, d)]
+    if given:
+      parser.error(
+        f"{' and '.join(given)} with --workdir: the settings are the run's ({args.workdir}/"
+        f'config.json); give one or the other'
+      )
+  if getattr(args, 'preset', 'given') is None:
+    args.preset = 'base'  # the bench's default: the paper's base model
   try:  # as train.py does: a compile the cache serves says so in the report
     compilation_cache.enable(args.compilation_cache)
   except ConfigError as error:
@@ -316,9 +337,16 @@ def _steps(parser, args, model_config, train_config) -> int:
     total=len(cells) * (args.rounds + 1), desc=args.command, unit='call', disable=len(cells) == 1
   ) as bar:
     for label, (model, train, shape) in cells.items():
-      step = TrainingStep(
-        model, train, shape, devices=args.devices, parallel=args.parallel, pair_len=args.pair_len
-      )
+      try:
+        step = TrainingStep(
+          model, train, shape, devices=args.devices, parallel=args.parallel, pair_len=args.pair_len
+        )
+      except ConfigError as error:  # compiled, and too large to run here: the cells before stay
+        raise Failure(
+          f'{label}: {error}'
+          + (f' (the {len(reports)} cells before are written)' if reports else ''),
+          REFUSED,
+        ) from error
       bar.update(1)
       for _ in range(args.warmup):
         step.run()
@@ -329,6 +357,7 @@ def _steps(parser, args, model_config, train_config) -> int:
 
       reports.append(step.report(time_rounds(timed, args.rounds, 0), peak))
       bar.set_postfix_str(label)
+      write_outputs(reports, args, quiet=True)  # each cell as it finishes: a later failure keeps it
   if len(reports) == 1:
     print(reports[0].table())
   else:

@@ -32,11 +32,12 @@ from flax_transformer.bench.compiled import (
 from flax_transformer.bench.flops import BatchShape, train_flops, xla_flops
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.timing import Timing, time_rounds
-from flax_transformer.config import ModelConfig, TrainConfig
+from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data.batching import Batch
 from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.nn.model import count_params
+from flax_transformer.run.sizes import check_fits, physical_memory
 from flax_transformer.train.parallel import DataParallel
 from flax_transformer.train.step import compiled_training, create_train_state
 
@@ -291,7 +292,29 @@ def check_step(
       f'the batch {shape} has rows of {shape.src_len}'
     )
   resolve_attention_kernel(model_config)
+  # What the run itself would refuse (a lower bound: params, gradients, Adam, activations).
+  tokens = shape.batch * max(shape.src_len, shape.tgt_len) // count
+  check_fits(model_config, tokens, memory=physical_memory())
   return shape, count
+
+
+def check_compiled_fits(compiled, device, shape: BatchShape) -> None:
+  """Raises ConfigError, before the step runs, when its compiled program needs more memory per
+  device than the device has (a CPU: the machine's physical memory): running it would end in
+  an out-of-memory error deep inside XLA, or the machine swapping."""
+  memory = memory_of([compiled])
+  if device.platform == 'cpu':
+    available = physical_memory()
+  else:
+    available = (device.memory_stats() or {}).get('bytes_limit')
+  if memory is None or available is None or memory.total <= available:
+    return
+  raise ConfigError(
+    f'the step of batch {shape} needs {format_bytes(memory.total)} per device (compiled: '
+    f'temporaries {format_bytes(memory.temporaries)}), more than the '
+    f'{format_bytes(available)} of {device.platform} memory here: a smaller batch (--shape, '
+    '--train.max_tokens), or --model.remat layer'
+  )
 
 
 class TrainingStep:
@@ -327,6 +350,7 @@ class TrainingStep:
       return [self.lowered]
 
     (compiled,), self.compilation = compile_programs(lower)
+    check_compiled_fits(compiled, self.parallel.devices[0], shape)
     self.compiled = compiled
     self._state, self._batch = state, batch
     self.real_tokens = int(host_batch.num_tokens)

@@ -24,7 +24,59 @@ from flax_transformer.bench.environment import environment
 PROGRAM = 'flax-transformer-bench'
 
 
-def write_outputs(reports: list, args: argparse.Namespace) -> None:
+# What matplotlib's savefig writes, by suffix (its default backends' formats).
+PLOT_FORMATS = frozenset(
+  {'.png', '.pdf', '.svg', '.svgz', '.jpg', '.jpeg', '.eps', '.ps', '.tif', '.tiff', '.webp'}
+)
+
+
+def output_problems(args: argparse.Namespace) -> list[str]:
+  """What would stop `--json`, `--csv` or `--plot` from being written, found before any work:
+  a directory in the file's place, a parent that is a file or cannot be written, one path for
+  two outputs, a plot format matplotlib cannot write, matplotlib missing."""
+  import importlib.util
+  import tempfile
+
+  outputs = {
+    option: path
+    for option in ('json', 'csv', 'plot')
+    if (path := getattr(args, option, None)) is not None
+  }
+  problems = []
+  for option, path in outputs.items():
+    name = f'--{option} {path}'
+    if path.is_dir():
+      problems.append(f'{name} is a directory; name a file')
+      continue
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+      parent = parent.parent
+    if not parent.is_dir():
+      problems.append(f'{name}: {parent} is a file, not a directory')
+    else:
+      try:  # a probe, not os.access: root passes os.access where writing still fails (/proc)
+        tempfile.TemporaryFile(dir=parent).close()
+      except OSError as error:
+        problems.append(f'{name}: {parent} cannot be written ({error.strerror or error})')
+  resolved = {}
+  for option, path in outputs.items():
+    other = resolved.setdefault(path.resolve(), option)
+    if other != option:
+      problems.append(f'--{other} and --{option} name the same file, {path}')
+  if 'plot' in outputs:
+    if outputs['plot'].suffix.lower() not in PLOT_FORMATS:
+      problems.append(
+        f'--plot {outputs["plot"]}: matplotlib writes {", ".join(sorted(PLOT_FORMATS))}, not '
+        f'{outputs["plot"].suffix or "a file without a suffix"}'
+      )
+    if importlib.util.find_spec('matplotlib') is None:
+      problems.append('--plot needs matplotlib: pip install "flax_transformer[plot]"')
+  return problems
+
+
+def write_outputs(reports: list, args: argparse.Namespace, quiet: bool = False) -> None:
+  """Writes `reports` to args.json and args.csv (each replaced whole, so a sweep can write
+  the cells finished so far); says so unless `quiet`."""
   rows = [report.to_dict() for report in reports]
   if args.json:
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -40,7 +92,8 @@ def write_outputs(reports: list, args: argparse.Namespace) -> None:
       )
       + '\n'
     )
-    print(f'wrote {args.json}')
+    if not quiet:
+      print(f'wrote {args.json}')
   if args.csv:
     flat = [flatten(row) for row in rows]
     columns = list(dict.fromkeys(key for row in flat for key in row))
@@ -49,7 +102,8 @@ def write_outputs(reports: list, args: argparse.Namespace) -> None:
       writer = csv.DictWriter(out, fieldnames=columns)
       writer.writeheader()
       writer.writerows(flat)
-    print(f'wrote {args.csv}')
+    if not quiet:
+      print(f'wrote {args.csv}')
 
 
 def flatten(row: dict, prefix: str = '') -> dict:
