@@ -12,7 +12,7 @@ import pytest
 from conftest import CMLM_OPTIONS
 
 import train as train_cli
-from flax_transformer.train.profiling import StepTrace
+from flax_transformer.train.profiling import profile_plan
 from support.script_calls import call
 
 OPTIONS = [option for option in CMLM_OPTIONS if 'max_length_offset' not in option]
@@ -98,10 +98,10 @@ def test_a_bad_profile_range_is_refused_naming_it(value, message, tmp_path):
     (11, 13, 'resumed at step 11 and ending at train.steps=13: steps 12 to 13 are traced'),
   ],
 )
-def test_a_range_the_run_does_not_cover_is_stated_in_one_line(start, last, line, tmp_path):
-  planned = StepTrace((10, 15), tmp_path, print).plan(start, last)
+def test_a_range_the_run_does_not_cover_is_stated_in_one_line(start, last, line):
+  planned = profile_plan((10, 15), start, last)
   if line is None:
     assert planned is None
   else:
     assert planned.startswith('train.profile=10,15: ') and line in planned
-  assert StepTrace(None, tmp_path, print).plan(start, last) is None
+  assert profile_plan(None, start, last) is None

@@ -73,10 +73,11 @@ from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.tokenizer import Tokenizer
 from flax_transformer.train.best import BestCheckpoint
 from flax_transformer.train.budget import fit_steps, resumed_steps
+from flax_transformer.train.cadence import Due, due
 from flax_transformer.train.evaluation import describe_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.moving_average import write_ema
-from flax_transformer.train.profiling import StepTrace
+from flax_transformer.train.profiling import StepTrace, profile_plan
 from flax_transformer.train.report import _final_scores, _split_scores
 from flax_transformer.train.setup import (
   _encoded_train,
@@ -290,13 +291,15 @@ class TrainingLoop:
       return state
     batches = Prefetcher(self.local_batch, start, config.steps, config.prefetch)
     in_flight = collections.deque()  # the metrics of the steps dispatched, not yet waited for
-    trace = StepTrace(config.profile_steps, run.directory.profile_dir, run.say)
-    if (planned := trace.plan(start, config.steps)) is not None:
+    trace = StepTrace(run.directory.profile_dir, run.say)
+    if (planned := profile_plan(config.profile_steps, start, config.steps)) is not None:
       run.say(planned)
+    has_validation = 'validation' in run.dataset
     try:
       with StopSignals() as stop, batches, contextlib.closing(trace):
+        if due(config, start, start).profile_start:
+          trace.start(state, start)
         for step, batch in batches:
-          trace.before_step(step, state)
           state, metrics = self.step_fn(state, batch)
           in_flight.append(metrics)
           if len(in_flight) > MAX_STEPS_IN_FLIGHT:
@@ -304,10 +307,14 @@ class TrainingLoop:
           bar.update()
           buffer.add(metrics)
           done, stopping = step + 1, stop.requested(step + 1)
-          trace.after_step(done, state)
+          now = due(config, done, start, stopping=stopping, has_validation=has_validation)
+          if now.profile_stop:
+            trace.stop(state, done)
           run.checkpoints.check_saved()
-          if self._after_step(state, done, stopping, buffer, bar, run_start):
+          if self._after_step(state, done, stopping, now, buffer, bar, run_start):
             break
+          if now.profile_start:
+            trace.start(state, done)
         bar.close()
         # Still under StopSignals: a signal now waits for the last save to be committed.
         run.checkpoints.close()
@@ -324,28 +331,26 @@ class TrainingLoop:
     return state
 
   def _after_step(
-    self, state: TrainState, done: int, stopping: bool, buffer: MetricBuffer, bar, run_start: float
+    self,
+    state: TrainState,
+    done: int,
+    stopping: bool,
+    now: Due,
+    buffer: MetricBuffer,
+    bar,
+    run_start: float,
   ) -> bool:
-    """The log line, finiteness check, validation, save and BLEU due after step `done`.
+    """Does what `now` (`cadence.due`) says is due after step `done`: the log line, the
+    finiteness check, validation, save, BLEU, patience.
 
-    Returns whether to stop: asked before (`stopping`), or a signal during an evaluation,
-    which is then abandoned; either way step `done` is saved.
+    Returns whether to stop: asked before (`stopping`), a signal during an evaluation, which
+    is then abandoned, or patience spent; whichever, step `done` is saved.
     """
     run, config = self.run, self.run.train_config
-    final = done == config.steps
-    validate = not stopping and (done % config.eval_every == 0 or final)
-    bleu = (
-      not stopping
-      and bool(config.bleu_every)
-      and done % config.bleu_every == 0
-      and 'validation' in run.dataset
-    )
-    save_due = final or done % config.checkpoint_every == 0
-    log_now = stopping or final or done % config.log_every == 0
     # Checked before a save (which an evaluation's signal may bring): a state after too many
     # non-finite steps is not saved.
-    new = buffer.fetch() if stopping or save_due or log_now or validate or bleu else []
-    if log_now:
+    new = buffer.fetch() if now.fetch else []
+    if now.log:
       values = {**buffer.summary(), 'elapsed_s': time.perf_counter() - run_start}
       run.record(done, values)
       if 'loss' in values:
@@ -353,15 +358,16 @@ class TrainingLoop:
     check_finite(
       new, done - len(new) + 1, buffer.skipped, self.skip_nonfinite, run.checkpoints, run.say
     )
-    if validate:
+    if now.validate:
       stopping = _abandoned_on_signal(lambda: self.validate(done, state.params))
-    early = not stopping and self.best is not None and self.best.exhausted(done)
-    if stopping or save_due or early:
+    spent = lambda: not stopping and self.best is not None and self.best.exhausted(done)
+    early = now.patience and config.best_metric == 'loss' and spent()
+    if stopping or now.save or early:
       run.checkpoints.save(run.data_parallel.unreplicate(state))
-    if bleu and not stopping and not early:
+    if now.bleu and not stopping and not early:
       stopping = _abandoned_on_signal(lambda: self._validation_bleu(done, state.params))
-      early = not stopping and self.best.exhausted(done)
-      if (stopping or early) and not save_due:
+      early = now.patience and config.best_metric == 'bleu' and spent()
+      if (stopping or early) and not now.save:
         run.checkpoints.save(run.data_parallel.unreplicate(state))
     if early:
       run.say(

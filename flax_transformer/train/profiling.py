@@ -21,54 +21,56 @@ from pathlib import Path
 import jax
 
 
-class StepTrace:
-  """Starts and stops the trace around steps START+1..STOP (`TrainConfig.profile_steps`)."""
+def profile_plan(steps: tuple[int, int] | None, start: int, last: int) -> str | None:
+  """One line when the steps traced are not START+1..STOP (`steps`, train.profile) as asked:
+  a run resumed at `start` inside or past the range, or one whose last step `last` comes
+  before STOP; None otherwise (or without a profile)."""
+  if steps is None:
+    return None
+  first, stop = steps
+  asked = f'train.profile={first},{stop}'
+  if start >= stop:
+    return (
+      f'{asked}: this run resumed at step {start}, past those steps; nothing is traced '
+      '(ask for later steps)'
+    )
+  traced = f'steps {max(first, start) + 1} to {min(stop, last)} are traced'
+  if start > first and stop > last:
+    return f'{asked}: resumed at step {start} and ending at train.steps={last}: {traced}'
+  if start > first:
+    return f'{asked}: this run resumed at step {start}, inside the range: {traced}'
+  if stop > last:
+    return f'{asked}: the run ends at train.steps={last}, inside the range: {traced}'
+  return None
 
-  def __init__(self, steps: tuple[int, int] | None, directory: Path, say: Callable[[str], None]):
-    self.steps = steps
+
+class StepTrace:
+  """The trace itself: started and stopped where `cadence.due` says (`profile_start`,
+  `profile_stop`), and stopped by `close` whenever the steps end early."""
+
+  def __init__(self, directory: Path, say: Callable[[str], None]):
     self.directory = directory
     self.say = say
     self.tracing = False
+    self.first = 0
 
-  def plan(self, start: int, last: int) -> str | None:
-    """One line when the steps traced are not START+1..STOP as asked: a run resumed at
-    `start` inside or past the range, or one whose last step `last` comes before STOP."""
-    if self.steps is None:
-      return None
-    first, stop = self.steps
-    asked = f'train.profile={first},{stop}'
-    if start >= stop:
-      return (
-        f'{asked}: this run resumed at step {start}, past those steps; nothing is traced '
-        '(ask for later steps)'
-      )
-    traced = f'steps {max(first, start) + 1} to {min(stop, last)} are traced'
-    if start > first and stop > last:
-      return f'{asked}: resumed at step {start} and ending at train.steps={last}: {traced}'
-    if start > first:
-      return f'{asked}: this run resumed at step {start}, inside the range: {traced}'
-    if stop > last:
-      return f'{asked}: the run ends at train.steps={last}, inside the range: {traced}'
-    return None
-
-  def before_step(self, step: int, state) -> None:
-    """Called before the step that takes the run from `step` to `step + 1` steps done."""
-    if self.steps is None or self.tracing or not self.steps[0] <= step < self.steps[1]:
-      return
+  def start(self, state, done: int) -> None:
+    """Starts the trace before step `done` + 1, once the state before it is ready."""
     jax.block_until_ready(state)  # the steps before are not in the trace
     jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
     self.tracing = True
+    self.first = done + 1
 
-  def after_step(self, done: int, state) -> None:
-    """Called once `done` steps are done; stops the trace after step STOP."""
-    if self.tracing and done >= self.steps[1]:
-      jax.block_until_ready(state)
-      self.close()
-      self.say(
-        f'profile: steps {self.steps[0] + 1} to {self.steps[1]} traced into '
-        f'{self.directory} (tensorboard --logdir {self.directory}, or '
-        '*.trace.json.gz in ui.perfetto.dev)'
-      )
+  def stop(self, state, done: int) -> None:
+    """Stops the trace once the state after step `done` is ready, and says where it is."""
+    if not self.tracing:
+      return
+    jax.block_until_ready(state)
+    self.close()
+    self.say(
+      f'profile: steps {self.first} to {done} traced into {self.directory} (tensorboard '
+      f'--logdir {self.directory}, or *.trace.json.gz in ui.perfetto.dev)'
+    )
 
   def close(self) -> None:
     """Stops a trace under way, writing it (also when the steps stop early)."""
