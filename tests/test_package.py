@@ -171,3 +171,17 @@ def test_the_lazy_root_answers_every_public_name():
   assert {cls.__name__ for cls in METHODS.values()} <= set(flax_transformer.__all__)
   with pytest.raises(AttributeError, match='has no attribute'):
     flax_transformer.NoSuchName  # noqa: B018
+
+
+def test_no_library_module_imports_another_ones_private_name():
+  # A name another module needs is part of its interface: public, documented as such.
+  private = []
+  for path in sorted((ROOT / 'flax_transformer').rglob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('flax_transformer'):
+        private += [
+          f'{path.relative_to(ROOT)}: {node.module}.{alias.name}'
+          for alias in node.names
+          if alias.name.startswith('_') and not alias.name.startswith('__')
+        ]
+  assert private == []

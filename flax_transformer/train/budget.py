@@ -141,7 +141,7 @@ def fit_steps(run, loop, state, start: int, spent_s: float, average_last: int, c
   import numpy as np
   from jax.experimental import multihost_utils
 
-  from flax_transformer.train.report import _split_scores
+  from flax_transformer.train.report import split_scores
 
   config = run.train_config
   scratch = jax.tree.map(lambda x: x.copy(), state)
@@ -161,7 +161,7 @@ def fit_steps(run, loop, state, start: int, spent_s: float, average_last: int, c
   final_split = next((name for name in ('test', 'validation') if name in run.dataset), None)
 
   def run_decoding() -> None:
-    _split_scores(run, run.data_parallel.unreplicate(state.params), split)
+    split_scores(run, run.data_parallel.unreplicate(state.params), split)
 
   measure_start = clock()
   costs = measure_costs(

@@ -7,11 +7,11 @@
 A run goes through four stages, each a function or a small object (`setup` prepares the
 run, `report` scores it):
 
-  1. `setup._prepare_training_run`: the run directory (writable, cleared unless resuming), the
+  1. `setup.prepare_training_run`: the run directory (writable, cleared unless resuming), the
      parallel text (`data_config.source`, or the `dataset` given), the
      tokenizer (WORKDIR/tokenizer.json, or trained on a bounded sample of the
      training split, `data.tokenizer_sample`, and saved), the settings checked against WORKDIR/config.json and written;
-  2. `setup._initial_state`: the latest checkpoint in WORKDIR/checkpoints, or fresh
+  2. `setup.initial_state`: the latest checkpoint in WORKDIR/checkpoints, or fresh
      parameters;
   3. `TrainingLoop.train_from`: trains to `train_config.steps` with the batch of each step
      (`data.pipeline.make_batcher`: each process builds its own rows, a background thread
@@ -21,7 +21,7 @@ run, `report` scores it):
      run reads; logs to a progress bar
      and WORKDIR/metrics.jsonl, evaluates the validation loss and saves
      checkpoints at their cadence;
-  4. `_final_evaluation`, `report._final_scores`: decodes the test split (else validation) with
+  4. `_final_evaluation`, `report.final_scores`: decodes the test split (else validation) with
      `default_method(config, Greedy())`: greedy for the paper's model,
      mask-predict for a cmlm one; BLEU and chrF (sacreBLEU, signatures printed),
      exact match and sample translations; the same for the averaged checkpoints
@@ -78,21 +78,21 @@ from flax_transformer.train.evaluation import describe_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.moving_average import write_ema
 from flax_transformer.train.profiling import StepTrace, profile_plan
-from flax_transformer.train.report import _final_scores, _split_scores
+from flax_transformer.train.report import final_scores, split_scores
 from flax_transformer.train.setup import (
-  _encoded_train,
-  _eval_batches,
-  _initial_state,
-  _prepare_training_run,
-  _TrainingRun,
+  TrainingRun,
   check_average_last,
   check_patience,
   check_settings,
+  encode_training_split,
+  eval_batches,
+  initial_state,
+  prepare_training_run,
 )
 from flax_transformer.train.setup import checkpoints_kept as checkpoints_kept
 from flax_transformer.train.setup import load_data as load_data
 from flax_transformer.train.step import TrainState, compiled_training, make_parallel_eval
-from flax_transformer.train.step_metrics import MetricBuffer, _metrics, check_finite
+from flax_transformer.train.step_metrics import MetricBuffer, check_finite, metrics_of_sums
 
 # Steps dispatched ahead of the one the loop last waited for. JAX dispatches asynchronously,
 # so without a bound the loop (and its progress bar) ran ~36 steps ahead of a 2 s CPU step,
@@ -185,7 +185,7 @@ def train(
     budgeted = train_config.time_budget is not None and resume
     saved = read_config(directory.path)[1] if budgeted and directory.has_settings() else None
     train_config = resumed_steps(saved, train_config)
-    run = _prepare_training_run(
+    run = prepare_training_run(
       model_config,
       train_config,
       data_config,
@@ -199,7 +199,7 @@ def train(
       allow_unverified,
     )
     loop = TrainingLoop(run, skip_nonfinite)
-    state, start = _initial_state(run, loop.model, loop.optimizer, parallel)
+    state, start = initial_state(run, loop.model, loop.optimizer, parallel)
     if train_config.time_budget is not None and saved is None:
       steps = fit_steps(run, loop, state, start, clock() - began, average_last, clock)
       run.train_config = train_config = train_config.replace(steps=steps)
@@ -240,20 +240,20 @@ def train(
 class TrainingLoop:
   """Steps from the start to train.steps, with their logging, validation and checkpoints."""
 
-  def __init__(self, run: _TrainingRun, skip_nonfinite: int):
+  def __init__(self, run: TrainingRun, skip_nonfinite: int):
     self.run = run
     self.skip_nonfinite = skip_nonfinite
     config = run.train_config
     self.compile_step()
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
-    corpus = _encoded_train(run)
+    corpus = encode_training_split(run)
     self.packing_plan = run.directory.packing_plan(run.checkpoints.latest_step() is not None)
     self.batcher = make_batcher(corpus, config, run.data_parallel.num_devices, self.packing_plan)
     run.say(
       f'train: {self.batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side '
       f'longer than model.max_len={run.model_config.max_len} tokens with EOS)'
     )
-    self.val_batches = _eval_batches(run, 'validation')
+    self.val_batches = eval_batches(run, 'validation')
     self.best = BestCheckpoint(run.directory.path, config) if 'validation' in run.dataset else None
 
   def compile_step(self) -> None:
@@ -379,7 +379,7 @@ class TrainingLoop:
   def _validation_bleu(self, step: int, params) -> None:
     run = self.run
     params = run.data_parallel.unreplicate(params)
-    values, report = _split_scores(run, params, 'validation')
+    values, report = split_scores(run, params, 'validation')
     run.record(step, {f'val_{name}': value for name, value in values.items()})
     run.say(f'step {step}: validation {describe_scores(values, report)}')
     if run.train_config.best_metric == 'bleu':
@@ -409,7 +409,7 @@ class TrainingLoop:
       signals.check()
       outputs.append(self.eval_fn(params, run.data_parallel.shard_batch(batch)))
     sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *run.data_parallel.unreplicate(outputs))
-    values = _metrics(sums)
+    values = metrics_of_sums(sums)
     run.record(step, {f'val_{name}': value for name, value in values.items()})
     length = (
       f', length accuracy {values["length_accuracy"]:.1%}' if 'length_accuracy' in values else ''
@@ -432,7 +432,7 @@ def _abandoned_on_signal(evaluate: Callable[[], None]) -> bool:
 
 
 def _final_evaluation(
-  run: _TrainingRun, loop: TrainingLoop, state: TrainState, start: int, average_last: int
+  run: TrainingRun, loop: TrainingLoop, state: TrainState, start: int, average_last: int
 ) -> None:
   """The final scores (after the validation loss, for a run that was trained already); a
   signal abandons them, and the next run evaluates the saved final step again."""
@@ -444,7 +444,7 @@ def _final_evaluation(
         f'(train.steps={steps}); evaluating it'
       )
       loop.validate(start, state.params, keep_best=False)  # validated when it was trained
-    _final_scores(run, state, average_last)
+    final_scores(run, state, average_last)
   except signals.Stopped as stop:
     step = max(start, steps)
     raise Interrupted(

@@ -1,7 +1,7 @@
 """A run's translation scores: the test split's (else validation's) at the end, and the
 validation split's during training (`train.bleu_every`).
 
-`_final_scores` decodes the final parameters, their moving average (train.ema_decay), and
+`final_scores` decodes the final parameters, their moving average (train.ema_decay), and
 the mean of the last checkpoints when asked (--average-last), with `evaluation_method`: greedy for the paper's model,
 mask-predict for a cmlm one; BLEU and chrF (sacreBLEU, signatures printed), exact match
 and sample translations (`evaluation.translation_scores`).
@@ -18,7 +18,7 @@ from flax_transformer.run.directory import EMA_DIR
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.train.evaluation import describe_scores, translation_scores
 from flax_transformer.train.optimizer import ema_params
-from flax_transformer.train.setup import _TrainingRun
+from flax_transformer.train.setup import TrainingRun
 from flax_transformer.train.step import TrainState
 
 
@@ -28,7 +28,7 @@ def evaluation_method(model_config: ModelConfig):
   return default_method(model_config, autoregressive=Greedy())
 
 
-def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> None:
+def final_scores(run: TrainingRun, state: TrainState, average_last: int) -> None:
   """Test (else validation) scores of the final parameters, and of the averaged checkpoints."""
   split = next((name for name in ('test', 'validation') if name in run.dataset), None)
   if split is None:
@@ -36,7 +36,7 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
       run.say(f'wrote {average_checkpoints(run.directory.path, average_last)}')
     return
   step = int(state.step)
-  values, report = _split_scores(run, state.params, split)
+  values, report = split_scores(run, state.params, split)
   run.record(step, values)
   run.say(
     f'{split}, {evaluation_method(run.model_config).describe()} of '
@@ -46,7 +46,7 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
   run.say(report['samples'])
   average = ema_params(state.opt_state)
   if average is not None:
-    values, report = _split_scores(run, average, split)
+    values, report = split_scores(run, average, split)
     run.record(step, {f'ema_{name}': value for name, value in values.items()})
     run.say(
       f'{run.directory.path / EMA_DIR}: the moving average of the parameters (decay '
@@ -55,7 +55,7 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
   if average_last:
     averaged = average_checkpoints(run.directory.path, average_last)
     _, avg_params, _ = load_for_inference(averaged)
-    values, report = _split_scores(run, avg_params, split)
+    values, report = split_scores(run, avg_params, split)
     run.record(step, {f'avg_{name}': value for name, value in values.items()})
     run.say(
       f'{averaged}: mean of the last {average_last} checkpoints, {split} '
@@ -63,7 +63,7 @@ def _final_scores(run: _TrainingRun, state: TrainState, average_last: int) -> No
     )
 
 
-def _split_scores(run: _TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
+def split_scores(run: TrainingRun, params, split: str) -> tuple[dict[str, float], dict[str, str]]:
   translator = Translator(run.model_config, params, run.tokenizer)
   lang = run.data_config.tgt_lang if preprocessing.moses_available() else None
   return translation_scores(

@@ -3,14 +3,14 @@
 - `check_settings`: settings that are each valid but cannot make a run together,
   refused before any data is loaded (`checkpoints_kept`: how many checkpoints a run
   leaves, for --average-last);
-- `_prepare_training_run`: the run directory (writable, cleared unless resuming), the
+- `prepare_training_run`: the run directory (writable, cleared unless resuming), the
   parallel text (`data_config.source`, or the `dataset` given; `load_data` reads the
   former for other programs), the tokenizer (WORKDIR/tokenizer.json, or trained on a
   bounded sample of the training split and saved), the settings checked against
-  WORKDIR/config.json; it returns the `_TrainingRun` the stages share;
-- `_encoded_train` and `_eval_batches`: the training split encoded through the cache,
+  WORKDIR/config.json; it returns the `TrainingRun` the stages share;
+- `encode_training_split` and `eval_batches`: the training split encoded through the cache,
   and the validation split's batches;
-- `_initial_state`: the latest intact checkpoint in WORKDIR/checkpoints (damaged ones
+- `initial_state`: the latest intact checkpoint in WORKDIR/checkpoints (damaged ones
   set aside), or fresh parameters (--init-from's when fine-tuning).
 """
 
@@ -171,7 +171,7 @@ def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> in
 
 
 @dataclasses.dataclass
-class _TrainingRun:
+class TrainingRun:
   """What the stages share: the settings, data, devices and the run directory's writers."""
 
   directory: RunDirectory
@@ -195,7 +195,7 @@ class _TrainingRun:
       self.log.write(step, values)
 
 
-def _prepare_training_run(
+def prepare_training_run(
   model_config: ModelConfig,
   train_config: TrainConfig,
   data_config: DataConfig,
@@ -207,7 +207,7 @@ def _prepare_training_run(
   print_fn: Callable[[str], None],
   init_from: str | Path | None = None,
   allow_unverified: bool = False,
-) -> _TrainingRun:
+) -> TrainingRun:
   """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
   say = print_fn if directory.is_main else (lambda message: None)
   data_parallel = DataParallel(_local_devices(devices), mode=parallel)
@@ -241,7 +241,7 @@ def _prepare_training_run(
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
   directory.check_settings(model_config, train_config, data_config)
-  return _TrainingRun(
+  return TrainingRun(
     directory=directory,
     model_config=model_config,
     train_config=train_config,
@@ -303,7 +303,7 @@ def _local_devices(count: int | None) -> list[jax.Device] | None:
   return available[:count]
 
 
-def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
+def encode_training_split(run: TrainingRun) -> EncodedCorpus:
   """The training split encoded, through the cache (`data.cache_dir`, else WORKDIR/encoded):
   process 0 encodes it or finds it there; the others wait, then read it."""
   cache_dir = run.data_config.cache_dir or run.directory.encoded_dir
@@ -320,7 +320,7 @@ def _encoded_train(run: _TrainingRun) -> EncodedCorpus:
   )
 
 
-def _eval_batches(run: _TrainingRun, split: str) -> list:
+def eval_batches(run: TrainingRun, split: str) -> list:
   """The split's batches in a fixed order (no shuffling), or [] when it is absent."""
   if split not in run.dataset:
     run.say(f'no {split} split: validation loss is not computed')
@@ -338,8 +338,8 @@ def _eval_batches(run: _TrainingRun, split: str) -> list:
   return list(batcher.epoch(0))
 
 
-def _initial_state(
-  run: _TrainingRun, model: Transformer, optimizer: optax.GradientTransformation, parallel: str
+def initial_state(
+  run: TrainingRun, model: Transformer, optimizer: optax.GradientTransformation, parallel: str
 ) -> tuple[TrainState, int]:
   """The replicated state to train from and its step: the latest checkpoint's, or fresh.
 
@@ -365,7 +365,7 @@ def _initial_state(
   return run.data_parallel.replicate(state), start
 
 
-def _how_it_computes(run: _TrainingRun) -> str:
+def _how_it_computes(run: TrainingRun) -> str:
   """The model line's compute dtype and attention kernel, each saying where auto decided it,
   and which attention the kernel does not take."""
   config, backend = run.model_config, jax.default_backend()
@@ -383,7 +383,7 @@ def _how_it_computes(run: _TrainingRun) -> str:
   return f'{dtype}, {attention}'
 
 
-def _restore_latest_intact(run: _TrainingRun, abstract_state) -> tuple[TrainState, int] | None:
+def _restore_latest_intact(run: TrainingRun, abstract_state) -> tuple[TrainState, int] | None:
   """The newest checkpoint that can be read, and its step; None when there is none.
 
   Damaged ones (files changed, missing or unreadable) are moved aside, saying so;

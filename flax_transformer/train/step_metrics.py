@@ -49,7 +49,7 @@ class MetricBuffer:
     return values
 
 
-def _metrics(sums: dict[str, float]) -> dict[str, float]:
+def metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
   """Loss, ppl, accuracy per token (masked token for cmlm), plus a cmlm model's length metrics."""
   return {**token_metrics(sums), **(length_metrics(sums) if 'sentences' in sums else {})}
 
@@ -67,7 +67,7 @@ def summarize(metrics: list[dict], seconds: float) -> dict[str, float]:
   if good:
     sums = {name: float(np.sum([m[name] for m in good])) for name in good[0]}
     values = {
-      **_metrics(sums),
+      **metrics_of_sums(sums),
       'learning_rate': float(good[-1]['learning_rate']),
       'grad_norm': float(np.mean([m['grad_norm'] for m in good])),
     }
