@@ -133,3 +133,27 @@ def write_json(path: Path, payload: dict) -> Path:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(payload, indent=2, sort_keys=False) + '\n')
   return path
+
+
+def read_json(path: Path, what: str = 'JSON') -> dict | list:
+  """`path`'s JSON, or SystemExit in one line naming the file: missing, or half-written."""
+  try:
+    return json.loads(Path(path).read_text())
+  except FileNotFoundError:
+    raise SystemExit(f'{path}: no such file ({what})') from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise SystemExit(f'{path}: not complete JSON, half-written? ({what}: {error})') from None
+
+
+def read_run_config(workdir: Path) -> dict:
+  """A training run directory's config.json, or SystemExit in one line: no directory, not a
+  run of train.py, a half-written config.json."""
+  workdir = Path(workdir)
+  if not workdir.is_dir():
+    raise SystemExit(f'{workdir}: no such run directory')
+  if not (workdir / 'config.json').is_file():
+    raise SystemExit(f'{workdir}: not a run of train.py (no config.json there)')
+  config = read_json(workdir / 'config.json', "the run's settings")
+  if not isinstance(config, dict) or not isinstance(config.get('model'), dict):
+    raise SystemExit(f'{workdir / "config.json"}: not the settings of a train.py run')
+  return config

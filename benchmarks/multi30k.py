@@ -29,7 +29,6 @@ compare at equal time too).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -98,7 +97,9 @@ def read_metrics(workdir: Path) -> list[dict]:
   path = workdir / 'metrics.jsonl'
   if not path.is_file():
     raise SystemExit(f'{path}: no metrics log; is {workdir} a training run directory?')
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  from flax_transformer.run.metrics_log import MetricsLog
+
+  return MetricsLog.read(path)  # a line cut short at the end (a run killed) is dropped
 
 
 def step_clock(lines: list[dict]) -> dict[int, float]:
@@ -136,7 +137,14 @@ def evaluate(args) -> dict:
   from flax_transformer.run.directory import saved_steps
 
   workdir = Path(args.workdir)
-  config = json.loads((workdir / 'config.json').read_text())
+  config = common.read_run_config(workdir)
+  known = {'last', 'best', 'ema', *(f'average-last{k}' for k in args.average_last)}
+  unknown = [w for w in args.weights or () if w not in known]
+  if unknown:
+    raise SystemExit(
+      f'--weights {",".join(unknown)}: not one of {", ".join(sorted(known))} (an '
+      'average-lastK needs K in --average-last)'
+    )
   data_config = config.get('data', {})
   src, tgt = data_config.get('src_lang', 'en'), data_config.get('tgt_lang', 'de')
   if not Path(args.data).exists():
@@ -163,6 +171,8 @@ def evaluate(args) -> dict:
   name = f'multi30k_{src}{tgt}{"_cmlm" if cmlm else ""}.json'
   output_path = Path(args.output or RESULTS / name)
   saved = saved_steps(workdir)
+  if not saved:
+    raise SystemExit(f'{workdir}: no checkpoints yet (a run stopped before its first save?)')
   short = [k for k in args.average_last if k > len(saved)]
   if short:  # a run stopped (or early) before it kept that many
     print(
@@ -176,7 +186,8 @@ def evaluate(args) -> dict:
     weight_sets.append(('best', workdir / 'best', 0))
   if (workdir / 'ema').is_dir():  # the parameters' moving average (train.ema_decay)
     weight_sets.append(('ema', workdir / 'ema', 0))
-  weight_sets = [w for w in weight_sets if w[0] in args.weights] if args.weights else weight_sets
+  if args.weights:
+    weight_sets = [w for w in weight_sets if w[0] in args.weights]
   for weights, directory, average_last in weight_sets:
     translator = Translator.from_checkpoint(directory, average_last=average_last)
     for search_name, search in variants.items():
@@ -345,7 +356,7 @@ def compare(args) -> dict:
 
   runs, datasets = [], {}
   for workdir in map(Path, args.workdirs):
-    config = json.loads((workdir / 'config.json').read_text())
+    config = common.read_run_config(workdir)
     data_config = config.get('data', {})
     src, tgt = data_config.get('src_lang', 'en'), data_config.get('tgt_lang', 'de')
     if (src, tgt) not in datasets:
@@ -493,7 +504,12 @@ def main() -> None:
   forms = getattr(args, 'penalty_forms', [])
   if not set(forms) <= {'gnmt', 'fairseq'}:
     scores.error(f'--penalty-forms: gnmt or fairseq, got {",".join(forms)}')
-  {'evaluate': evaluate, 'plot': plot, 'compare': compare}[args.command](args)
+  from flax_transformer.errors import Error
+
+  try:
+    {'evaluate': evaluate, 'plot': plot, 'compare': compare}[args.command](args)
+  except Error as error:  # the library's own refusals: a corpus, a checkpoint, in one line
+    raise SystemExit(f'benchmarks.multi30k {args.command}: {error}') from None
 
 
 if __name__ == '__main__':

@@ -142,12 +142,18 @@ def summary_table(recipes: dict[str, dict], metric: str = 'bleu_tok') -> str:
 
 def summarize(results_dir: Path) -> dict[str, dict]:
   """seed_summary of every evaluation in `results_dir`, written to its seeds.json and printed."""
+  if not results_dir.is_dir():
+    raise SystemExit(f'{results_dir}: no such results directory')
   results = {}
   for path in sorted(results_dir.glob('*.json')):
     if path.name not in ('grid.json', 'seeds.json'):
-      result = json.loads(path.read_text())
-      if 'selected' in result:
+      result = common.read_json(path, 'an evaluation of benchmarks.multi30k')
+      if isinstance(result, dict) and 'selected' in result:
         results[path.stem] = result
+  if not results:
+    raise SystemExit(
+      f'{results_dir}: no evaluations there (the JSON files benchmarks.multi30k evaluate writes)'
+    )
   recipes = seed_summary(results)
   common.write_json(results_dir / 'seeds.json', recipes)
   print(summary_table(recipes), flush=True)

@@ -334,3 +334,40 @@ def test_the_grid_summarises_each_recipe_over_its_seeds(tmp_path, capsys):
   assert one_seed['mean'] == pytest.approx(39.0) and one_seed['std'] is None
   table = capsys.readouterr().out
   assert f'{values.mean():.2f} ± {values.std(ddof=1):.2f}' in table and '39.00' in table
+
+
+def test_the_multi30k_tools_answer_a_missing_or_half_written_run_in_one_line(tmp_path, random_run):
+  from benchmarks import multi30k_grid
+
+  def refusal(call) -> str:
+    with pytest.raises(SystemExit) as stopped:
+      call()
+    message = str(stopped.value.code)
+    assert '\n' not in message and 'Traceback' not in message
+    return message
+
+  evaluate = lambda workdir, **more: multi30k.evaluate(
+    SimpleNamespace(
+      **{'workdir': str(workdir), 'data': str(tmp_path), 'average_last': [], 'weights': [], **more}
+    )
+  )
+  assert refusal(lambda: evaluate(tmp_path / 'gone')).endswith('gone: no such run directory')
+  assert 'not a run of train.py (no config.json there)' in refusal(lambda: evaluate(tmp_path))
+  half = tmp_path / 'half'
+  half.mkdir()
+  (half / 'config.json').write_text('{"model": {"d_model": 3')
+  assert refusal(lambda: evaluate(half)).startswith(f'{half / "config.json"}: not complete JSON')
+  compare = SimpleNamespace(workdirs=[str(half)], data=str(tmp_path), steps=10)
+  assert 'not complete JSON' in refusal(lambda: multi30k.compare(compare))
+  # An unknown --weights names the known ones.
+  message = refusal(
+    lambda: evaluate(random_run.run_dir, average_last=[2], weights=['average-last3'])
+  )
+  assert message.startswith('--weights average-last3: not one of average-last2, best, ema, last')
+  # The grid's summary: an empty directory, a half-written evaluation.
+  results = tmp_path / 'results'
+  results.mkdir()
+  assert 'no evaluations there' in refusal(lambda: multi30k_grid.summarize(results))
+  (results / 'run.json').write_text('{"selected": ')
+  assert refusal(lambda: multi30k_grid.summarize(results)).startswith(f'{results / "run.json"}')
+  assert 'no such results directory' in refusal(lambda: multi30k_grid.summarize(tmp_path / 'x'))
