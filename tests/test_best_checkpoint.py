@@ -203,3 +203,23 @@ def test_best_by_bleu_follows_the_validation_tokenized_bleu(tmp_path, numbers):
   # Equal scores do not replace the best: the first of the highest is kept.
   first_highest = min(step for step, value in scored.items() if value == max(scored.values()))
   assert best.step == first_highest and best.value == pytest.approx(scored[best.step], abs=1e-9)
+
+
+def test_a_copied_best_trained_into_is_called_a_best_checkpoint_naming_the_copy(
+  stopped_run, tmp_path
+):
+  import shutil
+
+  from flax_transformer.run.directory import NotARun, check_workdir
+
+  workdir, _, _ = stopped_run
+  copy = tmp_path / 'my-best'
+  shutil.copytree(workdir / 'best', copy)
+  with pytest.raises(NotARun) as refused:
+    check_workdir(copy)
+  message = str(refused.value)
+  assert message.startswith(f'--workdir {copy} is a best checkpoint (step 2) (its checkpoint')
+  assert str(workdir) not in message and message.endswith('train in a new --workdir')
+  # In its own run, the run it belongs to is named for resuming.
+  with pytest.raises(NotARun, match=f'resume {workdir}'):
+    check_workdir(workdir / 'best')

@@ -198,6 +198,23 @@ def averaged_run(directory: str | Path) -> Path | None:
   return Path(averaged.get('run', directory)) if isinstance(averaged, dict) else None
 
 
+def _parameters_only_kind(directory: Path) -> str:
+  """What a parameters-only copy of a run is, in words: 'a best checkpoint (step 40)', 'the
+  moving average of the parameters (step 400)', or 'an average of checkpoints 8, 10'."""
+  content = read_marker(directory) or {}
+  for key, words in (
+    (BEST_KEY, 'a best checkpoint'),
+    (EMA_KEY, 'the moving average of the parameters'),
+  ):
+    record = content.get(key)
+    if isinstance(record, dict):
+      return f'{words} (step {record.get("step")})'
+  steps = (content.get(AVERAGED_KEY) or {}).get('steps') or []
+  return (
+    f'an average of checkpoints {", ".join(map(str, steps))}' if steps else 'an averaged output'
+  )
+
+
 def foreign_entries(workdir: str | Path, init_from: str | Path | None = None) -> list[str]:
   """The entries of WORKDIR (resolved) that no run of train.py wrote, sorted; [] for a new,
   empty or train.py's own directory.
@@ -273,10 +290,16 @@ def check_workdir(
   resolved = Path(workdir).resolve()
   averaged = averaged_run(resolved) if resolved.is_dir() else None
   if averaged is not None:
+    what = _parameters_only_kind(resolved)
+    inside = resolved.parent == averaged.resolve()
     raise NotARun(
-      f'--workdir {workdir} is an averaged output of the run {averaged} (its '
-      'checkpoint holds parameters only, no training state), not a run; resume '
-      f'{averaged} itself, or train in a new --workdir'
+      f'--workdir {workdir} is {what} (its checkpoint holds parameters only, no training '
+      'state), not a run: decode or export it, and '
+      + (
+        f'resume {averaged} itself, or train in a new --workdir'
+        if inside
+        else 'train in a new --workdir'
+      )
     )
   if resolved == Path.cwd().resolve() and run_format(resolved) is None:
     raise NotARun(
