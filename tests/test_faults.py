@@ -341,7 +341,7 @@ def test_the_size_estimate_is_a_close_lower_bound_and_admits_the_presets():
 
 def test_a_foreign_tokenizer_without_a_digest_is_named_as_such(cmlm_copy, numbers_corpus):
   content = json.loads((cmlm_copy / 'config.json').read_text())
-  del content['tokenizer_sha256']
+  del content['tokenizer_digest']
   (cmlm_copy / 'config.json').write_text(json.dumps(content))
   other = Tokenizer.train(['ein kleiner Hund', 'a small dog'], 40)
   other.save(cmlm_copy)

@@ -72,18 +72,19 @@ def test_corrupt_config_and_incompatible_tokenizer(tmp_path, run_dir, setup):
   (other / 'config.json').write_text(json.dumps(content))
   (other / 'checkpoints').symlink_to(run_dir / 'checkpoints')
   (other / 'tokenizer.json').symlink_to(run_dir / 'tokenizer.json')
-  # tokenizer.json is the file config.json records (its SHA-256): config.json is what changed.
+  # tokenizer.json is the file config.json records (its digest): config.json is what changed.
   with pytest.raises(
     CheckpointError,
     match=rf'other/config.json: model.vocab_size='
     rf'{config.vocab_size + 1} is not what this run was trained with: its '
-    rf'tokenizer.json, the file config.json records \(same SHA-256\), has '
+    rf'tokenizer.json, the file config.json records \(same digest\), has '
     rf'vocab_size {config.vocab_size}; config.json was edited: set '
     rf'model.vocab_size back to {config.vocab_size}',
   ):
     load_for_inference(other)
   # Without a recorded digest, which file changed cannot be told; the tokenizer is named.
   content.pop('tokenizer_sha256')
+  content.pop('tokenizer_digest')
   (other / 'config.json').write_text(json.dumps(content))
   with pytest.raises(
     CheckpointError,
@@ -134,3 +135,29 @@ def test_a_second_writer_is_refused_naming_the_holder_and_kill_9_leaves_no_stale
       RunLock(workdir).acquire()  # another open file of the same process is refused too
   with RunLock(workdir):  # released at the end of the block
     pass
+
+
+def test_config_json_records_the_tokenizers_own_digest_and_reads_a_former_sha256(
+  run_dir, checkpointed_run, tmp_path
+):
+  import shutil
+
+  from flax_transformer.run.directory import check_tokenizer
+  from flax_transformer.tokenizer import Tokenizer
+
+  content = json.loads((run_dir / 'config.json').read_text())
+  assert content['tokenizer_digest'] == Tokenizer.load(run_dir).digest()
+  assert 'tokenizer_sha256' not in content
+  other = Tokenizer.train(['ganz andere Wörter', 'other words entirely'], 40)
+  for key, value in (
+    ('tokenizer_digest', content['tokenizer_digest']),
+    ('tokenizer_sha256', file_digest(run_dir / 'tokenizer.json')),  # as runs before it wrote
+  ):
+    copy = tmp_path / key
+    shutil.copytree(run_dir, copy)
+    written = {k: v for k, v in content.items() if k != 'tokenizer_digest'}
+    (copy / 'config.json').write_text(json.dumps({**written, key: value}))
+    check_tokenizer(copy)  # its own tokenizer passes
+    other.save(copy)
+    with pytest.raises(CheckpointError, match='is not the tokenizer this run was trained with'):
+      check_tokenizer(copy)

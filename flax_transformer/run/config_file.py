@@ -3,7 +3,7 @@
     WORKDIR/config.json      {"written_by": WRITTEN_BY, "run_format": RUN_FORMAT,
                               "model": ModelConfig, "train": TrainConfig, "data": DataConfig,
                               "tokenizer_files": [its files],
-                              "tokenizer_sha256": digest of tokenizer.json,
+                              "tokenizer_digest": the tokenizer's digest(),
                               "packing_plan": how packed rows are planned}
 
 `write_config` writes it (with the tokenizer's files and digest), `read_config` reads it back
@@ -35,13 +35,15 @@ from flax_transformer.config import (
   fields_where,
 )
 from flax_transformer.errors import CheckpointError
-from flax_transformer.files import file_digest, write_atomically
-from flax_transformer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from flax_transformer.tokenizer import kind_in
+from flax_transformer.files import write_atomically
+from flax_transformer.tokenizer import digest_of, kind_in
 
 CONFIG_FILE = 'config.json'
-# config.json's key for the SHA-256 of tokenizer.json.
-TOKENIZER_DIGEST = 'tokenizer_sha256'
+# config.json's key for the tokenizer's identity: its digest() (`tokenizer.digest_of`), the
+# corpus cache's key too. Runs written before it record the SHA-256 of tokenizer.json alone,
+# under FORMER_TOKENIZER_DIGEST, still checked as such.
+TOKENIZER_DIGEST = 'tokenizer_digest'
+FORMER_TOKENIZER_DIGEST = 'tokenizer_sha256'
 # config.json's key for how packed rows are planned (data.assembly): 'best_fit' since it was
 # recorded; a run whose config.json lacks it packed its rows by 'first_fit'.
 PACKING_PLAN_KEY = 'packing_plan'
@@ -66,7 +68,7 @@ def write_config(
 ) -> Path:
   """Writes WORKDIR/config.json (creating WORKDIR) and returns its path.
 
-  When WORKDIR/tokenizer.json exists, its digest is recorded too, so that
+  When WORKDIR holds its tokenizer's files, the tokenizer's digest is recorded too, so that
   `check_tokenizer` can tell the run's tokenizer from another one of the same size.
   """
   workdir = Path(workdir)
@@ -81,8 +83,8 @@ def write_config(
     PACKING_PLAN_KEY: packing_plan,
     TOKENIZER_FILES_KEY: list(kind_in(workdir).FILES),
   }
-  if (workdir / TOKENIZER_FILE).is_file():
-    content[TOKENIZER_DIGEST] = file_digest(workdir / TOKENIZER_FILE)
+  if all((workdir / name).is_file() for name in kind_in(workdir).FILES):
+    content[TOKENIZER_DIGEST] = digest_of(workdir)
   write_atomically(path, json.dumps(content, indent=2) + '\n')
   return path
 

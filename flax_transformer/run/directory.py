@@ -47,6 +47,7 @@ from flax_transformer.pretrained.marian import is_export
 from flax_transformer.run.config_file import (
   AVERAGED_KEY,
   CONFIG_FILE,
+  FORMER_TOKENIZER_DIGEST,
   PACKING_PLAN,
   PACKING_PLAN_KEY,
   TOKENIZER_DIGEST,
@@ -67,6 +68,7 @@ from flax_transformer.tokenizer import (
   MarianTokenizer,
   TextTokenizer,
   Tokenizer,
+  digest_of,
   vocabulary_mismatches,
 )
 
@@ -132,11 +134,11 @@ def check_tokenizer(workdir: str | Path) -> None:
   recorded = _recorded_tokenizer_digest(workdir)
   if recorded is None or not tokenizer_path.is_file():
     return
-  actual = file_digest(tokenizer_path)
-  if actual != recorded:
+  actual = _tokenizer_digest(workdir, recorded[0])
+  if actual != recorded[1]:
     raise CheckpointError(
-      f'{tokenizer_path} is not the tokenizer this run was trained with: its SHA-256 is '
-      f'{actual[:12]}..., {config_path} records {recorded[:12]}...; the token ids in the '
+      f'{tokenizer_path} is not the tokenizer this run was trained with: its digest is '
+      f'{actual[:12]}..., {config_path} records {recorded[1][:12]}...; the token ids in the '
       "checkpoints belong to that one. Put the run's own tokenizer.json back, or start a new "
       'run in another --workdir (or with --no-resume)'
     )
@@ -156,7 +158,7 @@ def check_tokenizer_fits(workdir: str | Path, tokenizer: TextTokenizer) -> None:
       # The digest config.json recorded is this tokenizer.json's: config.json is what changed.
       raise CheckpointError(
         f'{workdir / CONFIG_FILE}: model.{name}={saved} is not what this run was trained with: '
-        f'its tokenizer.json, the file config.json records (same SHA-256), has {name} '
+        f'its tokenizer.json, the file config.json records (same digest), has {name} '
         f'{actual}; config.json was edited: set model.{name} back to {actual}'
       )
     raise CheckpointError(
@@ -167,20 +169,31 @@ def check_tokenizer_fits(workdir: str | Path, tokenizer: TextTokenizer) -> None:
     )
 
 
-def _recorded_tokenizer_digest(workdir: Path) -> str | None:
-  """The SHA-256 of tokenizer.json that WORKDIR/config.json records, or None (none recorded,
-  or config.json missing or not a JSON object)."""
+def _recorded_tokenizer_digest(workdir: Path) -> tuple[str, str] | None:
+  """(config.json's key, the tokenizer digest it records), or None (none recorded, or
+  config.json missing or not a JSON object). Runs before TOKENIZER_DIGEST recorded the
+  SHA-256 of tokenizer.json (FORMER_TOKENIZER_DIGEST)."""
   try:
-    return json.loads((workdir / CONFIG_FILE).read_text()).get(TOKENIZER_DIGEST)
+    content = json.loads((workdir / CONFIG_FILE).read_text())
+    for key in (TOKENIZER_DIGEST, FORMER_TOKENIZER_DIGEST):
+      if isinstance(content.get(key), str):
+        return key, content[key]
   except (OSError, ValueError, AttributeError):
-    return None
+    pass
+  return None
+
+
+def _tokenizer_digest(workdir: Path, key: str) -> str:
+  """WORKDIR's tokenizer as config.json's `key` identifies it: its digest(), or (a run
+  written before it) the SHA-256 of tokenizer.json."""
+  return digest_of(workdir) if key == TOKENIZER_DIGEST else file_digest(workdir / TOKENIZER_FILE)
 
 
 def _is_recorded_tokenizer(workdir: Path) -> bool:
-  """Whether WORKDIR/tokenizer.json is the file whose SHA-256 config.json recorded."""
+  """Whether WORKDIR's tokenizer is the one whose digest config.json recorded."""
   recorded = _recorded_tokenizer_digest(workdir)
   try:
-    return recorded is not None and recorded == file_digest(workdir / TOKENIZER_FILE)
+    return recorded is not None and recorded[1] == _tokenizer_digest(workdir, recorded[0])
   except OSError:
     return False
 

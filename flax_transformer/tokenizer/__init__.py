@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flax_transformer.files import files_digest
 from flax_transformer.tokenizer.exported import ExportedTokenizer
 from flax_transformer.tokenizer.marian import TOKENIZER_FILES, MarianTokenizer
 from flax_transformer.tokenizer.protocol import (
@@ -37,6 +38,7 @@ __all__ = [
   'TextTokenizer',
   'Tokenizer',
   'check_compatible',
+  'digest_of',
   'kind_in',
   'load',
   'vocabulary_mismatches',
@@ -54,6 +56,14 @@ def kind_in(directory: str | Path, default: type[TextTokenizer] = Tokenizer) -> 
   if all((directory / name).is_file() for name in ExportedTokenizer.FILES):
     return ExportedTokenizer
   return default
+
+
+def digest_of(directory: str | Path) -> str:
+  """The `digest()` of the tokenizer saved in `directory` (whichever its kind), from its files
+  without loading it: what a run's config.json records as its tokenizer's identity, and what
+  the corpus cache keys its encodings on."""
+  directory = Path(directory)
+  return files_digest([directory / name for name in kind_in(directory).FILES])
 
 
 def load(directory: str | Path, default: type[TextTokenizer] = Tokenizer) -> TextTokenizer:

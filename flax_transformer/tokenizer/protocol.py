@@ -14,7 +14,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from flax_transformer.config import ModelConfig
+from flax_transformer.config import VOCABULARY, ModelConfig, fields_where
 from flax_transformer.errors import ConfigError
 
 
@@ -57,7 +57,8 @@ class TextTokenizer(Protocol):
     and contents: `files.files_digest`): what the corpus cache keys its encodings on."""
 
 
-VOCABULARY_FIELDS = ('vocab_size', 'pad_id', 'bos_id', 'eos_id', 'unk_id')
+# The model's settings the tokenizer decides: those of the vocabulary lifetime (config).
+VOCABULARY_FIELDS = fields_where(ModelConfig, lambda lifetime: lifetime is VOCABULARY)
 
 
 def vocabulary_mismatches(

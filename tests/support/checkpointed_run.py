@@ -58,8 +58,8 @@ def build(workdir: Path) -> CheckpointedRun:
   setup = config, optimizer, abstract, state.replace(opt_state=jax.device_get(opt_state))
 
   config, _, _, state = setup
+  tokenizer.save(workdir)  # first, as a run does: config.json records its digest
   write_config(workdir, config, TRAIN_CONFIG, DataConfig())
-  tokenizer.save(workdir)
   checkpoints = Checkpoints(workdir, keep=TRAIN_CONFIG.keep_checkpoints)
   for step in range(2, 11, 2):
     checkpoints.save(shifted(state, step))
