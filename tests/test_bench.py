@@ -19,7 +19,7 @@ from flax_transformer.bench.environment import cpu_description
 from flax_transformer.bench.flops import BatchShape, train_flops
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.step import StepReport, TrainingStep, synthetic_batch
-from flax_transformer.bench.timing import Timing, alternating_rounds
+from flax_transformer.bench.timing import Timing, alternating_rounds, time_rounds
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.train import loop as train_loop
 
@@ -472,3 +472,24 @@ def test_cpu_description_reads_the_first_processor_and_its_matmul_flags():
   }
   # An ARM cpuinfo has none of these fields: nothing is made up.
   assert cpu_description('processor\t: 0\nFeatures\t: fp asimd bf16\n') == {'matmul_flags': []}
+
+
+def test_the_matmul_bound_holds_the_models_products_and_their_flops(capsys):
+  shape = BatchShape(4, 8, 8)
+  step = TrainingStep(TINY, TrainConfig(), shape)
+  bound = step.matmul_bound(rounds=1)
+  products = {product: count for product, count, _ in bound.products}
+  d, f, v = TINY.d_model, TINY.d_ff, TINY.vocab_size
+  # The feed-forward's first product, forward: [B, T, D] . [D, F], once per layer.
+  layers = TINY.num_encoder_layers + TINY.num_decoder_layers
+  forward_ff = [p for p in products if p.lhs[-1] == d and p.rhs == (d, f)]
+  assert forward_ff and sum(products[p] for p in forward_ff) == layers
+  # The output projection against the shared embedding [V, D], forward and backward.
+  assert any(v in p.lhs + p.rhs for p in products)
+  # Every product of the step, forward and backward: the hand count of its FLOPs.
+  assert bound.flops == pytest.approx(train_flops(TINY, shape), rel=0.02)
+  assert bound.seconds > 0 and all(seconds >= 0 for _, _, seconds in bound.products)
+  report = step.report(time_rounds(step.run, 2, 1), bound=bound)
+  assert report.bound_ratio == pytest.approx(report.timing.median_s / bound.seconds)
+  assert report.to_dict()['matmul_bound']['flops'] == bound.flops
+  assert 'its matmul bound' in report.table()

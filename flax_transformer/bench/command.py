@@ -158,6 +158,12 @@ def _add_mapping_options(sub: argparse.ArgumentParser) -> None:
 def _add_step_options(sub: argparse.ArgumentParser) -> None:
   _add_mapping_options(sub)
   sub.add_argument(
+    '--matmul-bound',
+    action='store_true',
+    help="also time the step's matrix products alone (from its jaxpr, each compiled on its "
+    'own) and report the step as a multiple of their sum, the products by time first',
+  )
+  sub.add_argument(
     '--shape',
     type=shape_argument,
     help='rows x source + target positions, e.g. 64x32+32 (default: '
@@ -355,11 +361,15 @@ def _steps(parser, args, model_config, train_config) -> int:
         step.run()
         bar.update(1)
 
-      reports.append(step.report(time_rounds(timed, args.rounds, 0), peak))
+      timing = time_rounds(timed, args.rounds, 0)
+      bound = step.matmul_bound() if getattr(args, 'matmul_bound', False) else None
+      reports.append(step.report(timing, peak, bound))
       bar.set_postfix_str(label)
       write_outputs(reports, args, quiet=True)  # each cell as it finishes: a later failure keeps it
   if len(reports) == 1:
     print(reports[0].table())
+    if reports[0].matmul_bound is not None:
+      print('the products that take most of the bound:\n' + reports[0].matmul_bound.table())
   else:
     from flax_transformer.bench.comparison import reports_table
 

@@ -30,6 +30,7 @@ from flax_transformer.bench.compiled import (
   memory_of,
 )
 from flax_transformer.bench.flops import BatchShape, train_flops, xla_flops
+from flax_transformer.bench.matmul_bound import MatmulBound, matmul_bound
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.timing import Timing, time_rounds
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
@@ -146,6 +147,12 @@ class StepReport:
   peak_flops_per_s: float | None = None
   datasheet_flops_per_s: float | None = None
   time_budget: str | None = None  # train.time_budget, for `budget_steps`
+  matmul_bound: MatmulBound | None = None  # the products alone (`--matmul-bound`)
+
+  @property
+  def bound_ratio(self) -> float | None:
+    """The median step as a multiple of its matmul bound; None without one."""
+    return None if self.matmul_bound is None else self.timing.median_s / self.matmul_bound.seconds
 
   @property
   def budget_steps(self) -> int | None:
@@ -215,6 +222,8 @@ class StepReport:
       'memory': self.memory and self.memory.to_dict(),
       'time_budget': self.time_budget,
       'budget_steps': self.budget_steps,
+      'matmul_bound': self.matmul_bound and self.matmul_bound.to_dict(),
+      'bound_ratio': self.bound_ratio,
     }
 
   def table(self) -> str:
@@ -254,6 +263,15 @@ class StepReport:
         f'({format_bytes(m.aliased)} aliased)',
       ),
     ]
+    if self.matmul_bound is not None:
+      bound = self.matmul_bound
+      rows.append(
+        (
+          'matmuls',
+          f'{bound.seconds * 1e3:.2f} ms alone ({len(bound.products)} distinct products, '
+          f'{bound.flops / 1e9:,.2f} GFLOP): the step is {self.bound_ratio:.2f}x its matmul bound',
+        )
+      )
     if self.time_budget is not None:
       rows.append(
         (
@@ -351,6 +369,11 @@ class TrainingStep:
 
     (compiled,), self.compilation = compile_programs(lower)
     check_compiled_fits(compiled, self.parallel.devices[0], shape)
+    # What `matmul_bound` traces: the step and its arguments' shapes (the state is donated).
+    self._step_fn = step
+    self._abstract_args = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (state, batch)
+    )
     self.compiled = compiled
     self._state, self._batch = state, batch
     self.real_tokens = int(host_batch.num_tokens)
@@ -361,7 +384,16 @@ class TrainingStep:
     self._state, metrics = self.compiled(self._state, self._batch)
     return jax.block_until_ready((self._state, metrics))[1]
 
-  def report(self, timing: Timing, peak: PeakReport | float | None = None) -> StepReport:
+  def matmul_bound(self, rounds: int = 5) -> MatmulBound:
+    """The step's matrix products, each compiled and timed alone (`bench.matmul_bound`)."""
+    return matmul_bound(self._step_fn, *self._abstract_args, rounds=rounds)
+
+  def report(
+    self,
+    timing: Timing,
+    peak: PeakReport | float | None = None,
+    bound: MatmulBound | None = None,
+  ) -> StepReport:
     device = self.parallel.devices[0]
     kind = getattr(device, 'device_kind', device.platform)
     per_device = xla_flops(self.compiled)
@@ -385,6 +417,7 @@ class TrainingStep:
       memory=memory_of([self.compiled]),
       datasheet_flops_per_s=datasheet_peak(kind, compute_dtype(config).name),
       time_budget=self.train_config.time_budget,
+      matmul_bound=bound,
     ).with_peak(peak)
 
 
