@@ -277,7 +277,8 @@ def time_to_bleu(lines: list[dict], target: float) -> dict | None:
 
 
 def plot(args) -> None:
-  """Validation loss and BLEU against training time, one PNG; several runs on one figure."""
+  """Validation loss and BLEU against training time (or steps, `--against steps`), one PNG;
+  several runs on one figure."""
   import matplotlib
 
   matplotlib.use('Agg')
@@ -292,6 +293,8 @@ def plot(args) -> None:
     keys.add(key)
 
     def minutes(step, elapsed=elapsed):
+      if getattr(args, 'against', 'minutes') == 'steps':
+        return step
       seconds = seconds_at(elapsed, step)
       return None if seconds is None else seconds / 60
 
@@ -314,11 +317,14 @@ def plot(args) -> None:
           else 'not reached'
         )
       )
-  left.set(xlabel='training time (minutes)', ylabel='loss per target token', ylim=(1, 6))
+  x_label = {'minutes': 'training time (minutes)', 'steps': 'training steps'}[
+    getattr(args, 'against', 'minutes')
+  ]
+  left.set(xlabel=x_label, ylabel='loss per target token', ylim=(1, 6))
   left.legend(fontsize=8)
   names = {'val_bleu_tok': 'tokenized BLEU', 'val_bleu': 'BLEU, cased'}
   right.set(
-    xlabel='training time (minutes)',
+    xlabel=x_label,
     ylabel=f'validation {" / ".join(names[k] for k in sorted(keys))} (greedy)',
   )
   if args.target is not None and right.has_data():
@@ -493,6 +499,12 @@ def main() -> None:
   )
   curves.add_argument('--output', help='PNG file (default benchmarks/results/<workdir name>.png)')
   curves.add_argument('--title')
+  curves.add_argument(
+    '--against',
+    choices=('minutes', 'steps'),
+    default='minutes',
+    help='the x axis: training minutes (default) or training steps',
+  )
   side_by_side = commands.add_parser('compare', help='runs side by side up to a common step')
   side_by_side.add_argument(
     '--workdirs', required=True, type=comma_separated(str), help='run directories, comma-separated'

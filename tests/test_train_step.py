@@ -26,7 +26,7 @@ from flax_transformer.train import (
   token_metrics,
   transformer_schedule,
 )
-from flax_transformer.train.losses import chunked_loss_sums, loss_sums
+from flax_transformer.train.losses import chunked_loss_sums, fused_loss_sums, loss_sums
 from flax_transformer.train.optimizer import ema_params, with_parameter_ema
 from support.copy_task import random_copy_batch
 
@@ -358,6 +358,55 @@ def test_a_remat_step_with_its_chunked_loss_equals_the_plain_step(single, setup)
   want, got = single.unreplicate(want), single.unreplicate(got)
   for name in ('loss_sum', 'nll_sum', 'correct', 'tokens', 'grad_norm'):
     np.testing.assert_allclose(float(got[name]), float(want[name]), rtol=1e-5, err_msg=name)
+
+
+def test_a_fused_loss_step_equals_the_plain_step(single, setup):
+  """model.loss_chunk: the projection, loss and gradient a chunk at a time, fused: the same
+  sums, and the same parameters after the update."""
+  model, optimizer, step, initial = setup
+  fused = Transformer(CONFIG.replace(loss_chunk=24))  # not a divisor of the batch's tokens
+  fused_step = make_parallel_step(fused, optimizer, TRAIN_CONFIG, single)
+  batch = single.shard_batch(random_copy_batch(np.random.default_rng(8), ROWS, LENGTH, WORDS))
+  want_state, want = step(single.replicate(initial), batch)
+  got_state, got = fused_step(single.replicate(initial), batch)
+  want, got = single.unreplicate(want), single.unreplicate(got)
+  for name in ('loss_sum', 'nll_sum', 'correct', 'tokens', 'grad_norm'):
+    np.testing.assert_allclose(float(got[name]), float(want[name]), rtol=1e-5, err_msg=name)
+  want_params, got_params = (flat(single.unreplicate(s).params) for s in (want_state, got_state))
+  for name in want_params:
+    np.testing.assert_allclose(got_params[name], want_params[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('chunk', [4, 7, 64])
+def test_fused_loss_sums_and_gradients_equal_a_float64_reference(chunk):
+  rng = np.random.default_rng(chunk)
+  rows, length, width, vocab, eps, scale = 3, 5, 8, 11, 0.1, 0.7
+  embedding = rng.normal(size=(vocab, width)).astype(np.float32)
+  states = rng.normal(size=(rows, length, width)).astype(np.float32)
+  targets = rng.integers(1, vocab, size=(rows, length))
+  targets[0, -2:] = PAD
+  project = lambda params, h: h @ params['embedding'].T * scale
+
+  def loss(params, h):
+    return fused_loss_sums(project, params, h, targets, eps, PAD, chunk)['loss_sum']
+
+  sums = fused_loss_sums(project, {'embedding': embedding}, states, targets, eps, PAD, chunk)
+  d_params, d_states = jax.grad(loss, argnums=(0, 1))({'embedding': embedding}, states)
+  # float64: logits, the smoothed target's loss, and d loss / d logits = softmax - q at non-PAD.
+  h, e = states.astype(np.float64), embedding.astype(np.float64)
+  logits = h @ e.T * scale
+  want_loss, count = reference_smoothed_ce(logits, targets, eps, PAD)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  q = np.full(logits.shape, eps / vocab)
+  np.put_along_axis(q, targets[..., None], 1 - eps + eps / vocab, axis=-1)
+  d_logits = (p - q) * (targets != PAD)[..., None]
+  np.testing.assert_allclose(float(sums['loss_sum']), want_loss, rtol=1e-6)
+  assert float(sums['tokens']) == count
+  np.testing.assert_allclose(d_states, d_logits @ e * scale, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    d_params['embedding'], np.einsum('btv,btd->vd', d_logits, h) * scale, rtol=1e-5, atol=1e-6
+  )
 
 
 def test_gradient_accumulation_equals_one_large_batch(single, setup):

@@ -173,6 +173,15 @@ class ModelConfig:
     'time. The same gradients; dropout draws other masks',
     lifetime=COMPUTATION,
   )
+  loss_chunk: int = setting(
+    0,
+    'training an autoregressive model: the output projection, log-softmax and label-smoothed '
+    'loss fused over chunks of this many tokens, their gradient taken in the same pass '
+    '(train.losses.fused_loss_sums): no [tokens, vocabulary] logits are kept, and none '
+    'recomputed; the same loss and gradients; 0: the whole batch at once',
+    bounds=NONNEGATIVE_INT,
+    lifetime=COMPUTATION,
+  )
   attention_kernel: Literal['auto', 'einsum', 'xla', 'cudnn'] = setting(
     'auto',
     'how attention is computed (the same function): einsum, our own products, the '

@@ -9,6 +9,7 @@ giving the others PAD targets.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -105,3 +106,81 @@ def chunked_loss_sums(
   # start as a per-device value.
   per_chunk = jax.lax.map(lambda inputs: chunk_sums(*inputs), (states, targets))
   return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
+
+
+def fused_loss_sums(
+  logits_fn: Callable[[object, jax.Array], jax.Array],
+  params,
+  states: jax.Array,
+  targets: jax.Array,
+  smoothing: float,
+  pad_id: int,
+  chunk: int,
+) -> dict[str, jax.Array]:
+  """`loss_sums(logits_fn(params, states), ...)` and its gradient in one pass over chunks of
+  `chunk` tokens, never holding the batch's `[B, T, V]` logits.
+
+  states `[B, T, D]` and targets `[B, T]` are flattened and cut into chunks (the last padded
+  with PAD targets). For each chunk a `lax.scan` projects the `[chunk, V]` logits, takes their
+  sums, and at once the gradient of the loss sum: d loss / d logits = softmax - q, q the
+  smoothed target ((1 - eps) on the reference token, eps / V on every token), zero at PAD,
+  carried back through the projection to the states and to `params` (the shared embedding,
+  accumulated over chunks). The backward pass then only scales what the forward pass kept by
+  the loss sum's cotangent: no `[B, T, V]` array, and no second projection as recomputation
+  would need. The other sums (nll, correct, tokens) are metrics: no gradient flows from them.
+  """
+  width = states.shape[-1]
+  flat_states, flat_targets = states.reshape(-1, width), targets.reshape(-1)  # [N, D], [N]
+  chunks = -(-flat_targets.shape[0] // chunk)
+  padding = chunks * chunk - flat_targets.shape[0]
+  chunk_states = jnp.pad(flat_states, ((0, padding), (0, 0))).reshape(chunks, chunk, width)
+  chunk_targets = jnp.pad(flat_targets, (0, padding), constant_values=pad_id)
+  return _fused_sums(logits_fn, smoothing, pad_id, params, chunk_states, chunk_targets)
+
+
+def _fused_forward(logits_fn, smoothing, pad_id, params, chunk_states, targets):
+  """(the sums, (d loss_sum / d params, d loss_sum / d states [C, chunk, D]))."""
+  chunks, chunk, _ = chunk_states.shape
+  chunk_targets = targets.reshape(chunks, chunk)
+
+  def one_chunk(params_grad, inputs):
+    states, chunk_target = inputs  # [chunk, D], [chunk]
+    logits, pullback = jax.vjp(logits_fn, params, states)  # [chunk, V]
+    logits = logits.astype(jnp.float32)
+    sums = loss_sums(logits, chunk_target, smoothing, pad_id)
+    vocab = logits.shape[-1]
+    probabilities = jax.nn.softmax(logits, axis=-1)
+    smoothed = jax.nn.one_hot(chunk_target, vocab, dtype=jnp.float32) * (1.0 - smoothing)
+    weights = (chunk_target != pad_id).astype(jnp.float32)[:, None]
+    d_logits = (probabilities - smoothed - smoothing / vocab) * weights
+    d_params, d_states = pullback(d_logits.astype(logits.dtype))
+    return jax.tree.map(jnp.add, params_grad, d_params), (sums, d_states)
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  params_grad, (per_chunk, states_grad) = jax.lax.scan(
+    one_chunk, zeros, (chunk_states, chunk_targets)
+  )
+  sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
+  return sums, (params_grad, states_grad)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_sums(logits_fn, smoothing, pad_id, params, chunk_states, targets):
+  return _fused_forward(logits_fn, smoothing, pad_id, params, chunk_states, targets)[0]
+
+
+def _fused_sums_forward(logits_fn, smoothing, pad_id, params, chunk_states, targets):
+  return _fused_forward(logits_fn, smoothing, pad_id, params, chunk_states, targets)
+
+
+def _fused_sums_backward(logits_fn, smoothing, pad_id, gradients, sums_cotangent):
+  params_grad, states_grad = gradients
+  scale = sums_cotangent['loss_sum']
+  return (
+    jax.tree.map(lambda g: (scale * g).astype(g.dtype), params_grad),
+    (scale * states_grad).astype(states_grad.dtype),
+    None,
+  )
+
+
+_fused_sums.defvjp(_fused_sums_forward, _fused_sums_backward)

@@ -35,7 +35,7 @@ from flax_transformer.data.batching import Batch
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import Transformer
 from flax_transformer.train import cmlm_objective, scheduled_sampling
-from flax_transformer.train.losses import chunked_loss_sums, loss_sums
+from flax_transformer.train.losses import chunked_loss_sums, fused_loss_sums, loss_sums
 from flax_transformer.train.optimizer import make_optimizer, make_schedule, schedule_count
 from flax_transformer.train.parallel import AXIS, DataParallel
 
@@ -184,7 +184,27 @@ def _autoregressive_loss_fn(
   global_tokens = lax.psum(jnp.sum(batch.tgt_out != config.pad_id), AXIS)
 
   def loss_fn(params):
-    if config.remat == 'none':
+    if config.loss_chunk:
+      # The projection, loss and gradient a chunk at a time (losses.fused_loss_sums).
+      states = model.apply(
+        {'params': params},
+        batch.src,
+        batch.tgt_in,
+        train=True,
+        rngs={'dropout': dropout_key},
+        packing=batch.packing,
+        method=Transformer.decoder_states,
+      )  # [B, T, D]
+      sums = fused_loss_sums(
+        lambda p, h: model.apply({'params': p}, h, method=Transformer.logits),
+        params,
+        states,
+        batch.tgt_out,
+        train_config.label_smoothing,
+        config.pad_id,
+        config.loss_chunk,
+      )
+    elif config.remat == 'none':
       logits = model.apply(
         {'params': params},
         batch.src,
