@@ -377,8 +377,9 @@ def compare(args) -> dict:
       if 'val_ppl' not in m and 'val_bleu' not in m:
         continue  # a training line
       evaluation = evaluations.setdefault(m['step'], {})
-      if m['step'] in clock:
-        evaluation['elapsed_s'] = clock[m['step']]
+      seconds = seconds_at(clock, m['step'])  # between logged lines: interpolated
+      if seconds is not None:
+        evaluation['elapsed_s'] = seconds
       if 'val_ppl' in m:
         evaluation['val_loss_per_sentence'] = math.log(m['val_ppl']) * val_tokens
         evaluation['val_loss_per_token'] = math.log(m['val_ppl'])
