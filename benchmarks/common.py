@@ -154,6 +154,7 @@ def read_run_config(workdir: Path) -> dict:
   if not (workdir / 'config.json').is_file():
     raise SystemExit(f'{workdir}: not a run of train.py (no config.json there)')
   config = read_json(workdir / 'config.json', "the run's settings")
-  if not isinstance(config, dict) or not isinstance(config.get('model'), dict):
+  sections = ('model', 'train', 'data')
+  if not isinstance(config, dict) or not any(isinstance(config.get(s), dict) for s in sections):
     raise SystemExit(f'{workdir / "config.json"}: not the settings of a train.py run')
   return config
