@@ -239,7 +239,7 @@ def test_the_fairseq_preset_validates_and_saves_once_an_epoch(tmp_path, multi30k
   messages = []
   result = train(
     model_config,
-    train_config.replace(steps=1, log_every=1, bleu_every=0),
+    train_config.replace(steps=1, log_every=1, bleu_every=0, patience=0),
     data_config.replace(source=str(multi30k_dir)),
     tmp_path,
     dataset=subset,
