@@ -12,7 +12,7 @@ buckets) as `train.py --preset multi30k` uses them; `--first-preset` takes the
 first preset's model and vocabulary instead (benchmarks/results/first_preset.json),
 which the recorded results measured.
 Contenders: unpacked buckets ('unpacked', one pair per row, `--train.packing=0`)
-and `PackingBatcher` at each row length of `--row-lengths` ('packed-L',
+and `Batcher` with a `FirstFit` packing plan at each row length of `--row-lengths` ('packed-L',
 `--train.packing=L`).
 
 Reported for each: the padding share of source and target positions over a
