@@ -130,6 +130,7 @@ def test_a_run_fixes_its_steps_by_its_budget_and_keeps_them_when_resumed(tmp_pat
   assert any(
     m.startswith('time budget 30s: 31 steps fit, so train.steps=31 (a step 0.5 s') for m in messages
   )
+  assert any(m.endswith('steps 0 -> as many as the 30s budget holds') for m in messages)
   # The linear schedule ends at the fixed last step.
   rates = {line['step']: line['learning_rate'] for line in read_metrics(tmp_path) if 'loss' in line}
   assert sorted(rates) == list(range(1, 32))

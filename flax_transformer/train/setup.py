@@ -360,9 +360,17 @@ def initial_state(
   run.say(
     f'model: {count_params(abstract_state.params):,} parameters,{kind} '
     f'{_how_it_computes(run)}; {run.data_parallel.num_devices} device(s)'
-    f'{processes} via {parallel}; steps {start} -> {run.train_config.steps}'
+    f'{processes} via {parallel}; steps {start} -> {_last_step(run.train_config, start)}'
   )
   return run.data_parallel.replicate(state), start
+
+
+def _last_step(config: TrainConfig, start: int) -> str:
+  """The model line's last step: train.steps, or, for a new run with a time budget, what the
+  budget will hold (fixed once measured, `budget.fit_steps`)."""
+  if config.time_budget is not None and start == 0:
+    return f'as many as the {config.time_budget} budget holds'
+  return str(config.steps)
 
 
 def _how_it_computes(run: TrainingRun) -> str:
