@@ -84,6 +84,7 @@ def test_fine_tuning_may_change_the_computation_and_dropout_only():
     'attention_dropout_rate',
     'dtype',
     'remat',
+    'loss_chunk',
     'attention_kernel',
   }
   # train.py --help says so, from the same lifetimes (its refusal: test_pretrained.py)

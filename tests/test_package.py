@@ -185,3 +185,39 @@ def test_no_library_module_imports_another_ones_private_name():
           if alias.name.startswith('_') and not alias.name.startswith('__')
         ]
   assert private == []
+
+
+def _defined_names(path: Path) -> set[str]:
+  """The names a module defines at its top level (functions, classes, assignments)."""
+  names = set()
+  for node in ast.parse(path.read_text()).body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.Assign):
+      names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      names.add(node.target.id)
+  return names
+
+
+def test_library_modules_import_each_name_from_where_it_is_defined():
+  # A module that merely passes a name on (a compatibility re-export) is for users; the library
+  # imports from the defining module, or from a subpackage's face (its __init__.py).
+  passed_on = []
+  for path in sorted((ROOT / 'flax_transformer').rglob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not (
+        isinstance(node, ast.ImportFrom) and (node.module or '').startswith('flax_transformer')
+      ):
+        continue
+      source = ROOT.joinpath(*node.module.split('.')).with_suffix('.py')
+      if not source.is_file():
+        continue  # a package: its face
+      defined = _defined_names(source)
+      passed_on += [
+        f'{path.relative_to(ROOT)}: {node.module}.{alias.name}'
+        for alias in node.names
+        if alias.name not in defined
+        and not ROOT.joinpath(*node.module.split('.'), alias.name).exists()
+      ]
+  assert passed_on == []

@@ -128,6 +128,20 @@ def configs_from_args(
   return model_config, train_config, data_config
 
 
+def run_configs(args: argparse.Namespace, workdir: Path):
+  """train.py's settings for WORKDIR: a run to resume (a config.json and checkpoints, unless
+  --no-resume) starts from its own config.json, with only the options given changed (and so
+  compared with it); else the preset's (`configs_from_args`). Raises ConfigError."""
+  from flax_transformer.run.config_file import read_config
+  from flax_transformer.run.directory import saved_steps
+
+  resuming = args.resume and (workdir / 'config.json').is_file() and bool(saved_steps(workdir))
+  saved = read_config(workdir) if resuming else None
+  if saved is not None and args.preset is not None:
+    print(f'{workdir}: resuming with its config.json; --preset {args.preset} is not applied')
+  return configs_from_args(args, saved)
+
+
 def add_method_options(
   parser: argparse.ArgumentParser, methods=None, title: str = 'decoding method'
 ) -> None:

@@ -12,8 +12,8 @@ from typing import TextIO
 from tqdm import tqdm
 
 from flax_transformer.cli.failures import Failure, one_line
-from flax_transformer.data.corpus import DataError, split_lines
-from flax_transformer.errors import ConfigError, InputError
+from flax_transformer.data.corpus import split_lines
+from flax_transformer.errors import ConfigError, DataError, InputError
 from flax_transformer.signals import Stopped
 
 # Sentences read, sorted and decoded together; their translations are written before the next
@@ -127,7 +127,8 @@ def check_target_lang(lang: str | None, reference: Path | None) -> None:
 
 def target_language(checkpoint: Path) -> str | None:
   """A run directory's data.tgt_lang (also an average's or best's), else None (a Marian model)."""
-  from flax_transformer.run.directory import CheckpointError, read_config
+  from flax_transformer.errors import CheckpointError
+  from flax_transformer.run.config_file import read_config
 
   try:
     return read_config(checkpoint)[2].tgt_lang

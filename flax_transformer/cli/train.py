@@ -110,9 +110,10 @@ def _main(argv: list[str] | None) -> int:
   hosts.start_hosts(parser, args)
   # Imported after argument checks, so --help and option errors answer at once (and after
   # jax.distributed.initialize, which must come before anything touches the devices).
-  from flax_transformer.run.config_file import read_config
-  from flax_transformer.run.directory import NotARun, saved_steps
-  from flax_transformer.train.loop import check_settings, train
+  from flax_transformer.errors import NotARun
+  from flax_transformer.run.directory import saved_steps
+  from flax_transformer.train.loop import train
+  from flax_transformer.train.setup import check_settings
 
   try:
     cache = compilation_cache.enable(args.compilation_cache)
@@ -121,16 +122,8 @@ def _main(argv: list[str] | None) -> int:
   if args.workdir == '':  # Path('') would be '.', and quoted so
     raise NotARun("--workdir '' names no directory; name a new one (default: runs/PRESET)")
   workdir = Path(args.workdir or Path('runs') / (args.preset or 'toy'))
-  # A run to resume: its settings, with only the options given changed and compared.
-  resuming = args.resume and (workdir / 'config.json').is_file() and bool(saved_steps(workdir))
-  saved = read_config(workdir) if resuming else None
-  if saved is not None and args.preset is not None:
-    print(f'{workdir}: resuming with its config.json; --preset {args.preset} is not applied')
   try:
-    configs = options.configs_from_args(args, saved)
-  except ConfigError as error:
-    parser.error(str(error))
-  try:
+    configs = options.run_configs(args, workdir)  # a run to resume: its own, as given
     check_settings(
       *configs,
       args.average_last,

@@ -11,11 +11,11 @@ shapes, a pure function of the step), `packing` (what packing asks of the settin
 
 from flax_transformer.data.batcher import Batcher
 from flax_transformer.data.batching import Batch, EncodedCorpus, encode_corpus, shard
-from flax_transformer.data.corpus import DataError, describe, load_parallel
+from flax_transformer.data.corpus import describe, load_parallel
 from flax_transformer.data.packing import padding_share
 from flax_transformer.data.plans import BestFit, Bucketed, FirstFit, row_plan
 from flax_transformer.data.toy_task import number_translation
-from flax_transformer.errors import TokenizerError
+from flax_transformer.errors import DataError, TokenizerError
 from flax_transformer.tokenizer import TextTokenizer, Tokenizer, check_compatible
 
 __all__ = [

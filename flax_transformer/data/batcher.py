@@ -36,8 +36,8 @@ import numpy as np
 from flax_transformer.config import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, check_bounds
 from flax_transformer.data.assembly import build_bucketed, build_packed
 from flax_transformer.data.batching import Batch, EncodedCorpus, default_buckets, rows_per_batch
-from flax_transformer.data.corpus import DataError
 from flax_transformer.data.plans import Bucketed, PackedRows, RowPlan
+from flax_transformer.errors import DataError
 
 UNPACKED = Bucketed()
 # One batch of an epoch's plan: (bucket, its rows: pair indices, or `PackedRows` when packed).

@@ -36,9 +36,9 @@ from tqdm.auto import tqdm
 
 from flax_transformer import signals
 from flax_transformer.config import Bounds, check_bounds
-from flax_transformer.data.corpus import DataError
 from flax_transformer.data.encoding import encoded_blocks
 from flax_transformer.data.pair_sources import DatasetPairs
+from flax_transformer.errors import DataError
 from flax_transformer.nn import masks
 from flax_transformer.tokenizer import Tokenizer
 

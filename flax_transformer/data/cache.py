@@ -62,7 +62,6 @@ from tqdm.auto import tqdm
 from flax_transformer import signals
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus
-from flax_transformer.data.corpus import DataError
 from flax_transformer.data.encoding import BLOCK_LINES, encoded_blocks
 from flax_transformer.data.pair_sources import (
   DatasetPairs,
@@ -71,7 +70,7 @@ from flax_transformer.data.pair_sources import (
   files_fingerprint,
   sample_rows,
 )
-from flax_transformer.errors import CacheError
+from flax_transformer.errors import CacheError, DataError
 from flax_transformer.files import file_digest, write_atomically
 from flax_transformer.tokenizer import TextTokenizer
 

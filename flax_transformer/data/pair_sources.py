@@ -28,7 +28,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from flax_transformer.data.corpus import DataError, invalid_utf8
+from flax_transformer.data.corpus import invalid_utf8
+from flax_transformer.errors import DataError
 
 _HASH_BLOCK = 8 << 20
 

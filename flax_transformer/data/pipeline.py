@@ -35,10 +35,12 @@ import datasets
 from flax_transformer.config import DataConfig, TrainConfig
 from flax_transformer.data.batcher import Batcher
 from flax_transformer.data.batching import EncodedCorpus, encode_corpus
-from flax_transformer.data.cache import DatasetPairs, TextPairFiles, load_or_encode
-from flax_transformer.data.corpus import DataError, describe, load_parallel, text_pair_files
+from flax_transformer.data.cache import load_or_encode
+from flax_transformer.data.corpus import describe, load_parallel, text_pair_files
+from flax_transformer.data.pair_sources import DatasetPairs, TextPairFiles
 from flax_transformer.data.plans import PackingPlan, row_plan
 from flax_transformer.data.toy_task import number_translation
+from flax_transformer.errors import DataError
 from flax_transformer.tokenizer import TextTokenizer
 
 # The tokenizer's sample is drawn with this seed, not the run's: the vocabulary is a function

@@ -44,7 +44,7 @@ import numpy as np
 
 from flax_transformer.config import check_bounds
 from flax_transformer.data.batching import SEQUENCE_LENGTH
-from flax_transformer.data.corpus import DataError
+from flax_transformer.errors import DataError
 
 # Rows kept open for the next pairs while first fit packs; more fill rows a little better and
 # cost time per pair (a pair tries each open row in turn).

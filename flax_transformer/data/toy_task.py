@@ -21,7 +21,7 @@ import datasets
 import numpy as np
 
 from flax_transformer.config import POSITIVE_INT, check_bounds
-from flax_transformer.data.corpus import DataError
+from flax_transformer.errors import DataError
 
 LARGEST = 999_999
 

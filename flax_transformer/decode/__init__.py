@@ -18,11 +18,11 @@ from flax_transformer.decode.autoregressive import (
   Sampling,
   beam_search,
   greedy,
-  length_penalty,
   sample,
 )
 from flax_transformer.decode.methods import METHODS, DecodingMethod, default_method
 from flax_transformer.decode.non_autoregressive import MaskPredict, mask_predict
+from flax_transformer.decode.search import length_penalty
 from flax_transformer.decode.translator import Translator
 
 __all__ = [

@@ -6,17 +6,16 @@ model as one, which transformers and CTranslate2 load (the tokenizers, Marian's 
 export's, live in `flax_transformer.tokenizer`).
 """
 
+from flax_transformer.errors import PretrainedError
 from flax_transformer.pretrained.marian import (
-  TOKENIZER_FILES,
-  WEIGHTS_FILE,
-  MarianTokenizer,
-  PretrainedError,
   fine_tuning_config,
   is_marian_directory,
   load_marian,
   marian_config,
   read_marian_config,
 )
+from flax_transformer.pretrained.marian_weights import WEIGHTS_FILE
+from flax_transformer.tokenizer.marian import TOKENIZER_FILES, MarianTokenizer
 
 __all__ = [
   'MarianTokenizer',

@@ -52,8 +52,9 @@ import numpy as np
 
 from flax_transformer.config import ModelConfig
 from flax_transformer.errors import ExportError
-from flax_transformer.pretrained.marian import TOKENIZER_FILES, WEIGHTS_FILE, MarianTokenizer
+from flax_transformer.pretrained.marian_weights import WEIGHTS_FILE
 from flax_transformer.tokenizer import SPECIAL_TOKENS, TextTokenizer, Tokenizer
+from flax_transformer.tokenizer.marian import TOKENIZER_FILES, MarianTokenizer
 from flax_transformer.tokenizer.subword import special_tokens_as_text
 
 # Our activation names -> transformers' (our 'gelu' is the tanh form: transformers' gelu_new).

@@ -7,16 +7,18 @@ decoding; checkpoint averaging), `metrics_log` (metrics.jsonl), `sizes` (memory
 estimates checked before allocating).
 """
 
-from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint, RotatedCheckpoint
-from flax_transformer.run.directory import (
+from flax_transformer.errors import (
   CheckpointError,
-  RunDirectory,
+  DamagedCheckpoint,
+  RotatedCheckpoint,
+  RunDirectoryInUse,
   WriteError,
-  read_config,
-  write_config,
 )
+from flax_transformer.run.checkpoints import Checkpoints
+from flax_transformer.run.config_file import read_config, write_config
+from flax_transformer.run.directory import RunDirectory
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
-from flax_transformer.run.lock import RunDirectoryInUse, RunLock
+from flax_transformer.run.lock import RunLock
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits, parameter_count
 

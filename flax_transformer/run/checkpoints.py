@@ -49,10 +49,15 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from flax_transformer.config import ModelConfig
-from flax_transformer.errors import DamagedCheckpoint, RotatedCheckpoint
+from flax_transformer.errors import (
+  CheckpointError,
+  DamagedCheckpoint,
+  RotatedCheckpoint,
+  WriteError,
+)
 from flax_transformer.files import file_digest
 from flax_transformer.run.checkpoint_layout import check_layout, check_shapes, shapes_by_name
-from flax_transformer.run.directory import CHECKPOINT_DIR, CheckpointError, WriteError
+from flax_transformer.run.directory import CHECKPOINT_DIR
 
 __all__ = ['CheckpointError', 'Checkpoints', 'DamagedCheckpoint', 'RotatedCheckpoint', 'WriteError']
 

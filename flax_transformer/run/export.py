@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from flax_transformer.errors import CheckpointError
 from flax_transformer.pretrained import export
 from flax_transformer.pretrained.marian import is_export, is_marian_directory
-from flax_transformer.run.directory import CheckpointError, read_config
+from flax_transformer.run.config_file import read_config
 from flax_transformer.run.loading import check_run_output, load_for_inference
 
 

@@ -18,21 +18,22 @@ from jax.experimental import multihost_utils
 
 from flax_transformer.config import NONNEGATIVE, Bounds, ModelConfig, check_bounds
 from flax_transformer.data import preprocessing
+from flax_transformer.errors import CheckpointError, RotatedCheckpoint
 from flax_transformer.nn.build import abstract_params
-from flax_transformer.pretrained.marian import MarianTokenizer
-from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints, RotatedCheckpoint
-from flax_transformer.run.directory import (
-  CHECKPOINT_DIR,
+from flax_transformer.run.checkpoints import PARAMS_OF_CONFIG, Checkpoints
+from flax_transformer.run.config_file import (
   CONFIG_FILE,
-  ENCODED_DIR,
-  METRICS_FILE,
-  TENSORBOARD_DIR,
-  CheckpointError,
-  check_tokenizer,
-  check_tokenizer_fits,
   read_config,
   read_marker,
   write_averaged_config,
+)
+from flax_transformer.run.directory import (
+  CHECKPOINT_DIR,
+  ENCODED_DIR,
+  METRICS_FILE,
+  TENSORBOARD_DIR,
+  check_tokenizer,
+  check_tokenizer_fits,
 )
 from flax_transformer.run.lock import LOCK_FILE
 from flax_transformer.run.outputs import Protected, check_output
@@ -40,6 +41,7 @@ from flax_transformer.run.sizes import check_fits
 from flax_transformer.tokenizer import TextTokenizer, Tokenizer
 from flax_transformer.tokenizer import kind_in as tokenizer_kind_in
 from flax_transformer.tokenizer import load as load_tokenizer
+from flax_transformer.tokenizer.marian import MarianTokenizer
 
 # Reads of the newest checkpoint that a training run may rotate away before decoding gives up.
 _ROTATION_TRIES = 10

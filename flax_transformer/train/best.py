@@ -23,7 +23,8 @@ from pathlib import Path
 import jax
 
 from flax_transformer.config import TrainConfig
-from flax_transformer.run.directory import BEST_DIR, BEST_KEY, read_marker, saved_steps
+from flax_transformer.run.config_file import read_marker
+from flax_transformer.run.directory import BEST_DIR, BEST_KEY, saved_steps
 from flax_transformer.run.loading import write_params_run
 
 

@@ -133,15 +133,20 @@ def resumed_steps(saved: TrainConfig | None, requested: TrainConfig) -> TrainCon
   return requested.replace(steps=saved.steps)
 
 
-def fit_steps(run, loop, state, start: int, spent_s: float, average_last: int, clock) -> int:
+def fit_steps(
+  run, loop, state, start: int, spent_s: float, average_last: int, clock
+) -> TrainConfig:
   """Measures this run's costs (`measure_costs`, on a copy of the replicated `state` from
-  step `start`) and returns the last step that fits train.time_budget; every process takes
-  process 0's answer. `run` and `loop` are train.loop's `TrainingRun` and `TrainingLoop`."""
+  step `start`), fixes train.steps at the last step that fits train.time_budget (every
+  process takes process 0's answer), checks what depends on it, recompiles the step (a
+  schedule's end is a constant of its program) and returns the run's settings. `run` and
+  `loop` are train.loop's `TrainingRun` and `TrainingLoop`."""
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
 
   from flax_transformer.train.report import split_scores
+  from flax_transformer.train.setup import check_average_last, check_patience
 
   config = run.train_config
   scratch = jax.tree.map(lambda x: x.copy(), state)
@@ -180,4 +185,8 @@ def fit_steps(run, loop, state, start: int, spent_s: float, average_last: int, c
     f'time budget {config.time_budget}: {steps - start:,} steps fit, so train.steps={steps:,} '
     f'({costs.describe()}; {spent:,.0f} s spent before training)'
   )
-  return steps
+  run.train_config = config.replace(steps=steps)
+  check_average_last(run.train_config, average_last)
+  check_patience(run.train_config)
+  loop.compile_step()
+  return run.train_config

@@ -37,14 +37,14 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from flax_transformer.config import RUN_PRESETS, run_preset
-from flax_transformer.data.corpus import DataError
 from flax_transformer.decode.autoregressive import BeamSearch
 from flax_transformer.decode.methods import DecodingMethod
 from flax_transformer.decode.translator import Translator
-from flax_transformer.errors import DistillError
-from flax_transformer.run.directory import averaged_run, read_config
+from flax_transformer.errors import DataError, DistillError
+from flax_transformer.run.config_file import read_config
+from flax_transformer.run.directory import averaged_run
 from flax_transformer.run.outputs import Protected, check_output
-from flax_transformer.train.loop import load_data
+from flax_transformer.train.setup import load_data
 
 # config.json fields a student's train.py command does not repeat: the tokenizer decides the
 # vocabulary and special ids, --objective the kind, --data/--src/--tgt the data.

@@ -66,7 +66,7 @@ from flax_transformer.config import DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data.batching import Batch
 from flax_transformer.data.pipeline import Prefetcher, make_batcher
 from flax_transformer.errors import NonFiniteError as NonFiniteError
-from flax_transformer.run.checkpoints import WriteError
+from flax_transformer.errors import WriteError
 from flax_transformer.run.config_file import read_config
 from flax_transformer.run.directory import RunDirectory, saved_steps
 from flax_transformer.run.metrics_log import MetricsLog
@@ -81,8 +81,6 @@ from flax_transformer.train.profiling import StepTrace, profile_plan
 from flax_transformer.train.report import final_scores, split_scores
 from flax_transformer.train.setup import (
   TrainingRun,
-  check_average_last,
-  check_patience,
   check_settings,
   encode_training_split,
   eval_batches,
@@ -201,11 +199,7 @@ def train(
     loop = TrainingLoop(run, skip_nonfinite)
     state, start = initial_state(run, loop.model, loop.optimizer, parallel)
     if train_config.time_budget is not None and saved is None:
-      steps = fit_steps(run, loop, state, start, clock() - began, average_last, clock)
-      run.train_config = train_config = train_config.replace(steps=steps)
-      check_average_last(train_config, average_last)
-      check_patience(train_config)
-      loop.compile_step()  # the schedule's end is a constant of the program
+      train_config = fit_steps(run, loop, state, start, clock() - began, average_last, clock)
     signals.check()  # a signal while loading stops before anything of the run is written
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
     directory.write_settings(run.model_config, train_config, data_config, loop.packing_plan)
@@ -219,11 +213,6 @@ def train(
     try:
       state = loop.train_from(state, start)
       final_state = run.data_parallel.unreplicate(state)
-      written = write_ema(
-        directory.path, int(final_state.step), final_state.opt_state, train_config.ema_decay
-      )
-      if written is not None:
-        run.say(f'wrote {written}: the moving average of the parameters at the last step')
       _final_evaluation(run, loop, final_state, start, average_last)
     finally:
       if run.log is not None:
@@ -437,6 +426,11 @@ def _final_evaluation(
   """The final scores (after the validation loss, for a run that was trained already); a
   signal abandons them, and the next run evaluates the saved final step again."""
   steps = run.train_config.steps
+  written = write_ema(
+    run.directory.path, int(state.step), state.opt_state, run.train_config.ema_decay
+  )
+  if written is not None:
+    run.say(f'wrote {written}: the moving average of the parameters at the last step')
   try:
     if start >= steps:
       run.say(

@@ -11,14 +11,10 @@ from jax.experimental import multihost_utils
 
 from flax_transformer.config import DataConfig
 from flax_transformer.errors import CheckpointError
-from flax_transformer.run.directory import (
-  CONFIG_FILE,
-  TOKENIZER_FILE,
-  RunDirectory,
-  check_tokenizer,
-  check_tokenizer_fits,
-)
+from flax_transformer.run.config_file import CONFIG_FILE
+from flax_transformer.run.directory import RunDirectory, check_tokenizer, check_tokenizer_fits
 from flax_transformer.tokenizer import MarianTokenizer, TextTokenizer, Tokenizer, kind_in
+from flax_transformer.tokenizer.subword import FILE_NAME as TOKENIZER_FILE
 
 
 def run_tokenizer(

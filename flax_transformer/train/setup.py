@@ -41,10 +41,11 @@ from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import check_settings as check_packing
 from flax_transformer.data.pipeline import TrainingData, load_training_data
 from flax_transformer.data.toy_task import number_translation
+from flax_transformer.errors import DamagedCheckpoint
 from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
 from flax_transformer.nn.model import Transformer, count_params
 from flax_transformer.pretrained.marian import load_marian
-from flax_transformer.run.checkpoints import Checkpoints, DamagedCheckpoint
+from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import RunDirectory
 from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits
