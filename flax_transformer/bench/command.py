@@ -194,6 +194,12 @@ def _add_sweep_options(sub: argparse.ArgumentParser) -> None:
     help="model.dtype values (default: the settings' own)",
   )
   sub.add_argument(
+    '--loss-chunks',
+    type=comma_list(str),
+    metavar='N,...',
+    help="model.loss_chunk values, 0 the whole batch (default: the settings' own)",
+  )
+  sub.add_argument(
     '--plot',
     type=Path,
     metavar='FILE.png',
@@ -376,7 +382,10 @@ def _steps(parser, args, model_config, train_config) -> int:
     # Labels as resolved ('auto' names what it chose here).
     print(
       reports_table(
-        {f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype}': r for r in reports}
+        {
+          f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype} chunk {r.loss_chunk}': r
+          for r in reports
+        }
       )
     )
   write_outputs(reports, args)
@@ -384,7 +393,7 @@ def _steps(parser, args, model_config, train_config) -> int:
     plot(
       reports,
       'rows',
-      ['attention_kernel', 'remat', 'dtype'],
+      ['attention_kernel', 'remat', 'dtype', 'loss_chunk'],
       args.plot,
       f'{reports[0].model}, length {args.length}',
     )
@@ -402,21 +411,21 @@ def _cells(parser, args, model_config, train_config) -> dict:
     if args.length < 1:
       parser.error(f'--length must be positive, got {args.length}')
     grid = {}
-    for rows, kernel, remat, dtype in itertools.product(
+    for rows, kernel, remat, dtype, chunk in itertools.product(
       args.batches,
       args.kernels or [model_config.attention_kernel],
       args.remats or [model_config.remat],
       args.dtypes or [model_config.dtype],
+      args.loss_chunks or [str(model_config.loss_chunk)],
     ):
       from flax_transformer.config import parse_overrides
 
+      overrides = {'attention_kernel': kernel, 'remat': remat, 'dtype': dtype, 'loss_chunk': chunk}
       try:
-        model = parse_overrides(
-          model_config, 'model', {'attention_kernel': kernel, 'remat': remat, 'dtype': dtype}
-        )
+        model = parse_overrides(model_config, 'model', overrides)
       except ConfigError as error:
         parser.error(str(error))
-      grid[f'{rows} {kernel} {remat} {dtype}'] = (
+      grid[f'{rows} {kernel} {remat} {dtype} loss_chunk {chunk}'] = (
         model,
         train_config,
         BatchShape(rows, args.length, args.length),

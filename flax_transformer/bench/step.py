@@ -146,6 +146,7 @@ class StepReport:
   memory: CompiledMemory | None
   peak_flops_per_s: float | None = None
   datasheet_flops_per_s: float | None = None
+  loss_chunk: int = 0  # model.loss_chunk: the loss fused over chunks of this many tokens
   time_budget: str | None = None  # train.time_budget, for `budget_steps`
   matmul_bound: MatmulBound | None = None  # the products alone (`--matmul-bound`)
 
@@ -205,6 +206,7 @@ class StepReport:
       'dtype': self.dtype,
       'attention_kernel': self.attention_kernel,
       'remat': self.remat,
+      'loss_chunk': self.loss_chunk,
       'device': self.device,
       'devices': self.devices,
       'parallel': self.parallel,
@@ -235,6 +237,7 @@ class StepReport:
       (
         'computes',
         f'{self.dtype}, {self.attention_kernel} attention, remat {self.remat}'
+        + (f', loss fused over {self.loss_chunk} tokens' if self.loss_chunk else '')
         + (f', packed rows of {self.packing}' if self.packing else ''),
       ),
       ('devices', f'{self.devices} x {self.device} via {self.parallel}'),
@@ -417,6 +420,7 @@ class TrainingStep:
       memory=memory_of([self.compiled]),
       datasheet_flops_per_s=datasheet_peak(kind, compute_dtype(config).name),
       time_budget=self.train_config.time_budget,
+      loss_chunk=config.loss_chunk,
       matmul_bound=bound,
     ).with_peak(peak)
 
