@@ -550,8 +550,8 @@ MUTANTS = [
   m(
     'peak_lr_ignored',
     TRAIN + 'optimizer.py',
-    '    scale = train_config.peak_lr * (model_config.d_model * train_config.warmup_steps) ** 0.5',
-    '    scale = train_config.peak_lr',
+    '    scale = c.peak_lr * (model_config.d_model * c.warmup_steps) ** 0.5',
+    '    scale = c.peak_lr',
     'tests/test_preprocessing.py',
   ),
   m(
@@ -571,8 +571,8 @@ MUTANTS = [
   m(
     'early_stop_not_saved',
     TRAIN + 'loop.py',
-    '    if stopping or save_due or early:\n',
-    '    if stopping or save_due:\n',
+    '    if stopping or now.save or early:\n',
+    '    if stopping or now.save:\n',
     'tests/test_best_checkpoint.py',
   ),
   m(
@@ -585,7 +585,7 @@ MUTANTS = [
   m(
     'signal_in_an_evaluation_not_saved',
     TRAIN + 'loop.py',
-    '      if (stopping or early) and not save_due:\n',
+    '      if (stopping or early) and not now.save:\n',
     '      if False:\n',
     'tests/test_signals.py',
   ),
