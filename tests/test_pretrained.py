@@ -367,7 +367,7 @@ def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(
   err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
   assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err
   assert (
-    '(it may change attention_dropout_rate, attention_kernel, dropout_rate, dtype, remat)'
+    '(it may change attention_dropout_rate, attention_kernel, dropout_rate, dtype, loss_chunk, remat)'
   ) in err
   # How it computes is the run's to choose.
   config = fine_tuning_config(marian_dir, {'remat': 'dots', 'dtype': 'bfloat16'})
