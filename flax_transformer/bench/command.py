@@ -331,11 +331,6 @@ def _peak(parser, args) -> int:
 
 def _steps(parser, args, model_config, train_config) -> int:
   """`step` and `sweep`: every cell checked, then each compiled and timed in turn."""
-  from tqdm.auto import tqdm
-
-  from flax_transformer.bench.step import TrainingStep
-  from flax_transformer.bench.timing import time_rounds
-
   cells = _cells(parser, args, model_config, train_config)
   peak = args.peak
   if peak == 'measure':
@@ -344,6 +339,43 @@ def _steps(parser, args, model_config, train_config) -> int:
     peak = measure_peak(compute_dtype(model_config).name)
     print(peak.table())
   peak = None if peak == 'none' else peak
+  reports = _time_cells(args, cells, peak)
+  if len(reports) == 1:
+    print(reports[0].table())
+    if reports[0].matmul_bound is not None:
+      print('the products that take most of the bound:\n' + reports[0].matmul_bound.table())
+  else:
+    from flax_transformer.bench.comparison import reports_table
+
+    # Labels as resolved ('auto' names what it chose here).
+    print(
+      reports_table(
+        {
+          f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype} chunk {r.loss_chunk}': r
+          for r in reports
+        }
+      )
+    )
+  write_outputs(reports, args)
+  if args.command == 'sweep' and args.plot:
+    plot(
+      reports,
+      'rows',
+      ['attention_kernel', 'remat', 'dtype', 'loss_chunk'],
+      args.plot,
+      f'{reports[0].model}, length {args.length}',
+    )
+  return 0
+
+
+def _time_cells(args, cells: dict, peak) -> list:
+  """Each cell compiled and timed in turn (with its matmul bound when asked); the reports so
+  far are written after each, so a cell refused later keeps them."""
+  from tqdm.auto import tqdm
+
+  from flax_transformer.bench.step import TrainingStep
+  from flax_transformer.bench.timing import time_rounds
+
   reports = []
   with tqdm(
     total=len(cells) * (args.rounds + 1), desc=args.command, unit='call', disable=len(cells) == 1
@@ -372,32 +404,7 @@ def _steps(parser, args, model_config, train_config) -> int:
       reports.append(step.report(timing, peak, bound))
       bar.set_postfix_str(label)
       write_outputs(reports, args, quiet=True)  # each cell as it finishes: a later failure keeps it
-  if len(reports) == 1:
-    print(reports[0].table())
-    if reports[0].matmul_bound is not None:
-      print('the products that take most of the bound:\n' + reports[0].matmul_bound.table())
-  else:
-    from flax_transformer.bench.comparison import reports_table
-
-    # Labels as resolved ('auto' names what it chose here).
-    print(
-      reports_table(
-        {
-          f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype} chunk {r.loss_chunk}': r
-          for r in reports
-        }
-      )
-    )
-  write_outputs(reports, args)
-  if args.command == 'sweep' and args.plot:
-    plot(
-      reports,
-      'rows',
-      ['attention_kernel', 'remat', 'dtype', 'loss_chunk'],
-      args.plot,
-      f'{reports[0].model}, length {args.length}',
-    )
-  return 0
+  return reports
 
 
 def _cells(parser, args, model_config, train_config) -> dict:

@@ -184,53 +184,39 @@ def _autoregressive_loss_fn(
   global_tokens = lax.psum(jnp.sum(batch.tgt_out != config.pad_id), AXIS)
 
   def loss_fn(params):
-    if config.loss_chunk:
-      # The projection, loss and gradient a chunk at a time (losses.fused_loss_sums).
-      states = model.apply(
+    def forward(method=None):  # the logits [B, T, V], or with `decoder_states` [B, T, D]
+      return model.apply(
         {'params': params},
         batch.src,
         batch.tgt_in,
         train=True,
         rngs={'dropout': dropout_key},
         packing=batch.packing,
-        method=Transformer.decoder_states,
-      )  # [B, T, D]
+        **({} if method is None else {'method': method}),
+      )
+
+    smoothing, pad_id = train_config.label_smoothing, config.pad_id
+    if config.loss_chunk:
+      # The projection, loss and gradient a chunk at a time (losses.fused_loss_sums).
       sums = fused_loss_sums(
         lambda p, h: model.apply({'params': p}, h, method=Transformer.logits),
         params,
-        states,
+        forward(Transformer.decoder_states),
         batch.tgt_out,
-        train_config.label_smoothing,
-        config.pad_id,
+        smoothing,
+        pad_id,
         config.loss_chunk,
       )
     elif config.remat == 'none':
-      logits = model.apply(
-        {'params': params},
-        batch.src,
-        batch.tgt_in,
-        train=True,
-        rngs={'dropout': dropout_key},
-        packing=batch.packing,
-      )  # [B, T, V]
-      sums = loss_sums(logits, batch.tgt_out, train_config.label_smoothing, config.pad_id)
+      sums = loss_sums(forward(), batch.tgt_out, smoothing, pad_id)
     else:
       # Remat trades time for memory in the loss too: the logits a chunk at a time.
-      states = model.apply(
-        {'params': params},
-        batch.src,
-        batch.tgt_in,
-        train=True,
-        rngs={'dropout': dropout_key},
-        packing=batch.packing,
-        method=Transformer.decoder_states,
-      )  # [B, T, D]
       sums = chunked_loss_sums(
         lambda h: model.apply({'params': params}, h, method=Transformer.logits),
-        states,
+        forward(Transformer.decoder_states),
         batch.tgt_out,
-        train_config.label_smoothing,
-        config.pad_id,
+        smoothing,
+        pad_id,
       )
     return sums['loss_sum'] / jnp.maximum(global_tokens, 1).astype(jnp.float32), sums
 
