@@ -138,9 +138,9 @@ def fit_steps(
 ) -> TrainConfig:
   """Measures this run's costs (`measure_costs`, on a copy of the replicated `state` from
   step `start`), fixes train.steps at the last step that fits train.time_budget (every
-  process takes process 0's answer), checks what depends on it, recompiles the step (a
-  schedule's end is a constant of its program) and returns the run's settings. `run` and
-  `loop` are train.loop's `TrainingRun` and `TrainingLoop`."""
+  process takes process 0's answer), checks what depends on it and returns the run's
+  settings with those steps; the caller recompiles the step (a schedule's end is a constant
+  of its program). `run` and `loop` are train.loop's `TrainingRun` and `TrainingLoop`."""
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
@@ -185,8 +185,7 @@ def fit_steps(
     f'time budget {config.time_budget}: {steps - start:,} steps fit, so train.steps={steps:,} '
     f'({costs.describe()}; {spent:,.0f} s spent before training)'
   )
-  run.train_config = config.replace(steps=steps)
-  check_average_last(run.train_config, average_last)
-  check_patience(run.train_config)
-  loop.compile_step()
-  return run.train_config
+  fitted = config.replace(steps=steps)
+  check_average_last(fitted, average_last)
+  check_patience(fitted)
+  return fitted

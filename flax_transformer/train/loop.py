@@ -76,6 +76,7 @@ from flax_transformer.train.budget import fit_steps, resumed_steps
 from flax_transformer.train.cadence import Due, due
 from flax_transformer.train.evaluation import describe_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
+from flax_transformer.train.metrics import ScoreRecord
 from flax_transformer.train.moving_average import write_ema
 from flax_transformer.train.profiling import StepTrace, profile_plan
 from flax_transformer.train.report import final_scores, split_scores
@@ -196,42 +197,44 @@ def train(
       init_from,
       allow_unverified,
     )
-    loop = TrainingLoop(run, skip_nonfinite)
+    record = ScoreRecord()
+    loop = TrainingLoop(run, skip_nonfinite, record)
     state, start = initial_state(run, loop.model, loop.optimizer, parallel)
     if train_config.time_budget is not None and saved is None:
       train_config = fit_steps(run, loop, state, start, clock() - began, average_last, clock)
+      run = dataclasses.replace(run, train_config=train_config)
+      loop.use(run)
     signals.check()  # a signal while loading stops before anything of the run is written
     # Only now, with the checkpoint restored, is anything of the run directory rewritten.
     directory.write_settings(run.model_config, train_config, data_config, loop.packing_plan)
-    run.log = (
-      MetricsLog(
-        directory.metrics_file, resume_step=start, tensorboard_dir=directory.tensorboard_dir
+    if directory.is_main:
+      record.attach(
+        MetricsLog(
+          directory.metrics_file, resume_step=start, tensorboard_dir=directory.tensorboard_dir
+        )
       )
-      if directory.is_main
-      else None
-    )
     try:
       state = loop.train_from(state, start)
       final_state = run.data_parallel.unreplicate(state)
       _final_evaluation(run, loop, final_state, start, average_last)
     finally:
-      if run.log is not None:
-        run.log.close()
+      record.close()
   return TrainResult(
     workdir=directory.path,
     model_config=run.model_config,
     tokenizer=run.tokenizer,
     state=final_state,
-    scores=run.scores,
+    scores=record.scores,
   )
 
 
 class TrainingLoop:
   """Steps from the start to train.steps, with their logging, validation and checkpoints."""
 
-  def __init__(self, run: TrainingRun, skip_nonfinite: int):
+  def __init__(self, run: TrainingRun, skip_nonfinite: int, record: ScoreRecord):
     self.run = run
     self.skip_nonfinite = skip_nonfinite
+    self.record = record
     config = run.train_config
     self.compile_step()
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
@@ -246,10 +249,16 @@ class TrainingLoop:
     self.best = BestCheckpoint(run.directory.path, config) if 'validation' in run.dataset else None
 
   def compile_step(self) -> None:
-    """The model, optimizer and mapped step for the run's settings as they are now."""
+    """The model, optimizer and mapped step for the run's settings."""
     self.model, self.optimizer, self.step_fn = compiled_training(
       self.run.model_config, self.run.train_config, self.run.data_parallel
     )
+
+  def use(self, run: TrainingRun) -> None:
+    """Trains `run` instead: the same data and devices, settings fixed since (a time
+    budget's train.steps, a constant of the step's schedule), so the step is recompiled."""
+    self.run = run
+    self.compile_step()
 
   def local_batch(self, step: int) -> Batch:
     """This process's rows of step `step`'s batch, split over the devices."""
@@ -262,7 +271,7 @@ class TrainingLoop:
     run, config = self.run, self.run.train_config
     # The clock carries on from the log's last line, so a resumed run's elapsed_s is the
     # whole run's training time (the time stopped in between not counted).
-    logged_s = run.log.elapsed_s if run.log is not None else 0.0
+    logged_s = self.record.elapsed_s
     buffer, run_start, done = MetricBuffer(run.data_parallel), time.perf_counter() - logged_s, start
     bar = tqdm(
       initial=start,
@@ -341,7 +350,7 @@ class TrainingLoop:
     new = buffer.fetch() if now.fetch else []
     if now.log:
       values = {**buffer.summary(), 'elapsed_s': time.perf_counter() - run_start}
-      run.record(done, values)
+      self.record.record(done, values)
       if 'loss' in values:
         bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
     check_finite(
@@ -369,7 +378,7 @@ class TrainingLoop:
     run = self.run
     params = run.data_parallel.unreplicate(params)
     values, report = split_scores(run, params, 'validation')
-    run.record(step, {f'val_{name}': value for name, value in values.items()})
+    self.record.record(step, {f'val_{name}': value for name, value in values.items()})
     run.say(f'step {step}: validation {describe_scores(values, report)}')
     if run.train_config.best_metric == 'bleu':
       # Tokenized BLEU: the literature's, and blind to case, which a lowercased run lacks.
@@ -378,7 +387,7 @@ class TrainingLoop:
   def _consider_best(self, step: int, value: float, params) -> None:
     """WORKDIR/best follows a better validation score (`best.BestCheckpoint`)."""
     if self.best.consider(step, value, params):
-      self.run.record(step, {f'best_val_{self.best.best.metric}': value})
+      self.record.record(step, {f'best_val_{self.best.best.metric}': value})
 
   def validate(self, step: int, params, keep_best: bool = True) -> None:
     """Logs the validation loss, ppl and accuracy (and a cmlm model's length accuracy); with
@@ -399,7 +408,7 @@ class TrainingLoop:
       outputs.append(self.eval_fn(params, run.data_parallel.shard_batch(batch)))
     sums = jax.tree.map(lambda *xs: float(np.sum(xs)), *run.data_parallel.unreplicate(outputs))
     values = metrics_of_sums(sums)
-    run.record(step, {f'val_{name}': value for name, value in values.items()})
+    self.record.record(step, {f'val_{name}': value for name, value in values.items()})
     length = (
       f', length accuracy {values["length_accuracy"]:.1%}' if 'length_accuracy' in values else ''
     )
@@ -438,7 +447,7 @@ def _final_evaluation(
         f'(train.steps={steps}); evaluating it'
       )
       loop.validate(start, state.params, keep_best=False)  # validated when it was trained
-    final_scores(run, state, average_last)
+    final_scores(run, loop.record, state, average_last)
   except signals.Stopped as stop:
     step = max(start, steps)
     raise Interrupted(

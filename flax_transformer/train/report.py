@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from flax_transformer.config import ModelConfig
 from flax_transformer.data import preprocessing
-from flax_transformer.decode.autoregressive import Greedy
-from flax_transformer.decode.methods import default_method
+from flax_transformer.decode.methods import Greedy, default_method
 from flax_transformer.decode.translator import Translator
 from flax_transformer.run.directory import EMA_DIR
 from flax_transformer.run.loading import average_checkpoints, load_for_inference
 from flax_transformer.train.evaluation import describe_scores, translation_scores
+from flax_transformer.train.metrics import ScoreRecord
 from flax_transformer.train.optimizer import ema_params
 from flax_transformer.train.setup import TrainingRun
 from flax_transformer.train.step import TrainState
@@ -28,8 +28,11 @@ def evaluation_method(model_config: ModelConfig):
   return default_method(model_config, autoregressive=Greedy())
 
 
-def final_scores(run: TrainingRun, state: TrainState, average_last: int) -> None:
-  """Test (else validation) scores of the final parameters, and of the averaged checkpoints."""
+def final_scores(
+  run: TrainingRun, record: ScoreRecord, state: TrainState, average_last: int
+) -> None:
+  """Test (else validation) scores of the final parameters, their moving average and the
+  averaged checkpoints, kept and logged in `record`."""
   split = next((name for name in ('test', 'validation') if name in run.dataset), None)
   if split is None:
     if average_last:
@@ -37,7 +40,7 @@ def final_scores(run: TrainingRun, state: TrainState, average_last: int) -> None
     return
   step = int(state.step)
   values, report = split_scores(run, state.params, split)
-  run.record(step, values)
+  record.record(step, values)
   run.say(
     f'{split}, {evaluation_method(run.model_config).describe()} of '
     f'{len(run.dataset[split]):,} sentences: {describe_scores(values, report)}\n'
@@ -47,7 +50,7 @@ def final_scores(run: TrainingRun, state: TrainState, average_last: int) -> None
   average = ema_params(state.opt_state)
   if average is not None:
     values, report = split_scores(run, average, split)
-    run.record(step, {f'ema_{name}': value for name, value in values.items()})
+    record.record(step, {f'ema_{name}': value for name, value in values.items()})
     run.say(
       f'{run.directory.path / EMA_DIR}: the moving average of the parameters (decay '
       f'{run.train_config.ema_decay}), {split} {describe_scores(values, report)}'
@@ -56,7 +59,7 @@ def final_scores(run: TrainingRun, state: TrainState, average_last: int) -> None
     averaged = average_checkpoints(run.directory.path, average_last)
     _, avg_params, _ = load_for_inference(averaged)
     values, report = split_scores(run, avg_params, split)
-    run.record(step, {f'avg_{name}': value for name, value in values.items()})
+    record.record(step, {f'avg_{name}': value for name, value in values.items()})
     run.say(
       f'{averaged}: mean of the last {average_last} checkpoints, {split} '
       f'{describe_scores(values, report)}'

@@ -47,7 +47,6 @@ from flax_transformer.nn.model import Transformer, count_params
 from flax_transformer.pretrained.marian import load_marian
 from flax_transformer.run.checkpoints import Checkpoints
 from flax_transformer.run.directory import RunDirectory
-from flax_transformer.run.metrics_log import MetricsLog
 from flax_transformer.run.sizes import check_fits
 from flax_transformer.tokenizer import SPECIAL_TOKENS, Tokenizer
 from flax_transformer.train import scheduled_sampling
@@ -171,9 +170,12 @@ def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> in
   return min(train_config.keep_checkpoints, len(written | set(saved)))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainingRun:
-  """What the stages share: the settings, data, devices and the run directory's writers."""
+  """What setup prepares and the stages share: the settings, data, devices and the run
+  directory's checkpoints. A value: a time budget's steps make a new one
+  (`dataclasses.replace`); what changes while training is the state, the scores
+  (`metrics.ScoreRecord`) and the best checkpoint (`best.BestCheckpoint`)."""
 
   directory: RunDirectory
   model_config: ModelConfig
@@ -185,15 +187,7 @@ class TrainingRun:
   data_parallel: DataParallel
   checkpoints: Checkpoints
   say: Callable[[str], None]
-  log: MetricsLog | None = None
-  scores: dict[str, float] = dataclasses.field(default_factory=dict)
   pretrained_params: dict | None = None  # --init-from's, for a run without checkpoints
-
-  def record(self, step: int, values: dict[str, float]) -> None:
-    """Keeps `values` as the latest scores and logs them at `step` (process 0)."""
-    self.scores.update(values)
-    if self.log is not None:
-      self.log.write(step, values)
 
 
 def prepare_training_run(
