@@ -139,7 +139,7 @@ def test_every_setting_is_a_documented_option_of_decode_py():
 
 def test_a_method_class_lists_itself_under_its_name_and_a_taken_name_is_refused():
   """DecodingMethod's subclasses enter METHODS as they are defined, in that order; the
-  classes live beside the code that runs them and methods.py still answers their names."""
+  modules that run them still answer their names."""
   from flax_transformer.decode import methods, non_autoregressive
 
   assert list(METHODS) == ['beam', 'greedy', 'sample', 'mask_predict']

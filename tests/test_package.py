@@ -142,9 +142,11 @@ HEAVY = ('jax', 'jaxlib', 'flax', 'optax', 'orbax', 'datasets', 'tensorstore')
     'import flax_transformer.errors',
     'from flax_transformer import ModelConfig, TrainConfig, ConfigError',
     "from flax_transformer.cli.train import main; main(['--help'])",
+    "from flax_transformer.cli.decode import main; main(['--help'])",
+    'from flax_transformer.decode import METHODS, BeamSearch, default_method',
   ],
 )
-def test_settings_errors_and_train_help_load_no_jax(statement):
+def test_settings_errors_and_help_load_no_jax(statement):
   # A fresh interpreter, so that nothing the test session imported counts.
   script = f"""
 import contextlib, io, json, sys

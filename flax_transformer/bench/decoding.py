@@ -29,9 +29,12 @@ from flax_transformer.bench.flops import decode_flops
 from flax_transformer.bench.step import describe_model
 from flax_transformer.bench.timing import Timing, time_rounds
 from flax_transformer.config import ModelConfig
-from flax_transformer.decode.autoregressive import BeamSearch
-from flax_transformer.decode.methods import DecodingMethod, method_from_name
-from flax_transformer.decode.non_autoregressive import MaskPredict
+from flax_transformer.decode.methods import (
+  BeamSearch,
+  DecodingMethod,
+  MaskPredict,
+  method_from_name,
+)
 from flax_transformer.decode.programs import decoding_programs
 from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.build import build_model

@@ -22,7 +22,7 @@ from flax_transformer.cli.options import (
   method_settings,
   unverified_reporter,
 )
-from flax_transformer.decode.autoregressive import BeamSearch
+from flax_transformer.decode.methods import BeamSearch
 
 # How the teacher decodes; its fields are the method options (--beam-size, --alpha, ...).
 TEACHER_METHOD = BeamSearch

@@ -13,8 +13,8 @@ Two levels:
       tokens = sample(model, params, src, jax.random.key(0), top_p=0.9)
       tokens, scores = beam_search(model, params, src, beam_size=4, alpha=0.6)
 
-  Their keyword settings are the fields of the methods defined here, `BeamSearch`,
-  `Greedy` and `Sampling` (subclasses of decode/methods.py's `DecodingMethod`), which hold
+  Their keyword settings are the fields of the methods they run, `BeamSearch`, `Greedy`
+  and `Sampling` (defined in decode/methods.py, still importable from here), which hold
   each setting's default, help and range once; `method.run(model, params, src)`
   decodes with a method value.
 
@@ -35,22 +35,13 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer.config import (
-  NONNEGATIVE,
-  NONNEGATIVE_INT,
-  POSITIVE,
-  POSITIVE_INT,
-  Bounds,
-  ModelConfig,
-  setting,
-)
-from flax_transformer.decode.methods import DecodingMethod
+from flax_transformer.config import ModelConfig
+from flax_transformer.decode.methods import EXTRA_OUTPUT_TOKENS, BeamSearch, Greedy, Sampling
 from flax_transformer.decode.search import (
   DEFAULT_STEPS_PER_CHECK,
   BeamState,
@@ -70,9 +61,9 @@ from flax_transformer.decode.search import (
 )
 from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.model import BeamDecodeCache, DecodeCache, Transformer
-from flax_transformer.run.sizes import check_decoding_fits
 
-# The loops on a step function and their pieces moved to `search`; they are still here.
+# The loops on a step function and their pieces moved to `search`, the methods to `methods`;
+# they are still here.
 __all__ = [
   'DEFAULT_STEPS_PER_CHECK',
   'EXTRA_OUTPUT_TOKENS',
@@ -102,105 +93,6 @@ __all__ = [
   'sampling_pick',
   'truncated_logits',
 ]
-
-# The paper's default output budget: source length + 50 (§6.1).
-EXTRA_OUTPUT_TOKENS = 50
-
-
-# --- the methods: each one's settings, checked, and how it runs ---------------------------
-
-
-# An autoregressive method's output budget, one field shared by all three.
-_MAX_LEN_HELP = (
-  "output tokens per sentence (default: source length + 50, at most the model's max_len)"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class BeamSearch(DecodingMethod):
-  """Beam search ranking log P(Y | X) / lp(Y): GNMT's lp ((5 + |Y|) / 6)^alpha (paper: beam 4,
-  alpha 0.6), or fairseq's |Y|^alpha (`penalty_form='fairseq'`; its `--lenpen 1` is alpha 1)."""
-
-  name: ClassVar[str] = 'beam'
-  beam_size: int = setting(4, 'beams K kept per sentence', bounds=POSITIVE_INT)
-  # alpha >= 0: the early stop bounds a live beam's best final score by its score at the
-  # longest length, which holds only when the penalty grows with length.
-  alpha: float = setting(
-    0.6,
-    "the length penalty's exponent (its form: penalty_form); 0 ranks by plain log-probability",
-    bounds=NONNEGATIVE,
-  )
-  penalty_form: Literal['gnmt', 'fairseq'] = setting(
-    'gnmt',
-    "the length penalty: GNMT's ((5 + |Y|) / 6)^alpha, or fairseq's |Y|^alpha (its --lenpen)",
-  )
-  max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
-
-  def check_fits(self, config: ModelConfig, rows: int) -> None:
-    # The shortest output budget: a one-token source + 50, unless max_len says.
-    check_decoding_fits(
-      config, rows, self.beam_size, '--beam-size', self.max_len or 1 + EXTRA_OUTPUT_TOKENS
-    )
-
-  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    tokens, _ = beam_search(model, params, src, **dataclasses.asdict(self))
-    return np.asarray(tokens)
-
-  def describe(self) -> str:
-    form = '' if self.penalty_form == 'gnmt' else f', {self.penalty_form} length penalty'
-    return f'beam search (beam {self.beam_size}, alpha {self.alpha}{form})'
-
-
-@dataclasses.dataclass(frozen=True)
-class Greedy(DecodingMethod):
-  """The most probable token at each step."""
-
-  name: ClassVar[str] = 'greedy'
-  max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
-
-  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    return np.asarray(greedy(model, params, src, **dataclasses.asdict(self)))
-
-  def describe(self) -> str:
-    return 'greedy decoding'
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling(DecodingMethod):
-  """Ancestral sampling from softmax(logits / temperature), optionally truncated: top_k keeps
-  the k most probable tokens, then top_p the smallest set of them whose mass reaches p
-  (nucleus sampling), on the tempered distribution. `seed` makes `run`'s draws repeatable."""
-
-  name: ClassVar[str] = 'sample'
-  temperature: float = setting(
-    1.0,
-    'divides the logits: above 1 flattens the distribution, below 1 sharpens it',
-    bounds=POSITIVE,
-  )
-  top_k: int = setting(0, 'keep the k most probable tokens (0: all)', bounds=NONNEGATIVE_INT)
-  top_p: float = setting(
-    1.0,
-    'nucleus sampling: keep the most probable tokens whose mass reaches p (1: all)',
-    bounds=Bounds(low=0, high=1, low_open=True),
-  )
-  seed: int = setting(
-    0,
-    'random seed (batch i draws from the seed folded with i)',
-    bounds=Bounds(low=-(2**63), high=2**63 - 1, integer=True),
-  )
-  max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
-
-  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    # One key per batch: batches draw independently, and a rerun draws the same.
-    rng = jax.random.fold_in(jax.random.key(self.seed), batch_index)
-    return np.asarray(sample(model, params, src, rng, **dataclasses.asdict(self)))
-
-  def describe(self) -> str:
-    return (
-      f'sampling (temperature {self.temperature}, top-k {self.top_k}, top-p {self.top_p}, '
-      f'seed {self.seed})'
-    )
-
 
 # --- on the model --------------------------------------------------------------
 

@@ -38,16 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar, Literal
 
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from flax_transformer.config import POSITIVE_INT, Bounds, ConfigError, ModelConfig, setting
+from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.decode import autoregressive
-from flax_transformer.decode.methods import DecodingMethod
+from flax_transformer.decode.methods import MaskPredict
 from flax_transformer.nn import masks
 from flax_transformer.nn.cmlm import (
   CMLMTransformer,
@@ -58,87 +56,6 @@ from flax_transformer.nn.cmlm import (
 
 # Canvas widths are rounded up to a multiple of this: few compiled programs, little waste.
 WIDTH_MULTIPLE = 8
-
-
-# The largest length adjustment: no output is longer, so a larger ratio or offset would only
-# clip every length to an end (and an offset past int32 overflows before the clip).
-LENGTH_LIMIT = 2**16
-
-
-@dataclasses.dataclass(frozen=True)
-class MaskPredict(DecodingMethod):
-  """Mask-predict decoding of a cmlm model (Ghazvininejad et al. 2019); its settings are static
-  under jit.
-
-  `iterations` refinement passes over the `length_beam` most probable lengths
-  (length 'predict'), or over one canvas of source length +
-  model.max_length_offset tokens cut at the first EOS (length 'fixed',
-  length_beam 1). Each length N is then adjusted to round(length_ratio * N) +
-  length_offset, clipped to [1, model.max_len] (`adjust_lengths`; with length
-  'fixed' the canvas, which bounds the output, still cut at the first EOS).
-  """
-
-  name: ClassVar[str] = 'mask_predict'
-  model_kind: ClassVar[str] = 'cmlm'
-  iterations: int = setting(
-    10,
-    'decoding passes I; each after the first re-masks the least '
-    'confident tokens (1: one-pass decoding)',
-    bounds=POSITIVE_INT,
-  )
-  length_beam: int = setting(
-    3,
-    'output lengths M decoded per sentence, the length '
-    "classifier's best, the most confident output kept (1 with "
-    'length fixed)',
-    bounds=POSITIVE_INT,
-  )
-  length: Literal['predict', 'fixed'] = setting(
-    'predict',
-    "predict the length, or decode source length + the model's "
-    'max_length_offset, cut at the first EOS',
-  )
-  length_ratio: float = setting(
-    1.0,
-    'multiply each length (predicted, or with length fixed the canvas) by this and round',
-    bounds=Bounds(low=0, high=LENGTH_LIMIT, low_open=True),
-  )
-  length_offset: int = setting(
-    0,
-    'add this many tokens (may be negative) to each length after '
-    "length_ratio; lengths stay in [1, the model's max_len]",
-    bounds=Bounds(low=-LENGTH_LIMIT, high=LENGTH_LIMIT, integer=True),
-  )
-
-  def __post_init__(self):
-    super().__post_init__()
-    if self.length == 'fixed' and self.length_beam != 1:
-      raise ConfigError(
-        f"mask_predict length='fixed' decodes one length per sentence: "
-        f'length_beam must be 1, got {self.length_beam}'
-      )
-
-  def check_model(self, config: ModelConfig) -> None:
-    super().check_model(config)
-    classes = num_length_classes(config)
-    if self.length_beam > classes:
-      raise ConfigError(
-        f"length_beam={self.length_beam} exceeds the model's {classes} length "
-        f'classes (2 * model.max_length_offset + 1, max_length_offset='
-        f'{config.max_length_offset})'
-      )
-
-  def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    return np.asarray(mask_predict(model, params, src, **dataclasses.asdict(self)))
-
-  def describe(self) -> str:
-    parts = [
-      f'{self.iterations} iterations',
-      'fixed length' if self.length == 'fixed' else f'length beam {self.length_beam}',
-    ]
-    if self.length_ratio != 1 or self.length_offset:
-      parts.append(f'lengths x {self.length_ratio} {self.length_offset:+d}')
-    return f'mask-predict decoding ({", ".join(parts)})'
 
 
 @flax.struct.dataclass

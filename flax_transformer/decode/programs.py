@@ -22,9 +22,13 @@ import jax.numpy as jnp
 
 from flax_transformer.decode import autoregressive as ar
 from flax_transformer.decode import non_autoregressive as nar
-from flax_transformer.decode.autoregressive import BeamSearch, Greedy, Sampling
-from flax_transformer.decode.methods import DecodingMethod
-from flax_transformer.decode.non_autoregressive import MaskPredict
+from flax_transformer.decode.methods import (
+  BeamSearch,
+  DecodingMethod,
+  Greedy,
+  MaskPredict,
+  Sampling,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,7 @@ import numpy as np
 from flax_transformer import signals
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.decode import autoregressive
-from flax_transformer.decode.autoregressive import BeamSearch
-from flax_transformer.decode.methods import DecodingMethod, default_method
+from flax_transformer.decode.methods import BeamSearch, DecodingMethod, default_method
 from flax_transformer.nn.backend import compute_dtype
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import attention_weights

@@ -37,8 +37,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from flax_transformer.config import RUN_PRESETS, run_preset
-from flax_transformer.decode.autoregressive import BeamSearch
-from flax_transformer.decode.methods import DecodingMethod
+from flax_transformer.decode.methods import BeamSearch, DecodingMethod
 from flax_transformer.decode.translator import Translator
 from flax_transformer.errors import DataError, DistillError
 from flax_transformer.run.config_file import read_config

@@ -28,8 +28,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from flax_transformer.data.preprocessing import moses_tokenized
-from flax_transformer.decode.autoregressive import Greedy
-from flax_transformer.decode.methods import DecodingMethod
+from flax_transformer.decode.methods import DecodingMethod, Greedy
 from flax_transformer.decode.translator import Translator
 
 # Sentences per decoding batch when computing BLEU.
