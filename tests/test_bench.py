@@ -7,6 +7,7 @@ No test asserts a speed: timings are only checked to be what the reports compute
 import importlib.util
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -493,3 +494,77 @@ def test_the_matmul_bound_holds_the_models_products_and_their_flops(capsys):
   assert report.bound_ratio == pytest.approx(report.timing.median_s / bound.seconds)
   assert report.to_dict()['matmul_bound']['flops'] == bound.flops
   assert 'its matmul bound' in report.table()
+
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_computation.1 (param_0: f32[8,16], param_1: f32[16,32]) -> f32[8,32] {
+  %param_0 = f32[8,16]{1,0} parameter(0)
+  %param_1 = f32[16,32]{1,0} parameter(1)
+  %dot.0 = f32[8,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %tanh.0 = f32[8,32]{1,0} tanh(%dot.0), metadata={op_name="jit(step)/ffn/tanh"}
+}
+
+%fused_computation.2 (param_0.1: f32[8,32]) -> f32[8,32] {
+  %param_0.1 = f32[8,32]{1,0} parameter(0)
+  ROOT %exp.0 = f32[8,32]{1,0} exponential(%param_0.1)
+}
+
+ENTRY %main.3 (a.1: f32[8,16], b.1: f32[16,32]) -> (f32[8,32], s32[]) {
+  %a.1 = f32[8,16]{1,0} parameter(0), metadata={op_name="a"}
+  %b.1 = f32[16,32]{1,0} parameter(1), metadata={op_name="b"}
+  %ynn_fusion.1 = f32[8,32]{1,0} fusion(%a.1, %b.1), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(step)/ffn/dot_general"}
+  %loop_exp_fusion = f32[8,32]{1,0} fusion(%ynn_fusion.1), kind=kLoop, calls=%fused_computation.2
+  %constant.3 = s32[] constant(0)
+  ROOT %tuple.4 = (f32[8,32]{1,0}, s32[]) tuple(%loop_exp_fusion, %constant.3)
+}
+"""
+
+
+def test_hlo_instructions_name_each_fusions_kind_its_products_and_its_source():
+  from flax_transformer.bench.breakdown import hlo_instructions
+
+  found = hlo_instructions(HLO)
+  assert found['ynn_fusion.1'].opcode == 'fusion:kCustom+dot'
+  assert found['ynn_fusion.1'].shape == 'f32[8,32]'
+  assert found['ynn_fusion.1'].source == 'jit(step)/ffn/dot_general'
+  assert found['loop_exp_fusion'].opcode == 'fusion:kLoop'  # no product inside
+  assert found['tuple.4'].opcode == 'tuple'
+  assert found['tuple.4'].shape == '(f32[8,32], s32[])'
+  assert found['dot.0'].opcode == 'dot' and found['param_0'].opcode == 'parameter'
+  assert 'fused_computation.1' not in found  # computations are not instructions
+
+
+def test_the_breakdown_times_the_steps_own_operations():
+  from flax_transformer.bench.breakdown import breakdown, hlo_instructions
+
+  step = TrainingStep(TINY, TrainConfig(), BatchShape(4, 8, 8))
+  step.run()
+  walls = []
+
+  def timed_run():
+    start = time.perf_counter()
+    step.run()
+    walls.append(time.perf_counter() - start)
+
+  profile = breakdown(step.compiled, timed_run, steps=2)
+  instructions = hlo_instructions(step.compiled.as_text())
+  assert len(walls) == 2 and profile.steps == 2 and profile.ops
+  assert all(op.instruction == instructions[op.instruction.name] for op in profile.ops)
+  # Per step, every operation took time, and none outlasts the call that ran it.
+  assert all(0 < op.seconds <= max(walls) for op in profile.ops)
+  times = [op.seconds for op in profile.ops]
+  assert times == sorted(times, reverse=True)
+  # The model's products are among them: the feed-forward's [tokens, d_ff] output.
+  products = [
+    op
+    for op in profile.ops
+    if op.instruction.opcode.endswith('+dot') or op.instruction.opcode == 'dot'
+  ]
+  assert any(f',{TINY.d_ff}]' in op.instruction.shape for op in products)
+  assert 0 < profile.matmul_share() <= 1
+  report = step.report(time_rounds(step.run, 2, 1), profile=step.breakdown(steps=1))
+  top = report.to_dict()['breakdown']['ops'][0]
+  assert top['name'] in instructions and top['seconds'] > 0
+  assert 'in matrix products' in report.breakdown.table(3)
+  assert len(report.breakdown.table(3).splitlines()) == 4

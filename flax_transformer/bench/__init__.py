@@ -5,7 +5,8 @@ Layer 9 (the top: it times what `train` and `decode` build, and its command read
 settings). Modules: `timing` (medians and percentiles of blocking calls, alternating rounds),
 `flops` (the hand counts and XLA's), `peaks` (measured and datasheet matmul peaks),
 `compiled` (compile seconds, the persistent cache, XLA's memory account), `step`
-(`step_report`), `decoding` (`decode_report`), `comparison` (`compare`: several settings in alternating
+(`step_report`), `matmul_bound` (the step's products timed alone), `breakdown` (its
+operations by time, profiled), `decoding` (`decode_report`), `comparison` (`compare`: several settings in alternating
 rounds, each compiled once), `writers` (the command's JSON, CSV and plot), `command`
 (`flax-transformer-bench`), `environment` (where a measurement was made: machine, load,
 versions, device).
@@ -29,6 +30,8 @@ import importlib
 # Public name -> its module, loaded on first use: `bench.flops` alone (the hand counts) needs
 # no more than the config, and benchmarks' peer workers import it under other environments.
 _EXPORTS = {
+  'Breakdown': 'breakdown',
+  'breakdown': 'breakdown',
   'compare': 'comparison',
   'reports_table': 'comparison',
   'Compilation': 'compiled',
@@ -44,6 +47,8 @@ _EXPORTS = {
   'PeakReport': 'peaks',
   'datasheet_peak': 'peaks',
   'measure_peak': 'peaks',
+  'MatmulBound': 'matmul_bound',
+  'matmul_bound': 'matmul_bound',
   'StepReport': 'step',
   'TrainingStep': 'step',
   'step_report': 'step',

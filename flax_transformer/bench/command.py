@@ -164,6 +164,16 @@ def _add_step_options(sub: argparse.ArgumentParser) -> None:
     'own) and report the step as a multiple of their sum, the products by time first',
   )
   sub.add_argument(
+    '--breakdown',
+    type=int,
+    nargs='?',
+    const=10,
+    default=0,
+    metavar='N',
+    help="also profile 3 steps and list the step's N operations that take most time "
+    '(default 10): their kind, shape and the JAX operation each came from',
+  )
+  sub.add_argument(
     '--shape',
     type=shape_argument,
     help='rows x source + target positions, e.g. 64x32+32 (default: '
@@ -344,6 +354,8 @@ def _steps(parser, args, model_config, train_config) -> int:
     print(reports[0].table())
     if reports[0].matmul_bound is not None:
       print('the products that take most of the bound:\n' + reports[0].matmul_bound.table())
+    if reports[0].breakdown is not None:
+      print(reports[0].breakdown.table(args.breakdown))
   else:
     from flax_transformer.bench.comparison import reports_table
 
@@ -401,7 +413,8 @@ def _time_cells(args, cells: dict, peak) -> list:
 
       timing = time_rounds(timed, args.rounds, 0)
       bound = step.matmul_bound() if getattr(args, 'matmul_bound', False) else None
-      reports.append(step.report(timing, peak, bound))
+      profile = step.breakdown() if getattr(args, 'breakdown', 0) else None
+      reports.append(step.report(timing, peak, bound, profile))
       bar.set_postfix_str(label)
       write_outputs(reports, args, quiet=True)  # each cell as it finishes: a later failure keeps it
   return reports

@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from flax_transformer.bench.breakdown import Breakdown, breakdown
 from flax_transformer.bench.compiled import (
   Compilation,
   CompiledMemory,
@@ -117,6 +118,10 @@ def describe_model(config: ModelConfig) -> str:
   )
 
 
+# The operations a report's JSON keeps from a breakdown (the table prints --breakdown's N).
+BREAKDOWN_KEPT = 50
+
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
   """One training step's cost. FLOPs are per step over all devices; memory is per device.
@@ -149,6 +154,7 @@ class StepReport:
   loss_chunk: int = 0  # model.loss_chunk: the loss fused over chunks of this many tokens
   time_budget: str | None = None  # train.time_budget, for `budget_steps`
   matmul_bound: MatmulBound | None = None  # the products alone (`--matmul-bound`)
+  breakdown: Breakdown | None = None  # the operations by time, profiled (`--breakdown`)
 
   @property
   def bound_ratio(self) -> float | None:
@@ -226,6 +232,7 @@ class StepReport:
       'budget_steps': self.budget_steps,
       'matmul_bound': self.matmul_bound and self.matmul_bound.to_dict(),
       'bound_ratio': self.bound_ratio,
+      'breakdown': self.breakdown and self.breakdown.to_dict(top=BREAKDOWN_KEPT),
     }
 
   def table(self) -> str:
@@ -391,11 +398,16 @@ class TrainingStep:
     """The step's matrix products, each compiled and timed alone (`bench.matmul_bound`)."""
     return matmul_bound(self._step_fn, *self._abstract_args, rounds=rounds)
 
+  def breakdown(self, steps: int = 3) -> Breakdown:
+    """The step's operations by time over `steps` profiled updates (`bench.breakdown`)."""
+    return breakdown(self.compiled, self.run, steps)
+
   def report(
     self,
     timing: Timing,
     peak: PeakReport | float | None = None,
     bound: MatmulBound | None = None,
+    profile: Breakdown | None = None,
   ) -> StepReport:
     device = self.parallel.devices[0]
     kind = getattr(device, 'device_kind', device.platform)
@@ -422,6 +434,7 @@ class TrainingStep:
       time_budget=self.train_config.time_budget,
       loss_chunk=config.loss_chunk,
       matmul_bound=bound,
+      breakdown=profile,
     ).with_peak(peak)
 
 
