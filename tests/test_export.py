@@ -25,8 +25,11 @@ pytest.importorskip('safetensors', reason='needs safetensors: pip install -e .[p
 from flax_transformer.cli import export as export_cli  # noqa: E402
 from flax_transformer.cli import train as train_cli  # noqa: E402
 from flax_transformer.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
-from flax_transformer.decode.methods import EXTRA_OUTPUT_TOKENS  # noqa: E402
-from flax_transformer.decode.methods import BeamSearch, Greedy  # noqa: E402
+from flax_transformer.decode.methods import (  # noqa: E402
+  EXTRA_OUTPUT_TOKENS,  # noqa: E402
+  BeamSearch,
+  Greedy,
+)
 from flax_transformer.decode.translator import Translator  # noqa: E402
 from flax_transformer.nn.layers import sinusoidal_positions  # noqa: E402
 from flax_transformer.nn.model import Transformer  # noqa: E402

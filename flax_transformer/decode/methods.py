@@ -29,6 +29,7 @@ the one its length classifier predicts, scaled by `length_ratio` and shifted by
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -124,6 +125,13 @@ class DecodingMethod:
     memory; a method whose memory grows with a setting (beams) checks it."""
 
 
+def functional_api(module: str):
+  """`decode.<module>`, the functional API that runs a method, imported when a method first
+  runs: it builds method values from its keyword settings, so it imports this module, which
+  therefore names it rather than importing it at its top (and stays free of JAX)."""
+  return importlib.import_module(f'flax_transformer.decode.{module}')
+
+
 # --- the methods: each one's settings, checked, and how it runs ---------------------------
 # Their settings load without JAX (decode.py --help lists them); `run` and the checks that
 # need the model's code import it when called.
@@ -168,9 +176,9 @@ class BeamSearch(DecodingMethod):
     )
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    from flax_transformer.decode.autoregressive import beam_search
-
-    tokens, _ = beam_search(model, params, src, **dataclasses.asdict(self))
+    tokens, _ = functional_api('autoregressive').beam_search(
+      model, params, src, **dataclasses.asdict(self)
+    )
     return np.asarray(tokens)
 
   def describe(self) -> str:
@@ -186,9 +194,9 @@ class Greedy(DecodingMethod):
   max_len: int | None = setting(None, _MAX_LEN_HELP, bounds=POSITIVE_INT)
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    from flax_transformer.decode.autoregressive import greedy
-
-    return np.asarray(greedy(model, params, src, **dataclasses.asdict(self)))
+    return np.asarray(
+      functional_api('autoregressive').greedy(model, params, src, **dataclasses.asdict(self))
+    )
 
   def describe(self) -> str:
     return 'greedy decoding'
@@ -222,11 +230,11 @@ class Sampling(DecodingMethod):
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
     import jax
 
-    from flax_transformer.decode.autoregressive import sample
-
     # One key per batch: batches draw independently, and a rerun draws the same.
     rng = jax.random.fold_in(jax.random.key(self.seed), batch_index)
-    return np.asarray(sample(model, params, src, rng, **dataclasses.asdict(self)))
+    return np.asarray(
+      functional_api('autoregressive').sample(model, params, src, rng, **dataclasses.asdict(self))
+    )
 
   def describe(self) -> str:
     return (
@@ -306,9 +314,11 @@ class MaskPredict(DecodingMethod):
       )
 
   def run(self, model, params, src, batch_index: int = 0) -> np.ndarray:
-    from flax_transformer.decode.non_autoregressive import mask_predict
-
-    return np.asarray(mask_predict(model, params, src, **dataclasses.asdict(self)))
+    return np.asarray(
+      functional_api('non_autoregressive').mask_predict(
+        model, params, src, **dataclasses.asdict(self)
+      )
+    )
 
   def describe(self) -> str:
     parts = [
