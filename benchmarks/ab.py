@@ -11,7 +11,7 @@ process's CPU time is reported beside the wall time. Setting:
 the issue's base model (d=512, 6+6 layers, 8 heads, d_ff 2048, vocabulary 8,000);
 training step batch 32 x (32 + 32); greedy and beam 4 decoding of 32 sources of
 32 tokens, 32 new tokens forced. Prints medians and the speed-up; writes no file
-(the numbers go to benchmarks/README.md's "What made the difference").
+(the numbers go to docs/benchmarks.md's "What made the difference").
 """
 
 from __future__ import annotations

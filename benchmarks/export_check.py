@@ -68,8 +68,7 @@ def compare(
   import torch
   import transformers
 
-  from flax_transformer.decode.methods import EXTRA_OUTPUT_TOKENS
-  from flax_transformer.decode.methods import Greedy
+  from flax_transformer.decode.methods import EXTRA_OUTPUT_TOKENS, Greedy
   from flax_transformer.decode.translator import Translator
   from flax_transformer.nn.model import Transformer
   from flax_transformer.pretrained import export

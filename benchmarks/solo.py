@@ -8,7 +8,7 @@
 
 Contenders (`--contenders`): ours, marian (Hugging Face MarianMTModel, PyTorch,
 eager), flaxmarian (FlaxMarianMTModel, transformers < 5, JAX: an environment of
-its own, see benchmarks/README.md and make_peer_env.sh) and torch
+its own, see docs/benchmarks.md (Method) and make_peer_env.sh) and torch
 (nn.Transformer, training step only). Each runs in its own worker process
 (benchmarks/solo_worker.py) under the python `--peer-python` names (default:
 this one); a peer whose python lacks its packages is skipped with a message.

@@ -1,6 +1,6 @@
 """What the benchmarks run: the model sizes and batch shapes, the FLOPs they take, and our step.
 
-Shared by `benchmarks.solo` and its workers, `step_parts`, `ab`, `cmlm`, `packing`
+Shared by `benchmarks.solo` and its workers, `ab`, `cmlm`, `packing`, `gpu_check`
 and tests/test_benchmarks.py (which checks the FLOP counts against the dots XLA
 is given). Up front only the standard library and `flax_transformer.bench.flops` (the
 hand counts: the config and the model modules, jax and flax) are imported: a peer's

@@ -305,16 +305,22 @@ def test_the_first_preset_is_the_size_its_multi30k_run_recorded():
 
 
 def test_the_benchmark_commands_name_existing_modules():
-  """gpu.sh's, docs/results.md's and benchmarks/README.md's commands (its first block) run modules that
-  exist; gpu.sh passes its options to the GPU check, whose parts are what its usage names."""
+  """gpu.sh's, docs/results.md's and benchmarks/README.md's commands (its first block, and its index's
+  commands) run modules that exist; gpu.sh passes its options to the GPU check, whose parts are
+  what its usage names."""
   from benchmarks import gpu_check
 
   repo = Path(__file__).resolve().parent.parent
   gpu = (repo / 'benchmarks' / 'gpu.sh').read_text()
+  readme = (repo / 'benchmarks' / 'README.md').read_text()
   texts = {
     'gpu.sh': gpu,
     'docs/results.md': (repo / 'docs' / 'results.md').read_text(),
-    'benchmarks/README.md': (repo / 'benchmarks' / 'README.md').read_text().split('```')[1],
+    'benchmarks/README.md': readme.split('```')[1],
+    # Its rows but those marked † (made by train_step.py or decode.py, removed since).
+    'the index': '\n'.join(
+      row for row in readme.split('\n## Index\n')[1].splitlines() if '†' not in row
+    ),
   }
   for where, text in texts.items():
     names = set(re.findall(r'-m benchmarks\.(\w+)', text))
@@ -327,14 +333,47 @@ def test_the_benchmark_commands_name_existing_modules():
   assert set(re.search(r'gpu_check_\{(.*?)\}', gpu).group(1).split(',')) == set(gpu_check.PARTS)
 
 
-def test_attention_kernels_times_each_kernel_of_this_backend():
-  from benchmarks import attention_kernels
+def bench_commands(text: str) -> list[str]:
+  """The `flax-transformer-bench` (or `python -m flax_transformer.bench`) command lines of a
+  document's ``` blocks, and of the command column of its "## Index" tables, comments cut."""
+  prefixes = ('flax-transformer-bench ', 'python -m flax_transformer.bench ')
+  commands = []
+  for block in text.split('```')[1::2]:
+    commands += [line.split('  #')[0].strip() for line in block.splitlines()]
+  if '\n## Index\n' in text:
+    for row in text.split('\n## Index\n', 1)[1].splitlines():
+      cells = row.split(' | ')
+      if row.startswith('| ') and len(cells) > 2:
+        commands += re.findall(r'`([^`]+)`', cells[1])
+  return [c for c in commands if c.startswith(prefixes)]
 
-  [row] = attention_kernels.measure([8], tokens=32, rounds=1)
-  assert (row['length'], row['rows'], row['dtype']) == (8, 4, 'float32')
-  for kernel in ('einsum', 'xla'):
-    assert row[f'{kernel}_ms'] > 0 and row[f'{kernel}_temp_mib'] >= 0
-    assert row[f'{kernel}_over_einsum'] == round(row[f'{kernel}_ms'] / row['einsum_ms'], 3)
+
+def test_the_bench_commands_of_the_index_and_the_write_ups_parse():
+  """The studies whose scripts `flax-transformer-bench` replaced are command lines now (benchmarks/
+  README.md's index, the write-ups' blocks): each parses and its settings resolve as the bench
+  reads them, so a renamed option or setting fails here rather than in a reader's hands."""
+  import shlex
+
+  from flax_transformer.bench import command
+
+  repo = Path(__file__).resolve().parent.parent
+  documents = [repo / 'benchmarks' / 'README.md', *sorted((repo / 'docs').glob('*.md'))]
+  found = {path.name: bench_commands(path.read_text()) for path in documents}
+  assert len(found['README.md']) >= 10, found['README.md']
+  for name in ('training_step.md', 'input_pipeline.md'):
+    assert found[name], name
+  for name, lines in found.items():
+    for line in lines:
+      words = shlex.split(line)
+      argv = words[3:] if words[0] == 'python' else words[1:]
+      parser = command.build_parser()
+      try:
+        args = parser.parse_args(argv)
+        if args.command != 'peak' and args.workdir is None:
+          args.preset = args.preset or 'base'
+          command.settings(parser, args)
+      except SystemExit:
+        pytest.fail(f'{name}: {line!r} does not parse')
 
 
 # --- benchmarks.solo: each contender in its own process -------------------------------------

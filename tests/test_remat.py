@@ -101,7 +101,7 @@ def test_remat_runs_dropout_in_every_layer():
 
 def test_remat_keeps_less_for_the_backward_pass():
   """XLA's own account of the compiled gradient: a scanned, rematerialised stack keeps each
-  layer's input, not its activations (benchmarks/README.md measures the base model)."""
+  layer's input, not its activations (docs/training_step.md measures the base model)."""
   src = jnp.ones((16, 64), jnp.int32)
 
   def temporaries(remat: str) -> int:

@@ -1,6 +1,6 @@
 """docs/results.md: its numbers come from the results files under benchmarks/results/ (README.md quotes its headline numbers).
 
-README cites only the write-ups (docs/multi30k.md, benchmarks/README.md); the mapping below names, for each row of
+README cites only the write-ups (docs/multi30k.md, docs/benchmarks.md, ...); the mapping below names, for each row of
 its "## Results" tables (the Multi30k BLEU/chrF table and the speed table), the results file(s) and record(s) the
 row's numbers come from. A number shown "a" must be what every value it stands for rounds to at the decimals shown;
 a range "a–b" (two runs, or both dtypes) must be the min and the max of the values it covers, rounded the same way.
@@ -237,7 +237,7 @@ SPEED_ROWS = {
     2: [gpu_share()]
   },
   'raw text → first training step, 4.5M-pair stand-in, base preset (tokenizer, encoding, compiling), vs this '
-  'library before ([input side](../benchmarks/README.md#the-input-side-at-the-papers-scale))': lambda: {
+  'library before ([input side](input_pipeline.md#the-input-side-at-the-papers-scale))': lambda: {
     0: [[first_step_s('data_pipeline.json')]],
     1: [[first_step_s('data_pipeline_2026-12-02.json')]],
     2: [[first_step_s('data_pipeline_2026-12-02.json') / first_step_s('data_pipeline.json')]],

@@ -23,7 +23,7 @@ Encoding runs in one of two ways, chosen by `workers`:
     worker's tokenizer is unpickled through its constructor, so it keeps its settings.
 
 For a `Tokenizer` on a host of a few cores the one process is the faster way: a worker
-pays seconds to import the package, and its memo starts empty (benchmarks/README.md has
+pays seconds to import the package, and its memo starts empty (docs/input_pipeline.md has
 the numbers). Corpora under `POOL_MIN_LINES` lines
 never start a pool. Either way memory is bounded by the blocks in flight and the memo's
 cap, never by the corpus: no Python list outlives its block.

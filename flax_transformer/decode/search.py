@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax_transformer.config import ConfigError, ModelConfig
 from flax_transformer.nn.model import BeamDecodeCache
 
-# Steps between two checks for "every row is done" (benchmarks/README.md: how it was chosen).
+# Steps between two checks for "every row is done" (docs/benchmarks.md: how it was chosen).
 DEFAULT_STEPS_PER_CHECK = 8
 
 Cache = Any

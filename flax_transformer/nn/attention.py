@@ -311,7 +311,7 @@ class KVCache:
   reordering the beams never moves a key or a value. A pooled cache holds its
   keys transposed, k `[B, N, H, S]`: its K queries against K * L keys are a
   product XLA:CPU runs faster in that layout (for one query, `[B, N, S, H]` is
-  as fast or faster; benchmarks/README.md has the measurements).
+  as fast or faster; docs/benchmarks.md has the measurements).
   """
 
   k: jax.Array
@@ -393,7 +393,7 @@ class MultiHeadAttention(nn.Module):
 
     fuse: one [D, 3D] product (`_fused`) rather than three [D, D]. It pays on a
     decoding step's few rows, not on a training batch's many (measured in
-    benchmarks/README.md).
+    docs/benchmarks.md).
     """
     if fuse:
       q, k, v = self._fused(inputs, ('query', 'key', 'value'))

@@ -24,7 +24,7 @@ def compute_dtype(config: ModelConfig) -> jnp.dtype:
 def resolve_dtype(dtype: str, backend: str | None = None) -> str:
   """`ModelConfig.dtype` as a dtype name: 'auto' is 'bfloat16' on a GPU or TPU (their matrix
   units run it at several times float32's rate) and 'float32' on a CPU (`backend`, default
-  JAX's), where bfloat16 is slower without bfloat16 instructions (benchmarks/README.md)."""
+  JAX's), where bfloat16 is slower without bfloat16 instructions (docs/benchmarks.md)."""
   if dtype != 'auto':
     return dtype
   return 'float32' if (backend or jax.default_backend()) == 'cpu' else 'bfloat16'
@@ -42,7 +42,7 @@ def resolve_attention_kernel(config: ModelConfig, backend: str | None = None) ->
   auto is cudnn on a GPU when cuDNN takes the model (bfloat16 compute, head_dim <= 128 and a
   multiple of 8, no attention dropout; an Ampere or later card): its saving is the `[B, N, T,
   S]` scores a training step keeps for the backward pass. Elsewhere auto is einsum: a CPU runs
-  the same products either way (benchmarks/README.md), and a TPU has no cuDNN. Raises
+  the same products either way (docs/training_step.md), and a TPU has no cuDNN. Raises
   ConfigError for cudnn where no GPU is.
   """
   if backend is None and jax.default_backend() == 'gpu' and not _flash_capable_gpu():

@@ -216,7 +216,7 @@ def scanned_layers(
   key per layer (so the dropout masks are not those of the unrolled layers).
 
   Unrolled, the recomputation of `jax.checkpoint` saves nothing on XLA:CPU, which schedules
-  it as soon as its inputs exist (benchmarks/README.md); a scan's loop makes the backward
+  it as soon as its inputs exist (docs/training_step.md); a scan's loop makes the backward
   pass recompute one layer at a time. The parameters stay separate on disk: only this
   computation stacks them.
   """

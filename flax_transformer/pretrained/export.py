@@ -29,7 +29,7 @@ zero embedding. Our network maps onto that exactly:
 - LayerNorm epsilon: transformers and CTranslate2 fix 1e-5, our default too. A run
   trained with another (`--model.layer_norm_epsilon`, or 1e-6 before 2026-12-05) is
   exported as it is, its README saying so: the difference is in the logits' fifth
-  decimal, enough to change a close greedy choice now and then (benchmarks/README.md
+  decimal, enough to change a close greedy choice now and then (docs/benchmarks.md
   measures it); config.json records ours as `layer_norm_eps`, which our loader reads
   back exactly.
 
