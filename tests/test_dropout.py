@@ -71,3 +71,40 @@ def test_both_halves_of_each_random_word_drop_independently(shape):
   # Independent halves: P(both dropped) = RATE^2 (to 5 sd); equal halves would give RATE.
   both = (low & high).mean()
   assert abs(both - RATE**2) < 5 * np.sqrt(RATE**2 * (1 - RATE**2) / low.size)
+
+
+def test_activation_dropout_drops_the_feed_forwards_hidden_units_in_training_only():
+  """FFN(x) = W_2 Dropout(act(W_1 x + b_1)) + b_2: with d_model >= d_ff the hidden units are
+  recovered from the output (a float64 least-squares solve) and compared with a float64
+  reference: each is dropped (0) or kept and rescaled, at the rate; at evaluation none is."""
+  from flax_transformer.config import ModelConfig
+  from flax_transformer.nn.layers import FeedForward
+
+  config = ModelConfig.tiny().replace(
+    d_model=32, d_ff=8, activation='silu', activation_dropout_rate=0.25
+  )
+  ffn = FeedForward(config)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(4096, 32)), jnp.float32)  # [tokens, d]
+  params = ffn.init(jax.random.key(0), x)['params']
+  w1, b1 = (np.asarray(params['wi'][n], np.float64) for n in ('kernel', 'bias'))
+  w2, b2 = (np.asarray(params['wo'][n], np.float64) for n in ('kernel', 'bias'))
+  z = np.asarray(x, np.float64) @ w1 + b1
+  hidden = z / (1 + np.exp(-z))  # silu, [tokens, d_ff]
+  evaluated = ffn.apply({'params': params}, x)
+  np.testing.assert_allclose(np.asarray(evaluated), hidden @ w2 + b2, rtol=1e-4, atol=1e-4)
+  trained = ffn.apply({'params': params}, x, True, rngs={'dropout': jax.random.key(2)})
+  # [tokens, d_ff]: what reached W_2, solved from the output.
+  reached = np.linalg.lstsq(w2.T, (np.asarray(trained, np.float64) - b2).T, rcond=None)[0].T
+  dropped = np.abs(reached) < 1e-3 * np.abs(hidden).max()
+  scale = 65536 / keep_threshold(0.25)
+  np.testing.assert_allclose(reached[~dropped], hidden[~dropped] * scale, rtol=1e-3, atol=1e-3)
+  n = dropped.size
+  assert abs(dropped.mean() - 0.25) < 5 * np.sqrt(0.25 * 0.75 / n)
+  # Without the setting (the paper's model) training leaves the hidden units whole.
+  plain = FeedForward(config.replace(activation_dropout_rate=0.0))
+  np.testing.assert_allclose(
+    np.asarray(plain.apply({'params': params}, x, True, rngs={'dropout': jax.random.key(2)})),
+    np.asarray(evaluated),
+    rtol=1e-6,
+    atol=1e-6,
+  )

@@ -81,6 +81,7 @@ def test_fine_tuning_may_change_the_computation_and_dropout_only():
   changeable = fields_where(ModelConfig, lambda lifetime: lifetime.fine_tunable)
   assert set(changeable) == {
     'dropout_rate',
+    'activation_dropout_rate',
     'attention_dropout_rate',
     'dtype',
     'remat',

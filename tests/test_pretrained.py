@@ -231,6 +231,19 @@ def test_a_pytorch_pickle_is_refused_with_how_to_convert(marian_dir, tmp_path):
     load_marian(tmp_path)
 
 
+def test_marians_three_dropouts_map_to_ours(marian_dir):
+  hf = json.loads((marian_dir / 'config.json').read_text())
+  rates = {'dropout': 0.3, 'attention_dropout': 0.2, 'activation_dropout': 0.1}
+  config = marian_config({**hf, **rates})
+  ours = (config.dropout_rate, config.attention_dropout_rate, config.activation_dropout_rate)
+  assert ours == (0.3, 0.2, 0.1)
+  # An export writes them back where transformers reads them.
+  from flax_transformer.pretrained.export import marian_config_json
+
+  written = marian_config_json(config.replace(positions='interleaved', logits_bias=False))
+  assert {name: written[name] for name in rates} == rates
+
+
 @pytest.mark.parametrize(
   'field, value',
   [
@@ -367,7 +380,8 @@ def test_train_py_refuses_a_model_setting_that_contradicts_the_pretrained_model(
   err = usage_error(train_program.main, ['--init-from', str(marian_dir), '--model.d_model=64'])
   assert f'--model.d_model=64 contradicts the model in {marian_dir} (d_model=32)' in err
   assert (
-    '(it may change attention_dropout_rate, attention_kernel, dropout_rate, dtype, loss_chunk, remat)'
+    '(it may change activation_dropout_rate, attention_dropout_rate, attention_kernel, '
+    'dropout_rate, dtype, loss_chunk, remat)'
   ) in err
   # How it computes is the run's to choose.
   config = fine_tuning_config(marian_dir, {'remat': 'dots', 'dtype': 'bfloat16'})
@@ -399,6 +413,7 @@ MISSING = object()
     ('pad_token_id', 300, 'pad_token_id=300 is outside the vocabulary (vocab_size=300)'),
     ('eos_token_id', 'x', 'eos_token_id="x" must be one token id'),
     ('dropout', 2, 'dropout must be in [0, 1), got 2'),
+    ('activation_dropout', 1.5, 'activation_dropout must be in [0, 1), got 1.5'),
     ('tie_word_embeddings', 'yes', 'tie_word_embeddings must be true or false, got "yes"'),
     ('activation_function', None, 'activation_function=null is not supported'),
   ],

@@ -193,9 +193,16 @@ MUTANTS = [
   m(
     'ffn_without_activation',
     NN + 'layers.py',
-    "return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))",
-    "return dense(c.d_model, 'wo')(dense(c.d_ff, 'wi')(x))",
+    "hidden = activation(dense(c.d_ff, 'wi')(x))  # [..., d_ff]",
+    "hidden = dense(c.d_ff, 'wi')(x)  # [..., d_ff]",
     'tests/test_model_reference.py',
+  ),
+  m(
+    'activation_dropout_at_evaluation',
+    NN + 'layers.py',
+    '      hidden, deterministic=not train\n',
+    '      hidden, deterministic=False\n',
+    'tests/test_dropout.py',
   ),
   m(
     'positions_sin_cos_swapped',

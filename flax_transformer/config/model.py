@@ -156,6 +156,13 @@ class ModelConfig:
     bounds=UNIT_INTERVAL,
     lifetime=REGULARISATION,
   )
+  activation_dropout_rate: float = setting(
+    0.0,
+    "dropout on the feed-forward's hidden activations, after the nonlinearity (the paper: "
+    "none; fairseq's --activation-dropout, tensor2tensor's relu_dropout)",
+    bounds=UNIT_INTERVAL,
+    lifetime=REGULARISATION,
+  )
 
   # The computation: chosen per run, resolved per backend in nn.backend, never compared.
   dtype: Literal['auto', 'float32', 'bfloat16'] = setting(

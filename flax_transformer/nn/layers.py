@@ -55,18 +55,23 @@ def _sinusoid_table(length: int, d_model: int, layout: str) -> np.ndarray:
 
 
 class FeedForward(nn.Module):
-  """FFN(x) = W_2 act(W_1 x + b_1) + b_2, applied at each position."""
+  """FFN(x) = W_2 Dropout(act(W_1 x + b_1)) + b_2, applied at each position; the dropout on the
+  hidden activations [..., d_ff] is model.activation_dropout_rate's (0, the paper's: none)."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     c = self.config
     dense = lambda features, name: Dense(
       features, dtype=compute_dtype(c), name=name, kernel_init=nn.initializers.xavier_uniform()
     )
     activation = {'relu': nn.relu, 'gelu': nn.gelu, 'silu': nn.silu}[c.activation]
-    return dense(c.d_model, 'wo')(activation(dense(c.d_ff, 'wi')(x)))
+    hidden = activation(dense(c.d_ff, 'wi')(x))  # [..., d_ff]
+    hidden = Dropout(c.activation_dropout_rate, name='activation_dropout')(
+      hidden, deterministic=not train
+    )
+    return dense(c.d_model, 'wo')(hidden)
 
 
 class Sublayer(nn.Module):
@@ -123,7 +128,7 @@ class EncoderBlock(nn.Module):
 
     ffn_sublayer = Sublayer(self.config, name='ffn_sublayer')
     return ffn_sublayer(
-      x, FeedForward(self.config, name='ffn')(ffn_sublayer.normalize_input(x)), train
+      x, FeedForward(self.config, name='ffn')(ffn_sublayer.normalize_input(x), train), train
     )
 
 
@@ -183,7 +188,7 @@ class DecoderBlock(nn.Module):
     y = self.cross_attention_sublayer(
       y, self.cross_attention(h, cross_kv, cross_mask, deterministic), train
     )
-    return self.ffn_sublayer(y, self.ffn(self.ffn_sublayer.normalize_input(y)), train), cache
+    return self.ffn_sublayer(y, self.ffn(self.ffn_sublayer.normalize_input(y), train), train), cache
 
 
 # What each `ModelConfig.remat` keeps for the backward pass: `layer` saves nothing inside a

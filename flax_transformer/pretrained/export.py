@@ -143,7 +143,7 @@ def marian_config_json(config: ModelConfig) -> dict:
     'activation_function': ACTIVATIONS[config.activation],
     'dropout': config.dropout_rate,
     'attention_dropout': config.attention_dropout_rate,
-    'activation_dropout': 0.0,
+    'activation_dropout': config.activation_dropout_rate,
     'encoder_layerdrop': 0.0,
     'decoder_layerdrop': 0.0,
     'max_position_embeddings': config.max_len,

@@ -66,7 +66,6 @@ REQUIRED = {
   'scale_embedding': True,
   'static_position_embeddings': True,
   'separate_vocabs': False,
-  'activation_dropout': 0.0,
   'encoder_layerdrop': 0.0,
   'decoder_layerdrop': 0.0,
 }
@@ -91,6 +90,7 @@ NEEDED_FIELDS = {
 OPTIONAL_FIELDS = {
   'dropout': UNIT_INTERVAL,
   'attention_dropout': UNIT_INTERVAL,
+  'activation_dropout': UNIT_INTERVAL,
   'unk_token_id': NONNEGATIVE_INT,
   'layer_norm_eps': Bounds(low=0, high=1, low_open=True),
 }
@@ -199,6 +199,7 @@ def marian_config(hf: dict, where: str = 'config.json') -> ModelConfig:
       d_ff=hf['encoder_ffn_dim'],
       dropout_rate=hf.get('dropout', 0.1),
       attention_dropout_rate=hf.get('attention_dropout', 0.0),
+      activation_dropout_rate=hf.get('activation_dropout', 0.0),
       max_len=hf['max_position_embeddings'],
       activation=ACTIVATIONS[hf.get('activation_function', 'gelu')],
       share_embeddings=bool(shared),
