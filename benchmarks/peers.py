@@ -131,7 +131,7 @@ def marian_config_kwargs(config: ModelConfig) -> dict:
     activation_function=c.activation,
     dropout=c.dropout_rate,
     attention_dropout=c.attention_dropout_rate,
-    activation_dropout=0.0,
+    activation_dropout=c.activation_dropout_rate,
     max_position_embeddings=c.max_len,
     scale_embedding=True,
     share_encoder_decoder_embeddings=True,

@@ -31,7 +31,7 @@ from flax_transformer.bench.flops import BatchShape
 RESULTS = Path(__file__).resolve().parent / 'results'
 # The first multi30k preset's size, kept as data beside the results measured at it.
 FIRST_PRESET = RESULTS / 'first_preset.json'
-MODELS = ('base', 'small', 'big')
+MODELS = ('base', 'small', 'big', 'multi30k')
 VOCAB_SIZE = 8000
 
 
@@ -52,12 +52,21 @@ def model_config(name: str = 'base', **overrides):
   """The benchmarked sizes, vocabulary 8,000 (imported late: JAX starts after pinning threads).
 
   'base' and 'big' are the paper's; 'small' is the first multi30k preset's
-  shape (d=256, 3+3 layers, 4 heads of 64, d_ff 1024) on the base settings.
+  shape (d=256, 3+3 layers, 4 heads of 64, d_ff 1024) on the base settings;
+  'multi30k' is the model of the Multi30k studies (docs/multi30k.md): the
+  `multi30k_fairseq` preset with d_ff 512 (d=128, 4+4 layers, 4 heads, dropout
+  0.3) and its vocabulary of 10,000, the loss fused over 1,024-token chunks
+  (`model.loss_chunk`, its fastest setting on a CPU: docs/training_step.md).
   """
   from flax_transformer.config import ModelConfig
 
   if name not in MODELS:
     raise ValueError(f'unknown model {name!r}; choose from {", ".join(MODELS)}')
+  if name == 'multi30k':
+    from flax_transformer.config.presets import run_preset
+
+    model, _, data = run_preset('multi30k_fairseq')
+    return model.replace(d_ff=512, vocab_size=data.vocab_size, loss_chunk=1024, **overrides)
   if name == 'big':
     config = ModelConfig.big(vocab_size=VOCAB_SIZE)
   else:
