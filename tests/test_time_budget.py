@@ -11,7 +11,13 @@ import pytest
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.errors import CheckpointError
-from flax_transformer.train.budget import RunCosts, measure_costs, resumed_steps, steps_within
+from flax_transformer.train.budget import (
+  RunCosts,
+  measure_costs,
+  resumed_steps,
+  shape_steps,
+  steps_within,
+)
 from flax_transformer.train.loop import train
 from support.runs import read_metrics
 
@@ -29,22 +35,34 @@ class FakeClock:
     self.now += seconds
 
 
-def test_measure_costs_times_each_kind_of_work_with_the_clock_it_is_given():
+def test_shape_steps_gives_each_shapes_share_and_its_first_steps():
+  shapes = ['a', 'b', 'a', 'a', 'c', 'a', 'b', 'a']
+  assert shape_steps(shapes, timed=2) == [
+    (5 / 8, [0, 2, 3]),  # compiled at step 0, timed at 2 and 3; its later steps not needed
+    (2 / 8, [1, 6]),
+    (1 / 8, [4]),  # one step only: timed with its compilation
+  ]
+
+
+def test_measure_costs_weighs_each_shapes_step_by_its_share_with_the_clock_it_is_given():
   clock = FakeClock()
-  step_times = iter([9.0, 1.0, 1.2, 0.8, 1.1, 5.0])  # compile, then 5 steps (one slow)
+  # Shape 'long' compiles in 9 s and runs in 2 s; 'short' compiles in 5 s and runs in 1 s.
+  seconds = {0: 9.0, 1: 2.0, 2: 2.2, 3: 5.0, 4: 1.0, 5: 1.0}
   steps = []
 
   def run_step(index):
     steps.append(index)
-    clock.advance(next(step_times))
+    clock.advance(seconds[index])
 
+  plan = [(0.25, [0, 1, 2]), (0.75, [3, 4, 5])]
   costs = measure_costs(
-    run_step, lambda: clock.advance(3.0), lambda: clock.advance(20.0), clock, timed_steps=5
+    run_step, plan, lambda: clock.advance(3.0), lambda: clock.advance(20.0), clock
   )
   assert steps == [0, 1, 2, 3, 4, 5]
-  assert dataclasses.astuple(costs) == pytest.approx((1.1, 9.0, 3.0, 20.0))
-  # Without validation data neither is run or counted.
-  alone = measure_costs(lambda i: clock.advance(2.0), None, None, clock, timed_steps=3)
+  # A step: 0.25 x 2.1 (the median of 2.0 and 2.2) + 0.75 x 1.0; compiling: 9 + 5 s.
+  assert dataclasses.astuple(costs) == pytest.approx((1.275, 14.0, 3.0, 20.0))
+  # Without validation data neither is run or counted; a lone step counts with its compile.
+  alone = measure_costs(lambda i: clock.advance(2.0), [(1.0, [7])], None, None, clock)
   assert dataclasses.astuple(alone) == pytest.approx((2.0, 2.0, 0.0, 0.0))
 
 
@@ -110,9 +128,10 @@ def test_a_run_fixes_its_steps_by_its_budget_and_keeps_them_when_resumed(tmp_pat
   ticks = itertools.count()
   # Every reading of the clock is 0.5 s after the one before: so the start, the steps, the
   # validation and the decoding each measure 0.5 s. The readings: the run's start (0), what
-  # was spent before measuring (0.5), the measurement's start (1.0), 16 while measuring, and
-  # the end (9.5): 9 s spent. Left: 30 - 9 - 0.5 compile - 0.5 final - 0.5 last validation
-  # = 19.5 s at 0.5 + 0.5 / 4 s a step: 31 steps.
+  # was spent before measuring (0.5), the measurement's start (1.0), 10 while measuring (the
+  # toy's batches come in one shape: its compiling step and 2 timed ones, a validation, a
+  # decoding), and the end (6.5): 6 s spent. Left: 30 - 6 - 0.5 compile - 0.5 final - 0.5
+  # last validation = 22.5 s at 0.5 + 0.5 / 4 s a step: 36 steps.
   clock = lambda: 0.5 * next(ticks)
   messages = []
   result = train(
@@ -124,18 +143,18 @@ def test_a_run_fixes_its_steps_by_its_budget_and_keeps_them_when_resumed(tmp_pat
     clock=clock,
     print_fn=messages.append,
   )
-  assert int(result.state.step) == 31
+  assert int(result.state.step) == 36
   saved = json.loads((tmp_path / 'config.json').read_text())['train']
-  assert (saved['steps'], saved['time_budget']) == (31, '30s')
+  assert (saved['steps'], saved['time_budget']) == (36, '30s')
   assert any(
-    m.startswith('time budget 30s: 31 steps fit, so train.steps=31 (a step 0.5 s') for m in messages
+    m.startswith('time budget 30s: 36 steps fit, so train.steps=36 (a step 0.5 s') for m in messages
   )
   assert any(m.endswith('steps 0 -> as many as the 30s budget holds') for m in messages)
   # The linear schedule ends at the fixed last step.
   rates = {line['step']: line['learning_rate'] for line in read_metrics(tmp_path) if 'loss' in line}
-  assert sorted(rates) == list(range(1, 32))
-  np.testing.assert_allclose([rates[4], rates[31]], [0.003, 0.0], atol=1e-9)
-  # Resumed with the same budget: the same 31 steps, nothing measured again.
+  assert sorted(rates) == list(range(1, 37))
+  np.testing.assert_allclose([rates[4], rates[36]], [0.003, 0.0], atol=1e-9)
+  # Resumed with the same budget: the same 36 steps, nothing measured again.
   again = []
   train(
     MODEL,
@@ -146,7 +165,7 @@ def test_a_run_fixes_its_steps_by_its_budget_and_keeps_them_when_resumed(tmp_pat
     clock=clock,
     print_fn=again.append,
   )
-  assert any('already trained to step 31' in m for m in again)
+  assert any('already trained to step 36' in m for m in again)
   assert not any(m.startswith('time budget') for m in again)
   with pytest.raises(CheckpointError, match='train.time_budget: saved 30s, requested 40s'):
     train(

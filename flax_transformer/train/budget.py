@@ -3,23 +3,28 @@
 A user knows their budget (a laptop evening, a one-hour GPU slot); a schedule that ends
 (`train.schedule` linear or wsd) needs the number of steps before it starts. So, before the
 first step of a new run, `measure_costs` times what the run will spend its time on, on this
-host: a few compiled training steps (on a copy of the state, so nothing is trained twice), one
-pass over the validation batches, one greedy decoding of the validation split; `steps_within`
+host: a few compiled training steps of each batch shape the run's batches come in (on a copy
+of the state, so nothing is trained twice), weighted by each shape's share of the steps to come
+(a bucket of long rows takes longer than one of short rows at the same tokens, and each shape
+compiles once), one pass over the validation batches, one greedy decoding of the validation
+split; `steps_within`
 turns those into the most steps whose training, validations, BLEU decodings and final
 evaluation end inside what is left of the budget. The steps are then fixed: config.json
 records them beside the budget, and a resume with the same budget keeps them (`resumed_steps`),
 so the schedule it follows is the one it started on.
 
-    costs = measure_costs(run_step, run_validation, run_decoding, clock=time.perf_counter)
+    costs = measure_costs(run_step, shape_steps(shapes_of_steps), run_validation, run_decoding,
+                          clock=time.perf_counter)
     steps = steps_within(budget_s, spent_s, costs, train_config, final_decodings=2)
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 from flax_transformer.config import ConfigError, TrainConfig
 from flax_transformer.errors import CheckpointError
@@ -29,9 +34,9 @@ from flax_transformer.errors import CheckpointError
 class RunCosts:
   """What one run's time goes to on this host, in seconds (`measure_costs`).
 
-  step_s: one compiled training step, the median of the timed ones.
-  compile_s: the first step, compilation included: the step is compiled once more for the
-    fixed steps (its schedule's end is a constant of the program).
+  step_s: one compiled training step: each batch shape's median, weighted by its share.
+  compile_s: the first step of each shape, compilation included: the step is compiled once
+    more for the fixed steps (its schedule's end is a constant of the program).
   validation_s: one pass over the validation batches (0 without a validation split).
   decoding_s: one greedy decoding of the validation split, compilation included (0 without
     one): a BLEU validation, and the unit of the final evaluation.
@@ -51,24 +56,46 @@ class RunCosts:
     return ', '.join(parts)
 
 
+# Steps timed of each batch shape after the one that compiles it.
+TIMED_PER_SHAPE = 2
+# The steps to come whose batch shapes give each shape's share (a shuffled plan's sample).
+SHAPE_WINDOW = 1000
+
+
+def shape_steps(
+  shapes: Sequence[Hashable], timed: int = TIMED_PER_SHAPE
+) -> list[tuple[float, list[int]]]:
+  """`shapes[i]`: the batch shape of the i-th step to come (a window of them). Per shape, in
+  the order first met: its share of the window and the indices of its first `timed + 1` steps
+  (the first compiles the shape; fewer when the window holds fewer)."""
+  counts = collections.Counter(shapes)
+  first: dict[Hashable, list[int]] = {}
+  for index, shape in enumerate(shapes):
+    if len(taken := first.setdefault(shape, [])) <= timed:
+      taken.append(index)
+  return [(counts[shape] / len(shapes), indices) for shape, indices in first.items()]
+
+
 def measure_costs(
   run_step: Callable[[int], None],
+  steps: Sequence[tuple[float, Sequence[int]]],
   run_validation: Callable[[], None] | None,
   run_decoding: Callable[[], None] | None,
   clock: Callable[[], float],
-  timed_steps: int = 5,
 ) -> RunCosts:
-  """Times `run_step(i)` for i = 0 (compiling) .. timed_steps, then one `run_validation()`
-  and one `run_decoding()` (each None when the run has no such split). Each callable must
-  return only once its work is done (blocked on the devices)."""
-  start = clock()
-  run_step(0)
-  compile_s = clock() - start
-  times = []
-  for index in range(1, timed_steps + 1):
-    start = clock()
-    run_step(index)
-    times.append(clock() - start)
+  """Times `run_step(i)` for each shape's steps (`shape_steps`: its share, its step indices;
+  the first call of a shape compiles it, the others are timed, their median weighted by the
+  share), then one `run_validation()` and one `run_decoding()` (each None when the run has no
+  such split). Each callable must return only once its work is done (blocked on the devices)."""
+  step_s = compile_s = 0.0
+  for share, indices in steps:
+    times = []
+    for index in indices:
+      start = clock()
+      run_step(index)
+      times.append(clock() - start)
+    compile_s += times[0]
+    step_s += share * statistics.median(times[1:] or times)
   validation_s = decoding_s = 0.0
   if run_validation is not None:
     start = clock()
@@ -78,7 +105,7 @@ def measure_costs(
     start = clock()
     run_decoding()
     decoding_s = clock() - start
-  return RunCosts(statistics.median(times), compile_s, validation_s, decoding_s)
+  return RunCosts(step_s, compile_s, validation_s, decoding_s)
 
 
 def steps_within(
@@ -136,8 +163,8 @@ def resumed_steps(saved: TrainConfig | None, requested: TrainConfig) -> TrainCon
 def fit_steps(
   run, loop, state, start: int, spent_s: float, average_last: int, clock
 ) -> TrainConfig:
-  """Measures this run's costs (`measure_costs`, on a copy of the replicated `state` from
-  step `start`), fixes train.steps at the last step that fits train.time_budget (every
+  """Measures this run's costs (`measure_costs`, on a copy of the replicated `state`, with the
+  steps of each batch shape among the next SHAPE_WINDOW from `start`), fixes train.steps at the last step that fits train.time_budget (every
   process takes process 0's answer), checks what depends on it and returns the run's
   settings with those steps; the caller recompiles the step (a schedule's end is a constant
   of its program). `run` and `loop` are train.loop's `TrainingRun` and `TrainingLoop`."""
@@ -169,8 +196,10 @@ def fit_steps(
     split_scores(run, run.data_parallel.unreplicate(state.params), split)
 
   measure_start = clock()
+  shapes = [loop.batcher.entry(start + index)[0] for index in range(SHAPE_WINDOW)]
   costs = measure_costs(
     run_step,
+    shape_steps(shapes),
     run_validation if loop.val_batches else None,
     run_decoding if split is not None else None,
     clock,
