@@ -437,6 +437,10 @@ def test_benchmarking(executed):
   assert facts['layer_keeps_less_than_none'] is True and facts['dots_between'] is True
   assert facts['decoded_tokens_exact'] is True
   assert facts['remat_xla_flops_higher'] is True  # recomputation shows in XLA's count only
+  # The matmul bound holds every product of the step (the hand count's FLOPs), below the step.
+  assert 0.98 <= facts['bound_flops_over_hand'] <= 1.02
+  assert facts['bound_below_step'] is True
+  assert facts['profiled_ops_in_the_program'] is True and facts['profile_has_products'] is True
 
 
 if __name__ == '__main__':
