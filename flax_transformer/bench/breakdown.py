@@ -53,7 +53,7 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
   """Every instruction of `hlo_text` (`compiled.as_text()`) by name; a fusion's opcode names
   its kind and, when its fused computation multiplies matrices, `+dot`."""
   opcodes_in: dict[str, set[str]] = collections.defaultdict(set)
-  found: list[tuple[str, str, str, str, str]] = []  # name, shape, opcode, rest, computation
+  found: list[tuple[str, str, str, str]] = []  # name, shape, opcode, the rest of its line
   computation = ''
   for line in hlo_text.splitlines():
     if (header := _COMPUTATION.match(line)) is not None and ' = ' not in line:
@@ -63,9 +63,9 @@ def hlo_instructions(hlo_text: str) -> dict[str, Instruction]:
       continue
     name, shape, opcode, rest = match.groups()
     opcodes_in[computation].add(opcode)
-    found.append((name, shape, opcode, rest, computation))
+    found.append((name, shape, opcode, rest))
   instructions = {}
-  for name, shape, opcode, rest, _ in found:
+  for name, shape, opcode, rest in found:
     if opcode == 'fusion':
       kind = _KIND.search(rest)
       called = _CALLS.search(rest)
