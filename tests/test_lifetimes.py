@@ -59,6 +59,7 @@ CHANGES = [
   ('train', 'label_smoothing', 0.2, False),
   ('train', 'best_metric', 'bleu', False),
   ('data', 'lowercase', True, False),
+  ('data', 'bpe_dropout', 0.1, False),
 ]
 
 

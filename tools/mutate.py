@@ -596,6 +596,28 @@ MUTANTS = [
     '      if False:\n',
     'tests/test_signals.py',
   ),
+  # --- BPE-dropout -----------------------------------------------------------------------
+  m(
+    'bpe_dropout_overlapping_merges',
+    'flax_transformer/tokenizer/bpe_dropout.py',
+    'merge = chosen & ((place - run_start) % 2 == 0)',
+    'merge = chosen',
+    'tests/test_bpe_dropout.py',
+  ),
+  m(
+    'bpe_dropout_same_draw_every_round',
+    'flax_transformer/tokenizer/bpe_dropout.py',
+    'kept = (found >= 0) & (draws(keys, round_index, left.shape[1]) >= self.rate)',
+    'kept = (found >= 0) & (draws(keys, 0, left.shape[1]) >= self.rate)',
+    'tests/test_bpe_dropout.py',
+  ),
+  m(
+    'bpe_dropout_key_ignores_the_epoch',
+    DATA + 'resegmenting.py',
+    'base = mix(mix(np.uint64(self.seed) + np.uint64(1)) ^ np.uint64(epoch))',
+    'base = mix(np.uint64(self.seed) + np.uint64(1))',
+    'tests/test_bpe_dropout.py',
+  ),
 ]
 
 

@@ -11,6 +11,8 @@ from flax_transformer.config.settings import (
   LOCATION,
   NONNEGATIVE_INT,
   POSITIVE_INT,
+  REGULARISATION,
+  UNIT_INTERVAL,
   check_fields,
   setting,
 )
@@ -86,6 +88,16 @@ class DataConfig:
     'with data.pretokenize=moses: Moses-detokenize outputs into '
     'text; false: leave them tokenized (true/false)',
     lifetime=CORPUS,
+  )
+
+  # How training sees the ids (the batches only; validation and decoding see plain ones).
+  bpe_dropout: float = setting(
+    0.0,
+    'BPE-dropout: each merge skipped at this rate when a training pair is resegmented, '
+    'every epoch (a pure function of train.seed, the epoch and the pair, so a resumed run '
+    'draws the same); 0: none. Needs a BPE tokenizer and unpacked rows',
+    bounds=UNIT_INTERVAL,
+    lifetime=REGULARISATION,
   )
 
   # Where derived files are kept (a resumed run may move it).

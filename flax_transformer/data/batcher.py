@@ -35,8 +35,15 @@ import numpy as np
 
 from flax_transformer.config import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, check_bounds
 from flax_transformer.data.assembly import build_bucketed, build_packed
-from flax_transformer.data.batching import Batch, EncodedCorpus, default_buckets, rows_per_batch
+from flax_transformer.data.batching import (
+  Batch,
+  EncodedCorpus,
+  default_buckets,
+  process_rows,
+  rows_per_batch,
+)
 from flax_transformer.data.plans import Bucketed, PackedRows, RowPlan
+from flax_transformer.data.resegmenting import Resegmenting
 from flax_transformer.errors import DataError
 
 UNPACKED = Bucketed()
@@ -49,6 +56,8 @@ class Batcher:
 
   plan: how pairs fill rows (`plans.Bucketed()`, the default; `FirstFit(L)`, `BestFit(L)`).
   length_buckets: the row lengths (default `batching.default_buckets(corpus.max_len)`).
+  resegmenting: BPE-dropout (`resegmenting.Resegmenting`): each batch's pairs resampled for
+    its epoch, bucketed by their planned resampled lengths; one pair a row only.
   """
 
   def __init__(
@@ -60,6 +69,7 @@ class Batcher:
     length_buckets: Sequence[int] | None = None,
     row_multiple: int = 1,
     shuffle: bool = True,
+    resegmenting: Resegmenting | None = None,
   ):
     check_bounds(max_tokens, POSITIVE_INT, 'max_tokens', DataError)
     check_bounds(row_multiple, POSITIVE_INT, 'row_multiple', DataError)
@@ -69,11 +79,15 @@ class Batcher:
         f'the corpus holds no pairs ({corpus.num_dropped:,} were longer than '
         f'max_len={corpus.max_len}); raise max_len'
       )
+    if resegmenting is not None and plan.packs:
+      raise DataError('BPE-dropout resamples one pair a row; packed rows are planned by length')
     self.corpus, self.plan, self.shuffle = corpus, plan, shuffle
+    self.resegmenting = resegmenting
     self.max_tokens, self.seed = int(max_tokens), int(seed)
     self.length_buckets = plan.buckets(_checked_buckets(corpus, length_buckets))
     self.rows = tuple(rows_per_batch(max_tokens, n, row_multiple) for n in self.length_buckets)
-    bucket_of = np.searchsorted(self.length_buckets, corpus.lengths)  # smallest bucket >= length
+    lengths = corpus.lengths if resegmenting is None else resegmenting.planned_lengths(corpus)
+    bucket_of = np.searchsorted(self.length_buckets, lengths)  # smallest bucket >= length
     self._members = [np.flatnonzero(bucket_of == b) for b in range(len(self.length_buckets))]
     self._src_lengths = np.diff(corpus.src_offsets)
     self._tgt_lengths = np.diff(corpus.tgt_offsets)
@@ -91,33 +105,47 @@ class Batcher:
 
   def epoch(self, epoch_index: int) -> EpochBatches:
     """The batches of one epoch, built on access; every pair appears exactly once."""
-    return EpochBatches(self, self.plan_of(epoch_index))
+    return EpochBatches(self, self.plan_of(epoch_index), epoch_index)
 
   def batch_at(self, step: int) -> Batch:
     """The batch of global step `step` (0-based), counting across epochs."""
-    return self.assemble(*self.entry(step))
+    epoch_index, entry = self.locate(step)
+    return self.assemble(*entry, epoch=epoch_index)
 
   def local_batch_at(self, step: int, index: int, count: int) -> Batch:
     """`batching.shard(batch_at(step), index, count)`, building only those rows."""
-    return self.assemble(*self.entry(step), index, count)
+    epoch_index, entry = self.locate(step)
+    return self.assemble(*entry, index, count, epoch=epoch_index)
 
-  def assemble(self, bucket: int, rows: np.ndarray | PackedRows, index=0, count=1) -> Batch:
-    """The batch of one plan entry (or process `index` of `count`'s rows of it)."""
+  def assemble(
+    self, bucket: int, rows: np.ndarray | PackedRows, index=0, count=1, epoch: int = 0
+  ) -> Batch:
+    """The batch of one plan entry of `epoch` (or process `index` of `count`'s rows of it)."""
+    size, length = self.rows[bucket], self.length_buckets[bucket]
+    if self.resegmenting is not None:  # this process's pairs, resampled for the epoch
+      first, size = process_rows(size, index, count)
+      pairs = np.asarray(rows, np.int64)[first : first + size]
+      resampled = self.resegmenting.corpus_of(self.corpus, pairs, epoch, length)
+      return build_bucketed(resampled, np.arange(len(pairs)), size, length)
     build = build_packed if self.plan.packs else build_bucketed
-    return build(self.corpus, rows, self.rows[bucket], self.length_buckets[bucket], index, count)
+    return build(self.corpus, rows, size, length, index, count)
 
   def entry(self, step: int) -> PlanEntry:
     """(bucket, rows) of global step `step`: its epoch's plan entry."""
+    return self.locate(step)[1]
+
+  def locate(self, step: int) -> tuple[int, PlanEntry]:
+    """(epoch, (bucket, rows)) of global step `step`."""
     check_bounds(step, NONNEGATIVE, 'step', DataError)
     if not self.plan.packs:  # every epoch has the same batches: no plan before step's is drawn
       epoch_index, index = divmod(step, self.batches_per_epoch())
-      return self.plan_of(epoch_index)[index]
+      return epoch_index, self.plan_of(epoch_index)[index]
     epoch_index = 0
     while True:
       if epoch_index == len(self._epoch_sizes):
         self._epoch_sizes.append(len(self.plan_of(epoch_index)))
       if step < self._epoch_sizes[epoch_index]:
-        return self.plan_of(epoch_index)[step]
+        return epoch_index, self.plan_of(epoch_index)[step]
       step -= self._epoch_sizes[epoch_index]
       epoch_index += 1
 
@@ -158,10 +186,14 @@ class Batcher:
         math.ceil(len(members) / rows) * rows * length
         for members, rows, length in zip(self._members, self.rows, self.length_buckets)
       )
+      padding = f'{1 - target_tokens / positions:.1%} of target positions are padding'
+      if self.resegmenting is not None:
+        padding += ' before resampling; ' + self.resegmenting.describe(
+          self.corpus, self.length_buckets
+        )
       return (
         f'{len(self.corpus):,} pairs in {batches:,} batches per epoch '
-        f'of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
-        f'{1 - target_tokens / positions:.1%} of target positions are padding'
+        f'of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; {padding}'
       )
     plan = self.plan_of(0)
     positions = sum(self.rows[bucket] * self.length_buckets[bucket] for bucket, _ in plan)
@@ -176,9 +208,10 @@ class Batcher:
 class EpochBatches(Sequence):
   """The batches of one epoch as a lazy sequence: batch i is built when indexed."""
 
-  def __init__(self, batcher: Batcher, plan: list[PlanEntry]):
+  def __init__(self, batcher: Batcher, plan: list[PlanEntry], epoch_index: int = 0):
     self._batcher = batcher
     self._plan = plan
+    self._epoch_index = epoch_index
 
   def __len__(self) -> int:
     return len(self._plan)
@@ -186,7 +219,7 @@ class EpochBatches(Sequence):
   def __getitem__(self, index: int) -> Batch:
     if isinstance(index, slice):
       raise TypeError('index one batch at a time; iterate for all of them')
-    return self._batcher.assemble(*self._plan[index])
+    return self._batcher.assemble(*self._plan[index], epoch=self._epoch_index)
 
 
 def _checked_buckets(corpus: EncodedCorpus, length_buckets: Sequence[int] | None) -> tuple:

@@ -39,6 +39,7 @@ from flax_transformer.data.cache import load_or_encode
 from flax_transformer.data.corpus import describe, load_parallel, text_pair_files
 from flax_transformer.data.pair_sources import DatasetPairs, TextPairFiles
 from flax_transformer.data.plans import PackingPlan, row_plan
+from flax_transformer.data.resegmenting import Resegmenting
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.errors import DataError
 from flax_transformer.tokenizer import TextTokenizer
@@ -185,12 +186,21 @@ def make_batcher(
   config: TrainConfig,
   row_multiple: int,
   packing_plan: PackingPlan = 'best_fit',
+  resegmenting: Resegmenting | None = None,
 ) -> Batcher:
   """The training batcher of `config`: bucketed rows, or packed ones (`config.packing`) whose
   rows are planned by `packing_plan` (runs begun before best fit existed resume with
-  'first_fit', so their batches stay the same)."""
+  'first_fit', so their batches stay the same); `resegmenting`: BPE-dropout's resampling
+  (`resegmenting.resegmenting_of`)."""
   plan = row_plan(config.packing, packing_plan)
-  return Batcher(corpus, config.max_tokens, config.seed, plan, row_multiple=row_multiple)
+  return Batcher(
+    corpus,
+    config.max_tokens,
+    config.seed,
+    plan,
+    row_multiple=row_multiple,
+    resegmenting=resegmenting,
+  )
 
 
 T = TypeVar('T')

@@ -38,6 +38,7 @@ from flax_transformer.config import ModelConfig
 from flax_transformer.errors import TokenizerError
 from flax_transformer.files import files_digest, write_atomically
 from flax_transformer.tokenizer import word_memo
+from flax_transformer.tokenizer.bpe_dropout import BpeDropout
 from flax_transformer.tokenizer.protocol import check_compatible
 
 FILE_NAME = 'tokenizer.json'
@@ -237,6 +238,11 @@ class Tokenizer:
 
   def id_to_token(self, token_id: int) -> str:
     return self._backend.id_to_token(token_id)
+
+  def bpe_dropout(self, rate: float) -> BpeDropout:
+    """This tokenizer's merges resampled at `rate` (`bpe_dropout`); TokenizerError unless
+    its model is BPE."""
+    return BpeDropout.of(self._backend, rate)
 
   def check_compatible(self, config: ModelConfig) -> None:
     """Raises ConfigError unless the model's vocabulary and special ids match this tokenizer."""

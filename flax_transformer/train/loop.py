@@ -240,7 +240,9 @@ class TrainingLoop:
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
     corpus = encode_training_split(run)
     self.packing_plan = run.directory.packing_plan(run.checkpoints.latest_step() is not None)
-    self.batcher = make_batcher(corpus, config, run.data_parallel.num_devices, self.packing_plan)
+    self.batcher = make_batcher(
+      corpus, config, run.data_parallel.num_devices, self.packing_plan, run.resegmenting
+    )
     run.say(
       f'train: {self.batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side '
       f'longer than model.max_len={run.model_config.max_len} tokens with EOS)'

@@ -40,8 +40,9 @@ from flax_transformer.data.batching import SEQUENCE_LENGTH, EncodedCorpus, encod
 from flax_transformer.data.corpus import load_parallel
 from flax_transformer.data.packing import check_settings as check_packing
 from flax_transformer.data.pipeline import TrainingData, load_training_data
+from flax_transformer.data.resegmenting import Resegmenting, resegmenting_of
 from flax_transformer.data.toy_task import number_translation
-from flax_transformer.errors import DamagedCheckpoint
+from flax_transformer.errors import DamagedCheckpoint, TokenizerError
 from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
 from flax_transformer.nn.model import Transformer, count_params
 from flax_transformer.pretrained.marian import load_marian
@@ -130,6 +131,12 @@ def check_settings(
       'at their defaults when fine-tuning'
     )
   preprocessing.check_available(steps)
+  if data_config.bpe_dropout and train_config.packing:
+    raise ConfigError(
+      f'data.bpe_dropout={data_config.bpe_dropout} resamples one pair a row; packed rows '
+      f'(train.packing={train_config.packing}) are planned by the plain lengths: set one '
+      'of them off'
+    )
 
 
 def check_patience(train_config: TrainConfig) -> None:
@@ -188,6 +195,7 @@ class TrainingRun:
   checkpoints: Checkpoints
   say: Callable[[str], None]
   pretrained_params: dict | None = None  # --init-from's, for a run without checkpoints
+  resegmenting: Resegmenting | None = None  # data.bpe_dropout's, for the training batches
 
 
 def prepare_training_run(
@@ -235,6 +243,10 @@ def prepare_training_run(
   tokenizer = preprocessing.wrap(tokenizer, data_config)
   model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
   tokenizer.check_compatible(model_config)
+  try:
+    resegmenting = resegmenting_of(tokenizer, data_config.bpe_dropout, train_config.seed)
+  except TokenizerError as error:
+    raise ConfigError(f'data.bpe_dropout={data_config.bpe_dropout}: {error}') from None
   directory.check_settings(model_config, train_config, data_config)
   return TrainingRun(
     directory=directory,
@@ -248,6 +260,7 @@ def prepare_training_run(
     checkpoints=checkpoints,
     say=say,
     pretrained_params=pretrained_params,
+    resegmenting=resegmenting,
   )
 
 
