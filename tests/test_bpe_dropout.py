@@ -13,6 +13,7 @@ import tokenizers
 from subword_nmt import apply_bpe
 
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from flax_transformer.data import resegmenting
 from flax_transformer.data.batcher import Batcher
 from flax_transformer.data.batching import encode_corpus, shard
 from flax_transformer.data.plans import FirstFit
@@ -253,6 +254,20 @@ def test_batches_are_a_pure_function_of_seed_epoch_and_pair(toy, corpus):
   assert sorted(epoch0) == sorted(epoch1) == sorted(corpus.example_ids.tolist())
   assert sum(epoch0[e] != epoch1[e] for e in epoch0) > len(epoch0) // 4
   assert 'BPE-dropout 0.1 (data.bpe_dropout)' in first.describe()
+
+
+def test_a_large_corpus_is_planned_on_a_sample(toy, corpus, monkeypatch):
+  _, tokenizer = toy
+  whole = Resegmenting(tokenizer.bpe_dropout(RATE), 3).planned_lengths(corpus)
+  monkeypatch.setattr(resegmenting, 'PLANNING_PAIRS', 300)
+  sampled = Resegmenting(tokenizer.bpe_dropout(RATE), 3)
+  planned = sampled.planned_lengths(corpus)
+  drawn = sampled._plan(corpus)[2]  # noqa: SLF001 -- which pairs were drawn
+  assert len(drawn) == 300 and np.array_equal(planned[drawn], whole[drawn])
+  assert (planned >= corpus.lengths).all() and (planned <= corpus.max_len).all()
+  # The others planned by the sample's growth at their plain length: about as long in all.
+  assert planned.sum() == pytest.approx(whole.sum(), rel=0.03)
+  assert planned.sum() > 1.05 * corpus.lengths.sum()
 
 
 def test_what_bpe_dropout_refuses(toy, corpus):
