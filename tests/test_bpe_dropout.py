@@ -277,6 +277,10 @@ def test_what_bpe_dropout_refuses(toy, corpus):
   unigram = Tokenizer.train(data['train']['target'][:500], 120, model='unigram')
   with pytest.raises(TokenizerError, match='this tokenizer is Unigram'):
     unigram.bpe_dropout(RATE)
+  other_words = tokenizers.Tokenizer(tokenizers.models.BPE({'a': 0}, []))
+  other_words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  with pytest.raises(TokenizerError, match="leading '▁'.* pre-tokenizes with Whitespace"):
+    BpeDropout.of(other_words, RATE)
   with pytest.raises(TokenizerError, match='a str has none'):
     resegmenting_of('not a tokenizer', RATE, 0)
   assert resegmenting_of(tokenizer, 0.0, 0) is None

@@ -82,8 +82,10 @@ class BpeDropout:
 
   @classmethod
   def of(cls, backend: tokenizers.Tokenizer, rate: float) -> BpeDropout:
-    """The dropout of a `tokenizers` backend whose model is plain BPE, else TokenizerError."""
-    model = json.loads(backend.to_str())['model']
+    """The dropout of a `tokenizers` backend whose model is plain BPE and whose words start
+    at '▁' (Metaspace, as `subword.Tokenizer.train` makes them), else TokenizerError."""
+    config = json.loads(backend.to_str())
+    model, words = config['model'], config.get('pre_tokenizer') or {}
     if model['type'] != 'BPE':
       raise TokenizerError(
         f'BPE-dropout resamples the merges of a BPE model; this tokenizer is {model["type"]} '
@@ -94,6 +96,15 @@ class BpeDropout:
     }
     if unusual:
       raise TokenizerError(f'BPE-dropout supports plain BPE; this tokenizer sets {unusual}')
+    if (words.get('type'), words.get('replacement'), words.get('split')) != (
+      'Metaspace',
+      METASPACE,
+      True,
+    ):
+      raise TokenizerError(
+        "BPE-dropout finds words by their leading '▁' (a Metaspace pre-tokenizer that splits); "
+        f'this tokenizer pre-tokenizes with {words.get("type")}'
+      )
     merges = [tuple(m.split(' ')) if isinstance(m, str) else tuple(m) for m in model['merges']]
     return cls(model['vocab'], merges, rate)
 
