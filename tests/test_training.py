@@ -155,6 +155,29 @@ def test_a_resume_inside_the_wsd_cooldown_equals_the_uninterrupted_run(
     train(MODEL, wsd.replace(steps=12), data, tmp_path / 'resumed', print_fn=quiet)
 
 
+def test_a_resume_with_bpe_dropout_equals_the_uninterrupted_run(
+  resumed_and_uninterrupted, tmp_path
+):
+  """BPE-dropout's pieces are a function of (seed, epoch, pair): resumed from step 4 the run
+  draws the same ones and ends in the same state; and they are not the plain pieces."""
+  import shutil
+
+  data = resumed_and_uninterrupted['data'].replace(bpe_dropout=0.2)
+  messages = []
+  full = train(MODEL, TRAIN, data, tmp_path / 'straight', print_fn=messages.append)
+  assert any('BPE-dropout 0.2 (data.bpe_dropout)' in message for message in messages)
+  shutil.copytree(tmp_path / 'straight', tmp_path / 'resumed')
+  shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '8')
+  resumed = train(MODEL, TRAIN, data, tmp_path / 'resumed', print_fn=lambda message: None)
+  assert int(resumed.state.step) == 8
+  assert_trees_equal(resumed.state, full.state)
+  plain = metrics_lines(resumed_and_uninterrupted['straight'])
+  dropped = metrics_lines(tmp_path / 'straight')
+  assert [line['loss'] for line in plain if 'loss' in line] != [
+    line['loss'] for line in dropped if 'loss' in line
+  ]
+
+
 def test_resumed_metrics_log_reads_as_one_run(resumed_and_uninterrupted):
   runs = resumed_and_uninterrupted
   straight, stopped = metrics_lines(runs['straight']), metrics_lines(runs['stopped'])
