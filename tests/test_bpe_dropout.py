@@ -15,13 +15,13 @@ from subword_nmt import apply_bpe
 from flax_transformer.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from flax_transformer.data import resegmenting
 from flax_transformer.data.batcher import Batcher
-from flax_transformer.data.batching import encode_corpus, shard
+from flax_transformer.data.batching import EncodedCorpus, encode_corpus, shard
 from flax_transformer.data.plans import FirstFit
 from flax_transformer.data.resegmenting import Resegmenting, resegmenting_of
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.errors import DataError, TokenizerError
 from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.tokenizer.bpe_dropout import METASPACE, BpeDropout
+from flax_transformer.tokenizer.bpe_dropout import METASPACE, BpeDropout, draws, mix
 from flax_transformer.train.loop import train
 
 RATE = 0.1
@@ -151,6 +151,108 @@ def test_a_repeated_pair_merges_from_the_left_as_tokenizers_and_subword_nmt_do()
   assert split(ids, lengths) == plain
   codes = {pair: rank for rank, pair in enumerate(merges)}
   assert [[vocab[p] for p in subword_nmt_pieces(codes, w, 0)] for w in words] == plain
+
+
+def scalar_merges(symbols: list[int], merges: dict, rate: float, key: int) -> list[int]:
+  """subword-nmt's loop, one word at a time in Python, on `bpe_dropout.draws`'s draws for
+  `key` (the word's key): the oracle of the vectorised rounds."""
+  for round_index in range(len(symbols)):
+    if len(symbols) < 2:
+      break
+    uniform = draws(np.array([key], np.uint64), round_index, len(symbols) - 1)[0]
+    kept = [
+      (merges[pair][0], i, pair)
+      for i, pair in enumerate(zip(symbols, symbols[1:]))
+      if pair in merges and uniform[i] >= rate
+    ]
+    if not kept:
+      break
+    best = min(kept)[2]
+    merged, start = [], 0
+    for _, i, pair in kept:
+      if pair != best or i < start:
+        continue
+      merged += symbols[start:i] + [merges[pair][1]]
+      start = i + 2
+    symbols = merged + symbols[start:]
+  return symbols
+
+
+def test_the_vectorised_rounds_equal_a_scalar_loop_on_the_same_draws(toy):
+  """At rate 0.5 (runs of a repeated pair broken by skipped places included), every word drawn
+  as arrays equals subword-nmt's loop run on the same draws, one word at a time."""
+  data, tokenizer = toy
+  config = json.loads(tokenizer._encoder.to_str())['model']  # noqa: SLF001 -- its merges
+  vocab = config['vocab']
+  merges = {}
+  for rank, merge in enumerate(config['merges']):
+    left, right = merge.split(' ') if isinstance(merge, str) else merge
+    merges.setdefault((vocab[left], vocab[right]), (rank, vocab[left + right]))
+  words = sorted({w for line in data['validation']['target'][:150] for w in line.split()})
+  words += ['e' * n for n in range(2, 12)] + ['ee' * n + 'n' for n in range(1, 6)]
+  rows = [tokenizer.encode([word])[0] for word in words]  # one word a sentence: its place is 0
+  sentence_keys = keys(len(rows), salt=3)
+  ids, lengths = tokenizer.bpe_dropout(0.5).resegment(*flat(rows), sentence_keys)
+  word_keys = mix(sentence_keys ^ mix(np.uint64(1)))
+  expected = [
+    scalar_merges([vocab[c] for c in METASPACE + word], merges, 0.5, key)
+    for word, key in zip(words, word_keys)
+  ]
+  assert split(ids, lengths) == expected
+  assert sum(e != r for e, r in zip(expected, rows)) > len(rows) // 2
+
+
+def test_text_that_spells_a_special_token_never_becomes_one():
+  """A corpus whose words end in '</s>' teaches BPE to merge '</s' + '>'; the tokenizer encodes
+  without such merges (special_tokens_as_text), and so does its dropout: no draw puts a
+  special id inside a sentence, and a word with an unknown character keeps its ids."""
+  lines = [f'{word}</s> {word}<pad> plain' for word in ('xa', 'yb', 'zc', 'wd', 've') * 20]
+  tokenizer = Tokenizer.train(lines, 60)
+  text = ['xa</s> d</s> yb<pad>', 've☃d</s> plain']
+  rows = tokenizer.encode(text)
+  assert tokenizer.unk_id in rows[1]
+  ids, lengths = tokenizer.bpe_dropout(0.0).resegment(*flat(rows), keys(2))
+  assert split(ids, lengths) == rows
+  for salt in range(50):
+    ids, lengths = tokenizer.bpe_dropout(0.5).resegment(*flat(rows), keys(2, salt))
+    assert not np.isin(ids, [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id]).any()
+    assert tokenizer.decode([r + [tokenizer.eos_id] for r in split(ids, lengths)])[0] == text[0]
+    unknown_word = split(ids, lengths)[1][: rows[1].index(tokenizer.unk_id) + 1]
+    assert unknown_word == rows[1][: len(unknown_word)]
+
+
+def test_a_pair_is_never_planned_shorter_than_its_plain_ids():
+  """Skipping a merge can make a word shorter ('▁ab' where plain BPE gives '▁ ab': (a, b) is
+  merged before (▁, a), and (▁a, b) exists): its bucket is still planned by its plain length."""
+  vocab = {
+    p: i
+    for i, p in enumerate(['<pad>', '<s>', '</s>', '<unk>', METASPACE, 'a', 'b', 'ab', '▁a', '▁ab'])
+  }
+  # '▁ab' is drawn with probability p (1 - p)^2, most often at p = 1/3: 15% of draws.
+  dropout = BpeDropout(vocab, [('a', 'b'), (METASPACE, 'a'), ('▁a', 'b')], 1 / 3)
+  ids, lengths = dropout.resegment(*flat([[vocab[METASPACE], vocab['ab']]] * 64), keys(64))
+  assert min(lengths) == 1 and set(lengths) <= {1, 2, 3}  # the shorter one is drawn too
+  n = 640  # about 14 pairs whose two planning draws are both the shorter one
+  corpus = EncodedCorpus(
+    src_ids=np.tile(np.int32([4, 7, 2]), n),
+    src_offsets=np.arange(n + 1) * 3,
+    tgt_ids=np.tile(np.int32([5, 2]), n),  # 'a': a pair's length is its source's
+    tgt_offsets=np.arange(n + 1) * 2,
+    example_ids=np.arange(n),
+    max_len=8,
+    num_dropped=0,
+  )
+  planned = Resegmenting(dropout, 0).planned_lengths(corpus)
+  assert (planned >= corpus.lengths).all()
+  batcher = Batcher(corpus, 24, 0, length_buckets=(3, 8), resegmenting=Resegmenting(dropout, 0))
+  for batch in batcher.epoch(0):
+    rows = batch.src[batch.example_ids >= 0]
+    ends = (rows != 0).sum(axis=1) - 1  # each row's last token: its EOS, never cut off
+    assert (rows[np.arange(len(rows)), ends] == 2).all()
+  with pytest.raises(ValueError, match='sentence 0 has 2 ids, more than its limit 1'):
+    dropout.resegment(*flat([[vocab[METASPACE], vocab['ab']]]), keys(1, salt=5), np.array([1]))
+  with pytest.raises(TokenizerError, match="merge 0 \\('▁' \\+ 'ab'\\) comes before merge 1"):
+    BpeDropout(vocab, [(METASPACE, 'ab'), ('a', 'b')], 0.1)
 
 
 def test_resampling_changes_the_pieces_never_the_text(toy):

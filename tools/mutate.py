@@ -612,6 +612,20 @@ MUTANTS = [
     'tests/test_bpe_dropout.py',
   ),
   m(
+    'bpe_dropout_merges_spelling_special_tokens',
+    'flax_transformer/tokenizer/subword.py',
+    'return BpeDropout.of(self._encoder, rate)',
+    'return BpeDropout.of(self._backend, rate)',
+    'tests/test_bpe_dropout.py',
+  ),
+  m(
+    'bpe_dropout_planned_below_plain',
+    DATA + 'resegmenting.py',
+    'drawn = np.clip(np.maximum(*means), plain[pairs], corpus.max_len)',
+    'drawn = np.minimum(np.maximum(*means), corpus.max_len)',
+    'tests/test_bpe_dropout.py',
+  ),
+  m(
     'bpe_dropout_key_ignores_the_epoch',
     DATA + 'resegmenting.py',
     'base = mix(mix(np.uint64(self.seed) + np.uint64(1)) ^ np.uint64(epoch))',

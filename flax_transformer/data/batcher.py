@@ -118,9 +118,10 @@ class Batcher:
     return self.assemble(*entry, index, count, epoch=epoch_index)
 
   def assemble(
-    self, bucket: int, rows: np.ndarray | PackedRows, index=0, count=1, epoch: int = 0
+    self, bucket: int, rows: np.ndarray | PackedRows, index=0, count=1, *, epoch: int
   ) -> Batch:
-    """The batch of one plan entry of `epoch` (or process `index` of `count`'s rows of it)."""
+    """The batch of one plan entry of `epoch` (or process `index` of `count`'s rows of it);
+    the epoch is what BPE-dropout's draws are keyed on."""
     size, length = self.rows[bucket], self.length_buckets[bucket]
     if self.resegmenting is not None:  # this process's pairs, resampled for the epoch
       first, size = process_rows(size, index, count)

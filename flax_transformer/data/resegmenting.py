@@ -127,7 +127,8 @@ class Resegmenting:
         side_draws.append(np.diff(self._resampled(ids, offsets, pairs, keys, None)[1]))
       means.append(np.ceil(np.mean(side_draws, axis=0)).astype(np.int64))
       draws += side_draws
-    drawn = np.minimum(np.maximum(*means), corpus.max_len)
+    # A draw may merge more than plain BPE does; a pair is never planned shorter than plainly.
+    drawn = np.clip(np.maximum(*means), plain[pairs], corpus.max_len)
     growth = _growth_by_length(plain[pairs], drawn, corpus.max_len)[plain]
     planned = np.clip(np.rint(plain * growth).astype(np.int64), plain, corpus.max_len)
     planned[pairs] = drawn

@@ -12,7 +12,9 @@ starting from a word's characters, each round keeps every adjacent pair that has
 probability 1 - rate, merges the best-ranked kept pair at each of its kept places from the
 left (never overlapping: x x x -> xx x), and the word is done when a round keeps none. At
 rate 0 it is plain BPE, the same ids as `tokenizers` (tests/test_bpe_dropout.py checks every
-word of a corpus). Every word of a batch advances one round at a time together, as arrays.
+word of a corpus) for merges in the order they were learned (others are refused) and for the
+merges the tokenizer encodes with (`subword.Tokenizer.bpe_dropout`: none that spells a special
+token). Every word of a batch advances one round at a time together, as arrays.
 
 `tokenizers`' own BPE dropout draws from an unseeded thread generator
 (huggingface/tokenizers#644), so its segmentations cannot be drawn again on resume. Here the
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import tokenizers
@@ -54,13 +56,23 @@ class BpeDropout:
   """Resamples the BPE segmentation of encoded sentences (module docstring).
 
   vocab: piece -> id; merges: (left piece, right piece) in rank order (first merged first);
-  rate: the probability that a merge is skipped where it applies, in [0, 1] (0: plain BPE).
+  rate: the probability that a merge is skipped where it applies, in [0, 1] (0: plain BPE);
+  special: pieces that are never spelt out (a word holding one keeps its ids): the special
+    tokens, `<unk>` and a tokenizer's other added tokens.
   """
 
-  def __init__(self, vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], rate: float):
+  def __init__(
+    self,
+    vocab: Mapping[str, int],
+    merges: Sequence[tuple[str, str]],
+    rate: float,
+    special: Iterable[str] = SPECIAL_PIECES,
+  ):
     if not 0 <= rate <= 1:
       raise TokenizerError(f'the BPE-dropout rate must be in [0, 1], got {rate}')
+    _check_merge_order(merges)
     self.rate = float(rate)
+    special = set(special)
     size = max(vocab.values()) + 1
     pieces = [''] * size
     for piece, token in vocab.items():
@@ -74,7 +86,7 @@ class BpeDropout:
     # character outside the vocabulary, cannot be.
     spelling = [[vocab.get(character, -1) for character in piece] for piece in pieces]
     self._spellable = np.array(
-      [piece not in SPECIAL_PIECES and -1 not in ids for piece, ids in zip(pieces, spelling)]
+      [piece not in special and -1 not in ids for piece, ids in zip(pieces, spelling)]
     )
     self._spelling_lengths = np.array([len(ids) for ids in spelling], np.int64)
     self._spelling_starts = np.concatenate([[0], np.cumsum(self._spelling_lengths)[:-1]])
@@ -106,7 +118,9 @@ class BpeDropout:
         f'this tokenizer pre-tokenizes with {words.get("type")}'
       )
     merges = [tuple(m.split(' ')) if isinstance(m, str) else tuple(m) for m in model['merges']]
-    return cls(model['vocab'], merges, rate)
+    added = [token['content'] for token in config.get('added_tokens') or ()]
+    special = {*SPECIAL_PIECES, *added, *([model['unk_token']] if model.get('unk_token') else [])}
+    return cls(model['vocab'], merges, rate, special)
 
   def resegment(
     self,
@@ -120,7 +134,8 @@ class BpeDropout:
     ids: [K] the sentences' ids, flat, no BOS/EOS; lengths: [N] tokens of each.
     keys: uint64 [N], what each sentence's draws are a hash of (module docstring).
     limits: [N] the most tokens each sentence may have (None: no limit); from its last word
-      back, words get their given ids again until it fits, so a sentence's given ids must.
+      back, words get their given ids again until it fits (ValueError if its given ids are
+      longer).
     """
     ids, lengths = np.asarray(ids, np.int64), np.asarray(lengths, np.int64)
     words = _Words(ids, lengths, self._starts_word)
@@ -212,6 +227,22 @@ class BpeDropout:
     return _compacted(rows, ~removed & (rows >= 0)), progressed
 
 
+def _check_merge_order(merges: Sequence[tuple[str, str]]) -> None:
+  """TokenizerError unless every merge comes after the merges that make its parts: the merge
+  rule applies a round's best pair at all its places before any pair it creates, which is
+  BPE's own order only then (a trained tokenizer's merges always are; an edited file's may not)."""
+  made_at = {}
+  for rank, (left, right) in enumerate(merges):
+    made_at.setdefault(left + right, rank)
+  for rank, (left, right) in enumerate(merges):
+    for part in (left, right):
+      if made_at.get(part, -1) > rank:
+        raise TokenizerError(
+          f'BPE merge {rank} ({left!r} + {right!r}) comes before merge {made_at[part]}, which '
+          f'makes {part!r}: BPE-dropout needs merges in the order they were learned'
+        )
+
+
 class _MergeTable:
   """Pair keys (left id * vocabulary size + right id) -> their merge's rank, looked up for a
   whole array at once: open addressing in NumPy arrays, Fibonacci-hashed (a dict would be a
@@ -288,7 +319,8 @@ class _Words:
 
 def _to_revert(words: _Words, new_lengths: np.ndarray, limits: np.ndarray) -> np.ndarray:
   """The words to give their former ids back so that each sentence fits its limit: from its
-  last word back, those that grew, until the sentence fits."""
+  last word back, those that grew, until the sentence fits (ValueError for a sentence whose
+  given ids do not fit)."""
   totals = np.bincount(words.sentence, new_lengths, words.num_sentences)
   reverted = []
   for sentence in np.flatnonzero(totals > limits):
@@ -299,6 +331,11 @@ def _to_revert(words: _Words, new_lengths: np.ndarray, limits: np.ndarray) -> np
       if new_lengths[word] > words.lengths[word]:
         reverted.append(word)
         excess -= new_lengths[word] - words.lengths[word]
+    if excess > 0:  # its given ids alone are longer than its limit
+      given = int(words.lengths[words.sentence == sentence].sum())
+      raise ValueError(
+        f'sentence {sentence} has {given} ids, more than its limit {limits[sentence]}'
+      )
   return np.array(sorted(reverted), np.int64)
 
 

@@ -241,8 +241,9 @@ class Tokenizer:
 
   def bpe_dropout(self, rate: float) -> BpeDropout:
     """This tokenizer's merges resampled at `rate` (`bpe_dropout`); TokenizerError unless
-    its model is BPE."""
-    return BpeDropout.of(self._backend, rate)
+    its model is BPE. The merges are those it encodes with (`special_tokens_as_text`: none
+    that spells a special token), so no draw makes a special id out of text."""
+    return BpeDropout.of(self._encoder, rate)
 
   def check_compatible(self, config: ModelConfig) -> None:
     """Raises ConfigError unless the model's vocabulary and special ids match this tokenizer."""

@@ -70,7 +70,7 @@ def loop_packed(corpus: EncodedCorpus, rows_of_pairs, rows: int, length: int) ->
 class LoopBatcher(Batcher):
   """`Batcher` whose batches the loops above build (a process's rows: `shard` of the whole)."""
 
-  def assemble(self, bucket, rows_of_pairs, index=0, count=1, epoch=0) -> Batch:
+  def assemble(self, bucket, rows_of_pairs, index=0, count=1, *, epoch) -> Batch:
     del epoch  # the plain segmentation: the oracle has no BPE-dropout
     build = loop_packed if self.plan.packs else loop_bucketed
     batch = build(self.corpus, rows_of_pairs, self.rows[bucket], self.length_buckets[bucket])
