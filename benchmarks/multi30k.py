@@ -29,6 +29,7 @@ compare at equal time too).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -276,6 +277,28 @@ def time_to_bleu(lines: list[dict], target: float) -> dict | None:
   return None
 
 
+def curve_sources(path: Path) -> list[tuple[str, list[dict]]]:
+  """(label, metrics lines) of each curve at `path`: a run directory's log, or each run of a
+  `compare` JSON (its validations, and a clock of the seconds per step it measured on its
+  host), so that a run whose directory is gone is still drawn beside new ones."""
+  if path.suffix != '.json':
+    return [(path.name, read_metrics(path))]
+  try:
+    runs = json.loads(path.read_text())['runs']
+  except (OSError, ValueError, KeyError) as error:
+    raise SystemExit(f'{path}: not a `compare` JSON file ({error})') from None
+  curves = []
+  for run in runs:
+    lines = [{'step': 0, 'elapsed_s': 0.0}]
+    lines.append({'step': run['steps'], 'elapsed_s': run['steps'] * run['seconds_per_step']})
+    for step, values in sorted(run['evaluations'].items(), key=lambda item: int(item[0])):
+      line = {'step': int(step), 'val_loss': values['val_loss_per_token']}
+      line.update({k: values[k] for k in ('val_bleu', 'val_bleu_tok') if k in values})
+      lines.append(line)
+    curves.append((f'{Path(run["workdir"]).name} ({path.name})', lines))
+  return curves
+
+
 def plot(args) -> None:
   """Validation loss and BLEU against training time (or steps, `--against steps`), one PNG;
   several runs on one figure."""
@@ -284,11 +307,10 @@ def plot(args) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  workdirs = [Path(w) for w in args.workdir.split(',')]
+  sources = [curve for entry in args.workdir.split(',') for curve in curve_sources(Path(entry))]
   figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
   keys = set()
-  for index, workdir in enumerate(workdirs):
-    lines = read_metrics(workdir)
+  for index, (label, lines) in enumerate(sources):
     elapsed, key, color = step_clock(lines), bleu_key(lines), f'C{index}'
     keys.add(key)
 
@@ -301,16 +323,16 @@ def plot(args) -> None:
     loss = [(minutes(m['step']), m['val_loss']) for m in lines if 'val_loss' in m]
     bleu = [(minutes(m['step']), m[key]) for m in lines if key in m]
     train = [(minutes(m['step']), m['loss']) for m in lines if 'loss' in m and 'elapsed_s' in m]
-    name = workdir.name if len(workdirs) > 1 else 'validation'
-    if len(workdirs) == 1:
+    name = label if len(sources) > 1 else 'validation'
+    if len(sources) == 1:
       left.plot(*zip(*train), color='0.7', linewidth=1, label='training (smoothed labels)')
     left.plot(*zip(*loss), marker='o', markersize=2, color=color, label=name)
     if bleu:
-      right.plot(*zip(*bleu), marker='o', markersize=2, color=color, label=workdir.name)
+      right.plot(*zip(*bleu), marker='o', markersize=2, color=color, label=label)
     if args.target is not None:
       reached = time_to_bleu(lines, args.target)
       print(
-        f'{workdir}: validation {key} >= {args.target:g} '
+        f'{label}: validation {key} >= {args.target:g} '
         + (
           f'at step {reached["step"]}, {reached["minutes"]:.0f} min of training'
           if reached and reached['minutes'] is not None
@@ -329,13 +351,14 @@ def plot(args) -> None:
   )
   if args.target is not None and right.has_data():
     right.axhline(args.target, color='0.5', linewidth=0.8, linestyle='--')
-  if len(workdirs) > 1:
+  if len(sources) > 1:
     right.legend(fontsize=8)
   for axis in (left, right):
     axis.grid(alpha=0.3)
-  figure.suptitle(args.title or f'{", ".join(w.name for w in workdirs)}: Multi30k', fontsize=10)
+  labels = ', '.join(label for label, _ in sources)
+  figure.suptitle(args.title or f'{labels}: Multi30k', fontsize=10)
   figure.tight_layout()
-  output = Path(args.output or RESULTS / f'{workdirs[0].name}.png')
+  output = Path(args.output or RESULTS / f'{Path(args.workdir.split(",")[0]).stem}.png')
   figure.savefig(output)
   print(f'wrote {output} ({os.path.getsize(output) / 1024:.0f} KB)')
 
@@ -491,7 +514,10 @@ def main() -> None:
   )
   curves = commands.add_parser('plot', help='validation loss and BLEU against training time')
   curves.add_argument(
-    '--workdir', required=True, help='run directories, comma-separated (one curve each)'
+    '--workdir',
+    required=True,
+    help='run directories, comma-separated (one curve each), or `compare` JSON files '
+    '(a curve for each run in one, its clock from the seconds per step it measured)',
   )
   curves.add_argument(
     '--target',

@@ -116,6 +116,54 @@ def test_plot_writes_a_small_png(tmp_path):
   assert output.stat().st_size < 200 * 1024
 
 
+def test_plot_draws_a_compare_files_runs_beside_a_run_directory(tmp_path, capsys):
+  """A run whose directory is gone is drawn from its `compare` JSON: its validations, on a
+  clock of the seconds per step it measured; a file that is not one is named."""
+  compare = {
+    'runs': [
+      {
+        'workdir': '/gone/anchor',
+        'steps': 720,
+        'seconds_per_step': 1.5,
+        'evaluations': {
+          '360': {'val_loss_per_token': 4.0, 'val_bleu_tok': 20.0},
+          '720': {'val_loss_per_token': 3.0, 'val_bleu_tok': 30.0},
+        },
+      }
+    ]
+  }
+  (tmp_path / 'curve.json').write_text(json.dumps(compare))
+  ((label, lines),) = multi30k.curve_sources(tmp_path / 'curve.json')
+  assert label == 'anchor (curve.json)'
+  assert multi30k.time_to_bleu(lines, 25.0) == {
+    'step': 720,
+    'minutes': 18.0,
+    'metric': 'val_bleu_tok',
+    'value': 30.0,
+  }
+  run = tmp_path / 'new'
+  run.mkdir()
+  (run / 'metrics.jsonl').write_text(
+    json.dumps({'step': 100, 'loss': 3.0, 'elapsed_s': 60.0})
+    + '\n'
+    + json.dumps({'step': 100, 'val_loss': 2.5, 'val_bleu_tok': 26.0})
+    + '\n'
+  )
+  output = tmp_path / 'both.png'
+  multi30k.plot(
+    SimpleNamespace(
+      workdir=f'{tmp_path / "curve.json"},{run}', output=str(output), title=None, target=25.0
+    )
+  )
+  printed = capsys.readouterr().out
+  assert 'anchor (curve.json): validation val_bleu_tok >= 25 at step 720, 18 min' in printed
+  assert 'new: validation val_bleu_tok >= 25 at step 100, 1 min' in printed
+  assert output.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  (tmp_path / 'other.json').write_text('{"benchmark": "step"}')
+  with pytest.raises(SystemExit, match='other.json: not a `compare` JSON file'):
+    multi30k.curve_sources(tmp_path / 'other.json')
+
+
 def test_time_to_bleu_reads_the_first_validation_at_the_target(tmp_path, capsys):
   lines = [{'step': step, 'loss': 3.0, 'elapsed_s': 1.5 * step} for step in range(50, 401, 50)]
   lines += [
