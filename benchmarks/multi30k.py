@@ -280,7 +280,9 @@ def time_to_bleu(lines: list[dict], target: float) -> dict | None:
 def curve_sources(path: Path) -> list[tuple[str, list[dict]]]:
   """(label, metrics lines) of each curve at `path`: a run directory's log, or each run of a
   `compare` JSON (its validations, and a clock of the seconds per step it measured on its
-  host), so that a run whose directory is gone is still drawn beside new ones."""
+  host), so that a run whose directory is gone is still drawn beside new ones. A compare
+  file's loss is its per-token loss without label smoothing, a log's is smoothed: `plot` says
+  so when a figure holds both (compare the run first to draw it alike)."""
   if path.suffix != '.json':
     return [(path.name, read_metrics(path))]
   try:
@@ -307,7 +309,13 @@ def plot(args) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  sources = [curve for entry in args.workdir.split(',') for curve in curve_sources(Path(entry))]
+  entries = [Path(entry) for entry in args.workdir.split(',')]
+  sources = [curve for entry in entries for curve in curve_sources(entry)]
+  if len({entry.suffix == '.json' for entry in entries}) > 1:
+    print(
+      'note: the losses differ in kind: a compare file holds the loss without label smoothing, '
+      "a run's log the smoothed one; compare the runs first to draw them alike"
+    )
   figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
   keys = set()
   for index, (label, lines) in enumerate(sources):
