@@ -110,7 +110,7 @@ def test_the_merge_rule_is_subword_nmts(toy):
   """The segmentations drawn here and by subword-nmt's `apply_bpe.encode` (the rule the
   paper's authors name) come from one distribution: over every word of the validation split
   the same mean pieces a word (`tokenizers`' own dropout, which revives skipped merges, gives
-  15% fewer on Multi30k), and for short words each segmentation equally often."""
+  14% fewer on Multi30k), and for short words each segmentation equally often."""
   data, tokenizer = toy
   rate = 0.3
   lines = data['validation']['target'][:100] + data['validation']['source'][:100]

@@ -5,8 +5,9 @@ Layer 3 (above `config`, `nn` and `tokenizer`). Modules: `corpus` (parallel text
 Hugging Face `datasets`), `batching` (`Batch`, the encoded corpus, length buckets), `plans`
 (which pairs share a row: `Bucketed`, `FirstFit`, `BestFit`), `assembly` (a batch from a plan
 entry, with array operations), `batcher` (`Batcher`: token-count batches in a few fixed
-shapes, a pure function of the step), `packing` (what packing asks of the settings),
-`toy_task` (number words, English -> German, offline).
+shapes, a pure function of the step), `resegmenting` (BPE-dropout in the training batches),
+`packing` (what packing asks of the settings), `toy_task` (number words, English -> German,
+offline).
 """
 
 from flax_transformer.data.batcher import Batcher
