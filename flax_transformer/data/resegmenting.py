@@ -21,10 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from flax_transformer.data.batching import EncodedCorpus
+from flax_transformer.data.plans import token_spans
 from flax_transformer.data.preprocessing import unwrap
 from flax_transformer.errors import TokenizerError
 from flax_transformer.tokenizer import Tokenizer
-from flax_transformer.tokenizer.bpe_dropout import BpeDropout, mix, spans
+from flax_transformer.tokenizer.bpe_dropout import BpeDropout, mix
 
 # Draws of each pair the length buckets are planned on (one of Multi30k's 29,000 costs about
 # 1.5 s), of at most this many pairs (a larger corpus: a sample, `Resegmenting._plan`).
@@ -74,10 +75,9 @@ class Resegmenting:
     (EOS included), as a corpus of their own (pair i is pairs[i])."""
     pairs = np.asarray(pairs, np.int64)
     example_ids = np.asarray(corpus.example_ids)[pairs]
-    sides = {}
+    sides, limits = {}, np.full(len(pairs), length - 1, np.int64)
     for side in _SIDES:
       ids, offsets = getattr(corpus, f'{side}_ids'), getattr(corpus, f'{side}_offsets')
-      limits = np.full(len(pairs), length - 1, np.int64)
       sides[side] = self._resampled(
         ids, offsets, pairs, self.keys(example_ids, epoch, side), limits
       )
@@ -148,7 +148,8 @@ class Resegmenting:
     ids, offsets = np.asarray(ids), np.asarray(offsets)
     starts, ends = offsets[pairs], offsets[pairs + 1]
     lengths = ends - starts - 1  # without EOS
-    words = ids[spans(starts, lengths)]
+    pair, place = token_spans(lengths)
+    words = ids[starts[pair] + place]
     new_ids, new_lengths = self.dropout.resegment(words, lengths, keys, limits)
     new_offsets = np.zeros(len(pairs) + 1, np.int64)
     np.cumsum(new_lengths + 1, out=new_offsets[1:])

@@ -160,10 +160,9 @@ class BpeDropout:
 
   def _spelt(self, ids: np.ndarray, words: _Words, chosen: np.ndarray) -> np.ndarray:
     """The `chosen` words spelt in character ids, one after another, flat."""
-    tokens = np.flatnonzero(np.isin(words.of_token, chosen))
-    return self._spelling[
-      spans(self._spelling_starts[ids[tokens]], self._spelling_lengths[ids[tokens]])
-    ]
+    tokens = ids[np.isin(words.of_token, chosen)]
+    token, place = _token_spans(self._spelling_lengths[tokens])
+    return self._spelling[self._spelling_starts[tokens][token] + place]
 
   def _merge_rounds(
     self, spelt: np.ndarray, widths: np.ndarray, keys: np.ndarray
@@ -182,8 +181,8 @@ class BpeDropout:
       active = np.flatnonzero(group_of == group)
       width = int(widths[active].max())
       rows = np.full((len(active), width), -1, np.int64)
-      row, column = np.repeat(np.arange(len(active)), widths[active]), _places(widths[active])
-      rows[row, column] = spelt[np.repeat(starts[active], widths[active]) + column]
+      row, column = _token_spans(widths[active])
+      rows[row, column] = spelt[starts[active][row] + column]
       row_keys = keys[active]
       for round_index in itertools.count():
         merged = self._merge_round(rows, row_keys, round_index) if rows.shape[1] > 1 else None
@@ -312,7 +311,8 @@ class _Words:
     old_starts = np.cumsum(self.lengths) - self.lengths
     within = np.arange(len(ids)) - old_starts[self.of_token]
     out[starts[self.of_token[kept]] + within[kept]] = ids[kept]
-    out[spans(starts[resampled], new_lengths[resampled])] = pieces
+    word, place = _token_spans(new_lengths[resampled])
+    out[starts[resampled][word] + place] = pieces
     sentence_lengths = np.bincount(self.sentence, new_lengths, self.num_sentences)
     return out.astype(np.int32), sentence_lengths.astype(np.int64)
 
@@ -361,17 +361,12 @@ def mix(x: np.ndarray) -> np.ndarray:
   return x ^ (x >> np.uint64(31))
 
 
-def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-  """Flat indices: starts[0] .. starts[0] + counts[0] - 1, then starts[1] .., flat."""
+def _token_spans(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """For sum(counts) entries: the item each belongs to and its place within it (the data
+  layer's `plans.token_spans`, which this layer, below it, cannot import)."""
   counts = np.asarray(counts, np.int64)
-  offsets = np.cumsum(counts) - counts
-  return np.repeat(np.asarray(starts, np.int64) - offsets, counts) + np.arange(int(counts.sum()))
-
-
-def _places(counts: np.ndarray) -> np.ndarray:
-  """0 .. counts[0] - 1, then 0 .. counts[1] - 1, .., flat."""
-  counts = np.asarray(counts, np.int64)
-  return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+  items = np.repeat(np.arange(len(counts)), counts)
+  return items, np.arange(int(counts.sum())) - (np.cumsum(counts) - counts)[items]
 
 
 def _compacted(rows: np.ndarray, keep: np.ndarray) -> np.ndarray:
