@@ -6,8 +6,9 @@ tokenizer, `digest()` included; the rule of a tokenizer fitting a model),
 `subword` (`Tokenizer`: our shared subword vocabulary on Hugging Face `tokenizers`,
 tokenizer.json), `word_memo` (its per-word memo: the same ids, several times faster on a
 corpus), `bpe_dropout` (`BpeDropout`: its merges resampled at a rate, each draw a hash of a
-key, so a resumed run draws the same pieces), `exported` (`ExportedTokenizer`: an export's tokenizer.json read back), `marian`
-(`MarianTokenizer`: an OPUS-MT model's sentencepiece files and vocab.json).
+key, so a resumed run draws the same pieces), `exported` (`ExportedTokenizer`: an export's
+tokenizer.json read back), `marian` (`MarianTokenizer`: an OPUS-MT model's sentencepiece
+files and vocab.json).
 
     tokenizer = load('runs/m30k')        # whichever kind the directory holds
     ids = tokenizer.encode(['A dog runs.'])

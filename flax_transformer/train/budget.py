@@ -8,9 +8,9 @@ of the state, so nothing is trained twice), weighted by each shape's share of th
 (a bucket of long rows takes longer than one of short rows at the same tokens, and each shape
 compiles once), one pass over the validation batches, one greedy decoding of the validation
 split; `steps_within` turns those into the most steps whose training, validations, BLEU
-decodings and final evaluation end inside what is left of the budget. The steps are then fixed: config.json
-records them beside the budget, and a resume with the same budget keeps them (`resumed_steps`),
-so the schedule it follows is the one it started on.
+decodings and final evaluation end inside what is left of the budget. The steps are then
+fixed: config.json records them beside the budget, and a resume with the same budget keeps
+them (`resumed_steps`), so the schedule it follows is the one it started on.
 
     costs = measure_costs(run_step, shape_steps(shapes_of_steps), run_validation, run_decoding,
                           clock=time.perf_counter)
@@ -166,7 +166,8 @@ def fit_steps(
   steps of each batch shape among the next SHAPE_WINDOW from `start`), fixes train.steps at
   the last step that fits train.time_budget (every process takes process 0's answer), checks
   what depends on it and returns the run's settings with those steps; the caller recompiles
-  the step (a schedule's end is a constant of its program). `run` and `loop` are train.loop's `TrainingRun` and `TrainingLoop`."""
+  the step (a schedule's end is a constant of its program). `run` and `loop` are train.loop's
+  `TrainingRun` and `TrainingLoop`."""
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
