@@ -80,3 +80,14 @@ def test_dense_has_flax_dense_parameters_and_outputs():
   assert jax.tree.map(jnp.shape, ours.init(jax.random.key(0), X)) == jax.tree.map(jnp.shape, params)
   np.testing.assert_allclose(ours.apply(params, X), theirs.apply(params, X), rtol=1e-6, atol=1e-6)
   assert Dense(6, dtype=jnp.bfloat16).apply(params, X).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize('kernel_axis', [0, 1])
+def test_weight_gradient_contracts_flattened_rows(kernel_axis):
+  """The kernel's gradient is one 2-D product over the flattened leading axes: contracting
+  [B, L] of 3-D operands, XLA's CPU backend first copies the activations transposed."""
+  kernel = KERNEL if kernel_axis == 0 else KERNEL.T.copy()
+  hlo = jax.jit(lambda x, k: gradients(x, k, kernel_axis)).lower(X, kernel).as_text(dialect='hlo')
+  dots = re.findall(r'= f32\[([\d,]*)\]\S* dot\(.*?lhs_contracting_dims=\{([\d,]*)\}', hlo)
+  kernel_shape = ','.join(map(str, kernel.shape))
+  assert [contracting for shape, contracting in dots if shape == kernel_shape] == ['0']
