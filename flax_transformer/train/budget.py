@@ -167,7 +167,7 @@ def fit_steps(
   the last step that fits train.time_budget (every process takes process 0's answer), checks
   what depends on it and returns the run's settings with those steps; the caller recompiles
   the step (a schedule's end is a constant of its program). `run` and `loop` are train.loop's
-  `TrainingRun` and `TrainingLoop`."""
+  `TrainingRun` and `TrainingLoop` (whose `writers` it speaks through)."""
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
@@ -176,6 +176,7 @@ def fit_steps(
   from flax_transformer.train.setup import check_average_last, check_patience
 
   config = run.train_config
+  writers = loop.writers
   scratch = jax.tree.map(lambda x: x.copy(), state)
 
   def run_step(index: int) -> None:
@@ -193,7 +194,7 @@ def fit_steps(
   final_split = next((name for name in ('test', 'validation') if name in run.dataset), None)
 
   def run_decoding() -> None:
-    split_scores(run, run.data_parallel.unreplicate(state.params), split)
+    split_scores(run, run.data_parallel.unreplicate(state.params), split, writers.directory.is_main)
 
   measure_start = clock()
   shapes = [loop.batcher.entry(start + index)[0] for index in range(SHAPE_WINDOW)]
@@ -210,7 +211,7 @@ def fit_steps(
   spent = spent_s + clock() - measure_start
   steps = steps_within(config.time_budget_s, spent, costs, config, start, finals * size)
   steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
-  run.say(
+  writers.say(
     f'time budget {config.time_budget}: {steps - start:,} steps fit, so train.steps={steps:,} '
     f'({costs.describe()}; {spent:,.0f} s spent before training)'
   )

@@ -7,10 +7,12 @@
 A run goes through four stages, each a function or a small object (`setup` prepares the
 run, `report` scores it):
 
-  1. `setup.prepare_training_run`: the run directory (writable, cleared unless resuming), the
-     parallel text (`data_config.source`, or the `dataset` given), the
-     tokenizer (WORKDIR/tokenizer.json, or trained on a bounded sample of the
-     training split, `data.tokenizer_sample`, and saved), the settings checked against WORKDIR/config.json and written;
+  1. `setup`'s stages, each a frozen value: the parallel text (`data_config.source`, or the
+     `dataset` given, `load_run_data`), where the run writes (`open_writers`: the run
+     directory, writable, cleared unless resuming, and its checkpoints), then the
+     `TrainingRun` (`prepare_training_run`: the tokenizer, WORKDIR/tokenizer.json or trained
+     on a bounded sample of the training split, `data.tokenizer_sample`, and saved; the
+     settings checked against WORKDIR/config.json, and written once the state is restored);
   2. `setup.initial_state`: the latest checkpoint in WORKDIR/checkpoints, or fresh
      parameters;
   3. `TrainingLoop.train_from`: trains to `train_config.steps` with the batch of each step
@@ -78,15 +80,21 @@ from flax_transformer.train.evaluation import describe_scores
 from flax_transformer.train.interruption import Interrupted, StopSignals
 from flax_transformer.train.metrics import ScoreRecord
 from flax_transformer.train.moving_average import write_ema
+from flax_transformer.train.parallel import DataParallel
 from flax_transformer.train.profiling import StepTrace, profile_plan
 from flax_transformer.train.report import final_scores, split_scores
 from flax_transformer.train.setup import (
   TrainingRun,
+  Writers,
   check_settings,
   encode_training_split,
   eval_batches,
   initial_state,
+  load_run_data,
+  local_devices,
+  open_writers,
   prepare_training_run,
+  speaker,
 )
 from flax_transformer.train.setup import checkpoints_kept as checkpoints_kept
 from flax_transformer.train.setup import load_data as load_data
@@ -184,22 +192,18 @@ def train(
     budgeted = train_config.time_budget is not None and resume
     saved = read_config(directory.path)[1] if budgeted and directory.has_settings() else None
     train_config = resumed_steps(saved, train_config)
+    # Setup's stages, each handing on a value: the devices, the data (read before WORKDIR
+    # is cleared), where the run writes, then the tokenizer and the settings it fixes.
+    say = speaker(directory, print_fn)
+    data_parallel = DataParallel(local_devices(devices), mode=parallel)
+    train_data = load_run_data(train_config, data_config, dataset, say)
+    writers = open_writers(directory, train_config, resume, say, allow_unverified)
     run = prepare_training_run(
-      model_config,
-      train_config,
-      data_config,
-      directory,
-      dataset,
-      devices,
-      parallel,
-      resume,
-      print_fn,
-      init_from,
-      allow_unverified,
+      model_config, train_config, data_config, train_data, data_parallel, writers, init_from
     )
     record = ScoreRecord()
-    loop = TrainingLoop(run, skip_nonfinite, record)
-    state, start = initial_state(run, loop.model, loop.optimizer, parallel)
+    loop = TrainingLoop(run, writers, skip_nonfinite, record)
+    state, start = initial_state(run, writers, loop.model, loop.optimizer, parallel)
     if train_config.time_budget is not None and saved is None:
       train_config = fit_steps(run, loop, state, start, clock() - began, average_last, clock)
       run = dataclasses.replace(run, train_config=train_config)
@@ -216,7 +220,7 @@ def train(
     try:
       state = loop.train_from(state, start)
       final_state = run.data_parallel.unreplicate(state)
-      _final_evaluation(run, loop, final_state, start, average_last)
+      _final_evaluation(run, writers, loop, final_state, start, average_last)
     finally:
       record.close()
   return TrainResult(
@@ -231,24 +235,28 @@ def train(
 class TrainingLoop:
   """Steps from the start to train.steps, with their logging, validation and checkpoints."""
 
-  def __init__(self, run: TrainingRun, skip_nonfinite: int, record: ScoreRecord):
+  def __init__(self, run: TrainingRun, writers: Writers, skip_nonfinite: int, record: ScoreRecord):
     self.run = run
+    self.writers = writers
     self.skip_nonfinite = skip_nonfinite
     self.record = record
     config = run.train_config
     self.compile_step()
     self.eval_fn = make_parallel_eval(self.model, config, run.data_parallel)
-    corpus = encode_training_split(run)
-    self.packing_plan = run.directory.packing_plan(run.checkpoints.latest_step() is not None)
+    corpus = encode_training_split(run, writers)
+    self.packing_plan = writers.directory.packing_plan(
+      writers.checkpoints.latest_step() is not None
+    )
     self.batcher = make_batcher(
       corpus, config, run.data_parallel.num_devices, self.packing_plan, run.resegmenting
     )
-    run.say(
+    writers.say(
       f'train: {self.batcher.describe()}; {corpus.num_dropped:,} pairs dropped (a side '
       f'longer than model.max_len={run.model_config.max_len} tokens with EOS)'
     )
-    self.val_batches = eval_batches(run, 'validation')
-    self.best = BestCheckpoint(run.directory.path, config) if 'validation' in run.dataset else None
+    self.val_batches = eval_batches(run, 'validation', writers.say)
+    has_validation = 'validation' in run.dataset
+    self.best = BestCheckpoint(writers.directory.path, config) if has_validation else None
 
   def compile_step(self) -> None:
     """The model, optimizer and mapped step for the run's settings."""
@@ -271,6 +279,7 @@ class TrainingLoop:
   def train_from(self, state: TrainState, start: int) -> TrainState:
     """Trains from `start`; raises Interrupted after saving when a signal asked to stop."""
     run, config = self.run, self.run.train_config
+    writers = self.writers
     # The clock carries on from the log's last line, so a resumed run's elapsed_s is the
     # whole run's training time (the time stopped in between not counted).
     logged_s = self.record.elapsed_s
@@ -280,20 +289,20 @@ class TrainingLoop:
       total=config.steps,
       desc='train' if config.time_budget is None else f'train ({config.time_budget} budget)',
       unit='step',
-      disable=not run.directory.is_main,
+      disable=not writers.directory.is_main,
       dynamic_ncols=True,
     )
     if self.best is not None and self.best.exhausted(start):
-      run.say(
+      writers.say(
         f'stopped early at step {start}: {config.patience} validations without a better '
         f'{config.best_metric} (train.patience); {self.best.describe()}'
       )
       return state
     batches = Prefetcher(self.local_batch, start, config.steps, config.prefetch)
     in_flight = collections.deque()  # the metrics of the steps dispatched, not yet waited for
-    trace = StepTrace(run.directory.profile_dir, run.say)
+    trace = StepTrace(writers.directory.profile_dir, writers.say)
     if (planned := profile_plan(config.profile_steps, start, config.steps)) is not None:
-      run.say(planned)
+      writers.say(planned)
     has_validation = 'validation' in run.dataset
     try:
       with StopSignals() as stop, batches, contextlib.closing(trace):
@@ -310,24 +319,24 @@ class TrainingLoop:
           now = due(config, done, start, stopping=stopping, has_validation=has_validation)
           if now.profile_stop:
             trace.stop(state, done)
-          run.checkpoints.check_saved()
+          writers.checkpoints.check_saved()
           if self._after_step(state, done, stopping, now, buffer, bar, run_start):
             break
           if now.profile_start:
             trace.start(state, done)
         bar.close()
         # Still under StopSignals: a signal now waits for the last save to be committed.
-        run.checkpoints.close()
+        writers.checkpoints.close()
     except Exception:
       bar.close()
       # Let the saves already under way finish: the error raised is the one to report.
       with contextlib.suppress(WriteError):
-        run.checkpoints.close()
+        writers.checkpoints.close()
       raise
     if stop.received() is not None:
       # Stopped at a step, saved. A signal after the last step, while its checkpoint was
       # written, also ends here: the evaluation is left to the next run ("already trained").
-      raise Interrupted(stop.signal_number, done, run.checkpoints.directory / str(done))
+      raise Interrupted(stop.signal_number, done, writers.checkpoints.directory / str(done))
     return state
 
   def _after_step(
@@ -347,6 +356,7 @@ class TrainingLoop:
     is then abandoned, or patience spent; whichever, step `done` is saved.
     """
     run, config = self.run, self.run.train_config
+    writers = self.writers
     # Checked before a save (which an evaluation's signal may bring): a state after too many
     # non-finite steps is not saved.
     new = buffer.fetch() if now.fetch else []
@@ -356,21 +366,26 @@ class TrainingLoop:
       if 'loss' in values:
         bar.set_postfix(loss=f'{values["loss"]:.3f}', tok_s=f'{values["tokens_per_s"]:,.0f}')
     check_finite(
-      new, done - len(new) + 1, buffer.skipped, self.skip_nonfinite, run.checkpoints, run.say
+      new,
+      done - len(new) + 1,
+      buffer.skipped,
+      self.skip_nonfinite,
+      writers.checkpoints,
+      writers.say,
     )
     if now.validate:
       stopping = _abandoned_on_signal(lambda: self.validate(done, state.params))
     spent = lambda: not stopping and self.best is not None and self.best.exhausted(done)
     early = now.patience and config.best_metric == 'loss' and spent()
     if stopping or now.save or early:
-      run.checkpoints.save(run.data_parallel.unreplicate(state))
+      writers.checkpoints.save(run.data_parallel.unreplicate(state))
     if now.bleu and not stopping and not early:
       stopping = _abandoned_on_signal(lambda: self._validation_bleu(done, state.params))
       early = now.patience and config.best_metric == 'bleu' and spent()
       if (stopping or early) and not now.save:
-        run.checkpoints.save(run.data_parallel.unreplicate(state))
+        writers.checkpoints.save(run.data_parallel.unreplicate(state))
     if early:
-      run.say(
+      writers.say(
         f'step {done}: stopping early, {config.patience} validations without a better '
         f'{config.best_metric} (train.patience); {self.best.describe()}'
       )
@@ -379,9 +394,9 @@ class TrainingLoop:
   def _validation_bleu(self, step: int, params) -> None:
     run = self.run
     params = run.data_parallel.unreplicate(params)
-    values, report = split_scores(run, params, 'validation')
+    values, report = split_scores(run, params, 'validation', self.writers.directory.is_main)
     self.record.record(step, {f'val_{name}': value for name, value in values.items()})
-    run.say(f'step {step}: validation {describe_scores(values, report)}')
+    self.writers.say(f'step {step}: validation {describe_scores(values, report)}')
     if run.train_config.best_metric == 'bleu':
       # Tokenized BLEU: the literature's, and blind to case, which a lowercased run lacks.
       self._consider_best(step, values.get('bleu_tok', values['bleu']), params)
@@ -403,7 +418,7 @@ class TrainingLoop:
       desc='validation',
       unit='batch',
       leave=False,
-      disable=not run.directory.is_main,
+      disable=not self.writers.directory.is_main,
       dynamic_ncols=True,
     ):
       signals.check()
@@ -414,7 +429,7 @@ class TrainingLoop:
     length = (
       f', length accuracy {values["length_accuracy"]:.1%}' if 'length_accuracy' in values else ''
     )
-    run.say(
+    self.writers.say(
       f'step {step}: validation loss {values["loss"]:.3f}, ppl {values["ppl"]:.2f}, '
       f'token accuracy {values["accuracy"]:.1%}{length}'
     )
@@ -432,26 +447,31 @@ def _abandoned_on_signal(evaluate: Callable[[], None]) -> bool:
 
 
 def _final_evaluation(
-  run: TrainingRun, loop: TrainingLoop, state: TrainState, start: int, average_last: int
+  run: TrainingRun,
+  writers: Writers,
+  loop: TrainingLoop,
+  state: TrainState,
+  start: int,
+  average_last: int,
 ) -> None:
   """The final scores (after the validation loss, for a run that was trained already); a
   signal abandons them, and the next run evaluates the saved final step again."""
   steps = run.train_config.steps
   written = write_ema(
-    run.directory.path, int(state.step), state.opt_state, run.train_config.ema_decay
+    writers.directory.path, int(state.step), state.opt_state, run.train_config.ema_decay
   )
   if written is not None:
-    run.say(f'wrote {written}: the moving average of the parameters at the last step')
+    writers.say(f'wrote {written}: the moving average of the parameters at the last step')
   try:
     if start >= steps:
-      run.say(
-        f'{run.directory.path} is already trained to step {start} '
+      writers.say(
+        f'{writers.directory.path} is already trained to step {start} '
         f'(train.steps={steps}); evaluating it'
       )
       loop.validate(start, state.params, keep_best=False)  # validated when it was trained
-    final_scores(run, loop.record, state, average_last)
+    final_scores(run, writers, loop.record, state, average_last)
   except signals.Stopped as stop:
     step = max(start, steps)
     raise Interrupted(
-      stop.signal_number, step, run.checkpoints.directory / str(step), evaluating=True
+      stop.signal_number, step, writers.checkpoints.directory / str(step), evaluating=True
     ) from None

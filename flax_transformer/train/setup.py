@@ -1,17 +1,22 @@
-"""A training run's setup: everything `loop.train` does before the first step.
+"""A training run's setup: everything `loop.train` does before the first step, as stages
+that each hand on a frozen value.
 
 - `check_settings`: settings that are each valid but cannot make a run together,
   refused before any data is loaded (`checkpoints_kept`: how many checkpoints a run
   leaves, for --average-last);
-- `prepare_training_run`: the run directory (writable, cleared unless resuming), the
-  parallel text (`data_config.source`, or the `dataset` given; `load_data` reads the
-  former for other programs), the tokenizer (WORKDIR/tokenizer.json, or trained on a
-  bounded sample of the training split and saved), the settings checked against
-  WORKDIR/config.json; it returns the `TrainingRun` the stages share;
+- `local_devices`: the devices asked for (`DataParallel` over them);
+- `load_run_data`: the parallel text (`data_config.source`, or the `dataset` given;
+  `load_data` reads the former for other programs), before anything is written;
+- `open_writers`: the run directory (writable, cleared unless resuming) and its
+  checkpoints, with process 0's messages (`speaker`): the `Writers`, which know nothing
+  of the model;
+- `prepare_training_run`: the tokenizer (WORKDIR/tokenizer.json, or trained on a bounded
+  sample of the training split and saved), the model settings with its vocabulary, checked
+  against WORKDIR/config.json; it returns the `TrainingRun` the stages compute with;
 - `encode_training_split` and `eval_batches`: the training split encoded through the cache,
   and the validation split's batches;
 - `initial_state`: the latest intact checkpoint in WORKDIR/checkpoints (damaged ones
-  set aside), or fresh parameters (--init-from's when fine-tuning).
+  set aside, `restore_latest_intact`), or fresh parameters (--init-from's when fine-tuning).
 """
 
 from __future__ import annotations
@@ -178,13 +183,23 @@ def checkpoints_kept(train_config: TrainConfig, saved: Sequence[int] = ()) -> in
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainingRun:
-  """What setup prepares and the stages share: the settings, data, devices and the run
-  directory's checkpoints. A value: a time budget's steps make a new one
-  (`dataclasses.replace`); what changes while training is the state, the scores
-  (`metrics.ScoreRecord`) and the best checkpoint (`best.BestCheckpoint`)."""
+class Writers:
+  """Where a run writes and what it says: the run directory, its checkpoints, and process 0's
+  messages (`say`; the other processes' go nowhere). Opened before the tokenizer and the
+  model exist, and independent of them; what the run computes with is the `TrainingRun`."""
 
   directory: RunDirectory
+  checkpoints: Checkpoints
+  say: Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRun:
+  """What setup prepares for the stages to compute with: the settings, data, tokenizer and
+  devices. A value: a time budget's steps make a new one (`dataclasses.replace`); where the
+  run writes is `Writers`; what changes while training is the state, the scores
+  (`metrics.ScoreRecord`) and the best checkpoint (`best.BestCheckpoint`)."""
+
   model_config: ModelConfig
   train_config: TrainConfig
   data_config: DataConfig
@@ -192,51 +207,75 @@ class TrainingRun:
   dataset: datasets.DatasetDict  # the evaluation splits: 'validation', 'test' when present
   tokenizer: Tokenizer
   data_parallel: DataParallel
-  checkpoints: Checkpoints
-  say: Callable[[str], None]
   pretrained_params: dict | None = None  # --init-from's, for a run without checkpoints
   resegmenting: Resegmenting | None = None  # data.bpe_dropout's, for the training batches
 
 
-def prepare_training_run(
-  model_config: ModelConfig,
+def speaker(directory: RunDirectory, print_fn: Callable[[str], None]) -> Callable[[str], None]:
+  """`print_fn` on process 0; elsewhere nothing (one process speaks for the run)."""
+  return print_fn if directory.is_main else (lambda message: None)
+
+
+def load_run_data(
   train_config: TrainConfig,
   data_config: DataConfig,
-  directory: RunDirectory,
   dataset: datasets.DatasetDict | None,
-  devices: int | None,
-  parallel: str,
-  resume: bool,
-  print_fn: Callable[[str], None],
-  init_from: str | Path | None = None,
-  allow_unverified: bool = False,
-) -> TrainingRun:
-  """Checks and prepares WORKDIR, loads the data and the tokenizer, records the settings."""
-  say = print_fn if directory.is_main else (lambda message: None)
-  data_parallel = DataParallel(_local_devices(devices), mode=parallel)
+  say: Callable[[str], None],
+) -> TrainingData:
+  """The parallel text (`data_config.source`, or the `dataset` given), with its validation
+  split checked against the settings that read it."""
   train_data = load_training_data(data_config, dataset)
   say(f'data: {train_data.describe()}')
   _check_validation(train_config, train_data.evaluation)
   steps = preprocessing.TextPreprocessing.of(data_config)
   if steps.active:
     say(f'text: {steps.describe()} (data.normalize_punctuation, data.lowercase, data.pretokenize)')
+  return train_data
+
+
+def open_writers(
+  directory: RunDirectory,
+  train_config: TrainConfig,
+  resume: bool,
+  say: Callable[[str], None],
+  allow_unverified: bool = False,
+) -> Writers:
+  """WORKDIR prepared (writable, cleared unless resuming) and its checkpoints opened."""
   directory.prepare(resume)
   checkpoints = Checkpoints(
     directory.path,
     keep=train_config.keep_checkpoints,
     on_unverified=say if allow_unverified else None,
   )
+  return Writers(directory=directory, checkpoints=checkpoints, say=say)
+
+
+def prepare_training_run(
+  model_config: ModelConfig,
+  train_config: TrainConfig,
+  data_config: DataConfig,
+  train_data: TrainingData,
+  data_parallel: DataParallel,
+  writers: Writers,
+  init_from: str | Path | None = None,
+) -> TrainingRun:
+  """The tokenizer (WORKDIR's, --init-from's, or trained and saved), the model settings with
+  its vocabulary, checked against WORKDIR/config.json; the `TrainingRun` the stages share."""
+  directory: RunDirectory = writers.directory
+  say = writers.say
+  has_checkpoints = writers.checkpoints.latest_step() is not None
   pretrained_params = None
-  if init_from is not None and checkpoints.latest_step() is None:
+  if init_from is not None and not has_checkpoints:
     _, pretrained_params, marian_tokenizer = load_marian(init_from)
     if directory.is_main:
       marian_tokenizer.save(directory.path)
     say(f'fine-tuning {init_from}')
+  steps = preprocessing.TextPreprocessing.of(data_config)
   tokenizer = run_tokenizer(
     directory,
     lambda: _tokenizer_texts(train_data, data_config, steps),
     data_config,
-    has_checkpoints=checkpoints.latest_step() is not None,
+    has_checkpoints=has_checkpoints,
     say=say,
   )
   # Everything the run encodes or decodes sees text through the data settings' preprocessing.
@@ -249,7 +288,6 @@ def prepare_training_run(
     raise ConfigError(f'data.bpe_dropout={data_config.bpe_dropout}: {error}') from None
   directory.check_settings(model_config, train_config, data_config)
   return TrainingRun(
-    directory=directory,
     model_config=model_config,
     train_config=train_config,
     data_config=data_config,
@@ -257,8 +295,6 @@ def prepare_training_run(
     dataset=train_data.evaluation,
     tokenizer=tokenizer,
     data_parallel=data_parallel,
-    checkpoints=checkpoints,
-    say=say,
     pretrained_params=pretrained_params,
     resegmenting=resegmenting,
   )
@@ -292,7 +328,7 @@ def _tokenizer_texts(
   return steps.prepare(sources, data_config.src_lang) + steps.prepare(targets, data_config.tgt_lang)
 
 
-def _local_devices(count: int | None) -> list[jax.Device] | None:
+def local_devices(count: int | None) -> list[jax.Device] | None:
   """The first `count` local devices; None: every device of every process."""
   if count is None:
     return None
@@ -311,31 +347,31 @@ def _local_devices(count: int | None) -> list[jax.Device] | None:
   return available[:count]
 
 
-def encode_training_split(run: TrainingRun) -> EncodedCorpus:
+def encode_training_split(run: TrainingRun, writers: Writers) -> EncodedCorpus:
   """The training split encoded, through the cache (`data.cache_dir`, else WORKDIR/encoded):
   process 0 encodes it or finds it there; the others wait, then read it."""
-  cache_dir = run.data_config.cache_dir or run.directory.encoded_dir
+  cache_dir = run.data_config.cache_dir or writers.directory.encoded_dir
   several = jax.process_count() > 1
   return run.train_data.encoded_train(
     run.tokenizer,
     run.tokenizer.digest(),
     run.model_config.max_len,
     cache_dir,
-    is_writer=run.directory.is_main,
-    progress=run.directory.is_main,
-    say=run.say,
+    is_writer=writers.directory.is_main,
+    progress=writers.directory.is_main,
+    say=writers.say,
     wait=(lambda: multihost_utils.sync_global_devices('encoded corpus ready')) if several else None,
   )
 
 
-def eval_batches(run: TrainingRun, split: str) -> list:
+def eval_batches(run: TrainingRun, split: str, say: Callable[[str], None]) -> list:
   """The split's batches in a fixed order (no shuffling), or [] when it is absent."""
   if split not in run.dataset:
-    run.say(f'no {split} split: validation loss is not computed')
+    say(f'no {split} split: validation loss is not computed')
     return []
   corpus = encode_corpus(run.dataset[split], run.tokenizer, run.model_config.max_len)
   if corpus.num_dropped:
-    run.say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the loss')
+    say(f'{split}: {corpus.num_dropped:,} pairs longer than model.max_len left out of the loss')
   batcher = Batcher(
     corpus,
     run.train_config.max_tokens,
@@ -347,7 +383,11 @@ def eval_batches(run: TrainingRun, split: str) -> list:
 
 
 def initial_state(
-  run: TrainingRun, model: Transformer, optimizer: optax.GradientTransformation, parallel: str
+  run: TrainingRun,
+  writers: Writers,
+  model: Transformer,
+  optimizer: optax.GradientTransformation,
+  parallel: str,
 ) -> tuple[TrainState, int]:
   """The replicated state to train from and its step: the latest checkpoint's, or fresh.
 
@@ -355,17 +395,17 @@ def initial_state(
   """
   seed = run.train_config.seed
   abstract_state = jax.eval_shape(lambda: create_train_state(model, optimizer, seed))
-  restored = _restore_latest_intact(run, abstract_state)
+  restored = restore_latest_intact(writers.checkpoints, abstract_state, writers.say)
   if restored is None:
     state, start = create_train_state(model, optimizer, seed), 0
     if run.pretrained_params is not None:  # Adam's moments start at zero either way
       state = state.replace(params=jax.tree.map(jnp.asarray, run.pretrained_params))
   else:
     state, start = restored
-    run.say(f'resumed from {run.checkpoints.directory / str(start)}')
+    writers.say(f'resumed from {writers.checkpoints.directory / str(start)}')
   processes = f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''
   kind = ' cmlm (non-autoregressive),' if run.model_config.kind == 'cmlm' else ''
-  run.say(
+  writers.say(
     f'model: {count_params(abstract_state.params):,} parameters,{kind} '
     f'{_how_it_computes(run)}; {run.data_parallel.num_devices} device(s)'
     f'{processes} via {parallel}; steps {start} -> {_last_step(run.train_config, start)}'
@@ -399,22 +439,24 @@ def _how_it_computes(run: TrainingRun) -> str:
   return f'{dtype}, {attention}'
 
 
-def _restore_latest_intact(run: TrainingRun, abstract_state) -> tuple[TrainState, int] | None:
+def restore_latest_intact(
+  checkpoints: Checkpoints, abstract_state, say: Callable[[str], None]
+) -> tuple[TrainState, int] | None:
   """The newest checkpoint that can be read, and its step; None when there is none.
 
   Damaged ones (files changed, missing or unreadable) are moved aside, saying so;
   a checkpoint of another model (CheckpointError) stops the run.
   """
   skipped = []
-  for step in reversed(run.checkpoints.steps()):
+  for step in reversed(checkpoints.steps()):
     try:
-      return run.checkpoints.restore(step, abstract_state), step
+      return checkpoints.restore(step, abstract_state), step
     except DamagedCheckpoint as error:
-      aside = run.checkpoints.set_aside(step)
+      aside = checkpoints.set_aside(step)
       skipped.append(step)
-      run.say(f'skipped checkpoint {step}: {error}; moved it to {aside}')
+      say(f'skipped checkpoint {step}: {error}; moved it to {aside}')
   if skipped:
-    run.say(
+    say(
       f'no intact checkpoint left (skipped {", ".join(map(str, skipped))}): training '
       'starts afresh from step 0'
     )
