@@ -61,14 +61,19 @@ def _dense_dot_bwd(kernel_axis, residuals, grad):
     (((grad.ndim - 1,), (1 - kernel_axis,)), ((), ())),
     preferred_element_type=jnp.float32,
   )
-  # d kernel = x^T grad ([X, Y]) or grad^T x ([Y, X]), summed over all leading axes. The
-  # leading axes are flattened first (a free reshape): contracting the one row axis of 2-D
-  # operands, XLA's CPU backend reads them in place, where contracting [B, L] of 3-D ones it
-  # copies the activations into a transposed [X, B*L] layout first (15-20 ms for each
-  # feed-forward's [8192, 512] hidden units in the Multi30k step, docs/training_step.md).
-  rows_x, rows_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-  pair = (rows_x, rows_grad) if kernel_axis == 0 else (rows_grad, rows_x)
-  dkernel = lax.dot_general(*pair, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  # d kernel = x^T grad ([X, Y]) or grad^T x ([Y, X]), summed over all leading axes.
+  if x.dtype == jnp.float32:
+    # In float32 the leading axes are flattened first (a free reshape): XLA's CPU backend
+    # then reads both operands in place, where contracting [B, L] of 3-D ones it first copies
+    # the activations transposed into [X, B*L] (15-20 ms for each feed-forward's [8192, 512]
+    # hidden units in the Multi30k step). In bfloat16 the flattened product runs on a slower
+    # kernel: the bfloat16 step was 1-3% slower with it (docs/training_step.md).
+    x, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+  leading = tuple(range(x.ndim - 1))
+  pair = (x, grad) if kernel_axis == 0 else (grad, x)
+  dkernel = lax.dot_general(
+    *pair, ((leading, leading), ((), ())), preferred_element_type=jnp.float32
+  )
   return dx.astype(x.dtype), dkernel.astype(kernel_dtype.dtype)
 
 
