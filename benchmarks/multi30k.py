@@ -33,6 +33,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -364,7 +365,8 @@ def plot(args) -> None:
   for axis in (left, right):
     axis.grid(alpha=0.3)
   labels = ', '.join(label for label, _ in sources)
-  figure.suptitle(args.title or f'{labels}: Multi30k', fontsize=10)
+  # Wrapped: several runs' labels are wider than the figure (the legends name each one).
+  figure.suptitle(textwrap.fill(args.title or f'{labels}: Multi30k', 120), fontsize=10)
   figure.tight_layout()
   output = Path(args.output or RESULTS / f'{Path(args.workdir.split(",")[0]).stem}.png')
   figure.savefig(output)
