@@ -67,7 +67,7 @@ def _dense_dot_bwd(kernel_axis, residuals, grad):
     # then reads both operands in place, where contracting [B, L] of 3-D ones it first copies
     # the activations transposed into [X, B*L] (15-20 ms for each feed-forward's [8192, 512]
     # hidden units in the Multi30k step). In bfloat16 the flattened product runs on a slower
-    # kernel: the bfloat16 step was 1-3% slower with it (docs/training_step.md).
+    # kernel: the bfloat16 step was 4% slower with it (docs/training_step.md).
     x, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
   leading = tuple(range(x.ndim - 1))
   pair = (x, grad) if kernel_axis == 0 else (grad, x)
