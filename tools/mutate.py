@@ -632,6 +632,14 @@ MUTANTS = [
     'base = mix(np.uint64(self.seed) + np.uint64(1))',
     'tests/test_bpe_dropout.py',
   ),
+  # --- the weight gradient read in place ---------------------------------------------------
+  m(
+    'dense_weight_gradient_contracts_3d',
+    NN + 'matmul.py',
+    'if x.dtype == jnp.float32:',
+    'if False:',
+    'tests/test_matmul.py',
+  ),
 ]
 
 
