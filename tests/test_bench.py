@@ -481,9 +481,14 @@ def test_the_matmul_bound_holds_the_models_products_and_their_flops(capsys):
   bound = step.matmul_bound(rounds=1)
   products = {product: count for product, count, _ in bound.products}
   d, f, v = TINY.d_model, TINY.d_ff, TINY.vocab_size
-  # The feed-forward's first product, forward: [B, T, D] . [D, F], once per layer.
+  # The feed-forward's first product, forward: [B, T, D] . [D, F] contracting D, once per layer
+  # (not its weight gradient [N, D]^T . [N, F], whose shapes match when N == D, as here).
   layers = TINY.num_encoder_layers + TINY.num_decoder_layers
-  forward_ff = [p for p in products if p.lhs[-1] == d and p.rhs == (d, f)]
+  forward_ff = [
+    p
+    for p in products
+    if p.lhs[-1] == d and p.rhs == (d, f) and p.dimension_numbers[0] == ((len(p.lhs) - 1,), (0,))
+  ]
   assert forward_ff and sum(products[p] for p in forward_ff) == layers
   # The output projection against the shared embedding [V, D], forward and backward.
   assert any(v in p.lhs + p.rhs for p in products)
