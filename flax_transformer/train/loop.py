@@ -284,14 +284,7 @@ class TrainingLoop:
     # whole run's training time (the time stopped in between not counted).
     logged_s = self.record.elapsed_s
     buffer, run_start, done = MetricBuffer(run.data_parallel), time.perf_counter() - logged_s, start
-    bar = tqdm(
-      initial=start,
-      total=config.steps,
-      desc='train' if config.time_budget is None else f'train ({config.time_budget} budget)',
-      unit='step',
-      disable=not writers.directory.is_main,
-      dynamic_ncols=True,
-    )
+    bar = self._progress_bar(start)
     if self.best is not None and self.best.exhausted(start):
       writers.say(
         f'stopped early at step {start}: {config.patience} validations without a better '
@@ -338,6 +331,18 @@ class TrainingLoop:
       # written, also ends here: the evaluation is left to the next run ("already trained").
       raise Interrupted(stop.signal_number, done, writers.checkpoints.directory / str(done))
     return state
+
+  def _progress_bar(self, start: int) -> tqdm:
+    """The training bar from `start` to train.steps, shown by process 0 only."""
+    config = self.run.train_config
+    return tqdm(
+      initial=start,
+      total=config.steps,
+      desc='train' if config.time_budget is None else f'train ({config.time_budget} budget)',
+      unit='step',
+      disable=not self.writers.directory.is_main,
+      dynamic_ncols=True,
+    )
 
   def _after_step(
     self,
