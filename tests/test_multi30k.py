@@ -335,6 +335,13 @@ def test_the_grid_stops_a_stage_at_its_budget_and_refuses_unknown_recipes(tmp_pa
   assert gain1[0].qkv_init_gain == pytest.approx(1.0)
   assert anchor[0].qkv_init_gain == pytest.approx(2**-0.5)
   assert gain1[0].replace(qkv_init_gain=anchor[0].qkv_init_gain) == anchor[0]
+  # The headline's seeds are one recipe: the same settings but the seed, on a schedule that ends.
+  seed1, seed2 = (
+    configs_from_args(build_parser().parse_args(multi30k_grid.RECIPES[f'wsd4k-ende-s{seed}']))
+    for seed in (1, 2)
+  )
+  assert (seed1[1].schedule, seed1[1].steps, seed1[1].seed, seed2[1].seed) == ('wsd', 4000, 1, 2)
+  assert seed2[1].replace(seed=1) == seed1[1] and seed2[0] == seed1[0]
   sys_argv = sys.argv
   try:
     sys.argv = ['multi30k_grid', '--runs', 'fairseq-ende-s1,no-such-recipe']
