@@ -1,5 +1,6 @@
 """encode_corpus and Batcher: exact rows, fixed shapes, the token budget, determinism, resumption."""
 
+import collections
 import math
 
 import datasets
@@ -267,7 +268,16 @@ def test_describe(batcher):
   line = batcher.describe()
   assert line.startswith(
     f'{len(batcher.corpus):,} pairs in {batcher.batches_per_epoch()} '
-    'batches per epoch of <= 100 tokens, shapes [B x L]: 12x8 6x16 4x24;'
+    'batches per epoch of <= 100 tokens, shapes [B x L:batches] '
+  )
+  # Each shape's batches, as the bench takes them, add up to the epoch's.
+  counts = batcher.shape_batches()
+  assert list(counts) == [(12, 8), (6, 16), (4, 24)]
+  assert sum(counts.values()) == batcher.batches_per_epoch()
+  assert ','.join(f'{b}x{n}:{k}' for (b, n), k in counts.items()) in line
+  epoch = batcher.epoch(0)
+  assert counts == collections.Counter(
+    (int(epoch[i].src.shape[0]), int(epoch[i].src.shape[1])) for i in range(len(epoch))
   )
   assert line.endswith('of target positions are padding')
 

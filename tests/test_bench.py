@@ -19,6 +19,7 @@ from flax_transformer.bench.compiled import Compilation, CompiledMemory
 from flax_transformer.bench.environment import cpu_description
 from flax_transformer.bench.flops import BatchShape, train_flops
 from flax_transformer.bench.peaks import PeakReport, datasheet_peak
+from flax_transformer.bench.shape_mix import ShapeMix
 from flax_transformer.bench.step import StepReport, TrainingStep, synthetic_batch
 from flax_transformer.bench.timing import Timing, alternating_rounds, time_rounds
 from flax_transformer.config import ModelConfig, TrainConfig
@@ -132,6 +133,11 @@ def test_batch_shape_parsing_and_token_budgets():
   # train.py's bucket rows: max_tokens // L rounded down to the devices, at least that.
   assert BatchShape.for_tokens(4096, 48, 4) == BatchShape(84, 48, 48)
   assert BatchShape.for_tokens(100, 64, 2) == BatchShape(2, 64, 64)
+  # An epoch's shapes with their batches, as train.py's log names them.
+  mix = ShapeMix.parse('1024x8:2, 128x64+64:6')
+  assert mix.shapes == (BatchShape(1024, 8, 8), BatchShape(128, 64, 64)) and mix.batches == (2, 6)
+  assert ShapeMix.parse(str(mix)) == mix and ShapeMix.parse('4x8').batches == (1,)
+  assert mix.weighted([1.0, 3.0]) == pytest.approx((2 * 1.0 + 6 * 3.0) / 8)
 
 
 def test_packed_synthetic_batch_holds_whole_pairs_with_their_segments():
@@ -263,6 +269,9 @@ def test_compare_times_every_contender_and_reports_each():
   'argv, message',
   [
     (['step', '--shape', '3x'], 'is not a batch shape'),
+    (['step', '--shape', '8x8:2,16x8:0'], 'batch counts must be positive'),
+    (['step', '--shape', '8x8:2,8x8+8:1'], 'a shape is named twice'),
+    (['step', '--shape', '8x8:two'], 'must be an integer'),
     (['step', '--preset', 'toy', '--shape', '8x100+100'], 'longer than model.max_len=64'),
     (['step', '--preset', 'toy', '--shape', '3x8', '--devices', '2'], 'devices must be between'),
     (['step', '--model.remat', 'all'], 'model.remat must be one of'),
@@ -423,9 +432,9 @@ def test_command_times_a_run_directorys_own_settings(random_run, tmp_path):
         '--workdir',
         str(random_run.run_dir),
         '--shape',
-        '2x8',
+        '2x8:3,4x16:1',
         '--rounds',
-        '1',
+        '2',
         '--warmup',
         '0',
         '--json',
@@ -434,9 +443,15 @@ def test_command_times_a_run_directorys_own_settings(random_run, tmp_path):
     )
     == 0
   )
-  row = json.loads((tmp_path / 'r.json').read_text())['reports'][0]
-  assert row['model'].startswith(f'd{model_config.d_model} ')
-  assert f'vocab {model_config.vocab_size}' in row['model']
+  first, second, mix = json.loads((tmp_path / 'r.json').read_text())['reports']
+  assert first['model'].startswith(f'd{model_config.d_model} ')
+  assert f'vocab {model_config.vocab_size}' in first['model']
+  # Each shape of the mix timed, and their mean weighted by the batches of each.
+  assert (first['shape'], second['shape'], mix['kind']) == ('2x8+8', '4x16+16', 'shape_mix')
+  medians = [first['timing']['median_s'], second['timing']['median_s']]
+  assert mix['step_s'] == pytest.approx((3 * medians[0] + medians[1]) / 4)
+  assert mix['target_positions_per_s'] == pytest.approx((3 * 16 + 64) / 4 / mix['step_s'])
+  assert (mix['shapes'], mix['batches']) == ('2x8+8:3,4x16+16:1', 4)
 
 
 def test_python_dash_m_runs_the_command():

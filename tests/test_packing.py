@@ -1,6 +1,7 @@
 """Sequence packing: the segment mask, the packing batcher, and a packed batch training exactly
 like the same pairs one per row (losses, gradients, attention, devices)."""
 
+import collections
 import functools
 
 import jax
@@ -138,6 +139,9 @@ def test_packs_several_pairs_per_row(corpus, batcher):
   rows = sum(int((b.example_ids[:, 0] >= 0).sum()) for b in batches)
   assert pairs == len(corpus) and pairs / rows > 2
   assert padding_share(batches, PAD)['target'] < 0.3
+  # The shapes an epoch's draw makes, counted as the log and the bench name them.
+  shapes = collections.Counter(tuple(int(n) for n in b.src.shape) for b in batches)
+  assert batcher.shape_batches(0) == dict(shapes) and sum(shapes.values()) == len(batches)
 
 
 def test_batch_at_is_a_pure_function_of_the_step(corpus, batcher):

@@ -412,7 +412,7 @@ def test_messy_corpus_is_filtered_and_counted(diverged):
   assert 'train: 4 pairs (train.en/train.de, 1 dropped with an empty side)' in out
   assert re.search(
     r'train: 3 pairs in 1 batches per epoch of <= 256 tokens, shapes '
-    r'\[B x L\]: 32x8; .*; 1 pairs dropped \(a side longer than '
+    r'\[B x L:batches\] 32x8:1; .*; 1 pairs dropped \(a side longer than '
     r'model.max_len=16 tokens with EOS\)',
     out,
   )

@@ -3,7 +3,8 @@ runs it, and the matmul peak they are measured against.
 
 Layer 9 (the top: it times what `train` and `decode` build, and its command reads `cli`'s
 settings). Modules: `timing` (medians and percentiles of blocking calls, alternating rounds),
-`flops` (the hand counts and XLA's), `peaks` (measured and datasheet matmul peaks),
+`flops` (the hand counts and XLA's), `shape_mix` (an epoch's batch shapes, their step weighted
+by batches), `peaks` (measured and datasheet matmul peaks),
 `compiled` (compile seconds, the persistent cache, XLA's memory account), `step`
 (`step_report`), `matmul_bound` (the step's products timed alone), `breakdown` (its
 operations by time, profiled), `decoding` (`decode_report`), `comparison` (`compare`: several settings in alternating
@@ -49,6 +50,8 @@ _EXPORTS = {
   'measure_peak': 'peaks',
   'MatmulBound': 'matmul_bound',
   'matmul_bound': 'matmul_bound',
+  'MixReport': 'shape_mix',
+  'ShapeMix': 'shape_mix',
   'StepReport': 'step',
   'TrainingStep': 'step',
   'step_report': 'step',

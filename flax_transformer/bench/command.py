@@ -20,6 +20,7 @@ import argparse
 import itertools
 from pathlib import Path
 
+from flax_transformer.bench.shape_mix import shape_argument
 from flax_transformer.bench.writers import PROGRAM, output_problems, plot, write_outputs
 from flax_transformer.cli import compilation_cache
 from flax_transformer.cli.failures import REFUSED, Failure, add_debug_option, run_program
@@ -58,15 +59,6 @@ def positive_int(text: str) -> int:
   if value < 1:
     raise argparse.ArgumentTypeError(f'{text!r}: expected a positive integer')
   return value
-
-
-def shape_argument(text: str):
-  from flax_transformer.bench.flops import BatchShape
-
-  try:
-    return BatchShape.parse(text)
-  except ValueError as error:
-    raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def peak_argument(text: str):
@@ -177,7 +169,9 @@ def _add_step_options(sub: argparse.ArgumentParser) -> None:
     '--shape',
     type=shape_argument,
     help='rows x source + target positions, e.g. 64x32+32 (default: '
-    'train.max_tokens at length 64, or at train.packing)',
+    'train.max_tokens at length 64, or at train.packing); or several with their batches, as '
+    "train.py's log names an epoch's (1024x8:2,512x16:13): each timed, and their mean weighted "
+    'by batches',
   )
 
 
@@ -363,11 +357,16 @@ def _steps(parser, args, model_config, train_config) -> int:
     print(
       reports_table(
         {
-          f'{r.shape.batch} {r.attention_kernel} {r.remat} {r.dtype} chunk {r.loss_chunk}': r
+          f'{r.shape} {r.attention_kernel} {r.remat} {r.dtype} chunk {r.loss_chunk}': r
           for r in reports
         }
       )
     )
+  if args.command == 'step' and len(reports) > 1:
+    from flax_transformer.bench.shape_mix import MixReport
+
+    reports.append(MixReport(args.shape, list(reports)))
+    print(reports[-1].table())
   write_outputs(reports, args)
   if args.command == 'sweep' and args.plot:
     plot(
@@ -426,7 +425,8 @@ def _cells(parser, args, model_config, train_config) -> dict:
   from flax_transformer.bench.step import check_step
 
   if args.command == 'step':
-    grid = {'step': (model_config, train_config, args.shape)}
+    shapes = args.shape.shapes if args.shape else (None,)
+    grid = {f'step {s or ""}'.strip(): (model_config, train_config, s) for s in shapes}
   else:
     if args.length < 1:
       parser.error(f'--length must be positive, got {args.length}')

@@ -28,6 +28,7 @@ so a resumed run needs only its step to continue with identical batches. With
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 
@@ -177,9 +178,24 @@ class Batcher:
     self._cached_plan = (epoch_index, plan)
     return plan
 
+  def shape_batches(self, epoch_index: int = 0) -> dict[tuple[int, int], int]:
+    """{(B, L): batches of that shape in epoch `epoch_index`}, shortest rows first: what an
+    epoch's step costs on average (`flax-transformer-bench step --shape 1024x8:3,...`)."""
+    if self.plan.packs:
+      counts = collections.Counter(bucket for bucket, _ in self.plan_of(epoch_index))
+    else:
+      counts = {b: math.ceil(len(m) / self.rows[b]) for b, m in enumerate(self._members)}
+    return {
+      (self.rows[b], self.length_buckets[b]): counts[b]
+      for b in range(len(self.length_buckets))
+      if counts.get(b)
+    }
+
   def describe(self) -> str:
-    """One line for logs: batches (and rows) per epoch, shapes, and how much is padding."""
-    shapes = ' '.join(f'{rows}x{length}' for rows, length in self.shapes)
+    """One line for logs: batches (and rows) per epoch, shapes and the batches of each (as
+    `flax-transformer-bench step --shape` takes them), and how much is padding."""
+    shapes = ','.join(f'{b}x{length}:{n}' for (b, length), n in self.shape_batches().items())
+    shapes = f'shapes [B x L:batches] {shapes}'
     target_tokens = int(self._tgt_lengths.sum())
     if not self.plan.packs:
       batches = self.batches_per_epoch()
@@ -194,14 +210,14 @@ class Batcher:
         )
       return (
         f'{len(self.corpus):,} pairs in {batches:,} batches per epoch '
-        f'of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; {padding}'
+        f'of <= {self.max_tokens:,} tokens, {shapes}; {padding}'
       )
     plan = self.plan_of(0)
     positions = sum(self.rows[bucket] * self.length_buckets[bucket] for bucket, _ in plan)
     pairs_per_row = len(self.corpus) / sum(len(rows) for _, rows in plan)
     return (
       f'{len(self.corpus):,} pairs packed {pairs_per_row:.2f} per row in {len(plan):,} '
-      f'batches (epoch 0) of <= {self.max_tokens:,} tokens, shapes [B x L]: {shapes}; '
+      f'batches (epoch 0) of <= {self.max_tokens:,} tokens, {shapes}; '
       f'{1 - target_tokens / positions:.1%} of target positions are padding'
     )
 
