@@ -80,6 +80,13 @@ RECIPES = {
   'wsd4k-ende-s2': [*WSD_4K, '--train.seed', '2'],
   'wsd4k-ende-s3': [*WSD_4K, '--train.seed', '3'],
   'wsd4k-deen-s1': [*WSD_4K, *DE_EN],
+  # The same on raw cased text (what a user reads; scored by cased sacreBLEU): the candidate
+  # for the default `multi30k` preset.
+  'wsd4k-cased-ende-s1': [
+    *WSD_4K,
+    *('--data.normalize_punctuation', 'false', '--data.lowercase', 'false'),
+    *('--data.pretokenize', 'none'),
+  ],
   'anchor4k-ende-s1': ['--preset', 'multi30k_fairseq', '--steps', '4000'],
 }
 EVALUATE = [
