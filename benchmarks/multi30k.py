@@ -214,7 +214,7 @@ def evaluate(args) -> dict:
         print(
           f'{weights:>16s} {search_name:>11s} {split:>10s}: BLEU {row["bleu"]:5.2f}  '
           f'lowercased {row["bleu_lc"]:5.2f}  tokenized {row["bleu_tok"]:5.2f}  '
-          f'chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
+          f'ratio {row["length_ratio"]:.3f}  chrF {row["chrf"]:5.2f}  ({seconds:.0f} s)',
           flush=True,
         )
   validation = [r for r in rows if r['split'] == 'validation']

@@ -77,6 +77,11 @@ def test_tokenized_bleu_matches_a_hand_count_on_moses_tokens():
   assert values['bleu_tok'] == pytest.approx(expected, rel=1e-6)
   assert values['bleu'] < values['bleu_lc'] <= values['bleu_tok'] + 1e-9
   assert 'bleu_tok' not in corpus_scores(hypotheses, references)[0]
+  # The output's length against the reference's, in the same tokens: 'ein mann .' is 3 of 6.
+  assert values['length_ratio'] == pytest.approx(1.0)
+  short, _ = corpus_scores(['Ein Mann.'], references, 'de')
+  assert short['length_ratio'] == pytest.approx(3 / 6)
+  assert 'length_ratio' not in corpus_scores(hypotheses, references)[0]
 
 
 def test_tokenized_reference_length_of_test_2016_is_the_published_one(multi30k_dir):

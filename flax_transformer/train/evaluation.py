@@ -82,9 +82,10 @@ def translation_scores(
 def corpus_scores(
   hypotheses: Sequence[str], references: Sequence[str], lang: str | None = None
 ) -> tuple[dict[str, float], str]:
-  """({'bleu', 'bleu_lc', 'chrf', 'exact_match'} and 'bleu_tok' when `lang` is given, the
-  signatures in one line): sacreBLEU cased and lowercased (13a) and chrF on the text as
-  given, and `tokenized_bleu` in the target language `lang`."""
+  """({'bleu', 'bleu_lc', 'chrf', 'exact_match'}, and 'bleu_tok' and 'length_ratio' when
+  `lang` is given, the signatures in one line): sacreBLEU cased and lowercased (13a) and chrF
+  on the text as given, and `tokenized_bleu` in the target language `lang` with its tokens
+  of output per reference token (fairseq's "ratio": below 1, BLEU's brevity penalty applies)."""
   bleu, bleu_lc, chrf = sacrebleu_metrics()
   values = {
     'bleu': bleu.corpus_score(hypotheses, [references]).score,
@@ -99,6 +100,7 @@ def corpus_scores(
   if lang is not None:
     score, tokenized_signature = tokenized_bleu(hypotheses, references, lang)
     values['bleu_tok'] = score.score
+    values['length_ratio'] = score.sys_len / score.ref_len
     signature += f', tokenized BLEU {tokenized_signature}'
   return values, signature
 
