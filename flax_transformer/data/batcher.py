@@ -155,7 +155,7 @@ class Batcher:
     """Batches in every epoch of an unpacked plan (a packed epoch's count: `len(epoch(e))`)."""
     if self.plan.packs:
       raise DataError('a packed epoch has as many batches as its draw makes: len(epoch(e))')
-    return sum(math.ceil(len(m) / rows) for m, rows in zip(self._members, self.rows))
+    return sum(self.shape_batches().values())
 
   def plan_of(self, epoch_index: int) -> list[PlanEntry]:
     """[(bucket, rows)] per batch of the epoch; the last epoch's plan is memoised."""
@@ -199,10 +199,7 @@ class Batcher:
     target_tokens = int(self._tgt_lengths.sum())
     if not self.plan.packs:
       batches = self.batches_per_epoch()
-      positions = sum(
-        math.ceil(len(members) / rows) * rows * length
-        for members, rows, length in zip(self._members, self.rows, self.length_buckets)
-      )
+      positions = sum(n * rows * length for (rows, length), n in self.shape_batches().items())
       padding = f'{1 - target_tokens / positions:.1%} of target positions are padding'
       if self.resegmenting is not None:
         padding += ' before resampling; ' + self.resegmenting.describe(
