@@ -1,10 +1,10 @@
 """docs/results.md: its numbers come from the results files under benchmarks/results/ (README.md quotes its headline numbers).
 
 README cites only the write-ups (docs/multi30k.md, docs/benchmarks.md, ...); the mapping below names, for each row of
-its "## Results" tables (the Multi30k BLEU/chrF table and the speed table), the results file(s) and record(s) the
+its "## Results" tables (the Multi30k BLEU/chrF table, the tokenized-BLEU table and the speed table), the results file(s) and record(s) the
 row's numbers come from. A number shown "a" must be what every value it stands for rounds to at the decimals shown;
 a range "a–b" (two runs, or both dtypes) must be the min and the max of the values it covers, rounded the same way.
-Cells holding "x / y" are checked part by part. Derived numbers (a percentage of a fraction) are derived here from
+Cells holding "x / y" or "mean ± sd" are checked part by part. Derived numbers (a percentage of a fraction) are derived here from
 the file. Pure text and JSON reading.
 """
 
@@ -21,7 +21,7 @@ RESULTS = ROOT / 'benchmarks' / 'results'
 # The tables live in docs/results.md; README.md states their headline numbers and links there.
 README = ROOT / 'docs' / 'results.md'
 
-NUMBER = re.compile(r'\d[\d,]*(?:\.\d+)?')
+NUMBER = re.compile(r'\d+(?:,\d{3})*(?:\.\d+)?')  # 4,451 and 40.58; not the comma after "last 10,"
 
 
 def _load(name: str) -> dict:
@@ -33,7 +33,8 @@ def _load(name: str) -> dict:
 
 
 def results_tables(text: str) -> dict[str, dict[str, list[str]]]:
-  """The tables of README's "## Results" section, keyed "bleu" and "speed": row label -> the other cells."""
+  """The tables of README's "## Results" section, keyed "bleu", "tokenized" and "speed": row label -> the other
+  cells."""
   section = text.split('\n## Results\n', 1)[1].split('\n## ', 1)[0]
   tables, current = [], []
   for line in section.splitlines() + ['']:
@@ -45,7 +46,15 @@ def results_tables(text: str) -> dict[str, dict[str, list[str]]]:
   out = {}
   for table in tables:
     header = table[0]
-    kind = 'bleu' if 'BLEU' in header else 'speed' if 'ours / peer' in header else None
+    kind = (
+      'tokenized'
+      if 'tokenized BLEU' in header
+      else 'bleu'
+      if 'BLEU' in header
+      else 'speed'
+      if 'ours / peer' in header
+      else None
+    )
     assert kind is not None, f'a table in ## Results this test does not know: {header}'
     rows = {}
     for line in table[2:]:
@@ -91,7 +100,7 @@ def check_row(cells: list[str], spec: dict[int, list[list[float]] | str]) -> lis
       if cell != spec[i]:
         problems.append(f"cell {i} {cell!r}: the file's record is {spec[i]!r}")
       continue
-    parts = [p.strip() for p in cell.replace('**', '').split(' / ')]
+    parts = [p.strip() for p in re.split(' / | ± ', cell.replace('**', ''))]
     if len(parts) != len(spec[i]):
       problems.append(f'cell {i} {cell!r}: {len(parts)} parts, the mapping has {len(spec[i])}')
       continue
@@ -147,6 +156,50 @@ def bleu_spec(label: str) -> dict[int, list[list[float]] | str]:
     1: [[record['bleu']]],
     2: [[record['bleu_lc']]],
     3: [[record['chrf']]],
+  }
+
+
+# The tokenized-BLEU table (the literature's metric): one run's evaluation (its variant chosen on validation) or a
+# seeds summary of `benchmarks.multi30k_grid`; columns updates | weights, search | validation | test_2016.
+SEARCH_SHOWN = {'beam5-a1-fairseq': "beam 5, fairseq's alpha 1"}
+TOKENIZED_ROWS = {
+  "the anchor's schedule (inverse square root), one seed": 'multi30k_fairseq_dff512_4451.json',
+  'wsd at peak 0.0025, a 100-minute budget, one seed': 'multi30k_budget100m.json',
+  'wsd at peak 0.0025, two seeds (mean ± sd)': ('multi30k_s4000/seeds.json', 'wsd4k-ende'),
+}
+
+
+def chosen_shown(weights: str, search: str) -> str:
+  return f'{WEIGHTS_SHOWN[weights]}, {SEARCH_SHOWN[search]}'
+
+
+def tokenized_spec(label: str) -> dict[int, list[list[float]] | str]:
+  source = TOKENIZED_ROWS[label]
+  if isinstance(source, tuple):  # a seeds summary: mean and spread over the recipe's seeds
+    name, recipe = source
+    summary = _load(name)[recipe]
+    (chosen,) = set(
+      summary['chosen']
+    )  # every seed chose the same variant, or the row would say which
+    return {
+      0: [summary['steps']],
+      1: chosen_shown(*chosen.split(' ')),
+      2: [[summary['validation']['bleu_tok']['mean']], [summary['validation']['bleu_tok']['std']]],
+      3: [[summary['test']['bleu_tok']['mean']], [summary['test']['bleu_tok']['std']]],
+    }
+  result = _load(source)
+  selected = result['selected']
+  assert selected['by'] == 'bleu_tok', (source, selected)
+  chosen = {
+    r['split']: r['bleu_tok']
+    for r in result['rows']
+    if r['weights'] == selected['weights'] and r['search'] == selected['search']
+  }
+  return {
+    0: [[result['steps']]],
+    1: chosen_shown(selected['weights'], selected['search']),
+    2: [[chosen['validation']]],
+    3: [[chosen['test']]],
   }
 
 
@@ -260,6 +313,7 @@ SPEED_ROWS = {
 def specs() -> dict[str, dict[str, dict[int, list[list[float]]]]]:
   return {
     'bleu': {label: bleu_spec(label) for label in BLEU_ROWS},
+    'tokenized': {label: tokenized_spec(label) for label in TOKENIZED_ROWS},
     'speed': {label: make() for label, make in SPEED_ROWS.items()},
   }
 
@@ -278,9 +332,12 @@ def all_specs():
   return specs()
 
 
-@pytest.mark.parametrize('kind', ['bleu', 'speed'])
+MAPPINGS = {'bleu': BLEU_ROWS, 'tokenized': TOKENIZED_ROWS, 'speed': SPEED_ROWS}
+
+
+@pytest.mark.parametrize('kind', list(MAPPINGS))
 def test_every_row_is_mapped(tables, kind):
-  mapping = BLEU_ROWS if kind == 'bleu' else SPEED_ROWS
+  mapping = MAPPINGS[kind]
   assert set(tables[kind]) == set(mapping), (
     f'README rows without a results file: {sorted(set(tables[kind]) - set(mapping))}; '
     f'mapped rows README no longer has: {sorted(set(mapping) - set(tables[kind]))}'
@@ -290,6 +347,11 @@ def test_every_row_is_mapped(tables, kind):
 @pytest.mark.parametrize('label', list(BLEU_ROWS))
 def test_bleu_row_matches_its_file(tables, all_specs, label):
   assert check_row(tables['bleu'][label], all_specs['bleu'][label]) == []
+
+
+@pytest.mark.parametrize('label', list(TOKENIZED_ROWS))
+def test_tokenized_row_matches_its_file(tables, all_specs, label):
+  assert check_row(tables['tokenized'][label], all_specs['tokenized'][label]) == []
 
 
 @pytest.mark.parametrize('label', list(SPEED_ROWS))
@@ -315,7 +377,7 @@ def test_the_peer_is_the_fastest_peer():
 
 
 def _mutations(text: str):
-  """For each number in a cell of the two tables: README's text with that number's last digit changed."""
+  """For each number in a cell of the tables: README's text with that number's last digit changed."""
   tables = results_tables(text)
   lines = text.splitlines(keepends=True)
   for kind, rows in tables.items():
@@ -340,7 +402,7 @@ def _mutations(text: str):
 
 
 def test_an_edited_number_fails(all_specs):
-  """Negative check: change the last digit of any number of either table and its row no longer matches its file."""
+  """Negative check: change the last digit of any number of any table and its row no longer matches its file."""
   text = README.read_text()
   count = 0
   for kind, label, i, number, changed, edited in _mutations(text):
@@ -349,4 +411,4 @@ def test_an_edited_number_fails(all_specs):
     problems = check_row(cells, all_specs[kind][label])
     assert problems, f'{kind} row {label!r}: {number} -> {changed} went unnoticed'
     count += 1
-  assert count >= 50, count  # every number of both tables was tried
+  assert count >= 50, count  # every number of every table was tried
