@@ -160,12 +160,16 @@ def bleu_spec(label: str) -> dict[int, list[list[float]] | str]:
 
 
 # The tokenized-BLEU table (the literature's metric): one run's evaluation (its variant chosen on validation) or a
-# seeds summary of `benchmarks.multi30k_grid`; columns updates | weights, search | validation | test_2016.
+# seeds summary of `benchmarks.multi30k_grid` (with each seed's evaluation, for its training time); columns updates |
+# training minutes | weights, search | validation | test_2016. The row says its host.
 SEARCH_SHOWN = {'beam5-a1-fairseq': "beam 5, fairseq's alpha 1"}
 TOKENIZED_ROWS = {
-  "the anchor's schedule (inverse square root), one seed": 'multi30k_fairseq_dff512_4451.json',
-  'wsd at peak 0.0025, a 100-minute budget, one seed': 'multi30k_budget100m.json',
-  'wsd at peak 0.0025, two seeds (mean ± sd)': ('multi30k_s4000/seeds.json', 'wsd4k-ende'),
+  "the anchor's schedule (inverse square root), one seed, AMD Zen 5": 'multi30k_fairseq_dff512_4451.json',
+  'wsd at peak 0.0025, a 100-minute budget, one seed, AMD Zen 4': 'multi30k_budget100m.json',
+  'wsd at peak 0.0025, two seeds (mean ± sd), AMD Zen 4': (
+    'multi30k_s4000/seeds.json',
+    'wsd4k-ende',
+  ),
 }
 
 
@@ -181,11 +185,13 @@ def tokenized_spec(label: str) -> dict[int, list[list[float]] | str]:
     (chosen,) = set(
       summary['chosen']
     )  # every seed chose the same variant, or the row would say which
+    seeds = [_load(f'{Path(name).parent}/{run}.json') for run in summary['runs']]
     return {
       0: [summary['steps']],
-      1: chosen_shown(*chosen.split(' ')),
-      2: [[summary['validation']['bleu_tok']['mean']], [summary['validation']['bleu_tok']['std']]],
-      3: [[summary['test']['bleu_tok']['mean']], [summary['test']['bleu_tok']['std']]],
+      1: [[seed['train_seconds'] / 60 for seed in seeds]],
+      2: chosen_shown(*chosen.split(' ')),
+      3: [[summary['validation']['bleu_tok']['mean']], [summary['validation']['bleu_tok']['std']]],
+      4: [[summary['test']['bleu_tok']['mean']], [summary['test']['bleu_tok']['std']]],
     }
   result = _load(source)
   selected = result['selected']
@@ -197,9 +203,10 @@ def tokenized_spec(label: str) -> dict[int, list[list[float]] | str]:
   }
   return {
     0: [[result['steps']]],
-    1: chosen_shown(selected['weights'], selected['search']),
-    2: [[chosen['validation']]],
-    3: [[chosen['test']]],
+    1: [[result['train_seconds'] / 60]],
+    2: chosen_shown(selected['weights'], selected['search']),
+    3: [[chosen['validation']]],
+    4: [[chosen['test']]],
   }
 
 
