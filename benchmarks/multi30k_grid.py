@@ -49,6 +49,7 @@ WSD_4K = [
   *('--train.schedule', 'wsd', '--train.warmup_steps', '400', '--train.peak_lr', '0.0025'),
   *('--train.ema_decay', '0.995', '--train.patience', '0'),
   *('--train.checkpoint_every', '100', '--train.eval_every', '100', '--train.bleu_every', '500'),
+  *('--model.loss_chunk', '1024'),  # the same loss, fused: as the runs were made
 ]
 RECIPES = {
   'fairseq-ende-s1': ['--preset', 'multi30k_fairseq'],
