@@ -119,6 +119,11 @@ def check_row(cells: list[str], spec: dict[int, list[list[float]] | str]) -> lis
 BLEU_ROWS = {
   'En→De, greedy': ('multi30k_ende_d128.json', 'average-last10', 'greedy'),
   'En→De, beam 4, alpha 1.5': ('multi30k_ende_d128.json', 'average-last10', 'beam4-a1.5'),
+  'En→De, the wsd recipe at 4,000 updates on raw cased text (one seed, not adopted), beam 4, alpha 1.5': (
+    'multi30k_s4000/wsd4k-cased-ende-s1.json',
+    'last',
+    'beam4-a1.5',
+  ),
   'De→En (first preset), greedy': ('multi30k_deen.json', 'average-last5', 'greedy'),
   'De→En (first preset), beam 4, alpha 1.0': ('multi30k_deen.json', 'average-last5', 'beam4-a1'),
   'En→De cmlm (first preset, distilled data), mask-predict, 1 iteration, 1 length': (
