@@ -342,6 +342,10 @@ def test_the_grid_stops_a_stage_at_its_budget_and_refuses_unknown_recipes(tmp_pa
   )
   assert (seed1[1].schedule, seed1[1].steps, seed1[1].seed, seed2[1].seed) == ('wsd', 4000, 1, 2)
   assert seed2[1].replace(seed=1) == seed1[1] and seed2[0] == seed1[0]
+  # The linear recipe is the headline's but for the schedule.
+  linear = configs_from_args(build_parser().parse_args(multi30k_grid.RECIPES['linear4k-ende-s1']))
+  assert linear[1].schedule == 'linear' and linear[1].replace(schedule='wsd') == seed1[1]
+  assert linear[0] == seed1[0] and linear[2] == seed1[2]
   cased = configs_from_args(build_parser().parse_args(multi30k_grid.RECIPES['wsd4k-cased-ende-s1']))
   assert cased[:2] == seed1[:2] and not (cased[2].lowercase or seed1[2].pretokenize == 'none')
   assert (
