@@ -13,6 +13,7 @@ from flax import traverse_util
 
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig, parse_overrides
 from flax_transformer.data.batching import Batch
+from flax_transformer.nn.backend import AUTO_FUSED_LOSS_BYTES, AUTO_LOSS_CHUNK, resolve_loss_chunk
 from flax_transformer.nn.model import Transformer
 from flax_transformer.train import (
   DataParallel,
@@ -244,6 +245,13 @@ def test_parse_overrides_by_annotation():
     parse_overrides(CONFIG, 'model', {'activation': 'tanh'})
   with pytest.raises(ConfigError, match='unknown option train.stpes'):
     parse_overrides(TrainConfig(), 'train', {'stpes': '1'})
+  # A number's setting that also takes a name: model.loss_chunk, a count of tokens or auto.
+  assert parse_overrides(CONFIG, 'model', {'loss_chunk': '256'}).loss_chunk == 256
+  assert parse_overrides(CONFIG, 'model', {'loss_chunk': 'auto'}).loss_chunk == 'auto'
+  with pytest.raises(ConfigError, match="model.loss_chunk must be an integer or auto, got 'fast'"):
+    parse_overrides(CONFIG, 'model', {'loss_chunk': 'fast'})
+  with pytest.raises(ConfigError, match='model.loss_chunk must be a non-negative integer or auto'):
+    parse_overrides(CONFIG, 'model', {'loss_chunk': '-1'})
 
 
 # --- the step, on one device -----------------------------------------------------
@@ -375,6 +383,48 @@ def test_a_fused_loss_step_equals_the_plain_step(single, setup):
   want_params, got_params = (flat(single.unreplicate(s).params) for s in (want_state, got_state))
   for name in want_params:
     np.testing.assert_allclose(got_params[name], want_params[name], rtol=1e-5, atol=1e-6)
+
+
+def test_loss_chunk_auto_fuses_on_a_cpu_in_float32_once_the_logits_are_large():
+  # The Multi30k anchor's shape: vocabulary 10,000, 8,192 target tokens, float32 on a CPU.
+  config = ModelConfig.tiny(vocab_size=10_000)
+  assert config.loss_chunk == 'auto' and config.dtype == 'auto'
+  assert resolve_loss_chunk(config, 8192, 'cpu') == AUTO_LOSS_CHUNK
+  # Not on a GPU or TPU, not in bfloat16, not below the logits' size, never over a number.
+  assert resolve_loss_chunk(config, 8192, 'gpu') == resolve_loss_chunk(config, 8192, 'tpu') == 0
+  assert resolve_loss_chunk(config.replace(dtype='bfloat16'), 8192, 'cpu') == 0
+  below = AUTO_FUSED_LOSS_BYTES // (4 * config.vocab_size)  # the most tokens whose logits are under
+  assert resolve_loss_chunk(config, below, 'cpu') == 0
+  assert resolve_loss_chunk(config, below + 1, 'cpu') == AUTO_LOSS_CHUNK
+  assert resolve_loss_chunk(config.replace(loss_chunk=256), 8192, 'gpu') == 256
+  assert resolve_loss_chunk(config.replace(loss_chunk=0), 8192, 'cpu') == 0
+  # One chunk's worth of tokens gains nothing from a loop of one.
+  wide = config.replace(vocab_size=10**6)
+  assert resolve_loss_chunk(wide, AUTO_LOSS_CHUNK, 'cpu') == 0
+
+
+def test_the_step_fuses_its_loss_over_the_chunk_auto_resolves_to(monkeypatch, single, setup):
+  """train_step asks `resolve_loss_chunk` with its batch's tokens, and fuses over what it says."""
+  from flax_transformer.nn import backend
+  from flax_transformer.train import step as step_module
+
+  chunks = []
+
+  def recording(*args):
+    chunks.append(args[-1])
+    return fused_loss_sums(*args)
+
+  monkeypatch.setattr(step_module, 'fused_loss_sums', recording)
+  _, optimizer, _, initial = setup
+  batch = single.shard_batch(random_copy_batch(np.random.default_rng(9), ROWS, LENGTH, WORDS))
+  auto_step = make_parallel_step(Transformer(CONFIG), optimizer, TRAIN_CONFIG, single)
+  jax.eval_shape(auto_step, single.replicate(initial), batch)
+  assert chunks == []  # the tiny model's logits are far below the size auto fuses at
+  monkeypatch.setattr(backend, 'AUTO_FUSED_LOSS_BYTES', 1)
+  monkeypatch.setattr(backend, 'AUTO_LOSS_CHUNK', 24)
+  auto_step = make_parallel_step(Transformer(CONFIG), optimizer, TRAIN_CONFIG, single)
+  jax.eval_shape(auto_step, single.replicate(initial), batch)
+  assert chunks == ([24] if jax.default_backend() == 'cpu' and ROWS * LENGTH > 24 else [])
 
 
 @pytest.mark.parametrize('chunk', [4, 7, 64])

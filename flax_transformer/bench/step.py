@@ -36,7 +36,7 @@ from flax_transformer.bench.peaks import PeakReport, datasheet_peak
 from flax_transformer.bench.timing import Timing, time_rounds
 from flax_transformer.config import ConfigError, ModelConfig, TrainConfig
 from flax_transformer.data.batching import Batch
-from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
+from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel, resolve_loss_chunk
 from flax_transformer.nn.build import abstract_params
 from flax_transformer.nn.model import count_params
 from flax_transformer.run.sizes import check_fits, physical_memory
@@ -151,7 +151,7 @@ class StepReport:
   memory: CompiledMemory | None
   peak_flops_per_s: float | None = None
   datasheet_flops_per_s: float | None = None
-  loss_chunk: int = 0  # model.loss_chunk: the loss fused over chunks of this many tokens
+  loss_chunk: int = 0  # model.loss_chunk resolved: the loss fused over chunks of this many tokens
   time_budget: str | None = None  # train.time_budget, for `budget_steps`
   matmul_bound: MatmulBound | None = None  # the products alone (`--matmul-bound`)
   breakdown: Breakdown | None = None  # the operations by time, profiled (`--breakdown`)
@@ -432,7 +432,9 @@ class TrainingStep:
       memory=memory_of([self.compiled]),
       datasheet_flops_per_s=datasheet_peak(kind, compute_dtype(config).name),
       time_budget=self.train_config.time_budget,
-      loss_chunk=config.loss_chunk,
+      loss_chunk=resolve_loss_chunk(
+        config, self.shape.batch * self.shape.tgt_len // self.parallel.num_devices
+      ),
       matmul_bound=bound,
       breakdown=profile,
     ).with_peak(peak)

@@ -3,7 +3,8 @@
 `ModelConfig.tiny()` (tests), `.base()` and `.big()` (the paper's Table 3) take overrides.
 `resolve_dtype` turns `dtype='auto'` into the compute dtype of a backend, and
 `resolve_attention_kernel` `attention_kernel='auto'` into the kernel it runs (einsum, xla or
-cudnn); `ModelConfig` refuses an explicit fused kernel its other settings rule out.
+cudnn), `resolve_loss_chunk` `loss_chunk='auto'` into the chunk a training step fuses its loss
+over; `ModelConfig` refuses an explicit fused kernel its other settings rule out.
 """
 
 from __future__ import annotations
@@ -180,12 +181,14 @@ class ModelConfig:
     'time. The same gradients; dropout draws other masks',
     lifetime=COMPUTATION,
   )
-  loss_chunk: int = setting(
-    0,
+  loss_chunk: int | Literal['auto'] = setting(
+    'auto',
     'training an autoregressive model: the output projection, log-softmax and label-smoothed '
     'loss fused over chunks of this many tokens, their gradient taken in the same pass '
     '(train.losses.fused_loss_sums): no [tokens, vocabulary] logits are kept, and none '
-    'recomputed; the same loss and gradients; 0: the whole batch at once',
+    'recomputed; the same loss and gradients; 0: the whole batch at once; auto: 1,024 on a '
+    "CPU computing in float32 where a batch's logits would pass 64 MiB, 0 elsewhere, "
+    'decided where the model runs',
     bounds=NONNEGATIVE_INT,
     lifetime=COMPUTATION,
   )

@@ -214,8 +214,11 @@ def check_fields(settings, section: str) -> None:
     bounds = field.metadata.get('bounds')
     if bounds is None or (value is None and type(None) in choices):
       continue
+    if isinstance(value, str) and value in _named_values(hint):
+      continue  # a number's field that also takes a name ('auto'): the name is not bounded
     if not bounds.admits(value):
-      raise ConfigError(f'{section}.{field.name} must be {bounds.describe()}, got {value!r}')
+      names = ''.join(f' or {name}' for name in _named_values(hint))
+      raise ConfigError(f'{section}.{field.name} must be {bounds.describe()}{names}, got {value!r}')
 
 
 # Names of earlier versions, old -> new, the one table every reader reads: a setting is
@@ -252,14 +255,31 @@ def parse_overrides(config, section: str, assignments: dict[str, str]):
   return dataclasses.replace(config, **values)
 
 
+def _named_values(annotation) -> tuple[str, ...]:
+  """The names a number's field also takes: ('auto',) for `int | Literal['auto']`."""
+  literals = [a for a in typing.get_args(annotation) if typing.get_origin(a) is Literal]
+  return tuple(name for literal in literals for name in typing.get_args(literal))
+
+
 def _parse_value(annotation, text: str, option: str):
-  """One command-line string -> a value of `annotation` (int, float, bool, str, Literal, X | None)."""
+  """One command-line string -> a value of `annotation` (int, float, bool, str, Literal,
+  X | None, or a number that also takes names: int | Literal['auto'])."""
   args = typing.get_args(annotation)
   if type(None) in args:
     if text.strip().lower() == 'none':
       return None
     (annotation,) = [a for a in args if a is not type(None)]
     args = typing.get_args(annotation)
+  names = _named_values(annotation) if typing.get_origin(annotation) is not Literal else ()
+  if names:
+    if text in names:
+      return text
+    (annotation,) = [a for a in args if typing.get_origin(a) is not Literal]
+    try:
+      return annotation(text)
+    except ValueError:
+      kind = {int: 'an integer', float: 'a number'}.get(annotation, annotation.__name__)
+      raise ConfigError(f'{option} must be {kind} or {" or ".join(names)}, got {text!r}') from None
   if typing.get_origin(annotation) is Literal:
     if text not in args:
       raise ConfigError(f'{option} must be one of {", ".join(map(str, args))}, got {text!r}')

@@ -4,7 +4,7 @@ Layer 1 of the package (above `config` only): nothing here reads files, data or
 checkpoints. Modules, bottom up: `masks`, `matmul`, `dropout`, `attention`,
 `layers`, `model` (the paper's Transformer), `cmlm` (the conditional masked LM),
 `build` (either model from its ModelConfig); `backend` resolves the computation settings
-(dtype, attention kernel) where the model runs.
+(dtype, attention kernel, loss chunk) where the model runs.
 """
 
 from flax_transformer.nn import masks
@@ -14,7 +14,12 @@ from flax_transformer.nn.attention import (
   banded_attention,
   scaled_dot_product_attention,
 )
-from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel, resolve_dtype
+from flax_transformer.nn.backend import (
+  compute_dtype,
+  resolve_attention_kernel,
+  resolve_dtype,
+  resolve_loss_chunk,
+)
 from flax_transformer.nn.build import abstract_params, build_model
 from flax_transformer.nn.cmlm import CMLMTransformer, mask_id, num_length_classes
 from flax_transformer.nn.layers import Decoder, Encoder, sinusoidal_positions
@@ -50,6 +55,7 @@ __all__ = [
   'num_length_classes',
   'resolve_attention_kernel',
   'resolve_dtype',
+  'resolve_loss_chunk',
   'scaled_dot_product_attention',
   'sinusoidal_positions',
 ]

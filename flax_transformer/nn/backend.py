@@ -1,9 +1,10 @@
 """The computation settings resolved where the model runs: `ModelConfig.dtype` and
-`ModelConfig.attention_kernel` say 'auto', and this module turns them into what this backend
+`ModelConfig.attention_kernel` (and `loss_chunk`) say 'auto', and this module turns them into what this backend
 computes with (the settings themselves stay backend-free, in `config`).
 
 `compute_dtype(config)` is the dtype the layers compute in; `resolve_attention_kernel(config)`
-the kernel attention runs (einsum, xla or cudnn).
+the kernel attention runs (einsum, xla or cudnn); `resolve_loss_chunk(config, tokens)` the
+chunk a training step fuses its output layer and loss over (0: the whole batch at once).
 """
 
 from __future__ import annotations
@@ -72,3 +73,32 @@ def _flash_capable_gpu() -> bool:
     return float(jax.devices()[0].compute_capability) >= 8.0
   except (AttributeError, TypeError, ValueError):
     return False
+
+
+# auto fuses the loss over chunks of this many tokens where it measured faster: a CPU computing
+# in float32 once a batch's float32 logits pass AUTO_FUSED_LOSS_BYTES (docs/training_step.md:
+# 11-13% off the Multi30k step, 40% of its memory, on a Zen 4; the [tokens, vocabulary] logits
+# are memory-bound there). A GPU streams such logits at its memory's rate, where the chunks'
+# sequential loop would only cost, and bfloat16 steps were not measured faster.
+AUTO_LOSS_CHUNK = 1024
+AUTO_FUSED_LOSS_BYTES = 64 * 2**20
+
+
+def resolve_loss_chunk(config: ModelConfig, tokens: int, backend: str | None = None) -> int:
+  """`ModelConfig.loss_chunk` as the chunk (in tokens) a training step of `tokens` target
+  tokens fuses its loss over on `backend` (default JAX's); 0 is the whole batch at once.
+
+  auto is AUTO_LOSS_CHUNK on a CPU computing in float32 when the batch's `[tokens, vocabulary]`
+  float32 logits would hold AUTO_FUSED_LOSS_BYTES or more and make more than one chunk, else 0.
+  """
+  if config.loss_chunk != 'auto':
+    return config.loss_chunk
+  backend = backend or jax.default_backend()
+  logits_bytes = tokens * config.vocab_size * 4
+  fuses = (
+    backend == 'cpu'
+    and resolve_dtype(config.dtype, backend) == 'float32'
+    and logits_bytes >= AUTO_FUSED_LOSS_BYTES
+    and tokens > AUTO_LOSS_CHUNK
+  )
+  return AUTO_LOSS_CHUNK if fuses else 0

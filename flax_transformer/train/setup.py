@@ -48,7 +48,7 @@ from flax_transformer.data.pipeline import TrainingData, load_training_data
 from flax_transformer.data.resegmenting import Resegmenting, resegmenting_of
 from flax_transformer.data.toy_task import number_translation
 from flax_transformer.errors import DamagedCheckpoint, TokenizerError
-from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel
+from flax_transformer.nn.backend import compute_dtype, resolve_attention_kernel, resolve_loss_chunk
 from flax_transformer.nn.model import Transformer, count_params
 from flax_transformer.pretrained.marian import load_marian
 from flax_transformer.run.checkpoints import Checkpoints
@@ -422,8 +422,8 @@ def _last_step(config: TrainConfig, start: int) -> str:
 
 
 def _how_it_computes(run: TrainingRun) -> str:
-  """The model line's compute dtype and attention kernel, each saying where auto decided it,
-  and which attention the kernel does not take."""
+  """The model line's compute dtype, attention kernel and fused loss, each saying where auto
+  decided it, and which attention the kernel does not take."""
   config, backend = run.model_config, jax.default_backend()
   dtype = f'{compute_dtype(config).name} compute'
   if config.dtype == 'auto':
@@ -436,7 +436,13 @@ def _how_it_computes(run: TrainingRun) -> str:
     attention += ' (self-attention: banded)'
   elif config.attention_kernel == 'auto':
     attention += f' (model.attention_kernel auto on {backend})'
-  return f'{dtype}, {attention}'
+  # A full batch's target tokens on one device: what the step's loss is fused over, if anything.
+  tokens = run.train_config.max_tokens // run.data_parallel.num_devices
+  chunk = resolve_loss_chunk(config, tokens) if config.kind == 'autoregressive' else 0
+  loss = f', the loss fused over {chunk:,}-token chunks' if chunk else ''
+  if chunk and config.loss_chunk == 'auto':
+    loss += f' (model.loss_chunk auto on {backend})'
+  return f'{dtype}, {attention}{loss}'
 
 
 def restore_latest_intact(

@@ -32,6 +32,7 @@ from jax import lax
 from flax_transformer.config import ModelConfig, TrainConfig
 from flax_transformer.data import packing
 from flax_transformer.data.batching import Batch
+from flax_transformer.nn.backend import resolve_loss_chunk
 from flax_transformer.nn.build import build_model
 from flax_transformer.nn.model import Transformer
 from flax_transformer.train import cmlm_objective, scheduled_sampling
@@ -196,7 +197,8 @@ def _autoregressive_loss_fn(
       )
 
     smoothing, pad_id = train_config.label_smoothing, config.pad_id
-    if config.loss_chunk:
+    loss_chunk = resolve_loss_chunk(config, batch.tgt_out.size)
+    if loss_chunk:
       # The projection, loss and gradient a chunk at a time (losses.fused_loss_sums).
       sums = fused_loss_sums(
         lambda p, h: model.apply({'params': p}, h, method=Transformer.logits),
@@ -205,7 +207,7 @@ def _autoregressive_loss_fn(
         batch.tgt_out,
         smoothing,
         pad_id,
-        config.loss_chunk,
+        loss_chunk,
       )
     elif config.remat == 'none':
       sums = loss_sums(forward(), batch.tgt_out, smoothing, pad_id)
