@@ -177,6 +177,9 @@ TOKENIZED_ROWS = {
     'multi30k_s4000/seeds.json',
     'wsd4k-ende',
   ),
+  'linear decay from peak 0.0025, one seed (not adopted), AMD Zen 4': (
+    'multi30k_s4000/linear4k-ende-s1.json'
+  ),
 }
 
 
