@@ -275,11 +275,6 @@ def _parse_value(annotation, text: str, option: str):
     if text in names:
       return text
     (annotation,) = [a for a in args if typing.get_origin(a) is not Literal]
-    try:
-      return annotation(text)
-    except ValueError:
-      kind = {int: 'an integer', float: 'a number'}.get(annotation, annotation.__name__)
-      raise ConfigError(f'{option} must be {kind} or {" or ".join(names)}, got {text!r}') from None
   if typing.get_origin(annotation) is Literal:
     if text not in args:
       raise ConfigError(f'{option} must be one of {", ".join(map(str, args))}, got {text!r}')
@@ -293,4 +288,5 @@ def _parse_value(annotation, text: str, option: str):
     return annotation(text)
   except ValueError:
     kind = {int: 'an integer', float: 'a number'}.get(annotation, annotation.__name__)
-    raise ConfigError(f'{option} must be {kind}, got {text!r}') from None
+    alternatives = ''.join(f' or {name}' for name in names)
+    raise ConfigError(f'{option} must be {kind}{alternatives}, got {text!r}') from None

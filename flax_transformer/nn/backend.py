@@ -1,6 +1,7 @@
-"""The computation settings resolved where the model runs: `ModelConfig.dtype` and
-`ModelConfig.attention_kernel` (and `loss_chunk`) say 'auto', and this module turns them into what this backend
-computes with (the settings themselves stay backend-free, in `config`).
+"""The computation settings resolved where the model runs: `ModelConfig.dtype`,
+`ModelConfig.attention_kernel` and `ModelConfig.loss_chunk` say 'auto', and this module turns
+them into what this backend computes with (the settings themselves stay backend-free, in
+`config`).
 
 `compute_dtype(config)` is the dtype the layers compute in; `resolve_attention_kernel(config)`
 the kernel attention runs (einsum, xla or cudnn); `resolve_loss_chunk(config, tokens)` the
